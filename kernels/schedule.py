@@ -1,0 +1,132 @@
+"""Host-side block schedule: which key range each query block visits, and back.
+
+Built from host tensors only (cu_seqlens and positions on the CPU), so it is the place where
+"skip tiles with nothing visible" is decided without a device sync. Both backends read it:
+the torch twin always builds one (its inputs live on the host), the Triton kernels use one
+when the caller passes it (the CP plan does) and otherwise bound tiles on the device.
+
+Ranges are offsets relative to the segment start, half-open ``[start, end)``. They are exact
+when positions are non-decreasing inside each segment (padding tokens aside), which every
+layout of the plan guarantees; otherwise the whole segment is visited and the per-element
+mask inside the kernel keeps the result exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .mask_math import UNBOUNDED, implicit_positions, key_interval, query_interval
+
+# Segment keys are spread this far apart so one searchsorted serves every segment at once.
+_SEGMENT_STRIDE = 1 << 42
+
+
+@dataclass(frozen=True)
+class BlockSchedule:
+    """Per-block visit ranges for one (q, k) varlen call.
+
+    kv_range: int32 [n_seg, cdiv(max_seqlen_q, block_m), 2] key offsets per query block.
+    q_range:  int32 [n_seg, cdiv(max_seqlen_k, block_n), 2] query offsets per key block.
+    visited_pairs: query-key pairs the ranges cover (computed area, for tile efficiency).
+    """
+
+    block_m: int
+    block_n: int
+    kv_range: torch.Tensor
+    q_range: torch.Tensor
+    visited_pairs: int
+
+    def to(self, device: torch.device | str) -> "BlockSchedule":
+        """Copy the tables to ``device`` without waiting on the host (non_blocking)."""
+        return BlockSchedule(self.block_m, self.block_n,
+                             self.kv_range.to(device, non_blocking=True),
+                             self.q_range.to(device, non_blocking=True), self.visited_pairs)
+
+
+def _segment_ids(cu: torch.Tensor, total: int) -> torch.Tensor:
+    lens = (cu[1:] - cu[:-1]).to(torch.int64)
+    return torch.repeat_interleave(torch.arange(lens.numel()), lens, output_size=total)
+
+
+def _block_bounds(lo, hi, seg, offset, n_blocks, block, n_seg):
+    """Min of ``lo`` and max of ``hi`` over each (segment, block) of rows."""
+    slot = seg * n_blocks + torch.div(offset, block, rounding_mode="floor")
+    blo = torch.full((n_seg * n_blocks,), UNBOUNDED, dtype=torch.int64)
+    bhi = torch.full((n_seg * n_blocks,), -UNBOUNDED, dtype=torch.int64)
+    live = lo <= hi  # rows with an empty interval (padding) do not widen the block
+    blo.scatter_reduce_(0, slot[live], lo[live], "amin")
+    bhi.scatter_reduce_(0, slot[live], hi[live], "amax")
+    return blo, bhi
+
+
+def _ranges_in(pos, seg, cu, n_seg, blo, bhi, n_blocks):
+    """Offsets [start, end) of the tokens (per segment) whose position lies in [blo, bhi]."""
+    lens = (cu[1:] - cu[:-1]).to(torch.int64)
+    starts = cu[:-1].to(torch.int64)
+    block_seg = torch.arange(n_seg).repeat_interleave(n_blocks)
+    empty = blo > bhi
+    # Padding (< 0) takes the previous valid key so the per-segment keys stay sorted.
+    key = torch.where(pos >= 0, pos, torch.full_like(pos, -1)) + seg * _SEGMENT_STRIDE
+    key = torch.cummax(key, 0).values if key.numel() else key
+    raw = pos + seg * _SEGMENT_STRIDE
+    sorted_ok = bool((raw[pos >= 0][1:] >= raw[pos >= 0][:-1]).all()) if pos.numel() else True
+    if sorted_ok:
+        lo_key = torch.clamp(blo, min=-1) + block_seg * _SEGMENT_STRIDE
+        hi_key = torch.clamp(bhi, max=UNBOUNDED) + block_seg * _SEGMENT_STRIDE
+        start = torch.searchsorted(key, lo_key) - starts[block_seg]
+        end = torch.searchsorted(key, hi_key, right=True) - starts[block_seg]
+    else:  # unsorted positions: visit the whole segment, the kernel's mask stays exact
+        start = torch.zeros_like(blo)
+        end = lens[block_seg].clone()
+    start = torch.clamp(start, min=0)
+    end = torch.minimum(torch.maximum(end, start), lens[block_seg])
+    start = torch.where(empty, 0, start)
+    end = torch.where(empty, 0, end)
+    return torch.stack([start, end], dim=-1).to(torch.int32).view(n_seg, n_blocks, 2)
+
+
+def build_block_schedule(
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, *, causal: bool, window_left: int, window_right: int,
+    chunk_size: int, q_positions: torch.Tensor | None = None,
+    k_positions: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64,
+) -> BlockSchedule:
+    """Build the schedule on the host. All tensor arguments must be CPU tensors."""
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                    ("q_positions", q_positions), ("k_positions", k_positions)):
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"build_block_schedule: {name} must be a host (CPU) tensor, "
+                             f"got device {t.device}")
+    cu_q = cu_seqlens_q.to(torch.int64)
+    cu_k = cu_seqlens_k.to(torch.int64)
+    n_seg = cu_q.numel() - 1
+    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    implicit_q, implicit_k = implicit_positions(cu_q, cu_k, total_q, total_k)
+    q_pos = implicit_q if q_positions is None else q_positions.to(torch.int64)
+    k_pos = implicit_k if k_positions is None else k_positions.to(torch.int64)
+    mask = (causal, window_left, window_right, chunk_size)
+    seg_q, seg_k = _segment_ids(cu_q, total_q), _segment_ids(cu_k, total_k)
+    off_q = torch.arange(total_q) - cu_q[seg_q]
+    off_k = torch.arange(total_k) - cu_k[seg_k]
+    nqb = -(-max(max_seqlen_q, 1) // block_m)
+    nkb = -(-max(max_seqlen_k, 1) // block_n)
+
+    lo, hi = key_interval(q_pos, *mask, negative_is_padding=q_positions is not None)
+    blo, bhi = _block_bounds(lo, hi, seg_q, off_q, nqb, block_m, n_seg)
+    kv_range = _ranges_in(k_pos, seg_k, cu_k, n_seg, blo, bhi, nqb)
+
+    qlo, qhi = query_interval(k_pos, *mask)
+    if q_positions is not None:  # padding queries (< 0) are never in range
+        qlo = torch.where(k_pos >= 0, torch.clamp(qlo, min=0), qlo)
+    blo, bhi = _block_bounds(qlo, qhi, seg_k, off_k, nkb, block_n, n_seg)
+    # Implicit query positions can be negative (Lq > Lk) without being padding: shift them
+    # and their bounds together so the padding rule (< 0) does not drop them.
+    shift = max(0, -int(q_pos.min())) if q_positions is None and total_q else 0
+    q_range = _ranges_in(q_pos + shift, seg_q, cu_q, n_seg, blo + shift, bhi + shift, nkb)
+
+    rows = torch.bincount(seg_q * nqb + torch.div(off_q, block_m, rounding_mode="floor"),
+                          minlength=n_seg * nqb)
+    spans = (kv_range[..., 1] - kv_range[..., 0]).to(torch.int64).flatten()
+    return BlockSchedule(block_m, block_n, kv_range, q_range, int((rows * spans).sum()))
