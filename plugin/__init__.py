@@ -7,6 +7,7 @@ file per CP communication strategy), ``attention`` (the public CP op and module)
 """
 
 from .masks import AttnMask
+from .plan import CPPlan
 
-__all__ = ["AttnMask"]
+__all__ = ["AttnMask", "CPPlan"]
 __version__ = "0.1.0"

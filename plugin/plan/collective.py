@@ -1,0 +1,41 @@
+"""The one collective the plan itself needs: gather every rank's local tokens (unshard).
+
+Local token counts differ between ranks, and gloo's list ``all_gather`` rejects uneven
+sizes, so each rank pads its part to the largest local count and one equal-size
+``all_gather_single`` (``all_gather_into_tensor`` on older torch) moves them all. The plan
+then picks the global order out of the padded buffer with a host-planned index.
+Not differentiable (tests, logits, metrics).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same call).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def check_group(group: dist.ProcessGroup | None, cp_size: int, cp_rank: int) -> None:
+    """ValueError unless ``group`` has ``cp_size`` ranks and this process is ``cp_rank``."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"group: torch.distributed is not initialized, but the plan has "
+                         f"cp_size={cp_size} > 1")
+    size = dist.get_world_size(group)
+    if size != cp_size:
+        raise ValueError(f"group: size {size} differs from the plan's cp_size={cp_size}")
+    rank = dist.get_rank(group)
+    if rank != cp_rank:
+        raise ValueError(f"group: this process is rank {rank} of the group but the plan was "
+                         f"built for cp_rank={cp_rank}")
+
+
+def gather_padded(x_local: torch.Tensor, max_local: int, cp_size: int,
+                  group: dist.ProcessGroup | None) -> torch.Tensor:
+    """[cp * max_local, ...]: every rank's dim-0 rows, each padded to ``max_local``."""
+    rest = tuple(x_local.shape[1:])
+    padded = x_local.new_zeros((max_local, *rest))
+    padded[: x_local.shape[0]].copy_(x_local)
+    out = x_local.new_empty((cp_size * max_local, *rest))
+    _all_gather_single(out, padded, group=group)
+    return out

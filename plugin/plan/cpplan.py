@@ -1,0 +1,310 @@
+"""CPPlan: which tokens each context-parallel rank holds, built on the host once per batch.
+
+``CPPlan.build`` takes the GLOBAL packed batch's ``cu_seqlens`` (a CPU int tensor) and is
+pure integer math: no process group, no device, identical on every rank. Every layer of the
+model shares one plan; derived tables (per-mask schedules, index maps on a device) are
+memoized with :meth:`CPPlan.cached`, so Llama 4's chunked and global layers reuse it.
+
+Invariant every strategy relies on: local segment i of any rank is document i (possibly
+empty); its local tokens are contiguous, ordered by increasing position, padding last.
+
+Limits: tables are materialized for all ranks (about 20 bytes per token of the global batch);
+``shard``/``unshard`` copy index tensors to the data's device once and cache them; ``unshard``
+is not differentiable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..kernels import mask_math
+from ..masks import AttnMask
+from .collective import check_group, gather_padded
+from .layouts import LAYOUTS, layout_pieces
+from .tables import TokenTables, expand_pieces
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_cu_seqlens(cu: Any) -> torch.Tensor:
+    """Validated copy of the global cu_seqlens as int64 (CPU)."""
+    if not isinstance(cu, torch.Tensor):
+        raise ValueError(f"cu_seqlens must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.device.type != "cpu":
+        raise ValueError(f"cu_seqlens must be a CPU (host) tensor, got device {cu.device}")
+    if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must be an integer tensor, got dtype {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"cu_seqlens must be 1-D with n_docs+1 >= 1 entries, got shape "
+                         f"{tuple(cu.shape)}")
+    cu = cu.to(torch.int64).clone()
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_seqlens[0] must be 0, got {int(cu[0])}")
+    steps = cu[1:] - cu[:-1]
+    if bool((steps < 0).any()):
+        i = int(torch.nonzero(steps < 0)[0])
+        raise ValueError(f"cu_seqlens must be non-decreasing, got cu_seqlens[{i}]="
+                         f"{int(cu[i])} > cu_seqlens[{i + 1}]={int(cu[i + 1])}")
+    return cu
+
+
+def _check_params(cp_size: Any, cp_rank: Any, layout: Any, min_chunk_tokens: Any,
+                  pad_multiple: Any) -> int:
+    """Validate the scalar build arguments; returns the resolved ``pad_multiple``."""
+    if not _is_int(cp_size) or cp_size < 1:
+        raise ValueError(f"cp_size must be an int >= 1, got {cp_size!r}")
+    if not _is_int(cp_rank) or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not _is_int(min_chunk_tokens) or min_chunk_tokens < 1:
+        raise ValueError(f"min_chunk_tokens must be an int >= 1, got {min_chunk_tokens!r}")
+    if pad_multiple is None:
+        return 2 * cp_size
+    if layout != "te":
+        raise ValueError(f"pad_multiple applies to layout 'te' only, got "
+                         f"pad_multiple={pad_multiple!r} with layout={layout!r}")
+    if not _is_int(pad_multiple) or pad_multiple < 1 or pad_multiple % (2 * cp_size):
+        raise ValueError(f"pad_multiple must be a positive multiple of 2*cp_size="
+                         f"{2 * cp_size}, got {pad_multiple!r}")
+    return pad_multiple
+
+
+class CPPlan:
+    """Token layout of one packed batch over ``cp_size`` ranks, seen from ``cp_rank``.
+
+    Build with :meth:`build`. Tensors returned by the ``*_of`` accessors are views of the
+    plan's tables: treat them as read-only.
+    """
+
+    def __init__(self, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, layout: str,
+                 min_chunk_tokens: int, pad_multiple: int, padded_lengths: torch.Tensor,
+                 tables: TokenTables) -> None:
+        self.cu_seqlens = cu_seqlens
+        self.cp_size = cp_size
+        self.cp_rank = cp_rank
+        self.layout = layout
+        self.min_chunk_tokens = min_chunk_tokens
+        self.pad_multiple = pad_multiple
+        self.n_docs = cu_seqlens.numel() - 1
+        self.total_tokens = int(cu_seqlens[-1])
+        self.padded_total_tokens = int(tables.token_index.numel())
+        self.cu_seqlens_padded = torch.cat([torch.zeros(1, dtype=torch.int64),
+                                            torch.cumsum(padded_lengths, 0)])
+        self._t = tables
+        self._offsets = tables.rank_offsets.tolist()
+        seg = tables.local_cu[:, 1:] - tables.local_cu[:, :-1]
+        self._max_seg = (seg.amax(1) if self.n_docs else torch.zeros(cp_size)).tolist()
+        self._cache: dict[Any, Any] = {}
+
+    @classmethod
+    def build(cls, cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int,
+              layout: str = "dual_chunk", min_chunk_tokens: int = 64,
+              pad_multiple: int | None = None) -> "CPPlan":
+        """Plan the layout of the global batch ``cu_seqlens`` (CPU int [n_docs+1]).
+
+        min_chunk_tokens: ``dual_chunk`` cuts documents of >= 2*cp*min_chunk_tokens tokens.
+        pad_multiple: ``te`` only; each document is padded to a multiple of it (a multiple
+        of 2*cp_size; default 2*cp_size, e.g. 2*cp*tp for Megatron's sequence parallel).
+        """
+        cu = _check_cu_seqlens(cu_seqlens)
+        pad = _check_params(cp_size, cp_rank, layout, min_chunk_tokens, pad_multiple)
+        lengths = cu[1:] - cu[:-1]
+        pieces = layout_pieces(lengths, cp_size, layout, min_chunk_tokens=min_chunk_tokens,
+                               pad_multiple=pad)
+        tables = expand_pieces(pieces, lengths, cp_size)
+        return cls(cu, cp_size, cp_rank, layout, min_chunk_tokens, pad, pieces.padded_lengths,
+                   tables)
+
+    def __repr__(self) -> str:
+        return (f"CPPlan(layout={self.layout!r}, cp_size={self.cp_size}, "
+                f"cp_rank={self.cp_rank}, n_docs={self.n_docs}, "
+                f"total_tokens={self.total_tokens}, "
+                f"padded_total_tokens={self.padded_total_tokens})")
+
+    # ---- per-rank tables -------------------------------------------------------------
+    def _rows(self, rank: Any, what: str = "rank") -> slice:
+        if not _is_int(rank) or not 0 <= rank < self.cp_size:
+            raise ValueError(f"{what} must be an int in [0, {self.cp_size}), got {rank!r}")
+        return slice(self._offsets[rank], self._offsets[rank + 1])
+
+    def token_indices_of(self, rank: int) -> torch.Tensor:
+        """int64 [n_local]: global token index of each of ``rank``'s tokens; -1 = padding."""
+        return self._t.token_index[self._rows(rank)]
+
+    def padded_token_indices_of(self, rank: int) -> torch.Tensor:
+        """int64 [n_local]: index in the packed sequence padded per ``cu_seqlens_padded``
+        (for ``te``: exactly TransformerEngine's ``thd_get_partitioned_indices``)."""
+        return self._t.padded_index[self._rows(rank)]
+
+    def positions_of(self, rank: int) -> torch.Tensor:
+        """int32 [n_local]: position of each token within its document; -1 = padding."""
+        return self._t.position[self._rows(rank)]
+
+    def local_cu_seqlens_of(self, rank: int) -> torch.Tensor:
+        """int32 [n_docs+1]: local segment i = ``rank``'s tokens of document i."""
+        self._rows(rank)
+        return self._t.local_cu[rank]
+
+    def num_tokens_of(self, rank: int) -> int:
+        """Local token count of ``rank`` (padding included)."""
+        rows = self._rows(rank)
+        return rows.stop - rows.start
+
+    def max_local_seqlen_of(self, rank: int) -> int:
+        """Longest local segment of ``rank`` (padding included): the kernels' max_seqlen."""
+        self._rows(rank)
+        return int(self._max_seg[rank])
+
+    @property
+    def token_indices(self) -> torch.Tensor:
+        return self.token_indices_of(self.cp_rank)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.positions_of(self.cp_rank)
+
+    @property
+    def local_cu_seqlens(self) -> torch.Tensor:
+        return self.local_cu_seqlens_of(self.cp_rank)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_tokens_of(self.cp_rank)
+
+    @property
+    def max_local_seqlen(self) -> int:
+        return self.max_local_seqlen_of(self.cp_rank)
+
+    # ---- sharding ----------------------------------------------------------------------
+    def _on(self, name: str, device: torch.device, make: Callable[[], torch.Tensor]
+            ) -> torch.Tensor:
+        """Host index table ``make()`` copied once to ``device`` and cached."""
+        return self.cached(("plan_index", name, self.cp_rank, device),
+                           lambda: make().to(device, non_blocking=True))
+
+    def _check_tokens(self, x: Any, dim: int, expected: int, what: str) -> int:
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+        if not _is_int(dim) or not -x.dim() <= dim < x.dim():
+            raise ValueError(f"dim must be an int in [{-x.dim()}, {x.dim()}) for {what} of "
+                             f"shape {tuple(x.shape)}, got {dim!r}")
+        dim = dim % x.dim()
+        if x.shape[dim] != expected:
+            raise ValueError(f"{what} has {x.shape[dim]} tokens along dim {dim}, expected "
+                             f"{expected}")
+        return dim
+
+    def shard(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """This rank's part of ``x``, whose ``dim`` is the global (unpadded) token dim;
+        padding tokens are zeros."""
+        dim = self._check_tokens(x, dim, self.total_tokens, "x")
+        index = self.token_indices
+        out = x.index_select(dim, self._on("shard", x.device, lambda: index.clamp(min=0)))
+        if self.num_tokens and bool((index < 0).any()):
+            pad = self._on("shard_pad", x.device, lambda: torch.nonzero(index < 0).flatten())
+            out.index_fill_(dim, pad, 0)
+        return out
+
+    def _global_gather_index(self, stride: int | None) -> torch.Tensor:
+        """Row of every global token in the concatenation of all ranks' local rows, each
+        rank's block ``stride`` rows long (``None``: exactly its local count)."""
+        t = self._t
+        rows = torch.arange(t.token_index.numel())
+        if stride is not None:
+            counts = t.rank_offsets[1:] - t.rank_offsets[:-1]
+            rank = torch.repeat_interleave(torch.arange(self.cp_size), counts)
+            rows = rows - t.rank_offsets[rank] + rank * stride
+        real = t.token_index >= 0
+        index = torch.empty(self.total_tokens, dtype=torch.int64)
+        index[t.token_index[real]] = rows[real]
+        return index
+
+    def unshard_parts(self, parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+        """The global tensor (unpadded, global order) from every rank's local part, given
+        in rank order; no communication (tests, offline tools)."""
+        if not isinstance(parts, (list, tuple)) or len(parts) != self.cp_size:
+            got = f"{len(parts)} parts" if isinstance(parts, (list, tuple)) else \
+                type(parts).__name__
+            raise ValueError(f"parts must be a list of cp_size={self.cp_size} tensors, got "
+                             f"{got}")
+        dims = {self._check_tokens(p, dim, self.num_tokens_of(r), f"parts[{r}]")
+                for r, p in enumerate(parts)}
+        d = dims.pop()
+        index = self._on("unshard_parts", parts[0].device,
+                         lambda: self._global_gather_index(None))
+        return torch.cat(list(parts), dim=d).index_select(d, index)
+
+    def unshard(self, x_local: torch.Tensor, group: dist.ProcessGroup | None = None,
+                dim: int = 0) -> torch.Tensor:
+        """The global tensor (unpadded, global order) on every rank of ``group`` (the
+        default group when None); collective: every rank of the group must call it."""
+        dim = self._check_tokens(x_local, dim, self.num_tokens, "x_local")
+        if self.cp_size == 1 and group is None:
+            return self.unshard_parts([x_local], dim)
+        check_group(group, self.cp_size, self.cp_rank)
+        if self.cp_size == 1:
+            return self.unshard_parts([x_local], dim)
+        stride = max(self.num_tokens_of(r) for r in range(self.cp_size))
+        x0 = x_local.movedim(dim, 0)
+        gathered = gather_padded(x0, stride, self.cp_size, group)
+        index = self._on(f"unshard_{stride}", x_local.device,
+                         lambda: self._global_gather_index(stride))
+        return gathered.index_select(0, index).movedim(0, dim)
+
+    # ---- work and balance --------------------------------------------------------------
+    def _work_per_rank(self, mask: AttnMask) -> list[int]:
+        if not isinstance(mask, AttnMask):
+            raise ValueError(f"mask must be a varlen_cp.AttnMask, got {type(mask).__name__}")
+
+        def compute() -> list[int]:
+            t = self._t
+            lo, hi = mask_math.key_interval(t.position, *mask.params)
+            doc_len = (self.cu_seqlens[1:] - self.cu_seqlens[:-1])[t.doc]
+            per_token = (torch.minimum(hi, doc_len - 1) - lo + 1).clamp(min=0)
+            counts = t.rank_offsets[1:] - t.rank_offsets[:-1]
+            rank = torch.repeat_interleave(torch.arange(self.cp_size), counts)
+            work = torch.zeros(self.cp_size, dtype=torch.int64)
+            return work.scatter_add_(0, rank, per_token).tolist()
+
+        return self.cached(("plan_work", mask), compute)
+
+    def work_of(self, rank: int, mask: AttnMask) -> int:
+        """Visible (query, key) pairs of ``rank``'s queries against all keys of the batch."""
+        self._rows(rank)
+        return self._work_per_rank(mask)[rank]
+
+    def work_imbalance(self, mask: AttnMask) -> float:
+        """max / mean of the ranks' work under ``mask`` (1.0 when there is no work)."""
+        work = self._work_per_rank(mask)
+        total = sum(work)
+        return max(work) * self.cp_size / total if total else 1.0
+
+    def token_imbalance(self) -> float:
+        """max / mean of the ranks' local token counts, padding included."""
+        counts = [self.num_tokens_of(r) for r in range(self.cp_size)]
+        total = sum(counts)
+        return max(counts) * self.cp_size / total if total else 1.0
+
+    # ---- memo and identity -------------------------------------------------------------
+    def cached(self, key: Any, fn: Callable[[], Any]) -> Any:
+        """``fn()`` computed once per plan under the hashable ``key``."""
+        if key not in self._cache:
+            self._cache[key] = fn()
+        return self._cache[key]
+
+    def fingerprint(self) -> int:
+        """Stable 63-bit hash of (cu_seqlens, cp_size, layout, params), the same on every
+        rank (cp_rank excluded) and across processes, for the cross-rank check."""
+        h = hashlib.blake2b(digest_size=8)
+        h.update(repr((self.cp_size, self.layout, self.min_chunk_tokens,
+                       self.pad_multiple)).encode())
+        h.update(struct.pack(f"<{self.n_docs + 1}q", *self.cu_seqlens.tolist()))
+        return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)

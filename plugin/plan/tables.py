@@ -1,0 +1,83 @@
+"""Per-token tables of a layout: pieces (runs of positions) expanded to every rank's tokens.
+
+All ranks' tables live in one concatenation (rank r's local tokens are rows
+``rank_offsets[r]:rank_offsets[r+1]``) so that building them is a handful of vectorized ops
+over the global token count, with no per-token or per-rank Python loop. Host (CPU) only.
+
+Local order: pieces sorted by (rank, document, start), so each document's local tokens are
+contiguous, documents appear in global order, positions increase, and padding (only at a
+document's end in the ``te`` layout) comes last within its document.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layouts import Pieces
+
+
+@dataclass(frozen=True)
+class TokenTables:
+    """Every rank's local tokens, concatenated in rank order.
+
+    rank_offsets:  int64 [cp+1].
+    token_index:   int64 [N] global (unpadded) token index, -1 for padding.
+    padded_index:  int64 [N] index in the packed sequence with the layout's padding
+                   (TransformerEngine's / Megatron's padded THD indexing for ``te``).
+    position:      int32 [N] position within the document, -1 for padding.
+    doc:           int64 [N] document of each token.
+    local_cu:      int32 [cp, n_docs+1] local cu_seqlens of each rank.
+    """
+
+    rank_offsets: torch.Tensor
+    token_index: torch.Tensor
+    padded_index: torch.Tensor
+    position: torch.Tensor
+    doc: torch.Tensor
+    local_cu: torch.Tensor
+
+
+def _local_order(p: Pieces) -> torch.Tensor:
+    """Permutation sorting pieces by (rank, doc, start)."""
+    n_docs = p.padded_lengths.numel()
+    span = int(p.padded_lengths.max()) + 1 if n_docs else 1
+    n_ranks = int(p.rank.max()) + 1 if p.rank.numel() else 1
+    if n_ranks * n_docs * span < 1 << 62:
+        # One sort of a combined key: 128K pieces sort in ~1/3 of the time of three.
+        return torch.argsort((p.rank * n_docs + p.doc) * span + p.start)
+    order = torch.argsort(p.start, stable=True)  # stable sorts, least significant key first
+    order = order[torch.argsort(p.doc[order], stable=True)]
+    return order[torch.argsort(p.rank[order], stable=True)]
+
+
+def expand_pieces(p: Pieces, lengths: torch.Tensor, cp_size: int) -> TokenTables:
+    """Token tables of pieces ``p`` over documents of ``lengths`` (int64 [n_docs])."""
+    order = _local_order(p)
+    rank, doc, start, count = p.rank[order], p.doc[order], p.start[order], p.length[order]
+    n_docs = lengths.numel()
+    n_tokens = int(count.sum())
+
+    piece_of = torch.repeat_interleave(torch.arange(count.numel()), count,
+                                       output_size=n_tokens)
+    first_row = torch.cumsum(count, 0) - count
+    padded_pos = start[piece_of] + torch.arange(n_tokens) - first_row[piece_of]
+    tok_doc = doc[piece_of]
+    real = padded_pos < lengths[tok_doc]
+    cu = torch.cumsum(lengths, 0) - lengths
+    cu_padded = torch.cumsum(p.padded_lengths, 0) - p.padded_lengths
+
+    per_rank = torch.zeros(cp_size, dtype=torch.int64).scatter_add_(0, rank, count)
+    seg = torch.zeros(cp_size * n_docs, dtype=torch.int64).scatter_add_(
+        0, rank * n_docs + doc, count).view(cp_size, n_docs)
+    local_cu = torch.cat([torch.zeros(cp_size, 1, dtype=torch.int64),
+                          torch.cumsum(seg, 1)], dim=1)
+    return TokenTables(
+        rank_offsets=torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(per_rank, 0)]),
+        token_index=torch.where(real, cu[tok_doc] + padded_pos, -1),
+        padded_index=cu_padded[tok_doc] + padded_pos,
+        position=torch.where(real, padded_pos, -1).to(torch.int32),
+        doc=tok_doc,
+        local_cu=local_cu.to(torch.int32),
+    )

@@ -1,0 +1,103 @@
+"""Hooks that shard a packed batch for one CP rank, and gather sequence tensors back.
+
+For torchtitan-style batches of [B=1, L] tensors ("input"/"tokens", "labels", "positions"):
+every tensor is cut along its sequence dim by a ``CPPlan``; positions are replaced by the
+plan's (position within the document, what RoPE and the kernels need); labels of padding
+tokens (``te`` layout only) become ``ignore_index``. ``cu_seqlens_from_positions`` recovers
+the global ``cu_seqlens`` from torchtitan's per-document positions.
+
+Limits: host-side metadata only from CPU tensors; a batch dim > 1 is sharded with the same
+plan for every row (only meaningful when all rows share one document structure).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .plan import CPPlan
+
+POSITION_KEYS = ("positions", "position_ids")
+LABEL_KEYS = ("labels",)
+
+
+def _check_plan(plan: Any) -> None:
+    if not isinstance(plan, CPPlan):
+        raise ValueError(f"plan must be a varlen_cp.CPPlan, got {type(plan).__name__}")
+
+
+def _plan_positions_like(x: torch.Tensor, plan: CPPlan, seq_dim: int) -> torch.Tensor:
+    """plan.positions broadcast to the sharded shape of ``x`` (x's dtype and device)."""
+    shape = [1] * x.dim()
+    shape[seq_dim] = plan.num_tokens
+    out_shape = list(x.shape)
+    out_shape[seq_dim] = plan.num_tokens
+    pos = plan.positions.to(device=x.device, dtype=x.dtype, non_blocking=True)
+    return pos.view(shape).expand(out_shape).contiguous()
+
+
+def shard_packed_batch(batch: dict[str, Any], plan: CPPlan, *, seq_dim: int = 1,
+                       ignore_index: int = -100) -> dict[str, Any]:
+    """This rank's part of a packed batch: a new dict, the input is not modified.
+
+    Tensors with more than ``seq_dim`` dims are sharded along ``seq_dim`` (their size there
+    must be the plan's ``total_tokens``); other values (scalars, metadata, 1-D tensors such
+    as cu_seqlens when seq_dim=1) are passed through unchanged.
+    """
+    _check_plan(plan)
+    if not isinstance(batch, dict):
+        raise ValueError(f"batch must be a dict of tensors, got {type(batch).__name__}")
+    if not isinstance(seq_dim, int) or isinstance(seq_dim, bool) or seq_dim < 0:
+        raise ValueError(f"seq_dim must be an int >= 0, got {seq_dim!r}")
+    for key, x in batch.items():
+        if isinstance(x, torch.Tensor) and x.dim() > seq_dim \
+                and x.shape[seq_dim] != plan.total_tokens:
+            raise ValueError(f"batch[{key!r}] has {x.shape[seq_dim]} tokens along seq_dim="
+                             f"{seq_dim}, but the plan has total_tokens={plan.total_tokens}")
+    padding = plan.token_indices < 0
+    out: dict[str, Any] = {}
+    for key, x in batch.items():
+        if not isinstance(x, torch.Tensor) or x.dim() <= seq_dim:
+            out[key] = x
+        elif key in POSITION_KEYS:
+            out[key] = _plan_positions_like(x, plan, seq_dim)
+        elif key in LABEL_KEYS and bool(padding.any()):
+            local = plan.shard(x, dim=seq_dim)
+            pad = torch.nonzero(padding).flatten().to(x.device, non_blocking=True)
+            out[key] = local.index_fill_(seq_dim, pad, ignore_index)
+        else:
+            out[key] = plan.shard(x, dim=seq_dim)
+    return out
+
+
+def cu_seqlens_from_positions(positions: torch.Tensor) -> torch.Tensor:
+    """Global cu_seqlens (int32, CPU) of a packed sequence from its per-document positions
+    ([1, L] or [L], CPU): a document starts where the position is 0 (and at token 0)."""
+    if not isinstance(positions, torch.Tensor):
+        raise ValueError(f"positions must be a torch.Tensor, got {type(positions).__name__}")
+    if positions.device.type != "cpu":
+        raise ValueError(f"positions must be a CPU (host) tensor, got device "
+                         f"{positions.device}")
+    if positions.dim() == 2 and positions.shape[0] == 1:
+        positions = positions[0]
+    if positions.dim() != 1:
+        raise ValueError(f"positions must have shape [1, L] or [L], got "
+                         f"{tuple(positions.shape)}")
+    if positions.dtype.is_floating_point or positions.dtype == torch.bool:
+        raise ValueError(f"positions must be an integer tensor, got dtype {positions.dtype}")
+    n = positions.numel()
+    starts = positions == 0
+    if n:
+        starts[0] = True  # a sample cut mid-document still starts a segment at token 0
+    bounds = torch.nonzero(starts).flatten()
+    return torch.cat([bounds, torch.tensor([n])]).to(torch.int32)
+
+
+def gather_sequence(x_local: torch.Tensor, plan: CPPlan,
+                    group: dist.ProcessGroup | None = None, seq_dim: int = 1) -> torch.Tensor:
+    """The global (unpadded, global order) tensor from every rank's shard along
+    ``seq_dim``; collective over ``group`` (see ``CPPlan.unshard``)."""
+    _check_plan(plan)
+    return plan.unshard(x_local, group, dim=seq_dim)
