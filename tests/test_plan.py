@@ -159,8 +159,19 @@ def check_contiguous(plans: list[CPPlan], lengths: list[int]) -> None:
     assert max(counts) - min(counts) <= 1
 
 
+def check_balanced(plans: list[CPPlan], lengths: list[int]) -> None:
+    """No padding and token counts equal up to one token (cuts at floor(k*T/cp))."""
+    p0 = plans[0]
+    total = sum(lengths)
+    assert p0.padded_total_tokens == total
+    counts = [p0.num_tokens_of(r) for r in range(p0.cp_size)]
+    assert counts == [(r + 1) * total // p0.cp_size - r * total // p0.cp_size
+                      for r in range(p0.cp_size)]
+
+
 def check_all(lengths: list[int], cp: int, layout: str, min_chunk: int) -> None:
-    kw = {} if layout == "te" else {"min_chunk_tokens": min_chunk}
+    kw = {"te": {}, "balanced": {"chunk_tokens": 4 * min_chunk}}.get(
+        layout, {"min_chunk_tokens": min_chunk})
     plans = _plans(lengths, cp, layout, **kw)
     for r, p in enumerate(plans):
         assert p.cp_rank == r and p.layout == layout and p.cp_size == cp
@@ -172,6 +183,8 @@ def check_all(lengths: list[int], cp: int, layout: str, min_chunk: int) -> None:
         check_dual_chunk(plans, lengths, min_chunk)
     elif layout == "te":
         check_te(plans, lengths, 2 * cp)
+    elif layout == "balanced":
+        check_balanced(plans, lengths)
     else:
         check_contiguous(plans, lengths)
 
@@ -274,6 +287,10 @@ def _bad_build(**over):
     ({"min_chunk_tokens": 0}, "min_chunk_tokens"),
     ({"layout": "te", "pad_multiple": 6}, "pad_multiple"),
     ({"layout": "dual_chunk", "pad_multiple": 4}, "pad_multiple"),
+    ({"layout": "dual_chunk", "masks": [AttnMask()]}, "masks"),
+    ({"layout": "te", "chunk_tokens": 128}, "chunk_tokens"),
+    ({"layout": "balanced", "chunk_tokens": 0}, "chunk_tokens"),
+    ({"layout": "balanced", "masks": [(AttnMask(), 0.0)]}, "masks"),
 ])
 def test_build_rejects_bad_input(over, name) -> None:
     with pytest.raises(ValueError, match=name):
@@ -304,8 +321,12 @@ def test_fingerprint_and_cache() -> None:
     others = [CPPlan.build(_cu([5, 1, 16]), cp_size=3, cp_rank=0),
               CPPlan.build(cu, cp_size=2, cp_rank=0),
               CPPlan.build(cu, cp_size=3, cp_rank=0, layout="te"),
-              CPPlan.build(cu, cp_size=3, cp_rank=0, min_chunk_tokens=2)]
-    assert len({p.fingerprint() for p in others} | {fp}) == 5
+              CPPlan.build(cu, cp_size=3, cp_rank=0, min_chunk_tokens=2),
+              CPPlan.build(cu, cp_size=3, cp_rank=0, layout="balanced"),
+              CPPlan.build(cu, cp_size=3, cp_rank=0, layout="balanced", chunk_tokens=8),
+              CPPlan.build(cu, cp_size=3, cp_rank=0, layout="balanced",
+                           masks=[(AttnMask(chunk_size=4), 3.0), (AttnMask(), 1.0)])]
+    assert len({p.fingerprint() for p in others} | {fp}) == 8
 
     plan = others[0]
     calls = []

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..kernels import mask_math
 from ..masks import AttnMask
+from .balanced import MaskWeights, check_chunk_tokens, describe, normalize_masks
 from .collective import check_group, gather_padded
 from .layouts import LAYOUTS, layout_pieces
 from .tables import TokenTables, expand_pieces
@@ -77,6 +78,17 @@ def _check_params(cp_size: Any, cp_rank: Any, layout: Any, min_chunk_tokens: Any
     return pad_multiple
 
 
+def _check_balance(layout: str, masks: Any, chunk_tokens: Any) -> tuple[MaskWeights, int]:
+    """Resolved (masks, chunk_tokens) of the ``balanced`` layout; ((), 0) for the others."""
+    if layout != "balanced":
+        for name, value in (("masks", masks), ("chunk_tokens", chunk_tokens)):
+            if value is not None:
+                raise ValueError(f"{name} applies to layout 'balanced' only, got "
+                                 f"{name}={value!r} with layout={layout!r}")
+        return (), 0
+    return normalize_masks(masks), check_chunk_tokens(chunk_tokens)
+
+
 class CPPlan:
     """Token layout of one packed batch over ``cp_size`` ranks, seen from ``cp_rank``.
 
@@ -86,13 +98,16 @@ class CPPlan:
 
     def __init__(self, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, layout: str,
                  min_chunk_tokens: int, pad_multiple: int, padded_lengths: torch.Tensor,
-                 tables: TokenTables) -> None:
+                 tables: TokenTables, *, masks: MaskWeights = (), chunk_tokens: int = 0
+                 ) -> None:
         self.cu_seqlens = cu_seqlens
         self.cp_size = cp_size
         self.cp_rank = cp_rank
         self.layout = layout
         self.min_chunk_tokens = min_chunk_tokens
         self.pad_multiple = pad_multiple
+        self.masks = masks  # balanced only: ((AttnMask, weight), ...) it balances for
+        self.chunk_tokens = chunk_tokens  # balanced only
         self.n_docs = cu_seqlens.numel() - 1
         self.total_tokens = int(cu_seqlens[-1])
         self.padded_total_tokens = int(tables.token_index.numel())
@@ -107,21 +122,27 @@ class CPPlan:
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int,
               layout: str = "dual_chunk", min_chunk_tokens: int = 64,
-              pad_multiple: int | None = None) -> "CPPlan":
+              pad_multiple: int | None = None, masks: Any = None,
+              chunk_tokens: int | None = None) -> "CPPlan":
         """Plan the layout of the global batch ``cu_seqlens`` (CPU int [n_docs+1]).
 
         min_chunk_tokens: ``dual_chunk`` cuts documents of >= 2*cp*min_chunk_tokens tokens.
         pad_multiple: ``te`` only; each document is padded to a multiple of it (a multiple
         of 2*cp_size; default 2*cp_size, e.g. 2*cp*tp for Megatron's sequence parallel).
+        masks: ``balanced`` only; the model's masks with layer weights, e.g.
+        ``[(AttnMask(chunk_size=8192), 3.0), (AttnMask(), 1.0)]`` (default causal); the
+        layout equalizes tokens and the weighted sum of their work.
+        chunk_tokens: ``balanced`` only; documents are cut at multiples of it (default 256).
         """
         cu = _check_cu_seqlens(cu_seqlens)
         pad = _check_params(cp_size, cp_rank, layout, min_chunk_tokens, pad_multiple)
+        masks, chunk = _check_balance(layout, masks, chunk_tokens)
         lengths = cu[1:] - cu[:-1]
         pieces = layout_pieces(lengths, cp_size, layout, min_chunk_tokens=min_chunk_tokens,
-                               pad_multiple=pad)
+                               pad_multiple=pad, masks=masks, chunk_tokens=chunk)
         tables = expand_pieces(pieces, lengths, cp_size)
         return cls(cu, cp_size, cp_rank, layout, min_chunk_tokens, pad, pieces.padded_lengths,
-                   tables)
+                   tables, masks=masks, chunk_tokens=chunk)
 
     def __repr__(self) -> str:
         return (f"CPPlan(layout={self.layout!r}, cp_size={self.cp_size}, "
@@ -304,7 +325,9 @@ class CPPlan:
         """Stable 63-bit hash of (cu_seqlens, cp_size, layout, params), the same on every
         rank (cp_rank excluded) and across processes, for the cross-rank check."""
         h = hashlib.blake2b(digest_size=8)
-        h.update(repr((self.cp_size, self.layout, self.min_chunk_tokens,
-                       self.pad_multiple)).encode())
+        params = (self.cp_size, self.layout, self.min_chunk_tokens, self.pad_multiple)
+        if self.layout == "balanced":  # other layouts keep their earlier fingerprints
+            params += tuple(describe(self.masks, self.chunk_tokens))
+        h.update(repr(params).encode())
         h.update(struct.pack(f"<{self.n_docs + 1}q", *self.cu_seqlens.tolist()))
         return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)

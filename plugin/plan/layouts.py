@@ -18,6 +18,8 @@ into per-token tables, so a layout only decides the runs and never touches singl
   2*cp-1-r (``thd_get_partitioned_indices``).
 - ``contiguous``: rank r holds the r-th of cp near-equal contiguous slices of the packed
   sequence (sizes differ by at most one); documents are cut at the slice boundaries.
+- ``balanced``: chunks of every document spread so that tokens and the mask-weighted work
+  of the model's masks are equal on every rank (``balanced.py``).
 
 Measured balance (max/mean, 128K tokens, log-normal document mixes of 170-1000 documents):
 dual_chunk tokens 1.00-1.02, causal work 1.00-1.02 at cp 8..64, but up to 1.12 when few
@@ -35,7 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
-LAYOUTS = ("dual_chunk", "te", "contiguous")
+from .balanced import MaskWeights, balanced_runs
+
+LAYOUTS = ("dual_chunk", "te", "contiguous", "balanced")
 
 
 @dataclass(frozen=True)
@@ -212,9 +216,19 @@ def dual_chunk_pieces(lengths: torch.Tensor, cp_size: int, min_chunk_tokens: int
     )
 
 
+def balanced_pieces(lengths: torch.Tensor, cp_size: int, masks: MaskWeights,
+                    chunk_tokens: int) -> Pieces:
+    """The ``balanced`` layout's runs as pieces (no padding)."""
+    rank, doc, start, length = balanced_runs(lengths, cp_size, masks, chunk_tokens)
+    return Pieces(rank, doc, start, length, lengths.clone())
+
+
 def layout_pieces(lengths: torch.Tensor, cp_size: int, layout: str, *, min_chunk_tokens: int,
-                  pad_multiple: int) -> Pieces:
-    """Pieces of ``layout`` for documents of ``lengths`` (int64, CPU); inputs validated."""
+                  pad_multiple: int, masks: MaskWeights = (), chunk_tokens: int = 0) -> Pieces:
+    """Pieces of ``layout`` for documents of ``lengths`` (int64, CPU); inputs validated.
+    ``masks`` and ``chunk_tokens`` are the (resolved) parameters of ``balanced``."""
+    if layout == "balanced":
+        return balanced_pieces(lengths, cp_size, masks, chunk_tokens)
     if layout == "dual_chunk":
         return dual_chunk_pieces(lengths, cp_size, min_chunk_tokens)
     if layout == "te":
