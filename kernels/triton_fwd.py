@@ -1,0 +1,214 @@
+"""Triton forward of varlen (THD + cu_seqlens) attention with position-based masks.
+
+One program per (query block, segment, query head): online softmax in base 2 with fp32
+accumulators over the key tiles its queries can see, then ``out`` in q's dtype and the
+natural-log LSE. Which key tiles are visited (cost follows the visible area, not the
+document length): the schedule's ``kv_range`` when given; else, with implicit key positions,
+the range derived from the block's query positions; else (explicit key positions) every
+tile of the segment, skipping K/V loads and math when the tile's positions miss the span.
+
+Limits: head dims are padded to a power of two (>= 16) in registers; positions must lie in
+(-2**30, 2**30); GQA needs Hq % Hkv == 0. Inputs are assumed validated by the caller (the
+api layer), contiguous in the last dim, on one device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import (
+    check_block, clamp_mask_param, dot_precision, key_block_range, launch_options,
+    load_positions, padded_head_dim, tile_may_see, triton_block_sizes, unit_last_stride,
+    visible,
+)
+
+LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _fwd_tile(
+    q, q_pos, q_valid, m_i, l_i, acc, K, V, k_start, kv_head, offs_n, k_pos, k_valid, end,
+    offs_d, offs_dv, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, window_left,
+    window_right, chunk_size, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """One key tile of the online softmax: returns the updated (m, l, acc)."""
+    cols = (k_start + offs_n).to(tl.int64)
+    col_in = offs_n < end
+    k = tl.load(K + cols[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                mask=col_in[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    v = tl.load(V + cols[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
+                mask=col_in[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    vis = visible(q_pos[:, None], k_pos[None, :], window_left, window_right, chunk_size,
+                  CAUSAL, HAS_WL, HAS_WR, HAS_CHUNK)
+    s = tl.where(vis & q_valid[:, None] & k_valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row with nothing visible yet keeps m = -inf; subtracting 0 instead avoids
+    # -inf - -inf = NaN while exp2(-inf) still gives 0.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, O, LSE, CU_Q, CU_K, QPOS, KPOS, KV_RANGE,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    total_q, n_qblocks, group, qk_scale, window_left, window_right, chunk_size,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    EXPLICIT_Q: tl.constexpr, EXPLICIT_K: tl.constexpr, USE_SCHEDULE: tl.constexpr,
+    SCAN_Q: tl.constexpr, SCAN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    seg = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(CU_Q + seg)
+    len_q = tl.load(CU_Q + seg + 1) - q_start
+    k_start = tl.load(CU_K + seg)
+    len_k = tl.load(CU_K + seg + 1) - k_start
+    if pid_m * BLOCK_M >= len_q:  # the grid covers max_seqlen_q; shorter segments end here
+        return
+    kv_head = head // group
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_pos, q_valid = load_positions(QPOS, q_start, offs_m, len_q, len_k - len_q, EXPLICIT_Q)
+    rows = (q_start + offs_m).to(tl.int64)
+    row_in = offs_m < len_q
+    q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=row_in[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+    start, end, klo, khi = key_block_range(
+        KV_RANGE, (seg * n_qblocks + pid_m) * 2, q_pos, q_valid, len_k, window_left,
+        window_right, chunk_size, CAUSAL, HAS_WL, HAS_WR, HAS_CHUNK, EXPLICIT_K, USE_SCHEDULE)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k_pos, k_valid = load_positions(KPOS, k_start, offs_n, end, 0, EXPLICIT_K)
+        # Only the scan mode needs a per-tile test; the other modes' ranges are exact, and a
+        # branch in the loop body would keep the compiler from pipelining the K/V loads.
+        if SCAN_K:
+            if tile_may_see(k_pos, k_valid, klo, khi):
+                m_i, l_i, acc = _fwd_tile(
+                    q, q_pos, q_valid, m_i, l_i, acc, K, V, k_start, kv_head, offs_n, k_pos,
+                    k_valid, end, offs_d, offs_dv, stride_kt, stride_kh, stride_vt,
+                    stride_vh, qk_scale, window_left, window_right, chunk_size, HEAD_DIM,
+                    HEAD_DIM_V, CAUSAL, HAS_WL, HAS_WR, HAS_CHUNK, DOT_PREC)
+        else:
+            m_i, l_i, acc = _fwd_tile(
+                q, q_pos, q_valid, m_i, l_i, acc, K, V, k_start, kv_head, offs_n, k_pos,
+                k_valid, end, offs_d, offs_dv, stride_kt, stride_kh, stride_vt, stride_vh,
+                qk_scale, window_left, window_right, chunk_size, HEAD_DIM, HEAD_DIM_V,
+                CAUSAL, HAS_WL, HAS_WR, HAS_CHUNK, DOT_PREC)
+
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(O + rows[:, None] * stride_ot + head * stride_oh + offs_dv[None, :],
+             out.to(O.dtype.element_ty),
+             mask=row_in[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    tl.store(LSE + head.to(tl.int64) * total_q + rows, lse, mask=row_in)
+
+
+def resolve_blocks(schedule, block_sizes, head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """Tile sizes: the schedule's (its tables are per block), else the override, else default."""
+    if schedule is not None:
+        bm, bn = schedule.block_m, schedule.block_n
+    elif block_sizes is not None:
+        bm, bn = block_sizes
+    else:
+        bm, bn = triton_block_sizes(head_dim, head_dim_v)
+    check_block("block_m", bm)
+    check_block("block_n", bn)
+    return int(bm), int(bn)
+
+
+def check_schedule(schedule, n_seg: int, max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """The tables must match this call's segments and block counts (shape metadata only)."""
+    if schedule is None:
+        return
+    want_kv = (n_seg, triton.cdiv(max(max_seqlen_q, 1), schedule.block_m), 2)
+    want_q = (n_seg, triton.cdiv(max(max_seqlen_k, 1), schedule.block_n), 2)
+    if tuple(schedule.kv_range.shape) != want_kv:
+        raise ValueError(f"schedule.kv_range has shape {tuple(schedule.kv_range.shape)}, "
+                         f"expected {want_kv} for these cu_seqlens_q / max_seqlen_q")
+    if tuple(schedule.q_range.shape) != want_q:
+        raise ValueError(f"schedule.q_range has shape {tuple(schedule.q_range.shape)}, "
+                         f"expected {want_q} for these cu_seqlens_k / max_seqlen_k")
+
+
+def kernel_constants(dtype: torch.dtype, head_dim: int, head_dim_v: int, block_m: int,
+                     block_n: int, causal: bool, window_left: int, window_right: int,
+                     chunk_size: int, explicit_q: bool, explicit_k: bool,
+                     use_schedule: bool) -> dict:
+    """Keyword arguments shared by the three kernels: mask values and constexpr switches.
+
+    Constexpr flags drop unused mask terms and tile modes at compile time. The scan flags
+    mark explicit positions without a schedule: only then is a per-tile skip test needed.
+    """
+    return dict(
+        window_left=clamp_mask_param(max(window_left, 0)),
+        window_right=clamp_mask_param(max(window_right, 0)),
+        chunk_size=clamp_mask_param(chunk_size) if chunk_size > 0 else 1,
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=padded_head_dim(head_dim), BLOCK_DV=padded_head_dim(head_dim_v),
+        CAUSAL=bool(causal), HAS_WL=window_left >= 0, HAS_WR=window_right >= 0,
+        HAS_CHUNK=chunk_size > 0, EXPLICIT_Q=explicit_q, EXPLICIT_K=explicit_k,
+        USE_SCHEDULE=use_schedule, SCAN_Q=explicit_q and not use_schedule,
+        SCAN_K=explicit_k and not use_schedule, DOT_PREC=dot_precision(dtype),
+    )
+
+
+def triton_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+               softmax_scale: float, causal: bool, window_left: int, window_right: int,
+               chunk_size: int, q_positions, k_positions, schedule=None, *,
+               block_sizes: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (out [Tq, Hq, Dv] in q.dtype, lse fp32 [Hq, Tq]).
+
+    ``block_sizes`` (block_m, block_n) overrides the default tiles when no schedule is given
+    (tests use 32 to keep the interpreter fast).
+    """
+    total_q, n_heads, head_dim = q.shape
+    head_dim_v = v.shape[-1]
+    n_seg = cu_seqlens_q.shape[0] - 1
+    block_m, block_n = resolve_blocks(schedule, block_sizes, head_dim, head_dim_v)
+    check_schedule(schedule, n_seg, max_seqlen_q, max_seqlen_k)
+    q, k, v = (unit_last_stride(t) for t in (q, k, v))
+    out = torch.zeros(total_q, n_heads, head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.full((n_heads, total_q), float("-inf"), dtype=torch.float32, device=q.device)
+    if total_q == 0 or n_seg == 0 or max_seqlen_q <= 0:
+        return out, lse
+    n_qblocks = triton.cdiv(max_seqlen_q, block_m)
+    dummy = cu_seqlens_q  # stands in for absent optional tensors; never dereferenced
+    _fwd_kernel[(n_qblocks, n_seg, n_heads)](
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        dummy if q_positions is None else q_positions,
+        dummy if k_positions is None else k_positions,
+        dummy if schedule is None else schedule.kv_range,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        total_q, n_qblocks if schedule is None else schedule.kv_range.shape[1],
+        n_heads // k.shape[1], softmax_scale * LOG2E,
+        **kernel_constants(q.dtype, head_dim, head_dim_v, block_m, block_n, causal,
+                           window_left, window_right, chunk_size, q_positions is not None,
+                           k_positions is not None, schedule is not None),
+        **launch_options(q.dtype, head_dim, head_dim_v, "fwd"),
+    )
+    return out, lse
