@@ -1,0 +1,239 @@
+"""The public varlen attention op: validation, backend dispatch, custom-op registration.
+
+``varlen_attn`` mirrors ``flash_attn_varlen_func`` and adds per-token positions, chunked
+(Llama 4) masks, padding tokens and a choice of backend. ``varlen_attn_fwd`` /
+``varlen_attn_bwd`` are the non-autograd halves the CP strategies call step by step.
+
+Both halves are ``torch.library.custom_op``s with fake (meta) implementations, so
+``torch.compile(fullgraph=True)`` traces through them as opaque nodes. Inputs are validated
+before anything is computed (see ``validation``). Host-side metadata (cu_seqlens and
+positions on the CPU) is welcome even for CUDA tensors: it is validated on the host, a tile
+schedule is built from it there, and it is copied to the device without a sync.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from . import validation
+from .schedule import BlockSchedule, build_block_schedule
+
+# Read once at import (never inside forward): Triton on a CPU needs its interpreter, which
+# must be switched on before triton is first imported.
+_TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _backend_module(backend: str):
+    if backend == "triton":
+        from . import triton_attn
+        return triton_attn.triton_fwd, triton_attn.triton_bwd
+    from . import torch_attn
+    return torch_attn.torch_fwd, torch_attn.torch_bwd
+
+
+def block_sizes_for(backend: str, device, head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """(block_m, block_n) a ``BlockSchedule`` must use to be passed to ``backend``."""
+    backend = validation.check_backend(backend, torch.device(device))
+    if backend == "triton":
+        from .triton_attn import triton_block_sizes
+        return triton_block_sizes(head_dim, head_dim_v)
+    # The twin walks query blocks of DEFAULT_BLOCK_M rows and takes any key range, so one
+    # size serves both ends of the schedule.
+    from .torch_attn import DEFAULT_BLOCK_M
+    return DEFAULT_BLOCK_M, DEFAULT_BLOCK_M
+
+
+def _schedule_args(schedule: Optional[BlockSchedule]):
+    if schedule is None:
+        return None, None, 0, 0
+    return schedule.kv_range, schedule.q_range, schedule.block_m, schedule.block_n
+
+
+def _unpack_schedule(kv_range, q_range, block_m, block_n) -> Optional[BlockSchedule]:
+    if kv_range is None:
+        return None
+    return BlockSchedule(block_m, block_n, kv_range, q_range, visited_pairs=-1)
+
+
+# ----------------------------------------------------------------------------- custom ops
+@torch.library.custom_op("varlen_cp::varlen_fwd", mutates_args=())
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+            softmax_scale: float, causal: bool, window_left: int, window_right: int,
+            chunk_size: int, q_positions: Optional[torch.Tensor],
+            k_positions: Optional[torch.Tensor], backend: str,
+            kv_range: Optional[torch.Tensor], q_range: Optional[torch.Tensor],
+            block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    fwd, _ = _backend_module(backend)
+    return fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+               causal, window_left, window_right, chunk_size, q_positions, k_positions,
+               _unpack_schedule(kv_range, q_range, block_m, block_n))
+
+
+@_fwd_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+      window_left, window_right, chunk_size, q_positions, k_positions, backend, kv_range,
+      q_range, block_m, block_n):
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("varlen_cp::varlen_bwd", mutates_args=())
+def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+            softmax_scale: float, causal: bool, window_left: int, window_right: int,
+            chunk_size: int, q_positions: Optional[torch.Tensor],
+            k_positions: Optional[torch.Tensor], backend: str,
+            kv_range: Optional[torch.Tensor], q_range: Optional[torch.Tensor],
+            block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, bwd = _backend_module(backend)
+    return bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+               max_seqlen_k, softmax_scale, causal, window_left, window_right, chunk_size,
+               q_positions, k_positions, _unpack_schedule(kv_range, q_range, block_m, block_n))
+
+
+@_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, *rest):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, wl, wr, chunk, q_pos, k_pos, backend,
+     kv_range, q_range, block_m, block_n) = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, q_pos, k_pos, kv_range, q_range)
+    ctx.meta = (max_q, max_k, scale, causal, wl, wr, chunk, backend, block_m, block_n)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k, q_pos, k_pos, kv_range, q_range = ctx.saved_tensors
+    max_q, max_k, scale, causal, wl, wr, chunk, backend, block_m, block_n = ctx.meta
+    dq, dk, dv = _bwd_op(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
+                         scale, causal, wl, wr, chunk, q_pos, k_pos, backend, kv_range,
+                         q_range, block_m, block_n)
+    return (dq, dk, dv) + (None,) * 16
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------ argument prep
+def _to_device_int32(t: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
+    if t is None:
+        return None
+    return t.to(device=device, dtype=torch.int32, non_blocking=True).contiguous()
+
+
+def _on_host(*tensors: Optional[torch.Tensor]) -> bool:
+    return all(t is None or t.device.type == "cpu" for t in tensors)
+
+
+def _auto_schedule(q, v, cu_q, cu_k, max_q, max_k, mask, q_pos, k_pos, backend):
+    """Build the Triton tile schedule on the host when the metadata is already there.
+
+    Only for explicit positions: with implicit ones the kernel derives exact tile bounds
+    itself. Skipped while compiling (host tensor math would break the graph).
+    """
+    if (backend != "triton" or (q_pos is None and k_pos is None)
+            or torch.compiler.is_compiling() or not _on_host(cu_q, cu_k, q_pos, k_pos)):
+        return None
+    from .triton_attn import triton_block_sizes
+    block_m, block_n = triton_block_sizes(q.shape[-1], v.shape[-1])
+    causal, wl, wr, chunk = mask
+    sched = build_block_schedule(cu_q, cu_k, max_q, max_k, causal=causal, window_left=wl,
+                                 window_right=wr, chunk_size=chunk, q_positions=q_pos,
+                                 k_positions=k_pos, block_m=block_m, block_n=block_n)
+    return sched.to(q.device)
+
+
+def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+             causal, window_size, chunk_size, q_positions, k_positions, backend, schedule):
+    """Validate everything, then return the custom ops' arguments that follow the tensors."""
+    validation.check_qkv(q, k, v)
+    validation.check_mask_args(window_size, chunk_size, softmax_scale)
+    device = q.device
+    validation.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
+                                max_seqlen_q, max_seqlen_k, device)
+    validation.check_positions("q_positions", q_positions, q.shape[0], device)
+    validation.check_positions("k_positions", k_positions, k.shape[0], device)
+    backend = validation.check_backend(backend, device)
+    if backend == "triton" and device.type != "cuda" and not _TRITON_INTERPRETED:
+        raise ValueError("backend='triton' on a CPU tensor needs TRITON_INTERPRET=1 set before "
+                         "varlen_cp is imported; use backend='torch' (or 'auto') on CPUs")
+    validation.check_schedule(schedule, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k)
+    mask = (bool(causal), window_size[0], window_size[1], chunk_size or 0)
+    if schedule is None:
+        schedule = _auto_schedule(q, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, mask, q_positions, k_positions, backend)
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    return (_to_device_int32(cu_seqlens_q, device), _to_device_int32(cu_seqlens_k, device),
+            max_seqlen_q, max_seqlen_k, scale, *mask,
+            _to_device_int32(q_positions, device), _to_device_int32(k_positions, device),
+            backend, *_schedule_args(schedule))
+
+
+# ---------------------------------------------------------------------------- public ops
+def varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale=None, causal=False, window_size=(-1, -1), *, chunk_size=None,
+                q_positions=None, k_positions=None, return_lse=False, backend="auto",
+                schedule=None):
+    """Differentiable varlen attention, with flash_attn_varlen_func's arguments.
+
+    q [total_q, Hq, D]; k [total_k, Hkv, D]; v [total_k, Hkv, Dv]; Hq % Hkv == 0 (GQA).
+    Segment i of q (rows cu_seqlens_q[i]:cu_seqlens_q[i+1]) attends to segment i of k.
+    Masks: ``causal``, ``window_size=(left, right)`` (-1 unbounded) and ``chunk_size``
+    (Llama 4 chunked attention) apply together, on positions: ``q_positions`` /
+    ``k_positions`` (int [total], position within the document; < 0 marks padding that sees
+    and is seen by nothing), or flash-attn's bottom-right alignment when omitted.
+    ``backend``: "auto" (triton for CUDA tensors, torch otherwise), "triton" or "torch".
+    ``schedule``: an optional host-built ``BlockSchedule`` (block sizes from
+    ``block_sizes_for``) that bounds which tiles are visited.
+    Returns out [total_q, Hq, Dv] in q's dtype, and with ``return_lse`` also the fp32
+    natural-log LSE [Hq, total_q] (not differentiable). Rows that see no key get 0 / -inf.
+    """
+    args = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    softmax_scale, causal, window_size, chunk_size, q_positions, k_positions,
+                    backend, schedule)
+    out, lse = _fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), *args)
+    return (out, lse) if return_lse else out
+
+
+def varlen_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    softmax_scale=None, causal=False, window_size=(-1, -1), *,
+                    chunk_size=None, q_positions=None, k_positions=None, backend="auto",
+                    schedule=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward only, no autograd: returns (out, lse). Arguments as ``varlen_attn``."""
+    args = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    softmax_scale, causal, window_size, chunk_size, q_positions, k_positions,
+                    backend, schedule)
+    with torch.no_grad():
+        return _fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), *args)
+
+
+def varlen_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, softmax_scale=None, causal=False, window_size=(-1, -1), *,
+                    chunk_size=None, q_positions=None, k_positions=None, backend="auto",
+                    schedule=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward only: (dq, dk, dv) for this call's keys.
+
+    ``out`` and ``lse`` may be the final results merged over several calls (a CP step
+    sequence): the gradients are then this call's share, as ring attention needs.
+    """
+    args = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    softmax_scale, causal, window_size, chunk_size, q_positions, k_positions,
+                    backend, schedule)
+    if dout.shape != out.shape or out.shape[:2] != q.shape[:2] or out.shape[2] != v.shape[2]:
+        raise ValueError(f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must both be "
+                         f"[total_q, Hq, Dv] = {(q.shape[0], q.shape[1], v.shape[2])}")
+    if lse.shape != (q.shape[1], q.shape[0]) or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be fp32 [Hq, total_q] = {(q.shape[1], q.shape[0])}, got "
+                         f"{lse.dtype} {tuple(lse.shape)}")
+    with torch.no_grad():
+        return _bwd_op(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+                       out.contiguous(), lse.contiguous(), *args)
