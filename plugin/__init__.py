@@ -6,8 +6,9 @@ file per CP communication strategy), ``attention`` (the public CP op and module)
 ``sharding`` (batch sharding hooks), ``integrations`` (torchtitan, megatron adapters).
 """
 
+from .attention import ContextParallelVarlenAttention, cp_varlen_attn
 from .masks import AttnMask
 from .plan import CPPlan
 
-__all__ = ["AttnMask", "CPPlan"]
+__all__ = ["AttnMask", "CPPlan", "cp_varlen_attn", "ContextParallelVarlenAttention"]
 __version__ = "0.1.0"

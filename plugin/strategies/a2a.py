@@ -1,0 +1,258 @@
+"""Ulysses (all-to-all) context parallelism: trade the sequence split for a head split.
+
+One ``all_to_all_single`` (q, k and v packed per token, so one message per peer) turns each
+rank's local tokens x all heads into all tokens x Hq/a heads (a = all-to-all size); a
+host-planned permutation puts the tokens in document order (position-sorted, padding last)
+and the local varlen call sees whole documents with explicit positions. The output (and the
+LSE, only when asked for) goes back the same way. Backward: dout goes to heads, the local
+backward runs on the saved head-sharded tensors, and dq/dk/dv (packed) come back in one
+all-to-all.
+
+Heads: Hq % a == 0; K/V heads are split when Hkv % a == 0, and replicated (each rank gets
+one) when a % Hkv == 0, their gradients summed back over the copies; otherwise ValueError.
+
+The Ulysses transform is generic over the "core" computed on head-sharded tokens: here one
+local call; ``a2a_p2p`` plugs a ring across groups in. Limits: every rank holds all tokens
+of its Ulysses group for its heads, so activation memory per rank is the same as the
+sequence split, but the local call's longest document is the whole document.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..masks import AttnMask
+from .common import (Attn, Holder, KernelCall, cached_on, check_head_split, kernel_call,
+                     merged_order, visible_pairs)
+
+
+# ---------------------------------------------------------------------------- host tables
+@dataclass(frozen=True)
+class UlyssesTables:
+    """Token bookkeeping of one Ulysses group (host, or copied to the device)."""
+
+    sizes: tuple[int, ...]   # local tokens of each member: the all-to-all split sizes
+    order: torch.Tensor      # int64 [N]: member-concatenation row of each merged row
+    inverse: torch.Tensor    # int64 [N]: merged row of each member-concatenation row
+    holder: Holder           # the merged tokens (document order), host tensors
+
+    def to(self, device: torch.device) -> "UlyssesTables":
+        return replace(self, order=self.order.to(device, non_blocking=True),
+                       inverse=self.inverse.to(device, non_blocking=True))
+
+
+def ulysses_tables(plan: Any, members: list[int]) -> UlyssesTables:
+    """Tables of the group made of CP ranks ``members`` (in group-rank order)."""
+    order, holder = merged_order(plan, members)
+    return UlyssesTables(tuple(plan.num_tokens_of(r) for r in members), order,
+                         torch.argsort(order), holder)
+
+
+def kv_heads_per_rank(n_kv_heads: int, size: int) -> tuple[int, int]:
+    """(K/V heads each rank holds after the all-to-all, replication factor)."""
+    if n_kv_heads % size == 0:
+        return n_kv_heads // size, 1
+    return 1, size // n_kv_heads
+
+
+# ---------------------------------------------------------------------------- transforms
+def to_heads(parts: list[torch.Tensor], size: int, sizes: tuple[int, ...], group: Any
+             ) -> torch.Tensor:
+    """[T, H_i, E_i] tensors (same T) -> [N, sum_i H_i/size * E_i]: every member's tokens
+    for this rank's head slice, in member order (one all-to-all)."""
+    t = parts[0].shape[0]
+    # Explicit widths (no -1): a rank may hold zero tokens.
+    send = torch.cat([p.reshape(t, size, p.shape[1] // size * p.shape[2]) for p in parts],
+                     dim=2)
+    send = send.transpose(0, 1).contiguous()           # [size, T, W]: block j -> member j
+    width = send.shape[2]
+    recv = send.new_empty(sum(sizes), width)
+    dist.all_to_all_single(recv, send.view(size * t, width), list(sizes), [t] * size,
+                           group=group)
+    return recv
+
+
+def to_tokens(x: torch.Tensor, size: int, sizes: tuple[int, ...], n_local: int, group: Any
+              ) -> torch.Tensor:
+    """Inverse of :func:`to_heads`: [N, W] (member order) -> [T, size, W] (local tokens,
+    member j's head slice at [:, j])."""
+    recv = x.new_empty(size * n_local, x.shape[1])
+    dist.all_to_all_single(recv, x.contiguous(), [n_local] * size, list(sizes), group=group)
+    return recv.view(size, n_local, x.shape[1]).transpose(0, 1)
+
+
+def _split_cols(x: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Split [N, W] columns into contiguous [N, H, E] tensors of ``shapes`` (H, E)."""
+    out, at = [], 0
+    for h, e in shapes:
+        out.append(x[:, at:at + h * e].reshape(x.shape[0], h, e).contiguous())
+        at += h * e
+    return out
+
+
+# --------------------------------------------------------------------------------- specs
+@dataclass(frozen=True)
+class UlyssesSpec:
+    """Non-tensor arguments of a Ulysses call; subclasses supply the core."""
+
+    plan: Any
+    attn: Attn
+    group: Any               # the all-to-all group
+    size: int                # its size
+    members: tuple[int, ...]  # CP ranks of the group, in group-rank order
+    need_lse: bool
+
+    def host_tables(self) -> UlyssesTables:
+        return self.plan.cached(("ulysses", self.members),
+                                lambda: ulysses_tables(self.plan, list(self.members)))
+
+    def tables(self, device: torch.device) -> UlyssesTables:
+        return cached_on(self.plan, ("ulysses", self.members), device, self.host_tables)
+
+    def core_fwd(self, q, k, v, device):  # -> (out in q.dtype, lse)
+        raise NotImplementedError
+
+    def core_bwd(self, dout, q, k, v, out, lse, device):  # -> (dq, dk, dv)
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class LocalSpec(UlyssesSpec):
+    """Pure Ulysses: the core is one local call over the merged (whole) documents."""
+
+    block: tuple[int, int] = (64, 64)
+
+    def _call(self, device: torch.device) -> KernelCall | None:
+        plan, mask, block = self.plan, self.attn.mask, self.block
+        host = self.host_tables().holder
+
+        def build() -> KernelCall | None:
+            return kernel_call(host, host, mask, block) if visible_pairs(host, host, mask) \
+                else None
+        return cached_on(plan, ("a2a", "call", self.members, mask, block), device, build)
+
+    def core_fwd(self, q, k, v, device):
+        call = self._call(device)
+        if call is None:
+            return (q.new_zeros(q.shape[0], q.shape[1], v.shape[2]),
+                    torch.full((q.shape[1], q.shape[0]), float("-inf"), device=device))
+        return self.attn.fwd(q, k, v, call)
+
+    def core_bwd(self, dout, q, k, v, out, lse, device):
+        call = self._call(device)
+        if call is None:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return self.attn.bwd(dout, q, k, v, out, lse, call)
+
+
+# ------------------------------------------------------------------------------ function
+class UlyssesAttention(torch.autograd.Function):
+    """Sequence -> heads all-to-all, the spec's core, heads -> sequence."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, spec: UlyssesSpec):
+        device, size = q.device, spec.size
+        tab = spec.tables(device)
+        t, hq, d, hkv, dv = q.shape[0], q.shape[1], q.shape[2], k.shape[1], v.shape[2]
+        hk, rep = kv_heads_per_rank(hkv, size)
+        if rep > 1:  # fewer K/V heads than ranks: every rank gets a copy of its head
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        packed = to_heads([q, k, v], size, tab.sizes, spec.group).index_select(0, tab.order)
+        q_h, k_h, v_h = _split_cols(packed, [(hq // size, d), (hk, d), (hk, dv)])
+        out_h, lse_h = spec.core_fwd(q_h, k_h, v_h, device)
+        out = to_tokens(out_h.flatten(1).index_select(0, tab.inverse),
+                        size, tab.sizes, t, spec.group).reshape(t, hq, dv)
+        if spec.need_lse:
+            lse = to_tokens(lse_h.t().index_select(0, tab.inverse), size, tab.sizes, t,
+                            spec.group).reshape(t, hq).t().contiguous()
+        else:  # not asked for: skip its all-to-all (backward uses lse_h); [Hq, 0] stand-in
+            lse = torch.empty(hq, 0, device=device)
+        ctx.save_for_backward(q_h, k_h, v_h, out_h, lse_h)
+        ctx.spec, ctx.meta = spec, (t, hq, d, hkv, dv, rep)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q_h, k_h, v_h, out_h, lse_h = ctx.saved_tensors
+        spec, (t, hq, d, hkv, dv, rep) = ctx.spec, ctx.meta
+        device, size = q_h.device, spec.size
+        tab = spec.tables(device)
+        dout_h = to_heads([dout.contiguous()], size, tab.sizes, spec.group)
+        dout_h = dout_h.index_select(0, tab.order).view(out_h.shape)
+        dq_h, dk_h, dv_h = spec.core_bwd(dout_h, q_h, k_h, v_h, out_h, lse_h, device)
+        packed = torch.cat([g.flatten(1) for g in (dq_h, dk_h, dv_h)], dim=1)
+        back = to_tokens(packed.index_select(0, tab.inverse), size, tab.sizes, t, spec.group)
+        hk = k_h.shape[1]
+        w_q, w_k = hq // size * d, hk * d   # column blocks of each member's slice
+        dq = back[..., :w_q].reshape(t, hq, d)
+        dk = back[..., w_q:w_q + w_k].reshape(t, size * hk, d)
+        dv_ = back[..., w_q + w_k:].reshape(t, size * hk, dv)
+        if rep > 1:  # sum the gradients of the replicated K/V heads
+            dk = dk.view(t, hkv, rep, d).float().sum(2).to(dk.dtype)
+            dv_ = dv_.view(t, hkv, rep, dv).float().sum(2).to(dv_.dtype)
+        return dq, dk, dv_, None
+
+
+# ------------------------------------------------------------------------------ strategy
+def check_heads(n_heads: int, n_kv_heads: int, cp_size: int, **_: Any) -> None:
+    """Hq % cp == 0, and Hkv % cp == 0 or cp % Hkv == 0 (ValueError otherwise)."""
+    check_head_split(n_heads, n_kv_heads, cp_size, "strategy 'a2a'")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any, attn: Attn,
+              group: Any, block: tuple[int, int], *, need_lse: bool = True, **_: Any
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable Ulysses attention over the whole CP group (inputs checked)."""
+    spec = LocalSpec(plan, attn, group, plan.cp_size, tuple(range(plan.cp_size)), need_lse,
+                     block)
+    return UlyssesAttention.apply(q, k, v, spec)
+
+
+# ---------------------------------------------------------------------------- cost model
+def ulysses_bytes(sizes: tuple[int, ...], index: int, *, n_heads: int, n_kv_heads: int,
+                  head_dim: int, head_dim_v: int, dtype_bytes: int, need_lse: bool = False
+                  ) -> tuple[int, int]:
+    """(forward, backward) bytes member ``index`` of a group with ``sizes`` sends in its
+    all-to-alls (rows to itself excluded), as the engine packs them."""
+    size = len(sizes)
+    hk, _ = kv_heads_per_rank(n_kv_heads, size)
+    qkv_row = (n_heads // size * head_dim + hk * (head_dim + head_dim_v)) * dtype_bytes
+    out_row = n_heads // size * head_dim_v * dtype_bytes
+    mine, others = sizes[index], sum(sizes) - sizes[index]
+    fwd = (size - 1) * mine * qkv_row + others * out_row
+    if need_lse:
+        fwd += others * n_heads // size * 4
+    bwd = (size - 1) * mine * out_row + others * qkv_row
+    return fwd, bwd
+
+
+def bytes_sent_per_rank(plan: Any, mask: AttnMask, *, head_dim: int, n_kv_heads: int,
+                        n_heads: int, dtype_bytes: int, head_dim_v: int | None = None,
+                        **_: Any) -> dict[str, list[int]]:
+    """Bytes each rank sends per layer (q/k/v and out forward, dout and grads backward)."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    sizes = tuple(plan.num_tokens_of(r) for r in range(plan.cp_size))
+    fwd, bwd = [], []
+    for r in range(plan.cp_size):
+        f, b = ulysses_bytes(sizes, r, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                             head_dim=head_dim, head_dim_v=dv, dtype_bytes=dtype_bytes)
+        fwd.append(f)
+        bwd.append(b)
+    return {"fwd": fwd, "bwd": bwd}
+
+
+def compute_per_rank(plan: Any, mask: AttnMask, *, block: tuple[int, int], **_: Any
+                     ) -> dict[str, list[float]]:
+    """Per rank, per query head of the model: every rank computes all documents for 1/cp
+    of the heads, so the work is the whole batch's divided by cp, on every rank."""
+    tab = plan.cached(("ulysses", tuple(range(plan.cp_size))),
+                      lambda: ulysses_tables(plan, list(range(plan.cp_size))))
+    h = tab.holder
+    visible = visible_pairs(h, h, mask) / plan.cp_size
+    visited = kernel_call(h, h, mask, block).visited_pairs / plan.cp_size
+    return {"visited": [float(visited)] * plan.cp_size, "visible": [float(visible)] * plan.cp_size}
