@@ -1,0 +1,1 @@
+"""Framework adapters (torchtitan, megatron-core). The core package never imports these."""
