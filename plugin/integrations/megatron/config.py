@@ -1,0 +1,222 @@
+"""TOML job file -> megatron-core ``TransformerConfig``, GPT model arguments, the
+``[varlen_cp]`` options and the training loop's settings.
+
+Sections: ``[model]`` (any ``TransformerConfig`` field, plus ``activation = "swiglu" |
+"gelu" | "silu" | "relu"``), ``[gpt]`` (``GPTModel`` arguments: vocab_size,
+max_sequence_length, position_embedding_type, rotary_base, ...), ``[parallel]``
+(context_parallel_size, tensor_model_parallel_size, cp_comm_type,
+hierarchical_context_parallel_sizes), ``[varlen_cp]`` (``VarlenCPOptions``), ``[training]``
+(``TrainingArgs``), ``[data]`` (``SyntheticDataConfig``). Unknown sections or keys are a
+ValueError naming them, so a typo never silently falls back to a default.
+
+Limits: pipeline parallelism is not configurable (the demo uses megatron's no-pipelining
+schedule); a per-layer ``cp_comm_type`` list becomes ``varlen_cp.strategy`` because
+megatron-core 0.16.1 indexes that list off by one with CP > 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from .data import SyntheticDataConfig
+from .options import VarlenCPOptions
+
+ACTIVATIONS = {"swiglu": (F.silu, True), "silu": (F.silu, False), "gelu": (F.gelu, False),
+               "relu": (F.relu, False)}
+SECTIONS = ("model", "gpt", "parallel", "varlen_cp", "training", "data")
+_PARALLEL_KEYS = ("context_parallel_size", "tensor_model_parallel_size", "cp_comm_type",
+                  "hierarchical_context_parallel_sizes")
+# TransformerConfig fields owned by other sections (set from [parallel]) or by the runtime.
+_RESERVED_MODEL_KEYS = set(_PARALLEL_KEYS) | {"pipeline_model_parallel_size",
+                                               "activation_func", "gated_linear_unit"}
+_REQUIRED_MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads")
+_SPEC_KEYS = ("qk_layernorm",)  # TransformerConfig fields the layer spec also needs
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainingArgs:
+    """steps: optimizer steps; micro_batches: packed rows per step (megatron's
+    num_microbatches); lr/weight_decay/betas: AdamW; clip_grad: max grad norm (0 = off)."""
+
+    steps: int = 10
+    micro_batches: int = 1
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    clip_grad: float = 1.0
+    seed: int = 42
+    log_interval: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "micro_batches", "log_interval"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"training.{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"training.warmup_steps must be an int >= 0, got "
+                             f"{self.warmup_steps!r}")
+        for name in ("lr", "min_lr", "weight_decay", "clip_grad"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"training.{name} must be a number >= 0, got {v!r}")
+        b = self.betas
+        if not isinstance(b, (list, tuple)) or len(b) != 2 or not all(
+                isinstance(x, (int, float)) and 0 <= x < 1 for x in b):
+            raise ValueError(f"training.betas must be two numbers in [0, 1), got {b!r}")
+        object.__setattr__(self, "betas", (float(b[0]), float(b[1])))
+        if not isinstance(self.seed, int):
+            raise ValueError(f"training.seed must be an int, got {self.seed!r}")
+
+
+@dataclass(kw_only=True)
+class MegatronJob:
+    """Everything a run needs; ``transformer`` is built lazily (it checks the CP size
+    against the process groups only when a model is built)."""
+
+    model: dict[str, Any]
+    gpt: dict[str, Any]
+    parallel: dict[str, Any]
+    options: VarlenCPOptions
+    training: TrainingArgs
+    data: SyntheticDataConfig
+    spec_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def context_parallel_size(self) -> int:
+        return self.parallel.get("context_parallel_size", 1)
+
+    @property
+    def tensor_model_parallel_size(self) -> int:
+        return self.parallel.get("tensor_model_parallel_size", 1)
+
+    def transformer_config(self, **overrides: Any) -> TransformerConfig:
+        """The ``TransformerConfig`` (``overrides``: e.g. use_cpu_initialization)."""
+        kwargs = dict(self.model)
+        for key in _PARALLEL_KEYS:
+            if key in self.parallel:
+                kwargs[key] = self.parallel[key]
+        kwargs.update(overrides)
+        return TransformerConfig(**kwargs)
+
+
+def _check_keys(section: str, table: dict[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise ValueError(f"[{section}]: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+def _dataclass_from(section: str, cls: type, table: dict[str, Any]) -> Any:
+    _check_keys(section, table, {f.name for f in dataclasses.fields(cls)})
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
+    return cls(**values)
+
+
+def _model_section(table: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """[model] -> TransformerConfig kwargs and layer-spec kwargs."""
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    reserved = sorted(set(table) & _RESERVED_MODEL_KEYS)
+    if reserved:
+        raise ValueError(f"[model]: key(s) {reserved} belong elsewhere: parallel sizes and "
+                         f"cp_comm_type in [parallel], the activation as "
+                         f"activation = {sorted(ACTIVATIONS)}")
+    _check_keys("model", table, (fields - _RESERVED_MODEL_KEYS) | {"activation"})
+    missing = [k for k in _REQUIRED_MODEL_KEYS if k not in table]
+    if missing:
+        raise ValueError(f"[model]: {missing} required")
+    kwargs = dict(table)
+    activation = kwargs.pop("activation", None)
+    if activation is not None:
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"[model] activation must be one of {sorted(ACTIVATIONS)}, got "
+                             f"{activation!r}")
+        kwargs["activation_func"], kwargs["gated_linear_unit"] = ACTIVATIONS[activation]
+    if isinstance(kwargs.get("window_size"), list):
+        kwargs["window_size"] = tuple(kwargs["window_size"])
+    spec_kwargs = {k: kwargs[k] for k in _SPEC_KEYS if k in kwargs}
+    if "normalization" in kwargs:
+        spec_kwargs["normalization"] = kwargs["normalization"]
+    return kwargs, spec_kwargs
+
+
+def _gpt_section(table: dict[str, Any]) -> dict[str, Any]:
+    params = inspect.signature(GPTModel.__init__).parameters
+    allowed = set(params) - {"self", "config", "transformer_layer_spec", "pre_process",
+                             "post_process", "pg_collection", "vp_stage"}
+    _check_keys("gpt", table, allowed)
+    for key in ("vocab_size", "max_sequence_length"):
+        if key not in table:
+            raise ValueError(f"[gpt]: {key} is required")
+    return dict(table)
+
+
+def _parallel_section(table: dict[str, Any], varlen: dict[str, Any]) -> dict[str, Any]:
+    _check_keys("parallel", table, set(_PARALLEL_KEYS))
+    out = dict(table)
+    for key in ("context_parallel_size", "tensor_model_parallel_size"):
+        v = out.get(key, 1)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"[parallel] {key} must be an int >= 1, got {v!r}")
+    comm = out.get("cp_comm_type")
+    if isinstance(comm, list):
+        if "strategy" in varlen:
+            raise ValueError("[parallel] cp_comm_type is a per-layer list and "
+                             "[varlen_cp] strategy is set too; give only one")
+        varlen["strategy"] = comm  # see the module docstring
+        del out["cp_comm_type"]
+    return out
+
+
+def job_from_dict(doc: dict[str, Any]) -> MegatronJob:
+    """Validate a parsed TOML document and split it into the run's parts."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"config must be a table, got {type(doc).__name__}")
+    unknown = sorted(set(doc) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"config: unknown section(s) {unknown}; allowed: {list(SECTIONS)}")
+    for name in SECTIONS:
+        if name in doc and not isinstance(doc[name], dict):
+            raise ValueError(f"config: [{name}] must be a table, got {doc[name]!r}")
+    if "model" not in doc or "gpt" not in doc:
+        raise ValueError("config: sections [model] and [gpt] are required")
+    varlen = dict(doc.get("varlen_cp", {}))
+    parallel = _parallel_section(doc.get("parallel", {}), varlen)
+    model, spec_kwargs = _model_section(doc["model"])
+    job = MegatronJob(model=model, gpt=_gpt_section(doc["gpt"]), parallel=parallel,
+                      options=_dataclass_from("varlen_cp", VarlenCPOptions, varlen),
+                      training=_dataclass_from("training", TrainingArgs,
+                                               doc.get("training", {})),
+                      data=_dataclass_from("data", SyntheticDataConfig, doc.get("data", {})),
+                      spec_kwargs=spec_kwargs)
+    job.options.check_num_layers(model["num_layers"])
+    if job.data.alphabet > job.gpt["vocab_size"]:
+        raise ValueError(f"[data] alphabet={job.data.alphabet} exceeds [gpt] vocab_size="
+                         f"{job.gpt['vocab_size']}")
+    return job
+
+
+def load_config(path: str | Path) -> MegatronJob:
+    """Read and validate a TOML job file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config: no such file {str(path)!r}")
+    with path.open("rb") as f:
+        try:
+            doc = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config: {path} is not valid TOML: {e}") from e
+    return job_from_dict(doc)

@@ -1,0 +1,160 @@
+"""``VarlenCPCoreAttention``: a megatron-core core-attention module backed by varlen_cp.
+
+It follows megatron's builder protocol (``config, layer_number, attn_mask_type,
+attention_type, cp_comm_type, softmax_scale, pg_collection``, plus ``options`` from the
+spec's params) and forward protocol (``query, key, value, attention_mask, *,
+attn_mask_type, attention_bias, packed_seq_params``), so it drops into any GPT layer spec in
+place of ``DotProductAttention`` / ``TEDotProductAttention``, with context parallelism
+(which megatron's own DotProductAttention refuses) and every varlen_cp mask.
+
+Formats: THD (``packed_seq_params.qkv_format == "thd"``: q [t, h, d] -> [t, h*dv]) with the
+step's plan from the sharding hook; sbhd (q [s, b, h, d] -> [s, b, h*dv]) where each row is
+one sequence sharded like megatron's ``get_batch_on_this_cp_rank``.
+Limits: self-attention only; no attention dropout, attention bias, mask tensors, or
+non-vanilla softmax (a ValueError at build or call time says which).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+from ...attention import cp_varlen_attn
+from ...masks import AttnMask
+from ...plan import CPPlan
+from .options import (CAUSAL_TYPES, VarlenCPOptions, layer_a2a_size, layer_mask,
+                      layer_strategy)
+from .sharding import cp_group_and_rank, plan_from_packed_seq_params, sbhd_plan
+
+
+def _cp_group(pg_collection: Any) -> Any:
+    """The CP group: ``pg_collection.cp`` when given, else megatron's parallel_state."""
+    group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    if group is None and parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_context_parallel_group(check_initialized=False)
+    return group
+
+
+def _check_config(config: Any, attention_type: str) -> None:
+    """Settings the varlen kernels cannot honour fail at build time, not silently."""
+    if attention_type != "self":
+        raise ValueError(f"attention_type must be 'self' for VarlenCPCoreAttention, got "
+                         f"{attention_type!r}")
+    if config.attention_dropout:
+        raise ValueError(f"config.attention_dropout={config.attention_dropout!r}: attention "
+                         f"dropout is not supported by varlen_cp; set it to 0.0")
+    softmax_type = getattr(config, "softmax_type", "vanilla")
+    if softmax_type != "vanilla":
+        raise ValueError(f"config.softmax_type={softmax_type!r} is not supported by "
+                         f"varlen_cp (only 'vanilla')")
+
+
+class VarlenCPCoreAttention(MegatronModule):
+    """Core attention of one layer: mask and strategy resolved from the config at build."""
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str = "self", attention_dropout: float | None = None,
+                 softmax_scale: float | None = None, cp_comm_type: str | None = None,
+                 pg_collection: Any = None, options: VarlenCPOptions | None = None,
+                 **unused: Any) -> None:
+        super().__init__(config=config)
+        options = VarlenCPOptions() if options is None else options
+        if not isinstance(options, VarlenCPOptions):
+            raise ValueError(f"options must be a VarlenCPOptions, got "
+                             f"{type(options).__name__}")
+        _check_config(config, attention_type)
+        if attention_dropout:
+            raise ValueError(f"attention_dropout={attention_dropout!r} is not supported by "
+                             f"varlen_cp; use 0.0")
+        options.check_num_layers(config.num_layers)
+        self.options = options
+        self.layer_number = max(1, int(layer_number))
+        self.attn_mask_type = attn_mask_type
+        self.mask = layer_mask(config, options, self.layer_number, attn_mask_type)
+        self.strategy = layer_strategy(config, options, self.layer_number, cp_comm_type)
+        self.a2a_size = layer_a2a_size(config, options, self.strategy)
+        scale = softmax_scale if softmax_scale is not None else config.softmax_scale
+        # apply_query_key_layer_scaling divides the scale by the layer number and multiplies
+        # it back inside megatron's fp16 softmax: no net effect, so it is ignored here.
+        self.softmax_scale = (float(scale) if scale is not None
+                              else 1.0 / math.sqrt(config.kv_channels))
+        self.cp_group, self.cp_size, self.cp_rank = cp_group_and_rank(
+            _cp_group(pg_collection))
+        if self.cp_size != config.context_parallel_size:
+            raise ValueError(f"config.context_parallel_size={config.context_parallel_size} "
+                             f"differs from the CP group's size {self.cp_size}")
+
+    def _mask_for(self, attn_mask_type: AttnMaskType | None) -> AttnMask:
+        if attn_mask_type is None or attn_mask_type == self.attn_mask_type:
+            return self.mask
+        return layer_mask(self.config, self.options, self.layer_number, attn_mask_type)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan,
+                mask: AttnMask) -> torch.Tensor:
+        return cp_varlen_attn(q, k, v, plan, mask, self.cp_group, self.strategy,
+                              self.softmax_scale, backend=self.options.backend,
+                              validate=self._validate_now(plan), a2a_size=self.a2a_size)
+
+    def _validate_now(self, plan: CPPlan) -> bool:
+        """The cross-rank plan check (a host sync) runs once per plan, in the first layer
+        that sees it; every rank makes the same choice, since all share the step's plan."""
+        if not self.options.validate:
+            return False
+        done = plan.cached(("megatron_plan_validated",), lambda: [False])
+        first, done[0] = not done[0], True
+        return first
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
+                attention_bias: torch.Tensor | None = None,
+                packed_seq_params: Any = None) -> torch.Tensor:
+        """THD: q [t, hq, d], k [t, hkv, d], v [t, hkv, dv] -> [t, hq*dv].
+        sbhd: q [s, b, hq, d], k/v [s, b, hkv, d/dv] -> [s, b, hq*dv]."""
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by VarlenCPCoreAttention")
+        mask = self._mask_for(attn_mask_type)
+        if packed_seq_params is not None:
+            fmt = getattr(packed_seq_params, "qkv_format", None)
+            if fmt != "thd":
+                raise ValueError(f"packed_seq_params.qkv_format must be 'thd', got {fmt!r}")
+            if query.dim() != 3:
+                raise ValueError(f"query: THD input must be [t, h, d], got shape "
+                                 f"{tuple(query.shape)}")
+            plan = plan_from_packed_seq_params(packed_seq_params, self.cp_size, self.cp_rank,
+                                               self.options)
+            out = self._attend(query, key, value, plan, mask)
+            return out.reshape(out.shape[0], -1)
+        return self._forward_sbhd(query, key, value, attention_mask, attn_mask_type, mask)
+
+    def _forward_sbhd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None,
+                      attn_mask_type: AttnMaskType | None, mask: AttnMask) -> torch.Tensor:
+        if query.dim() != 4:
+            raise ValueError(f"query: sbhd input must be [s, b, h, d], got shape "
+                             f"{tuple(query.shape)}")
+        if key.shape[:2] != query.shape[:2] or value.shape[:2] != query.shape[:2]:
+            raise ValueError(f"key/value: self-attention needs the [s, b] of query "
+                             f"{tuple(query.shape[:2])}, got {tuple(key.shape[:2])} and "
+                             f"{tuple(value.shape[:2])}")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if attention_mask is not None and mask_type not in CAUSAL_TYPES \
+                and mask_type != AttnMaskType.no_mask:
+            raise ValueError(f"attention_mask: mask tensors are not supported (attn_mask_type "
+                             f"{mask_type!r}); pack the sequences as THD instead")
+        s, b = query.shape[:2]
+        plan = sbhd_plan(b, s, self.cp_size, self.cp_rank)
+
+        def thd(x: torch.Tensor) -> torch.Tensor:  # [s, b, h, d] -> [b*s, h, d], row-major
+            return x.transpose(0, 1).reshape(b * s, x.shape[2], x.shape[3])
+
+        out = self._attend(thd(query), thd(key), thd(value), plan, mask)
+        return out.reshape(b, s, -1).transpose(0, 1).contiguous()
+
+    def extra_repr(self) -> str:
+        return (f"layer={self.layer_number}, mask={self.mask}, strategy={self.strategy!r}, "
+                f"cp_size={self.cp_size}, backend={self.options.backend!r}")

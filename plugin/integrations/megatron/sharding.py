@@ -1,0 +1,216 @@
+"""THD batch sharding for megatron-core without TransformerEngine, and the plan it carries.
+
+``get_thd_batch_on_this_cp_rank`` replaces megatron's function of the same name (which calls
+``tex.thd_get_partitioned_indices`` and so needs TE): it builds one ``CPPlan`` for the step
+from the HOST ``cu_seqlens`` of the global packed batch, cuts this rank's tokens out of every
+[1, T] tensor, and returns ``VarlenCPPackedSeqParams``: megatron's ``PackedSeqParams`` (global
+cu_seqlens, TE-style padded cu_seqlens for megatron's THD RoPE) plus the plan, which every
+layer's core attention reuses. The default ``te`` layout is TE's exactly, so megatron's THD
+RoPE (which assumes it) stays correct.
+
+Limits: batch size 1 (THD packs everything into one row); the plan is host integer math on
+CPU tensors, so ``cu_seqlens`` must be given on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from ...plan import CPPlan
+from .options import VarlenCPOptions
+
+# Keys megatron's data pipeline puts in a batch that are not per-token tensors.
+_META_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "cu_seqlens_argmin")
+_PACKED_FIELDS = {f.name for f in dataclasses.fields(PackedSeqParams)}
+
+
+@dataclasses.dataclass
+class VarlenCPPackedSeqParams(PackedSeqParams):
+    """``PackedSeqParams`` that also carry the step's ``CPPlan`` to every core attention."""
+
+    varlen_cp_plan: CPPlan | None = None
+
+
+def cp_group_and_rank(cp_group: Any = None) -> tuple[Any, int, int]:
+    """(group, size, rank) of the CP group: ``cp_group``, else megatron's parallel_state
+    group when model parallelism is initialized, else no group (size 1)."""
+    if cp_group is None and parallel_state.model_parallel_is_initialized():
+        cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+    if cp_group is None or not dist.is_initialized():
+        return None, 1, 0
+    return cp_group, dist.get_world_size(cp_group), dist.get_rank(cp_group)
+
+
+def build_plan(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int,
+               options: VarlenCPOptions) -> CPPlan:
+    """The step's plan. With one CP rank the ``contiguous`` layout (the identity: no
+    reordering, no padding) replaces the configured one."""
+    if cp_size == 1:
+        return CPPlan.build(cu_seqlens, cp_size=1, cp_rank=0, layout="contiguous")
+    kwargs: dict[str, Any] = {}
+    if options.layout == "te":
+        kwargs["pad_multiple"] = options.pad_multiple
+    elif options.layout == "dual_chunk":
+        kwargs["min_chunk_tokens"] = options.min_chunk_tokens
+    return CPPlan.build(cu_seqlens, cp_size=cp_size, cp_rank=cp_rank, layout=options.layout,
+                        **kwargs)
+
+
+def _check_host_cu(x: Any, what: str) -> None:
+    if not isinstance(x, torch.Tensor) or x.device.type != "cpu":
+        where = x.device if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{what} must be a CPU (host) tensor, got {where}: the plan is built "
+                         f"on the host; keep a CPU copy of cu_seqlens in the data pipeline")
+
+
+def _check_padded(plan: CPPlan, cu_seqlens_padded: torch.Tensor) -> None:
+    """The caller's padded boundaries must be exactly the plan's (TE's) padding."""
+    given = cu_seqlens_padded.to(torch.int64).flatten()
+    if not torch.equal(given, plan.cu_seqlens_padded):
+        raise ValueError(f"cu_seqlens_padded={given.tolist()} differs from the padding of "
+                         f"layout {plan.layout!r} ({plan.cu_seqlens_padded.tolist()}); pad "
+                         f"each document to a multiple of 2*cp (or set pad_multiple)")
+
+
+def packed_seq_params_for(plan: CPPlan, device: torch.device | str,
+                          cp_group: Any = None) -> VarlenCPPackedSeqParams:
+    """Megatron's THD parameters for ``plan`` (cu_seqlens on ``device``) plus the plan."""
+    cu = plan.cu_seqlens.to(torch.int32)
+    padded = plan.cu_seqlens_padded.to(torch.int32)
+    lengths = padded[1:] - padded[:-1]
+    # Megatron's THD RoPE takes max_seqlen positions and cuts each padded document into
+    # 2*cp chunks; it must cover the longest padded document.
+    max_len = int(lengths.max()) if lengths.numel() else 0
+    kwargs: dict[str, Any] = dict(
+        qkv_format="thd", cu_seqlens_q=cu.to(device), cu_seqlens_kv=cu.to(device),
+        cu_seqlens_q_padded=padded.to(device), cu_seqlens_kv_padded=padded.to(device),
+        max_seqlen_q=max_len, max_seqlen_kv=max_len, varlen_cp_plan=plan)
+    if "cp_group" in _PACKED_FIELDS and cp_group is not None:
+        kwargs["cp_group"] = cp_group
+    return VarlenCPPackedSeqParams(**kwargs)
+
+
+def _shard_tensor(plan: CPPlan, x: torch.Tensor, padded_input: bool) -> torch.Tensor:
+    if not padded_input:
+        return plan.shard(x, dim=1)  # padding tokens come out as zeros
+    index = plan.cached(("megatron_padded_index", plan.cp_rank, x.device),
+                        lambda: plan.padded_token_indices_of(plan.cp_rank).to(
+                            x.device, non_blocking=True))
+    return x.index_select(1, index)
+
+
+def get_thd_batch_on_this_cp_rank(
+        batch: dict[str, Any], cu_seqlens: torch.Tensor, *, cp_group: Any = None,
+        options: VarlenCPOptions | None = None,
+        cu_seqlens_padded: torch.Tensor | None = None,
+) -> tuple[dict[str, Any], VarlenCPPackedSeqParams]:
+    """This CP rank's part of a packed batch, and the THD params every layer needs.
+
+    batch: [1, T] tensors ("tokens", "labels", "loss_mask", "position_ids", ...); with
+    ``cu_seqlens_padded`` None they are unpadded (T = cu_seqlens[-1]); with it, they are
+    megatron's TE-padded batch (T = cu_seqlens_padded[-1]), whose padding must equal the te
+    layout's. cu_seqlens (and cu_seqlens_padded): CPU int tensors of the GLOBAL batch.
+    Returns a new dict: tokens/labels of padding tokens are 0, their loss_mask 0,
+    position_ids the position within the document (0 for padding), attention_mask None
+    (THD attention needs none), metadata keys dropped; and the packed params.
+    """
+    options = VarlenCPOptions() if options is None else options
+    if not isinstance(options, VarlenCPOptions):
+        raise ValueError(f"options must be a VarlenCPOptions, got {type(options).__name__}")
+    if not isinstance(batch, dict):
+        raise ValueError(f"batch must be a dict of tensors, got {type(batch).__name__}")
+    _check_host_cu(cu_seqlens, "cu_seqlens")
+    group, cp_size, cp_rank = cp_group_and_rank(cp_group)
+    plan = build_plan(cu_seqlens.flatten(), cp_size, cp_rank, options)
+    padded_input = cu_seqlens_padded is not None
+    if padded_input:
+        _check_host_cu(cu_seqlens_padded, "cu_seqlens_padded")
+        if plan.layout != "te" and cp_size > 1:
+            raise ValueError(f"cu_seqlens_padded (TE-padded input) needs layout 'te', got "
+                             f"{plan.layout!r}")
+        if cp_size > 1:
+            _check_padded(plan, cu_seqlens_padded)
+        elif not torch.equal(cu_seqlens_padded.flatten().to(torch.int64), plan.cu_seqlens):
+            raise ValueError("cu_seqlens_padded: with one CP rank the batch must be unpadded "
+                             "(cu_seqlens_padded equal to cu_seqlens)")
+    n_global = int(cu_seqlens_padded.flatten()[-1]) if padded_input else plan.total_tokens
+    device = None
+    for key, x in batch.items():
+        if key in _META_KEYS or key == "attention_mask" or not isinstance(x, torch.Tensor):
+            continue
+        if x.dim() < 2 or x.shape[0] != 1 or x.shape[1] != n_global:
+            raise ValueError(f"batch[{key!r}] must have shape [1, {n_global}, ...] (THD: one "
+                             f"packed row), got {tuple(x.shape)}")
+        device = x.device
+    out: dict[str, Any] = {}
+    for key, x in batch.items():
+        if key in _META_KEYS:
+            continue
+        if key == "attention_mask":
+            out[key] = None
+        elif key == "position_ids" and isinstance(x, torch.Tensor):
+            pos = plan.positions.clamp(min=0).to(device=x.device, dtype=x.dtype,
+                                                 non_blocking=True)
+            out[key] = pos.unsqueeze(0)
+        elif isinstance(x, torch.Tensor):
+            local = _shard_tensor(plan, x, padded_input)
+            if key == "loss_mask" and padded_input and cp_size > 1:
+                local = local * (plan.token_indices >= 0).to(local.device, local.dtype)
+            out[key] = local
+        else:
+            out[key] = x
+    params = packed_seq_params_for(plan, device if device is not None else "cpu", group)
+    return out, params
+
+
+def plan_from_packed_seq_params(params: PackedSeqParams, cp_size: int, cp_rank: int,
+                                options: VarlenCPOptions) -> CPPlan:
+    """The plan of a THD step: the one attached by the sharding hook, else one built (once,
+    then kept on ``params``) from host cu_seqlens. Device cu_seqlens without a plan are an
+    error: reading them would stall the device every layer."""
+    plan = getattr(params, "varlen_cp_plan", None)
+    if plan is None:
+        plan = getattr(params, "_varlen_cp_plan_cache", None)
+    if plan is None:
+        cu = params.cu_seqlens_q
+        if not isinstance(cu, torch.Tensor) or cu.device.type != "cpu":
+            raise ValueError("packed_seq_params: no varlen_cp plan attached and cu_seqlens_q "
+                             "is not a host tensor; build the batch with varlen_cp."
+                             "integrations.megatron.get_thd_batch_on_this_cp_rank")
+        if params.cu_seqlens_kv is not None and not torch.equal(params.cu_seqlens_kv, cu):
+            raise ValueError("packed_seq_params: cu_seqlens_kv differs from cu_seqlens_q; "
+                             "varlen_cp supports self-attention only")
+        plan = build_plan(cu.flatten(), cp_size, cp_rank, options)
+        padded = params.cu_seqlens_q_padded
+        if padded is not None and cp_size > 1:
+            _check_host_cu(padded, "packed_seq_params.cu_seqlens_q_padded")
+            _check_padded(plan, padded.flatten())
+        object.__setattr__(params, "_varlen_cp_plan_cache", plan)
+    if plan.cp_size != cp_size or plan.cp_rank != cp_rank:
+        raise ValueError(f"packed_seq_params: the plan is for cp_size={plan.cp_size}, "
+                         f"cp_rank={plan.cp_rank}, but this layer's CP group has size "
+                         f"{cp_size} and rank {cp_rank}")
+    return plan
+
+
+@lru_cache(maxsize=16)
+def sbhd_plan(batch_size: int, local_seq_len: int, cp_size: int, cp_rank: int) -> CPPlan:
+    """Plan of an unpacked [s, b] batch sharded by megatron's ``get_batch_on_this_cp_rank``:
+    each row is one document of ``local_seq_len * cp_size`` tokens, cut into 2*cp chunks
+    with chunks r and 2*cp-1-r on rank r, which is the ``te`` layout without padding.
+    Cached: every layer of a step (and every step of one shape) shares it."""
+    doc_len = local_seq_len * cp_size
+    cu = torch.arange(batch_size + 1, dtype=torch.int64) * doc_len
+    if cp_size == 1:
+        return CPPlan.build(cu, cp_size=1, cp_rank=0, layout="contiguous")
+    if doc_len % (2 * cp_size):
+        raise ValueError(f"query: sbhd with context parallelism needs the global sequence "
+                         f"length ({doc_len}) to be a multiple of 2*cp={2 * cp_size}")
+    return CPPlan.build(cu, cp_size=cp_size, cp_rank=cp_rank, layout="te")

@@ -1,0 +1,224 @@
+"""Train a megatron-core GPT model with varlen_cp attention on synthetic packed data.
+
+    python -m varlen_cp.integrations.megatron.train --config configs/megatron_llama4_debug.toml
+    torchrun --nproc_per_node 2 -m varlen_cp.integrations.megatron.train --config ...
+
+The model is megatron's ``GPTModel`` built from its local (TE-free) layer spec with the core
+attention swapped for ``VarlenCPCoreAttention``; every step shards the packed batch with
+``get_thd_batch_on_this_cp_rank`` and runs megatron-core's own forward/backward schedule
+(``get_forward_backward_func``) with per-token loss. Gradients are summed over the
+data+context-parallel group and divided by the step's token count in the schedule's
+``finalize_model_grads_func`` hook, so a CP=N run reproduces the CP=1 run's steps.
+
+Limits: no pipeline parallelism, no megatron DDP/distributed optimizer (plain AdamW on
+all-reduced grads: enough for the demo and the parity tests); CPU runs use gloo and
+``cpu_compat``; CUDA runs use NCCL and the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .config import MegatronJob, load_config
+from .cpu_compat import init_cpu_rng, is_cpu_only, megatron_on_cpu
+from .data import synthetic_batch
+from .options import VarlenCPOptions
+from .sharding import get_thd_batch_on_this_cp_rank
+from .spec import get_varlen_cp_layer_spec
+
+
+def runtime() -> contextlib.AbstractContextManager:
+    """Context every megatron call runs in: the CPU shims on CPU, nothing on CUDA."""
+    return megatron_on_cpu() if is_cpu_only() else contextlib.nullcontext()
+
+
+def build_model(config: TransformerConfig, options: VarlenCPOptions, gpt_args: dict[str, Any],
+                spec_kwargs: dict[str, Any] | None = None) -> GPTModel:
+    """megatron's GPTModel with the varlen_cp core attention in every layer."""
+    spec = get_varlen_cp_layer_spec(options, **(spec_kwargs or {}))
+    with runtime():
+        model = GPTModel(config=config, transformer_layer_spec=spec, **gpt_args)
+    return model if is_cpu_only() else model.cuda()
+
+
+def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    """Per-token loss (megatron's 3-tuple): local sum, local count, values to log."""
+    mask = loss_mask.reshape(-1).float()
+    total = (output.reshape(-1).float() * mask).sum()
+    count = mask.sum().to(torch.int)
+    return total, count, {"lm loss": torch.stack([total.detach(), mask.sum()])}
+
+
+def forward_step(data_iterator: Iterator, model: GPTModel):
+    """megatron's forward_step_func: one (local batch, packed params) micro-batch."""
+    batch, packed = next(data_iterator)
+    output = model(batch["tokens"], batch.get("position_ids"), None, labels=batch["labels"],
+                   packed_seq_params=packed)
+    return output, lambda out: _loss_func(batch["loss_mask"], out)
+
+
+def finalize_grads(models: list[torch.nn.Module], num_tokens: torch.Tensor | None,
+                   pg_collection: Any = None, force_all_reduce: bool = False) -> None:
+    """The schedule's ``finalize_model_grads_func``: sum grads and token counts over the
+    data+context-parallel group (one flat buffer: one collective), then divide by the
+    tokens, so every rank holds the gradient of the global per-token mean loss."""
+    group = getattr(pg_collection, "dp_cp", None) or parallel_state.get_data_parallel_group(
+        with_context_parallel=True)
+    params = [p for m in models for p in m.parameters() if p.requires_grad]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    count = (num_tokens if num_tokens is not None else torch.ones(())).to(flat)
+    flat = torch.cat([flat, count.reshape(1)])
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(flat, group=group)
+    flat = flat[:-1] / flat[-1].clamp(min=1)
+    offset = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[offset:offset + n].view_as(g).to(g.dtype)
+        offset += n
+
+
+def run_step(model: GPTModel, micro_batches: list[tuple[dict, Any]], *,
+             forward_only: bool = False) -> tuple[float, float]:
+    """One forward(/backward) over the micro-batches with megatron's schedule; returns
+    (global loss sum, global token count) over the data+context-parallel group."""
+    config = model.config
+    config.calculate_per_token_loss = True
+    config.finalize_model_grads_func = finalize_grads
+    seq_len = sum(int(b["tokens"].shape[1]) for b, _ in micro_batches)
+    with runtime():
+        store = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=model,
+            num_microbatches=len(micro_batches), seq_length=seq_len, micro_batch_size=1,
+            forward_only=forward_only)
+    stats = torch.stack([s["lm loss"].float() for s in store]).sum(0)
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(stats, group=group)
+    return float(stats[0]), float(stats[1])
+
+
+def local_batches(job: MegatronJob, step: int, device: torch.device) -> list[tuple[dict, Any]]:
+    """This rank's micro-batches of ``step``: the global batch, sharded for its CP rank."""
+    dp_rank = parallel_state.get_data_parallel_rank()
+    out = []
+    for m in range(job.training.micro_batches):
+        batch, cu = synthetic_batch(job.data, step * job.training.micro_batches + m, dp_rank)
+        local, packed = get_thd_batch_on_this_cp_rank(batch, cu, options=job.options)
+        local = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                 for k, v in local.items()}
+        out.append((local, packed))
+    return out
+
+
+def lr_at(job: MegatronJob, step: int) -> float:
+    """Linear warmup, then cosine decay to min_lr."""
+    t = job.training
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def init_distributed(job: MegatronJob) -> torch.device:
+    """Process group (torchrun's env, else a single process) and megatron's model-parallel
+    groups; returns the device."""
+    if not dist.is_initialized():
+        backend = "gloo" if is_cpu_only() else "nccl"
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=5))
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29511")
+            dist.init_process_group(backend, rank=0, world_size=1)
+    device = torch.device("cpu")
+    if not is_cpu_only():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=job.tensor_model_parallel_size,
+        context_parallel_size=job.context_parallel_size,
+        hierarchical_context_parallel_sizes=job.parallel.get(
+            "hierarchical_context_parallel_sizes"))
+    if is_cpu_only():
+        init_cpu_rng(job.training.seed)
+    else:
+        from megatron.core import tensor_parallel
+        torch.manual_seed(job.training.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(job.training.seed)
+    return device
+
+
+def train(job: MegatronJob, *, log_json: str | None = None) -> list[float]:
+    """Train ``job.training.steps`` steps; returns the per-step losses (every rank)."""
+    device = init_distributed(job)
+    config = job.transformer_config(use_cpu_initialization=is_cpu_only())
+    model = build_model(config, job.options, job.gpt, job.spec_kwargs)
+    t = job.training
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas,
+                                  weight_decay=t.weight_decay)
+    rank0 = dist.get_rank() == 0
+    losses: list[float] = []
+    for step in range(t.steps):
+        start = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(job, step)
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum, count = run_step(model, local_batches(job, step, device))
+        if t.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad)
+        optimizer.step()
+        losses.append(loss_sum / max(count, 1.0))
+        if rank0 and (step % t.log_interval == 0 or step == t.steps - 1):
+            print(f"step {step:4d}  loss {losses[-1]:.4f}  lr {lr_at(job, step):.2e}  "
+                  f"{time.perf_counter() - start:.2f} s", flush=True)
+    if rank0 and log_json:
+        with open(log_json, "w") as f:
+            json.dump({"losses": losses, "cp": job.context_parallel_size,
+                       "world": dist.get_world_size()}, f)
+    return losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="TOML job file")
+    parser.add_argument("--steps", type=int, default=None, help="override training.steps")
+    parser.add_argument("--context-parallel-size", type=int, default=None,
+                        help="override parallel.context_parallel_size")
+    parser.add_argument("--log-json", default=None, help="write the losses here (rank 0)")
+    args = parser.parse_args(argv)
+    job = load_config(args.config)
+    if args.steps is not None:
+        job.training = dataclasses.replace(job.training, steps=args.steps)
+    if args.context_parallel_size is not None:
+        job.parallel["context_parallel_size"] = args.context_parallel_size
+    torch.manual_seed(job.training.seed)
+    try:
+        train(job, log_json=args.log_json)
+    finally:
+        if dist.is_initialized():
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
