@@ -18,12 +18,14 @@ import itertools
 
 import torch
 from varlen_cp.plan import LAYOUTS as PLAN_LAYOUTS
+from varlen_cp.strategies import STRATEGIES as PLAN_STRATEGIES
 
 from .dist_env import JobContext
 from .harness import register
 from tests.reference import reference_attn
 
-STRATEGIES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+# Every strategy varlen_cp ships (a new one is covered without editing this file).
+STRATEGIES: tuple[str, ...] = tuple(PLAN_STRATEGIES)
 # Every layout the plan knows (a new one is covered without editing this file).
 LAYOUTS: tuple[str, ...] = tuple(PLAN_LAYOUTS)
 D, DV = 64, 32           # Dv != D (MLA-like) on purpose
