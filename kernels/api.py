@@ -3,6 +3,9 @@
 ``varlen_attn`` mirrors ``flash_attn_varlen_func`` and adds per-token positions, chunked
 (Llama 4) masks, padding tokens and a choice of backend. ``varlen_attn_fwd`` /
 ``varlen_attn_bwd`` are the non-autograd halves the CP strategies call step by step.
+The LSE output is differentiable (its gradient enters the backward as delta -= dlse), which
+lets attention sinks (``sink.apply_softmax_sink``) be applied after the op, or after a CP
+merge; the forward can also return each row's max logit for QK-clip.
 
 Both halves are ``torch.library.custom_op``s with fake (meta) implementations, so
 ``torch.compile(fullgraph=True)`` traces through them as opaque nodes. Inputs are validated
@@ -20,6 +23,7 @@ import torch
 
 from . import validation
 from .schedule import BlockSchedule, build_block_schedule
+from .sink import apply_softmax_sink, check_softmax_args, max_logit_of
 
 # Read once at import (never inside forward): Triton on a CPU needs its interpreter, which
 # must be switched on before triton is first imported.
@@ -66,25 +70,34 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: tor
             chunk_size: int, q_positions: Optional[torch.Tensor],
             k_positions: Optional[torch.Tensor], backend: str,
             kv_range: Optional[torch.Tensor], q_range: Optional[torch.Tensor],
-            block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            block_m: int, block_n: int, return_max: bool
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # A custom op has a fixed number of outputs: without return_max the row max is an empty
+    # [Hq, 0] stand-in that costs nothing.
     fwd, _ = _backend_module(backend)
-    return fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-               causal, window_left, window_right, chunk_size, q_positions, k_positions,
-               _unpack_schedule(kv_range, q_range, block_m, block_n))
+    res = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+              causal, window_left, window_right, chunk_size, q_positions, k_positions,
+              _unpack_schedule(kv_range, q_range, block_m, block_n), return_max=return_max)
+    if return_max:
+        return res
+    out, lse = res
+    return out, lse, lse.new_empty(lse.shape[0], 0)
 
 
 @_fwd_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
       window_left, window_right, chunk_size, q_positions, k_positions, backend, kv_range,
-      q_range, block_m, block_n):
+      q_range, block_m, block_n, return_max):
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
-    return out, lse
+    row_max = q.new_empty(q.shape[1], q.shape[0] if return_max else 0, dtype=torch.float32)
+    return out, lse, row_max
 
 
 @torch.library.custom_op("varlen_cp::varlen_bwd", mutates_args=())
 def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+            out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
+            cu_seqlens_q: torch.Tensor,
             cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
             softmax_scale: float, causal: bool, window_left: int, window_right: int,
             chunk_size: int, q_positions: Optional[torch.Tensor],
@@ -94,7 +107,8 @@ def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     _, bwd = _backend_module(backend)
     return bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                max_seqlen_k, softmax_scale, causal, window_left, window_right, chunk_size,
-               q_positions, k_positions, _unpack_schedule(kv_range, q_range, block_m, block_n))
+               q_positions, k_positions, _unpack_schedule(kv_range, q_range, block_m, block_n),
+               dlse=dlse)
 
 
 @_bwd_op.register_fake
@@ -104,20 +118,23 @@ def _(dout, q, k, v, out, lse, *rest):
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, wl, wr, chunk, q_pos, k_pos, backend,
-     kv_range, q_range, block_m, block_n) = inputs
-    out, lse = output
-    ctx.mark_non_differentiable(lse)
+     kv_range, q_range, block_m, block_n, _return_max) = inputs
+    out, lse, row_max = output
+    ctx.mark_non_differentiable(row_max)  # the max logit is a statistic, not a loss term
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, q_pos, k_pos, kv_range, q_range)
     ctx.meta = (max_q, max_k, scale, causal, wl, wr, chunk, backend, block_m, block_n)
 
 
-def _backward(ctx, dout, _dlse):
+def _backward(ctx, dout, dlse, _drow_max):
     q, k, v, out, lse, cu_q, cu_k, q_pos, k_pos, kv_range, q_range = ctx.saved_tensors
     max_q, max_k, scale, causal, wl, wr, chunk, backend, block_m, block_n = ctx.meta
-    dq, dk, dv = _bwd_op(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
+    # Either output may be unused by the loss (e.g. only lse): its gradient is then None.
+    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+    dlse = None if dlse is None else dlse.float().contiguous()
+    dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k,
                          scale, causal, wl, wr, chunk, q_pos, k_pos, backend, kv_range,
                          q_range, block_m, block_n)
-    return (dq, dk, dv) + (None,) * 16
+    return (dq, dk, dv) + (None,) * 17
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -182,7 +199,7 @@ def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, so
 def varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale=None, causal=False, window_size=(-1, -1), *, chunk_size=None,
                 q_positions=None, k_positions=None, return_lse=False, backend="auto",
-                schedule=None):
+                schedule=None, return_max_logit=False, softmax_type="vanilla", sink=None):
     """Differentiable varlen attention, with flash_attn_varlen_func's arguments.
 
     q [total_q, Hq, D]; k [total_k, Hkv, D]; v [total_k, Hkv, Dv]; Hq % Hkv == 0 (GQA).
@@ -194,46 +211,77 @@ def varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     ``backend``: "auto" (triton for CUDA tensors, torch otherwise), "triton" or "torch".
     ``schedule``: an optional host-built ``BlockSchedule`` (block sizes from
     ``block_sizes_for``) that bounds which tiles are visited.
-    Returns out [total_q, Hq, Dv] in q's dtype, and with ``return_lse`` also the fp32
-    natural-log LSE [Hq, total_q] (not differentiable). Rows that see no key get 0 / -inf.
+    ``softmax_type``: "vanilla", "off-by-one" (a zero sink logit per head) or "learnable"
+    (``sink``: fp32 [Hq] logits, which receive a gradient); see ``sink.apply_softmax_sink``.
+    Returns out [total_q, Hq, Dv] in q's dtype; then with ``return_lse`` the fp32
+    natural-log LSE [Hq, total_q] (differentiable; it includes the sink when one is used);
+    then with ``return_max_logit`` the fp32 [Hq] max of the scaled visible scores (not
+    differentiable, -inf for a head that sees nothing). A tuple when more than one.
+    Rows that see no key get out 0 and LSE -inf (the sink logit with a sink).
     """
     args = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     softmax_scale, causal, window_size, chunk_size, q_positions, k_positions,
                     backend, schedule)
-    out, lse = _fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), *args)
-    return (out, lse) if return_lse else out
+    check_softmax_args(softmax_type, sink, q.shape[1], q.device)
+    out, lse, row_max = _fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), *args,
+                                bool(return_max_logit))
+    out, lse = apply_softmax_sink(out, lse, softmax_type, sink)
+    results = (out,) + ((lse,) if return_lse else ())
+    if return_max_logit:
+        results += (max_logit_of(row_max),)
+    return results if len(results) > 1 else out
 
 
 def varlen_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     softmax_scale=None, causal=False, window_size=(-1, -1), *,
                     chunk_size=None, q_positions=None, k_positions=None, backend="auto",
-                    schedule=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward only, no autograd: returns (out, lse). Arguments as ``varlen_attn``."""
+                    schedule=None, return_max_logit=False) -> tuple[torch.Tensor, ...]:
+    """Forward only, no autograd: returns (out, lse), or with ``return_max_logit``
+    (out, lse, row_max) with row_max fp32 [Hq, total_q] the max scaled visible score of
+    each row (-inf where a row sees nothing). Other arguments as ``varlen_attn``."""
     args = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     softmax_scale, causal, window_size, chunk_size, q_positions, k_positions,
                     backend, schedule)
     with torch.no_grad():
-        return _fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), *args)
+        out, lse, row_max = _fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), *args,
+                                    bool(return_max_logit))
+    return (out, lse, row_max) if return_max_logit else (out, lse)
 
 
-def varlen_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                    max_seqlen_k, softmax_scale=None, causal=False, window_size=(-1, -1), *,
-                    chunk_size=None, q_positions=None, k_positions=None, backend="auto",
-                    schedule=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward only: (dq, dk, dv) for this call's keys.
-
-    ``out`` and ``lse`` may be the final results merged over several calls (a CP step
-    sequence): the gradients are then this call's share, as ring attention needs.
-    """
-    args = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    softmax_scale, causal, window_size, chunk_size, q_positions, k_positions,
-                    backend, schedule)
+def _check_bwd_tensors(dout, q, v, out, lse, dlse) -> None:
+    """Shapes of the backward-only inputs, before any compute."""
     if dout.shape != out.shape or out.shape[:2] != q.shape[:2] or out.shape[2] != v.shape[2]:
         raise ValueError(f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must both be "
                          f"[total_q, Hq, Dv] = {(q.shape[0], q.shape[1], v.shape[2])}")
     if lse.shape != (q.shape[1], q.shape[0]) or lse.dtype != torch.float32:
         raise ValueError(f"lse must be fp32 [Hq, total_q] = {(q.shape[1], q.shape[0])}, got "
                          f"{lse.dtype} {tuple(lse.shape)}")
+    if dlse is not None and (not isinstance(dlse, torch.Tensor)
+                             or dlse.shape != lse.shape or dlse.dtype != torch.float32
+                             or dlse.device != lse.device):
+        raise ValueError(f"dlse must be None or fp32 [Hq, total_q] = "
+                         f"{(q.shape[1], q.shape[0])} on {lse.device}, got "
+                         f"{getattr(dlse, 'dtype', type(dlse))} "
+                         f"{tuple(getattr(dlse, 'shape', ()))} on {getattr(dlse, 'device', '-')}")
+
+
+def varlen_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, softmax_scale=None, causal=False, window_size=(-1, -1), *,
+                    chunk_size=None, q_positions=None, k_positions=None, backend="auto",
+                    schedule=None, dlse=None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward only: (dq, dk, dv) for this call's keys.
+
+    ``out`` and ``lse`` may be the final results merged over several calls (a CP step
+    sequence): the gradients are then this call's share, as ring attention needs.
+    ``dlse`` (fp32 [Hq, total_q] or None = zeros) is the gradient of that final LSE (e.g.
+    from a sink or a loss on the LSE); pass the same one to every step.
+    """
+    args = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    softmax_scale, causal, window_size, chunk_size, q_positions, k_positions,
+                    backend, schedule)
+    _check_bwd_tensors(dout, q, v, out, lse, dlse)
     with torch.no_grad():
         return _bwd_op(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
-                       out.contiguous(), lse.contiguous(), *args)
+                       out.contiguous(), lse.contiguous(),
+                       None if dlse is None else dlse.contiguous(), *args)

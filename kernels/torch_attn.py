@@ -47,6 +47,12 @@ _KEY_CHUNK = 512
 _GROUP_ELEMS = 1 << 18
 
 
+def lse_grad_rows(dlse: Tensor, lse: Tensor) -> Tensor:
+    """dlse with rows that see nothing zeroed: their P is 0, and a non-finite dlse there
+    (e.g. from logaddexp(-inf, -inf) upstream) must not turn 0 * (dP - delta) into NaN."""
+    return torch.where(lse == float("-inf"), 0.0, dlse.float())
+
+
 @dataclass(frozen=True)
 class _Group:
     """One padded batch of work items: rows/keys to gather and where results go."""
@@ -264,8 +270,10 @@ def _masked_scores(qh: Tensor, kh: Tensor, hidden: Tensor | None, mq: int) -> Te
 
 
 def _fwd_group(qh: Tensor, kh: Tensor, vh: Tensor, hidden: Tensor, mq: int
-               ) -> tuple[Tensor, Tensor]:
-    """Online softmax over key chunks of one group -> (out, lse), heads-major, acc dtype.
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    """Online softmax over key chunks of one group -> (out, lse, row max), heads-major.
+
+    All three in the acc dtype; the row max is of the scaled scores, -inf on empty rows.
 
     Chunking the keys keeps each score tile (``_KEY_CHUNK`` wide) in cache: every
     elementwise pass over a tile that spills to DRAM costs about as much as its matmul.
@@ -288,8 +296,8 @@ def _fwd_group(qh: Tensor, kh: Tensor, vh: Tensor, hidden: Tensor, mq: int
         m = m_new  # the true running max (-inf until a key is seen), so denom >= 1 below
     # denom >= 1 on rows with a visible key (the max contributes exp(0)); 0 on empty rows,
     # whose acc is 0 too, so clamping gives out 0 and log(0) gives lse -inf, never NaN.
-    lse = m.masked_fill_(m == float("-inf"), 0.0) + denom.log()
-    return acc.div_(denom.clamp(min=1.0)), lse
+    lse = m.masked_fill(m == float("-inf"), 0.0) + denom.log()
+    return acc.div_(denom.clamp(min=1.0)), lse, m
 
 
 def _bwd_group(qh: Tensor, kh: Tensor, vh: Tensor, doh: Tensor, delta: Tensor,
@@ -318,8 +326,13 @@ def torch_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_
               max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
               window_left: int, window_right: int, chunk_size: int,
               q_positions: Tensor | None, k_positions: Tensor | None,
-              schedule: BlockSchedule | None = None) -> tuple[Tensor, Tensor]:
-    """Varlen attention forward. -> (out [Tq, Hq, Dv] in q.dtype, lse fp32 [Hq, Tq])."""
+              schedule: BlockSchedule | None = None, *, return_max: bool = False
+              ) -> tuple[Tensor, ...]:
+    """Varlen attention forward. -> (out [Tq, Hq, Dv] in q.dtype, lse fp32 [Hq, Tq]).
+
+    With ``return_max`` also the row max of the scaled visible scores, fp32 [Hq, Tq]
+    (-inf on rows that see nothing), for the max logit of QK-clip.
+    """
     cu_q, cu_k = _host(cu_seqlens_q), _host(cu_seqlens_k)
     _check_inputs(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k)
     mask = (bool(causal), int(window_left), int(window_right), int(chunk_size or 0))
@@ -330,16 +343,22 @@ def torch_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_
     # One dummy row at the end of each buffer absorbs the padded slots' writes.
     out = torch.zeros(tq + 1, hq, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.full((tq + 1, hq, 1), float("-inf"), dtype=torch.float32, device=q.device)
+    row_max = torch.full_like(lse, float("-inf")) if return_max else None
     q_pos, k_pos = _positions(cu_q, cu_k, tq, tk, q_positions, k_positions, q.device)
     for g in _groups(sched, cu_q, cu_k, tq, tk, hq, q.device):
         hidden = ~_group_mask(g, q_pos, k_pos, mask, q_positions is not None)
         qh = _heads_major(q.index_select(0, g.q_gather), g, g.mq, hkv, acc, softmax_scale)
         kh = _heads_major(k.index_select(0, g.k_gather), g, g.mk, hkv, acc)
         vh = _heads_major(v.index_select(0, g.k_gather), g, g.mk, hkv, acc)
-        o, row_lse = _fwd_group(qh, kh, vh, hidden, g.mq)
+        o, row_lse, m = _fwd_group(qh, kh, vh, hidden, g.mq)
         _put_rows(out, o, g, g.mq, hkv)
         _put_rows(lse, row_lse, g, g.mq, hkv)
-    return out[:tq], lse[:tq, :, 0].t().contiguous()
+        if row_max is not None:
+            _put_rows(row_max, m, g, g.mq, hkv)
+    lse_HT = lse[:tq, :, 0].t().contiguous()
+    if row_max is None:
+        return out[:tq], lse_HT
+    return out[:tq], lse_HT, row_max[:tq, :, 0].t().contiguous()
 
 
 @torch.no_grad()
@@ -347,12 +366,14 @@ def torch_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
               cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
               max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
               window_right: int, chunk_size: int, q_positions: Tensor | None,
-              k_positions: Tensor | None, schedule: BlockSchedule | None = None
-              ) -> tuple[Tensor, Tensor, Tensor]:
+              k_positions: Tensor | None, schedule: BlockSchedule | None = None, *,
+              dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """FA2 backward from the given (possibly merged) out/lse. -> (dq, dk, dv), input dtypes.
 
     ``out``/``lse`` are never recomputed: with the final merged ones of a ring step this
     yields that step's partial gradients. dK/dV are summed over each GQA group.
+    ``dlse`` [Hq, Tq] (None = 0) is the gradient of the LSE output: since dlse/dS = P it
+    enters as delta = rowsum(dO * O) - dlse.
     """
     cu_q, cu_k = _host(cu_seqlens_q), _host(cu_seqlens_k)
     _check_inputs(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k)
@@ -369,6 +390,8 @@ def torch_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     dk = torch.zeros(tk + 1, hkv, k.shape[-1], dtype=acc, device=k.device)
     dv = torch.zeros(tk + 1, hkv, v.shape[-1], dtype=acc, device=v.device)
     delta_TH = (dout.to(acc) * out.to(acc)).sum(dim=-1)          # rowsum(dO * O)
+    if dlse is not None:
+        delta_TH = delta_TH - lse_grad_rows(dlse, lse).t().to(acc)
     # lse = -inf means the row sees no key anywhere: +inf there makes P = exp(s - inf) = 0.
     lse_TH = lse.t().to(acc).masked_fill(lse.t() == float("-inf"), float("inf"))
     q_pos, k_pos = _positions(cu_q, cu_k, tq, tk, q_positions, k_positions, q.device)

@@ -26,6 +26,7 @@ from .triton_common import (
     key_block_range, launch_options, load_positions, query_block_range, tile_may_see,
     unit_last_stride, visible,
 )
+from .torch_attn import lse_grad_rows
 from .triton_fwd import LOG2E, check_schedule, kernel_constants, resolve_blocks
 
 
@@ -230,9 +231,12 @@ def _dq_kernel(
 def triton_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
                window_right: int, chunk_size: int, q_positions, k_positions, schedule=None, *,
-               block_sizes: tuple[int, int] | None = None
+               block_sizes: tuple[int, int] | None = None, dlse=None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dq, dk, dv) in the input dtypes; dk/dv summed over the GQA group.
+
+    ``dlse`` [Hq, Tq] (None = 0), the gradient of the LSE output, enters as
+    delta = rowsum(dO * O) - dlse (dlse/dS = P), so the kernels need no change for it.
 
     ``block_sizes`` (block_m, block_n) overrides the default tiles when no schedule is given.
     """
@@ -251,7 +255,10 @@ def triton_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     dout = unit_last_stride(dout)
     lse = lse.contiguous()
     # [Hq, Tq] like lse, so both load with one index; a torch op is fine off the inner loop.
-    delta = (dout.float() * out.float()).sum(-1).transpose(0, 1).contiguous()
+    delta = (dout.float() * out.float()).sum(-1).transpose(0, 1)
+    if dlse is not None:
+        delta = delta - lse_grad_rows(dlse, lse)
+    delta = delta.contiguous()
     dummy = cu_seqlens_q  # stands in for absent optional tensors; never dereferenced
     q_pos = dummy if q_positions is None else q_positions
     k_pos = dummy if k_positions is None else k_positions

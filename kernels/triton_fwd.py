@@ -61,7 +61,7 @@ def _fwd_tile(
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, CU_Q, CU_K, QPOS, KPOS, KV_RANGE,
+    Q, K, V, O, LSE, RMAX, CU_Q, CU_K, QPOS, KPOS, KV_RANGE,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     total_q, n_qblocks, group, qk_scale, window_left, window_right, chunk_size,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -69,6 +69,7 @@ def _fwd_kernel(
     CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CHUNK: tl.constexpr,
     EXPLICIT_Q: tl.constexpr, EXPLICIT_K: tl.constexpr, USE_SCHEDULE: tl.constexpr,
     SCAN_Q: tl.constexpr, SCAN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    STORE_MAX: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     seg = tl.program_id(1)
@@ -125,6 +126,10 @@ def _fwd_kernel(
              out.to(O.dtype.element_ty),
              mask=row_in[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
     tl.store(LSE + head.to(tl.int64) * total_q + rows, lse, mask=row_in)
+    if STORE_MAX:
+        # m_i is the running max of scores * scale * log2(e): back to natural units.
+        tl.store(RMAX + head.to(tl.int64) * total_q + rows, m_i * 0.6931471805599453,
+                 mask=row_in)
 
 
 def resolve_blocks(schedule, block_sizes, head_dim: int, head_dim_v: int) -> tuple[int, int]:
@@ -179,8 +184,10 @@ def kernel_constants(dtype: torch.dtype, head_dim: int, head_dim_v: int, block_m
 def triton_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                softmax_scale: float, causal: bool, window_left: int, window_right: int,
                chunk_size: int, q_positions, k_positions, schedule=None, *,
-               block_sizes: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (out [Tq, Hq, Dv] in q.dtype, lse fp32 [Hq, Tq]).
+               block_sizes: tuple[int, int] | None = None, return_max: bool = False
+               ) -> tuple[torch.Tensor, ...]:
+    """-> (out [Tq, Hq, Dv] in q.dtype, lse fp32 [Hq, Tq]), plus with ``return_max`` the
+    row max of the scaled visible scores, fp32 [Hq, Tq] (-inf on rows that see nothing).
 
     ``block_sizes`` (block_m, block_n) overrides the default tiles when no schedule is given
     (tests use 32 to keep the interpreter fast).
@@ -193,12 +200,15 @@ def triton_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqle
     q, k, v = (unit_last_stride(t) for t in (q, k, v))
     out = torch.zeros(total_q, n_heads, head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.full((n_heads, total_q), float("-inf"), dtype=torch.float32, device=q.device)
+    # Rows the grid skips (beyond every segment) keep -inf, like their lse.
+    row_max = torch.full_like(lse, float("-inf")) if return_max else None
+    result = (out, lse) if row_max is None else (out, lse, row_max)
     if total_q == 0 or n_seg == 0 or max_seqlen_q <= 0:
-        return out, lse
+        return result
     n_qblocks = triton.cdiv(max_seqlen_q, block_m)
     dummy = cu_seqlens_q  # stands in for absent optional tensors; never dereferenced
     _fwd_kernel[(n_qblocks, n_seg, n_heads)](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, out, lse, lse if row_max is None else row_max, cu_seqlens_q, cu_seqlens_k,
         dummy if q_positions is None else q_positions,
         dummy if k_positions is None else k_positions,
         dummy if schedule is None else schedule.kv_range,
@@ -209,6 +219,7 @@ def triton_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqle
         **kernel_constants(q.dtype, head_dim, head_dim_v, block_m, block_n, causal,
                            window_left, window_right, chunk_size, q_positions is not None,
                            k_positions is not None, schedule is not None),
+        STORE_MAX=row_max is not None,
         **launch_options(q.dtype, head_dim, head_dim_v, "fwd"),
     )
-    return out, lse
+    return result

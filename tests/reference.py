@@ -41,14 +41,36 @@ def reference_mask(qp, kp, *, causal, window_size=(-1, -1), chunk_size=None,
     return m
 
 
+def _reference_sink(softmax_type, sink, hq, dtype, device):
+    """The sink logit per head as [Hq, 1, 1] in ``dtype``, or None for vanilla softmax."""
+    if softmax_type == "vanilla":
+        return None
+    if softmax_type == "off-by-one":
+        return torch.zeros(hq, 1, 1, dtype=dtype, device=device)
+    return sink.to(dtype).view(hq, 1, 1)
+
+
 def reference_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale=None, causal=False,
                    window_size=(-1, -1), chunk_size=None, q_positions=None, k_positions=None,
-                   dtype=torch.float64):
-    """Dense varlen attention in ``dtype``. Returns (out [Tq, Hq, Dv], lse fp32 [Hq, Tq])."""
+                   dtype=torch.float64, softmax_type="vanilla", sink=None,
+                   return_row_max=False):
+    """Dense varlen attention in ``dtype``. Returns (out [Tq, Hq, Dv], lse fp32 [Hq, Tq]).
+
+    A sink ("off-by-one": logit 0, "learnable": ``sink`` [Hq]) is one more column of the
+    score matrix, visible to every row, whose probability is dropped (no value): written
+    that way, not via the logaddexp rescale the library uses. ``return_row_max`` adds the
+    row max of the scaled visible scores [Hq, Tq] (-inf on empty rows; sink excluded).
+    """
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     hq, hkv = q.shape[1], k.shape[1]
+    sink_col = _reference_sink(softmax_type, sink, hq, dtype, q.device)
     out = torch.zeros(q.shape[0], hq, v.shape[-1], dtype=dtype, device=q.device)
     lse = torch.full((hq, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    if sink_col is not None:
+        # Rows of empty segments have only the sink: lse = t (and a sink gradient).
+        lse = sink_col.float().view(hq, 1).expand(hq, q.shape[0]).clone()
+    row_max = torch.full((hq, q.shape[0]), float("-inf"), dtype=torch.float32,
+                         device=q.device)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for s in range(len(cu_q) - 1):
         q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
@@ -66,12 +88,18 @@ def reference_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale=None, c
         vs = v[k0:k1].to(dtype).repeat_interleave(hq // hkv, 1).transpose(0, 1)
         scores = (qs @ ks.transpose(1, 2)) * scale
         scores = scores.masked_fill(~mask, float("-inf"))
+        if k1 > k0:  # amax refuses an empty key axis; such rows keep -inf
+            row_max[:, q0:q1] = scores.detach().amax(dim=-1).float()
+        if sink_col is not None:
+            scores = torch.cat([scores, sink_col.expand(hq, q1 - q0, 1)], dim=-1)
         seg_lse = torch.logsumexp(scores, dim=-1)                      # -inf on empty rows
         probs = torch.exp(scores - seg_lse.nan_to_num(neginf=0.0)[..., None])
+        if sink_col is not None:
+            probs = probs[..., :-1]
         probs = probs.masked_fill(~mask, 0.0)
         out[q0:q1] = (probs @ vs).transpose(0, 1)
         lse[:, q0:q1] = seg_lse.float()
-    return out, lse
+    return (out, lse, row_max) if return_row_max else (out, lse)
 
 
 def tolerance(ref64: torch.Tensor, plain: torch.Tensor, factor: float, floor: float) -> float:

@@ -360,6 +360,7 @@ from varlen_cp.kernels.triton_common import launch_options, triton_block_sizes
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
 POINTERS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 INT_POINTERS = {"CU_Q", "CU_K", "QPOS", "KPOS", "KV_RANGE", "Q_RANGE"}
+FP32_POINTERS = {"LSE", "DELTA", "RMAX"}
 KERNELS = {"fwd": F._fwd_kernel, "dq": B._dq_kernel, "dkdv": B._dkdv_kernel}
 results = []
 for kind, dt, d, dv, arch, mode in json.loads(sys.argv[1]):
@@ -367,12 +368,13 @@ for kind, dt, d, dv, arch, mode in json.loads(sys.argv[1]):
     bm, bn = triton_block_sizes(d, dv)
     consts = F.kernel_constants(DT[dt], d, dv, bm, bn, True, 64, -1, 0, mode != "implicit",
                                 mode != "implicit", mode == "schedule")
+    consts["STORE_MAX"] = True  # the forward's max-logit store compiles too (fwd only)
     sig, constexprs, attrs = {}, {}, {}
     for i, p in enumerate(fn.params):
         if p.is_constexpr:
             sig[p.name], constexprs[p.name] = "constexpr", consts[p.name]
             continue
-        sig[p.name] = ("*" + dt if p.name in POINTERS else "*fp32" if p.name in ("LSE", "DELTA")
+        sig[p.name] = ("*" + dt if p.name in POINTERS else "*fp32" if p.name in FP32_POINTERS
                        else "*i32" if p.name in INT_POINTERS
                        else "fp32" if p.name in ("scale", "qk_scale") else "i32")
         if sig[p.name].startswith("*") or p.name.startswith("stride"):
