@@ -124,7 +124,7 @@ def _padding_problems(plan, out, lse, grads) -> list[str]:
 
 
 def _max_err(got: torch.Tensor, truth: torch.Tensor) -> float:
-    got, truth = got.double(), truth.double()
+    got, truth = got.detach().double(), truth.detach().double()
     same_inf = torch.isinf(got) & torch.isinf(truth) & (got == truth)
     diff = torch.where(same_inf, torch.zeros_like(got), (got - truth).abs())
     return float(diff.nan_to_num(nan=float("inf")).max()) if diff.numel() else 0.0

@@ -32,10 +32,13 @@ def check_group(group: dist.ProcessGroup | None, cp_size: int, cp_rank: int) -> 
 
 def gather_padded(x_local: torch.Tensor, max_local: int, cp_size: int,
                   group: dist.ProcessGroup | None) -> torch.Tensor:
-    """[cp * max_local, ...]: every rank's dim-0 rows, each padded to ``max_local``."""
+    """[cp * max_local, ...]: every rank's dim-0 rows, each padded to ``max_local``.
+
+    Not differentiable: the input is detached (e.g. a CP op's LSE, which requires grad).
+    """
     rest = tuple(x_local.shape[1:])
     padded = x_local.new_zeros((max_local, *rest))
-    padded[: x_local.shape[0]].copy_(x_local)
+    padded[: x_local.shape[0]].copy_(x_local.detach())
     out = x_local.new_empty((cp_size * max_local, *rest))
     _all_gather_single(out, padded, group=group)
     return out

@@ -1,8 +1,13 @@
 """Context-parallel strategies, one module each: how K/V (or heads) move between CP ranks.
 
 Every module exposes the same surface:
-- ``attention(q, k, v, plan, attn, group, block, *, need_lse, **opts) -> (out, lse)``:
-  differentiable, inputs already validated by ``varlen_cp.attention``;
+- ``attention(q, k, v, plan, attn, group, block, *, need_lse, need_max, **opts)
+  -> (out, lse, max_part)``: differentiable in q, k, v through out AND lse (attention sinks
+  compose on the merged lse; backward passes dlse to every kernel call), inputs already
+  validated by ``varlen_cp.attention``. ``max_part`` (``need_max``; else None): fp32 [Hq],
+  the max scaled visible score over the (query row, head) pairs this rank computed, -inf
+  elsewhere, on the current stream; one MAX all-reduce over the CP group (the caller's)
+  makes it global. ``lse`` may be an [Hq, 0] stand-in when not ``need_lse`` (a2a);
 - ``check_heads(n_heads, n_kv_heads, cp_size, **opts)``: ValueError when the head counts
   don't suit the strategy (checked before any communication);
 - ``bytes_sent_per_rank(plan, mask, *, head_dim, n_kv_heads, n_heads, dtype_bytes, ...)``

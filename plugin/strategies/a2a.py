@@ -6,7 +6,9 @@ host-planned permutation puts the tokens in document order (position-sorted, pad
 and the local varlen call sees whole documents with explicit positions. The output (and the
 LSE, only when asked for) goes back the same way. Backward: dout goes to heads, the local
 backward runs on the saved head-sharded tensors, and dq/dk/dv (packed) come back in one
-all-to-all.
+all-to-all. The LSE is differentiable: when it was asked for, its gradient travels to the
+heads as dout does (one more, fp32 all-to-all). The max logit needs no transfer of its own:
+a member holds whole documents for its heads, so its per-head maxes are complete there.
 
 Heads: Hq % a == 0; K/V heads are split when Hkv % a == 0, and replicated (each rank gets
 one) when a % Hkv == 0, their gradients summed back over the copies; otherwise ValueError.
@@ -26,8 +28,9 @@ import torch
 import torch.distributed as dist
 
 from ..masks import AttnMask
-from .common import (Attn, Holder, KernelCall, cached_on, check_head_split, kernel_call,
-                     merged_order, visible_pairs)
+from .common import (Attn, Holder, KernelCall, cached_on, check_head_split, dlse_or_none,
+                     empty_attn, head_max, kernel_call, maybe_max, merged_order, no_max,
+                     visible_pairs)
 
 
 # ---------------------------------------------------------------------------- host tables
@@ -113,10 +116,16 @@ class UlyssesSpec:
     def tables(self, device: torch.device) -> UlyssesTables:
         return cached_on(self.plan, ("ulysses", self.members), device, self.host_tables)
 
-    def core_fwd(self, q, k, v, device):  # -> (out in q.dtype, lse)
+    @property
+    def index(self) -> int:
+        """This rank's place in the group: it holds query-head slice ``index``."""
+        return self.members.index(self.plan.cp_rank)
+
+    def core_fwd(self, q, k, v, device, need_max):
+        """-> (out in q.dtype, lse, per-head max [H_local] or None)"""
         raise NotImplementedError
 
-    def core_bwd(self, dout, q, k, v, out, lse, device):  # -> (dq, dk, dv)
+    def core_bwd(self, dout, q, k, v, out, lse, device, dlse):  # -> (dq, dk, dv)
         raise NotImplementedError
 
 
@@ -135,26 +144,48 @@ class LocalSpec(UlyssesSpec):
                 else None
         return cached_on(plan, ("a2a", "call", self.members, mask, block), device, build)
 
-    def core_fwd(self, q, k, v, device):
+    def core_fwd(self, q, k, v, device, need_max):
         call = self._call(device)
         if call is None:
-            return (q.new_zeros(q.shape[0], q.shape[1], v.shape[2]),
-                    torch.full((q.shape[1], q.shape[0]), float("-inf"), device=device))
-        return self.attn.fwd(q, k, v, call)
+            out, lse, row_max = empty_attn(q, v.shape[2], need_max)
+        else:
+            out, lse, row_max = self.attn.fwd(q, k, v, call, need_max)
+        return out, lse, head_max(row_max, q.shape[1], device) if need_max else None
 
-    def core_bwd(self, dout, q, k, v, out, lse, device):
+    def core_bwd(self, dout, q, k, v, out, lse, device, dlse):
         call = self._call(device)
         if call is None:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        return self.attn.bwd(dout, q, k, v, out, lse, call)
+        return self.attn.bwd(dout, q, k, v, out, lse, call, dlse)
 
 
 # ------------------------------------------------------------------------------ function
+def _lse_to_heads(dlse: torch.Tensor | None, t: int, hq: int, spec: UlyssesSpec,
+                  tab: UlyssesTables, device: torch.device) -> torch.Tensor:
+    """The LSE gradient [Hq, T] of the local tokens -> [Hq/size, N] of the group's tokens
+    (merged order) for this rank's heads: the way dout travels. Zeros stand in for an
+    unused LSE: every member must join the all-to-all."""
+    if dlse is None:
+        dlse = torch.zeros(hq, t, device=device)
+    dlse_h = to_heads([dlse.t().reshape(t, hq, 1)], spec.size, tab.sizes, spec.group)
+    return dlse_h.index_select(0, tab.order).t().contiguous()
+
+
+def _spread_max(max_h: torch.Tensor, hq: int, index: int) -> torch.Tensor:
+    """[Hq]: this rank's per-head maxes in its head slice ``index``, -inf elsewhere (the
+    other heads' maxes come from the other members through the MAX all-reduce)."""
+    full = torch.full((hq,), float("-inf"), device=max_h.device)
+    n = max_h.numel()
+    full[index * n:(index + 1) * n] = max_h
+    return full
+
+
 class UlyssesAttention(torch.autograd.Function):
-    """Sequence -> heads all-to-all, the spec's core, heads -> sequence."""
+    """Sequence -> heads all-to-all, the spec's core, heads -> sequence: (out, lse,
+    max_part); lse is differentiable, max_part (or its empty stand-in) is not."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec: UlyssesSpec):
+    def forward(ctx, q, k, v, spec: UlyssesSpec, need_max: bool):
         device, size = q.device, spec.size
         tab = spec.tables(device)
         t, hq, d, hkv, dv = q.shape[0], q.shape[1], q.shape[2], k.shape[1], v.shape[2]
@@ -163,7 +194,7 @@ class UlyssesAttention(torch.autograd.Function):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         packed = to_heads([q, k, v], size, tab.sizes, spec.group).index_select(0, tab.order)
         q_h, k_h, v_h = _split_cols(packed, [(hq // size, d), (hk, d), (hk, dv)])
-        out_h, lse_h = spec.core_fwd(q_h, k_h, v_h, device)
+        out_h, lse_h, max_h = spec.core_fwd(q_h, k_h, v_h, device, need_max)
         out = to_tokens(out_h.flatten(1).index_select(0, tab.inverse),
                         size, tab.sizes, t, spec.group).reshape(t, hq, dv)
         if spec.need_lse:
@@ -171,20 +202,29 @@ class UlyssesAttention(torch.autograd.Function):
                             spec.group).reshape(t, hq).t().contiguous()
         else:  # not asked for: skip its all-to-all (backward uses lse_h); [Hq, 0] stand-in
             lse = torch.empty(hq, 0, device=device)
+        # The max logit needs no all-to-all: the heads' maxes are complete on the member
+        # holding them, and the caller's MAX all-reduce spreads them.
+        max_part = _spread_max(max_h, hq, spec.index) if need_max else no_max(device)
         ctx.save_for_backward(q_h, k_h, v_h, out_h, lse_h)
         ctx.spec, ctx.meta = spec, (t, hq, d, hkv, dv, rep)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        ctx.mark_non_differentiable(max_part)
+        ctx.set_materialize_grads(False)  # an unused lse gets no zero gradient
+        return out, lse, max_part
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse, _dmax):
         q_h, k_h, v_h, out_h, lse_h = ctx.saved_tensors
         spec, (t, hq, d, hkv, dv, rep) = ctx.spec, ctx.meta
         device, size = q_h.device, spec.size
         tab = spec.tables(device)
+        if dout is None:
+            dout = torch.zeros(t, hq, dv, dtype=out_h.dtype, device=device)
         dout_h = to_heads([dout.contiguous()], size, tab.sizes, spec.group)
         dout_h = dout_h.index_select(0, tab.order).view(out_h.shape)
-        dq_h, dk_h, dv_h = spec.core_bwd(dout_h, q_h, k_h, v_h, out_h, lse_h, device)
+        # need_lse is the same on every member, so all or none join the dlse all-to-all.
+        dlse_h = (_lse_to_heads(dlse_or_none(dlse), t, hq, spec, tab, device)
+                  if spec.need_lse else None)
+        dq_h, dk_h, dv_h = spec.core_bwd(dout_h, q_h, k_h, v_h, out_h, lse_h, device, dlse_h)
         packed = torch.cat([g.flatten(1) for g in (dq_h, dk_h, dv_h)], dim=1)
         back = to_tokens(packed.index_select(0, tab.inverse), size, tab.sizes, t, spec.group)
         hk = k_h.shape[1]
@@ -195,7 +235,7 @@ class UlyssesAttention(torch.autograd.Function):
         if rep > 1:  # sum the gradients of the replicated K/V heads
             dk = dk.view(t, hkv, rep, d).float().sum(2).to(dk.dtype)
             dv_ = dv_.view(t, hkv, rep, dv).float().sum(2).to(dv_.dtype)
-        return dq, dk, dv_, None
+        return dq, dk, dv_, None, None
 
 
 # ------------------------------------------------------------------------------ strategy
@@ -205,12 +245,15 @@ def check_heads(n_heads: int, n_kv_heads: int, cp_size: int, **_: Any) -> None:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any, attn: Attn,
-              group: Any, block: tuple[int, int], *, need_lse: bool = True, **_: Any
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable Ulysses attention over the whole CP group (inputs checked)."""
+              group: Any, block: tuple[int, int], *, need_lse: bool = True,
+              need_max: bool = False, **_: Any
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Differentiable Ulysses attention over the whole CP group (inputs checked): (out,
+    lse, max_part); lse is [Hq, 0] unless ``need_lse``."""
     spec = LocalSpec(plan, attn, group, plan.cp_size, tuple(range(plan.cp_size)), need_lse,
                      block)
-    return UlyssesAttention.apply(q, k, v, spec)
+    out, lse, max_part = UlyssesAttention.apply(q, k, v, spec, need_max)
+    return out, lse, maybe_max(max_part)
 
 
 # ---------------------------------------------------------------------------- cost model
@@ -225,9 +268,10 @@ def ulysses_bytes(sizes: tuple[int, ...], index: int, *, n_heads: int, n_kv_head
     out_row = n_heads // size * head_dim_v * dtype_bytes
     mine, others = sizes[index], sum(sizes) - sizes[index]
     fwd = (size - 1) * mine * qkv_row + others * out_row
-    if need_lse:
-        fwd += others * n_heads // size * 4
     bwd = (size - 1) * mine * out_row + others * qkv_row
+    if need_lse:  # the fp32 LSE back to tokens, its gradient to heads
+        fwd += others * n_heads // size * 4
+        bwd += (size - 1) * mine * n_heads // size * 4
     return fwd, bwd
 
 

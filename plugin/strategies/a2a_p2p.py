@@ -5,7 +5,11 @@ inside the group gives each member all of the group's tokens for Hq/a heads (K/V
 split or replicated as in ``a2a``). Member i of every group then runs the ring engine of
 ``p2p`` with the members i of the other groups, each group's merged tokens being one ring
 holder: ring steps, early stop and skipped steps come from the same host tables. The
-result goes back through the group's all-to-all. Backward mirrors it.
+result goes back through the group's all-to-all. Backward mirrors it (the LSE's gradient,
+when the LSE was asked for, travels with dout as in ``a2a``; the ring adds its terms at
+every step as in ``p2p``). The max logit needs no transfer of its own: each rank's
+per-head maxes cover its group's queries for its head slice, and the caller's MAX
+all-reduce over the CP group joins the slices and the groups.
 
 a2a_size defaults to the largest divisor of cp that suits the heads (Hq % a == 0, and Hkv
 and a divide one another). a2a_size == cp is plain ``a2a`` and a2a_size == 1 plain ``p2p``:
@@ -26,7 +30,7 @@ import torch.distributed as dist
 from ..masks import AttnMask
 from . import a2a, p2p
 from .a2a import UlyssesAttention, UlyssesSpec, kv_heads_per_rank, ulysses_bytes, ulysses_tables
-from .common import Attn, Holder, cached_on, check_head_split, global_rank
+from .common import Attn, Holder, cached_on, check_head_split, global_rank, maybe_max
 from .p2p import (Ring, ring_backward, ring_forward, ring_send_rows, ring_tables,
                   ring_visible)
 
@@ -124,27 +128,30 @@ class HybridSpec(UlyssesSpec):
                       for gg in range(plan.cp_size // size))
         return Ring(tables, g, peers, self.cp_group)
 
-    def core_fwd(self, q, k, v, device):
-        out, lse = ring_forward(q, k, v, self._ring(device), self.attn)
-        return out.to(q.dtype), lse
+    def core_fwd(self, q, k, v, device, need_max):
+        out, lse, max_part = ring_forward(q, k, v, self._ring(device), self.attn, need_max)
+        return out.to(q.dtype), lse, max_part
 
-    def core_bwd(self, dout, q, k, v, out, lse, device):
-        return ring_backward(dout, q, k, v, out, lse, self._ring(device), self.attn)
+    def core_bwd(self, dout, q, k, v, out, lse, device, dlse):
+        return ring_backward(dout, q, k, v, out, lse, self._ring(device), self.attn, dlse)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any, attn: Attn,
               group: Any, block: tuple[int, int], *, need_lse: bool = True,
-              a2a_size: int | None = None, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable hybrid attention (inputs checked)."""
+              need_max: bool = False, a2a_size: int | None = None, **_: Any
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Differentiable hybrid attention (inputs checked): (out, lse, max_part)."""
     cp = plan.cp_size
     size = default_a2a_size(q.shape[1], k.shape[1], cp) if a2a_size is None else a2a_size
     if size == 1:
-        return p2p.attention(q, k, v, plan, attn, group, block)
+        return p2p.attention(q, k, v, plan, attn, group, block, need_max=need_max)
     if size == cp:
-        return a2a.attention(q, k, v, plan, attn, group, block, need_lse=need_lse)
+        return a2a.attention(q, k, v, plan, attn, group, block, need_lse=need_lse,
+                             need_max=need_max)
     sub, members = ulysses_subgroup(group, size)
     spec = HybridSpec(plan, attn, sub, size, members, need_lse, block, group)
-    return UlyssesAttention.apply(q, k, v, spec)
+    out, lse, max_part = UlyssesAttention.apply(q, k, v, spec, need_max)
+    return out, lse, maybe_max(max_part)
 
 
 # ---------------------------------------------------------------------------- cost model

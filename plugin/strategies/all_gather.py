@@ -6,7 +6,9 @@ picks, for each of this rank's query documents, exactly the keys its queries can
 the mask), ordered by position, from every rank's part: one local varlen call with explicit
 positions. Backward: the dK/dV rows of the picked keys go straight back to their owners in
 one ``all_to_all_single`` (each rank sends only the rows it picked from that owner: a
-reduce-scatter without the zeros) and are summed there in fp32.
+reduce-scatter without the zeros) and are summed there in fp32. The LSE output is
+differentiable (its gradient joins the one local backward); the max logit (``need_max``) is
+that one call's per-head max.
 
 Limits: the all-gather itself ships every rank's K/V whatever the mask (the collective is
 what it is; a strategy that fetches only the visible K/V is ``dispatch``, not this one).
@@ -23,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 from ..masks import AttnMask
-from .common import (SORT_STRIDE, Attn, Holder, KernelCall, cached_on, kernel_call,
-                     rank_holder, segment_ids, visible_pairs)
+from .common import (SORT_STRIDE, Attn, Holder, KernelCall, cached_on, dlse_or_none,
+                     empty_attn, head_max, kernel_call, maybe_max, no_max, rank_holder,
+                     segment_ids, visible_pairs)
 
 # torch 2.13 renames all_gather_into_tensor to all_gather_single (same call).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -123,8 +126,9 @@ def _split_kv(buf: torch.Tensor, hkv: int, d: int, dv: int
             buf[:, hkv * d:].reshape(n, hkv, dv).contiguous())
 
 
-def gather_forward(q, k, v, tab: GatherTables, group: Any, attn: Attn):
-    """(out in q.dtype, lse, k_sel, v_sel): the picked K/V are kept for the backward."""
+def gather_forward(q, k, v, tab: GatherTables, group: Any, attn: Attn, need_max: bool = False):
+    """(out in q.dtype, lse, row_max or None, k_sel, v_sel): the picked K/V are kept for the
+    backward."""
     t, hkv, d, dv = k.shape[0], k.shape[1], k.shape[2], v.shape[2]
     cp = dist.get_world_size(group)
     padded = k.new_zeros(tab.stride, hkv * (d + dv))
@@ -134,15 +138,14 @@ def gather_forward(q, k, v, tab: GatherTables, group: Any, attn: Attn):
     _all_gather_single(gathered, padded, group=group)
     k_sel, v_sel = _split_kv(gathered.index_select(0, tab.index), hkv, d, dv)
     if tab.call is None:
-        out = q.new_zeros(q.shape[0], q.shape[1], dv)
-        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+        out, lse, row_max = empty_attn(q, dv, need_max)
     else:
-        out, lse = attn.fwd(q, k_sel, v_sel, tab.call)
-    return out, lse, k_sel, v_sel
+        out, lse, row_max = attn.fwd(q, k_sel, v_sel, tab.call, need_max)
+    return out, lse, row_max, k_sel, v_sel
 
 
 def gather_backward(dout, q, k_sel, v_sel, out, lse, tab: GatherTables, group: Any,
-                    attn: Attn, k_shape: torch.Size):
+                    attn: Attn, k_shape: torch.Size, dlse: torch.Tensor | None = None):
     """(dq, dk, dv): dK/dV of the picked keys summed at their owners (fp32)."""
     t, hkv, d = k_shape
     dv_dim = v_sel.shape[2]
@@ -151,7 +154,7 @@ def gather_backward(dout, q, k_sel, v_sel, out, lse, tab: GatherTables, group: A
         dq = torch.zeros_like(q)
         grads = k_sel.new_zeros(k_sel.shape[0], width)
     else:
-        dq, dk_sel, dv_sel = attn.bwd(dout, q, k_sel, v_sel, out, lse, tab.call)
+        dq, dk_sel, dv_sel = attn.bwd(dout, q, k_sel, v_sel, out, lse, tab.call, dlse)
         grads = torch.cat([dk_sel.flatten(1), dv_sel.flatten(1)], dim=1)
     send = grads.index_select(0, tab.send_order)
     recv = grads.new_empty(sum(tab.recv_splits), width)
@@ -179,31 +182,40 @@ class GatherSpec:
 
 
 class AllGatherAttention(torch.autograd.Function):
-    """All-gather CP attention: (out, lse) of the local queries vs all keys."""
+    """All-gather CP attention: (out, lse, max_part) of the local queries vs all keys;
+    lse is differentiable, max_part (or its empty stand-in) is not."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec: GatherSpec):
+    def forward(ctx, q, k, v, spec: GatherSpec, need_max: bool):
         tab = spec.tables(q.device)
-        out, lse, k_sel, v_sel = gather_forward(q, k, v, tab, spec.group, spec.attn)
+        out, lse, row_max, k_sel, v_sel = gather_forward(q, k, v, tab, spec.group, spec.attn,
+                                                         need_max)
+        max_part = head_max(row_max, q.shape[1], q.device) if need_max else no_max(q.device)
         ctx.save_for_backward(q, k_sel, v_sel, out, lse)
         ctx.spec, ctx.k_shape = spec, k.shape
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        ctx.mark_non_differentiable(max_part)
+        ctx.set_materialize_grads(False)  # an unused lse gets no zero gradient
+        return out, lse, max_part
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse, _dmax):
         q, k_sel, v_sel, out, lse = ctx.saved_tensors
         spec = ctx.spec
-        dq, dk, dv = gather_backward(dout.contiguous(), q, k_sel, v_sel, out, lse,
-                                     spec.tables(q.device), spec.group, spec.attn, ctx.k_shape)
-        return dq, dk, dv, None
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        dq, dk, dv = gather_backward(dout, q, k_sel, v_sel, out, lse, spec.tables(q.device),
+                                     spec.group, spec.attn, ctx.k_shape, dlse_or_none(dlse))
+        return dq, dk, dv, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any, attn: Attn,
-              group: Any, block: tuple[int, int], *, need_lse: bool = True, **_: Any
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable all-gather attention (inputs already checked)."""
-    return AllGatherAttention.apply(q, k, v, GatherSpec(plan, attn, group, block))
+              group: Any, block: tuple[int, int], *, need_lse: bool = True,
+              need_max: bool = False, **_: Any
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Differentiable all-gather attention (inputs already checked): (out, lse,
+    max_part)."""
+    out, lse, max_part = AllGatherAttention.apply(q, k, v, GatherSpec(plan, attn, group, block),
+                                                  need_max)
+    return out, lse, maybe_max(max_part)
 
 
 def check_heads(n_heads: int, n_kv_heads: int, cp_size: int, **_: Any) -> None:

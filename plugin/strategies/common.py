@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import BlockSchedule, block_sizes_for, build_block_schedule
-from ..kernels import varlen_attn_bwd, varlen_attn_fwd
+from ..kernels import max_logit_of, varlen_attn_bwd, varlen_attn_fwd
 from ..masks import AttnMask
 
 # Sort keys combine (segment, position) as segment * SORT_STRIDE + position; positions and the
@@ -220,20 +220,64 @@ class Attn:
     scale: float
     backend: str
 
-    def fwd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: KernelCall
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        return varlen_attn_fwd(q, k, v, c.cu_q, c.cu_k, c.max_q, c.max_k, self.scale,
-                               self.mask.causal, self.mask.window_size,
-                               chunk_size=self.mask.chunk_size, q_positions=c.q_pos,
-                               k_positions=c.k_pos, backend=self.backend, schedule=c.schedule)
+    def fwd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: KernelCall,
+            need_max: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(out, lse, row_max): row_max fp32 [Hq, Tq] when ``need_max``, else None."""
+        res = varlen_attn_fwd(q, k, v, c.cu_q, c.cu_k, c.max_q, c.max_k, self.scale,
+                              self.mask.causal, self.mask.window_size,
+                              chunk_size=self.mask.chunk_size, q_positions=c.q_pos,
+                              k_positions=c.k_pos, backend=self.backend, schedule=c.schedule,
+                              return_max_logit=need_max)
+        return res if need_max else (*res, None)
 
     def bwd(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            out: torch.Tensor, lse: torch.Tensor, c: KernelCall
+            out: torch.Tensor, lse: torch.Tensor, c: KernelCall,
+            dlse: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This call's (dq, dk, dv) given the FINAL out/lse and their gradients."""
         return varlen_attn_bwd(dout, q, k, v, out, lse, c.cu_q, c.cu_k, c.max_q, c.max_k,
                                self.scale, self.mask.causal, self.mask.window_size,
                                chunk_size=self.mask.chunk_size, q_positions=c.q_pos,
-                               k_positions=c.k_pos, backend=self.backend, schedule=c.schedule)
+                               k_positions=c.k_pos, backend=self.backend, schedule=c.schedule,
+                               dlse=dlse)
+
+
+def empty_attn(q: torch.Tensor, dv: int, need_max: bool
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(out, lse, row_max) of queries that see no key: 0, -inf, -inf."""
+    hq, t = q.shape[1], q.shape[0]
+    lse = torch.full((hq, t), float("-inf"), device=q.device)
+    return (q.new_zeros(t, hq, dv), lse,
+            torch.full((hq, t), float("-inf"), device=q.device) if need_max else None)
+
+
+def head_max(row_max: torch.Tensor | None, n_heads: int, device: torch.device
+             ) -> torch.Tensor:
+    """fp32 [Hq]: the max over rows of ``row_max`` [Hq, T] (-inf where nothing is
+    visible, or when ``row_max`` is None: a rank that computed nothing)."""
+    if row_max is None:
+        return torch.full((n_heads,), float("-inf"), device=device)
+    return max_logit_of(row_max)
+
+
+def no_max(device: torch.device) -> torch.Tensor:
+    """Stand-in third output of the autograd functions when the max is not asked for
+    (their outputs must be tensors); ``maybe_max`` turns it into None."""
+    return torch.empty(0, device=device)
+
+
+def maybe_max(max_part: torch.Tensor) -> torch.Tensor | None:
+    """None for the :func:`no_max` stand-in, else ``max_part`` itself."""
+    return max_part if max_part.numel() else None
+
+
+def dlse_or_none(dlse: torch.Tensor | None) -> torch.Tensor | None:
+    """The LSE gradient handed to backward, or None when the LSE fed nothing (no
+    materialized zeros: the kernels then skip the term)."""
+    if dlse is None or dlse.numel() == 0:
+        return None
+    return dlse.contiguous()
 
 
 def block_for(backend: str, device: torch.device, head_dim: int, head_dim_v: int

@@ -14,7 +14,8 @@ host-planned index then lays out, per document, the local and fetched keys in po
 attention. Backward: one local backward with the FINAL out/lse, then ONE more
 ``all_to_all_single`` returns the dK/dV rows of fetched keys to their owners (in the input
 dtype, as the kernel returns them), where they are summed with the local ones in fp32
-(``index_add_``).
+(``index_add_``). The LSE output is differentiable (its gradient joins the local
+backward); the max logit (``need_max``) is the one call's per-head max.
 
 Bytes: forward, each rank sends the K/V rows others need from it; backward, the dK/dV rows
 of the keys it fetched. That equals the lower bound of any scheme that moves K/V to the
@@ -36,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from ..masks import AttnMask
-from .common import (Attn, Holder, KernelCall, cached_on, kernel_call, rank_holder,
-                     segment_ids, visible_pairs)
+from .common import (Attn, Holder, KernelCall, cached_on, dlse_or_none, empty_attn, head_max,
+                     kernel_call, maybe_max, no_max, rank_holder, segment_ids, visible_pairs)
 
 
 # ---------------------------------------------------------------------------- host tables
@@ -166,9 +167,11 @@ def _split_kv(buf: torch.Tensor, hkv: int, d: int, dv: int
 
 
 def dispatch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tab: DispatchTables,
-                     group: Any, attn: Attn
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out in q.dtype, lse, k_sel, v_sel): the needed K/V are kept for the backward."""
+                     group: Any, attn: Attn, need_max: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor,
+                                torch.Tensor]:
+    """(out in q.dtype, lse, row_max or None, k_sel, v_sel): the needed K/V are kept for
+    the backward."""
     hkv, d, dv = k.shape[1], k.shape[2], v.shape[2]
     packed = torch.cat([k.flatten(1), v.flatten(1)], dim=1)   # one row per token: 1 message
     send = packed.index_select(0, tab.send_rows)
@@ -177,16 +180,16 @@ def dispatch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tab: Dis
                            group=group)
     k_sel, v_sel = _split_kv(torch.cat([packed, recv]).index_select(0, tab.gather), hkv, d, dv)
     if tab.call is None:
-        out = q.new_zeros(q.shape[0], q.shape[1], dv)
-        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+        out, lse, row_max = empty_attn(q, dv, need_max)
     else:
-        out, lse = attn.fwd(q, k_sel, v_sel, tab.call)
-    return out, lse, k_sel, v_sel
+        out, lse, row_max = attn.fwd(q, k_sel, v_sel, tab.call, need_max)
+    return out, lse, row_max, k_sel, v_sel
 
 
 def dispatch_backward(dout: torch.Tensor, q: torch.Tensor, k_sel: torch.Tensor,
                       v_sel: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                      tab: DispatchTables, group: Any, attn: Attn, n_local: int
+                      tab: DispatchTables, group: Any, attn: Attn, n_local: int,
+                      dlse: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv): dK/dV of fetched keys go home and are summed with the local ones."""
     hkv, d, dv_dim = k_sel.shape[1], k_sel.shape[2], v_sel.shape[2]
@@ -195,7 +198,7 @@ def dispatch_backward(dout: torch.Tensor, q: torch.Tensor, k_sel: torch.Tensor,
         dq = torch.zeros_like(q)
         grads = k_sel.new_zeros(k_sel.shape[0], width)
     else:
-        dq, dk_sel, dv_sel = attn.bwd(dout, q, k_sel, v_sel, out, lse, tab.call)
+        dq, dk_sel, dv_sel = attn.bwd(dout, q, k_sel, v_sel, out, lse, tab.call, dlse)
         grads = torch.cat([dk_sel.flatten(1), dv_sel.flatten(1)], dim=1)
     back = grads.new_empty(tab.send_rows.shape[0], width)
     # The reverse of the forward exchange: what we fetched goes back, what we sent returns.
@@ -233,32 +236,39 @@ class DispatchSpec:
 
 
 class DispatchAttention(torch.autograd.Function):
-    """Dispatch CP attention: (out, lse) of the local queries vs all keys."""
+    """Dispatch CP attention: (out, lse, max_part) of the local queries vs all keys; lse
+    is differentiable, max_part (or its empty stand-in) is not."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec: DispatchSpec):
+    def forward(ctx, q, k, v, spec: DispatchSpec, need_max: bool):
         tab = spec.tables(q.device)
-        out, lse, k_sel, v_sel = dispatch_forward(q, k, v, tab, spec.group, spec.attn)
+        out, lse, row_max, k_sel, v_sel = dispatch_forward(q, k, v, tab, spec.group,
+                                                           spec.attn, need_max)
+        max_part = head_max(row_max, q.shape[1], q.device) if need_max else no_max(q.device)
         ctx.save_for_backward(q, k_sel, v_sel, out, lse)
         ctx.spec, ctx.n_local = spec, k.shape[0]
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        ctx.mark_non_differentiable(max_part)
+        ctx.set_materialize_grads(False)  # an unused lse gets no zero gradient
+        return out, lse, max_part
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse, _dmax):
         q, k_sel, v_sel, out, lse = ctx.saved_tensors
         spec = ctx.spec
-        dq, dk, dv = dispatch_backward(dout.contiguous(), q, k_sel, v_sel, out, lse,
-                                       spec.tables(q.device), spec.group, spec.attn,
-                                       ctx.n_local)
-        return dq, dk, dv, None
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        dq, dk, dv = dispatch_backward(dout, q, k_sel, v_sel, out, lse, spec.tables(q.device),
+                                       spec.group, spec.attn, ctx.n_local, dlse_or_none(dlse))
+        return dq, dk, dv, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any, attn: Attn,
-              group: Any, block: tuple[int, int], *, need_lse: bool = True, **_: Any
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable dispatch attention (inputs already checked)."""
-    return DispatchAttention.apply(q, k, v, DispatchSpec(plan, attn, group, block))
+              group: Any, block: tuple[int, int], *, need_lse: bool = True,
+              need_max: bool = False, **_: Any
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Differentiable dispatch attention (inputs already checked): (out, lse, max_part)."""
+    out, lse, max_part = DispatchAttention.apply(q, k, v, DispatchSpec(plan, attn, group, block),
+                                                 need_max)
+    return out, lse, maybe_max(max_part)
 
 
 def check_heads(n_heads: int, n_kv_heads: int, cp_size: int, **_: Any) -> None:

@@ -13,7 +13,9 @@ in the input dtype, as the kernel returns it) is sent straight home to the K/V's
 summed there in fp32. Compared with an accumulator travelling with K/V this sends one
 buffer fewer per ring, sends nothing for skipped steps (both sides know them from the host
 tables), and rounds each partial once instead of once per hop. ``out`` and ``lse`` handed to
-the kernels are the final merged ones (ring-attention rule).
+the kernels are the final merged ones (ring-attention rule), and so is the LSE's gradient:
+the LSE output is differentiable (attention sinks compose on it), every step adding its
+P_t * dlse term. The max logit (``need_max``) is the max of the steps' per-head maxes.
 
 The engine (``ring_forward`` / ``ring_backward``) works on any ring of token holders, so the
 hybrid a2a+p2p strategy reuses it with Ulysses groups as holders.
@@ -34,8 +36,9 @@ import torch.distributed as dist
 
 from ..kernels import merge_attn_partials
 from ..masks import AttnMask
-from .common import (Attn, Holder, KernelCall, cached_on, global_rank, kernel_call,
-                     pack_flat, rank_holder, unpack_flat, visible_pairs)
+from .common import (Attn, Holder, KernelCall, cached_on, dlse_or_none, global_rank,
+                     head_max, kernel_call, maybe_max, no_max, pack_flat, rank_holder,
+                     unpack_flat, visible_pairs)
 
 _TAG_KV, _TAG_ACC = 0, 1
 
@@ -136,12 +139,17 @@ def _kv_shapes(n: int, k: torch.Tensor, v: torch.Tensor) -> list[tuple[int, ...]
     return [(n, k.shape[1], k.shape[2]), (n, v.shape[1], v.shape[2])]
 
 
-def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, attn: Attn
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ring attention forward: (out fp32 [Tq, Hq, Dv], lse fp32 [Hq, Tq])."""
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, attn: Attn,
+                 need_max: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Ring attention forward: (out fp32 [Tq, Hq, Dv], lse fp32 [Hq, Tq], max_part):
+    max_part fp32 [Hq] is the max logit over every step's visible pairs (``need_max``;
+    else None). Per-step maxes fold with ``torch.maximum`` on the compute stream, so no
+    step's value is read before the kernel that made it."""
     tab = ring.tables
     cur = pack_flat(k, v)
     out = lse = None
+    max_part = head_max(None, q.shape[1], q.device) if need_max else None
     for t in range(tab.n_steps):
         works, nxt = [], None
         if t + 1 < tab.n_steps:
@@ -152,7 +160,9 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, 
         if call is not None:
             n_src = tab.sizes[tab.source(ring.index, t)]
             k_t, v_t = unpack_flat(cur, _kv_shapes(n_src, k, v))
-            o, l = attn.fwd(q, k_t, v_t, call)
+            o, l, m = attn.fwd(q, k_t, v_t, call, need_max)
+            if need_max:
+                max_part = torch.maximum(max_part, head_max(m, q.shape[1], q.device))
             if out is None:
                 out, lse = o.float(), l
             else:
@@ -163,13 +173,16 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, 
     if out is None:  # nothing visible anywhere: empty rows
         out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float32)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
-    return out, lse
+    return out, lse, max_part
 
 
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  out: torch.Tensor, lse: torch.Tensor, ring: Ring, attn: Attn
+                  out: torch.Tensor, lse: torch.Tensor, ring: Ring, attn: Attn,
+                  dlse: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Ring attention backward with the FINAL out/lse: (dq, dk, dv) in input dtypes."""
+    """Ring attention backward with the FINAL out/lse (and the final LSE's gradient
+    ``dlse``, or None): (dq, dk, dv) in input dtypes. Every step gets the same dlse: its
+    term P_t * dlse sums over the steps to the whole row's, as P_t uses the final lse."""
     tab, size, me = ring.tables, len(ring.peers), ring.index
     row = k.shape[1] * k.shape[2] + v.shape[1] * v.shape[2]
     cur = pack_flat(k, v)
@@ -185,7 +198,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         if call is not None:
             src = tab.source(me, t)
             k_t, v_t = unpack_flat(cur, _kv_shapes(tab.sizes[src], k, v))
-            dq_t, dk_t, dv_t = attn.bwd(dout, q, k_t, v_t, out, lse, call)
+            dq_t, dk_t, dv_t = attn.bwd(dout, q, k_t, v_t, out, lse, call, dlse)
             dq += dq_t
             if t == 0:
                 acc += pack_flat(dk_t, dv_t, dtype=torch.float32)
@@ -247,31 +260,39 @@ def _ring(spec: P2PSpec, device: torch.device) -> Ring:
 
 
 class P2PAttention(torch.autograd.Function):
-    """Ring attention over a CP group: (out, lse) of the local queries vs all keys."""
+    """Ring attention over a CP group: (out, lse, max_part) of the local queries vs all
+    keys; lse is differentiable, max_part (or its empty stand-in) is not."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec: P2PSpec):
+    def forward(ctx, q, k, v, spec: P2PSpec, need_max: bool):
         ring = _ring(spec, q.device)
-        out, lse = ring_forward(q, k, v, ring, spec.attn)
+        out, lse, max_part = ring_forward(q, k, v, ring, spec.attn, need_max)
         out = out.to(q.dtype)
+        max_part = max_part if need_max else no_max(q.device)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.spec = spec
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        ctx.mark_non_differentiable(max_part)
+        ctx.set_materialize_grads(False)  # an unused lse gets no zero gradient
+        return out, lse, max_part
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse, _dmax):
         q, k, v, out, lse = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         ring = _ring(ctx.spec, q.device)
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ring, ctx.spec.attn)
-        return dq, dk, dv, None
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ring, ctx.spec.attn,
+                                   dlse_or_none(dlse))
+        return dq, dk, dv, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any, attn: Attn,
-              group: Any, block: tuple[int, int], *, need_lse: bool = True, **_: Any
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable ring attention (inputs already checked)."""
-    return P2PAttention.apply(q, k, v, P2PSpec(plan, attn, group, block))
+              group: Any, block: tuple[int, int], *, need_lse: bool = True,
+              need_max: bool = False, **_: Any
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Differentiable ring attention (inputs already checked): (out, lse, max_part)."""
+    out, lse, max_part = P2PAttention.apply(q, k, v, P2PSpec(plan, attn, group, block),
+                                            need_max)
+    return out, lse, maybe_max(max_part)
 
 
 def check_heads(n_heads: int, n_kv_heads: int, cp_size: int, **_: Any) -> None:
