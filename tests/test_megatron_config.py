@@ -212,7 +212,7 @@ def test_layer_strategy_resolution() -> None:
 # ------------------------------------------------------------------- module build errors
 @pytest.mark.parametrize("cfg_extra, kwargs, match", [
     ({"attention_dropout": 0.1}, {}, "attention_dropout"),
-    ({"softmax_type": "off-by-one"}, {}, "softmax_type"),
+    ({"softmax_type": "softmax-plus"}, {}, "softmax_type must be one of"),
     ({}, {"attention_type": "cross"}, "attention_type"),
     ({}, {"options": {"chunk_size": 8}}, "options must be"),
     ({}, {"options": VarlenCPOptions(strategy=["p2p", "a2a"])}, "num_layers=4"),
@@ -303,6 +303,58 @@ def test_module_thd_and_sbhd_match_reference(layer_number: int) -> None:
     assert out_s.shape == (15, 2, 64)
     torch.testing.assert_close(out_s.transpose(0, 1).reshape(30, 4, 16).double(), ref_s,
                                rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------- softmax sink and max logit
+def _dense_sink_reference(q, k, v, cu, sink, scale):
+    """Dense fp64 causal attention per document with a sink logit per head, and the max
+    over the visible scaled scores per head (independent of the kernels)."""
+    q, k, v = (t.detach().double() for t in (q, k, v))
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    out = torch.zeros_like(q)
+    row_max = torch.full((q.shape[1],), float("-inf"), dtype=torch.float64)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        s = torch.einsum("qhd,khd->hqk", q[a:b], k[a:b]) * scale
+        s = s.masked_fill(~torch.ones(b - a, b - a, dtype=torch.bool).tril(), float("-inf"))
+        row_max = torch.maximum(row_max, s.amax(dim=(1, 2)))
+        # the sink is one more logit in each row's softmax, with no value attached
+        full = torch.cat([s, sink.double()[:, None, None].expand(-1, b - a, 1)], dim=2)
+        p = full.softmax(dim=2)[..., :-1]
+        out[a:b] = torch.einsum("hqk,khd->qhd", p, v[a:b])
+    return out, row_max
+
+
+@pytest.mark.parametrize("softmax_type", ["off-by-one", "learnable"])
+def test_module_sink_and_max_logit_match_dense(softmax_type: str) -> None:
+    core = VarlenCPCoreAttention(config=_config(softmax_type=softmax_type, qk_clip=True),
+                                 layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                 attention_type="self", cp_comm_type=None,
+                                 softmax_scale=None, pg_collection=None)
+    if softmax_type == "learnable":
+        assert core.softmax_offset.shape == (4,) and core.softmax_offset.dtype == torch.float32
+        with torch.no_grad():
+            core.softmax_offset.copy_(torch.tensor([-1.0, 0.5, 2.0, 0.0]))
+        sink = core.softmax_offset.detach()
+    else:
+        assert core.softmax_offset is None
+        sink = torch.zeros(4)
+    cu = torch.tensor([0, 3, 4, 21, 30], dtype=torch.int32)
+    q, k, v = _qkv(30, 1)
+    _, params = get_thd_batch_on_this_cp_rank({"tokens": torch.zeros(1, 30, dtype=torch.long)},
+                                              cu)
+    out = core(q, k, v, None, packed_seq_params=params)
+    ref, ref_max = _dense_sink_reference(q, k, v, cu, sink, 16 ** -0.5)
+    torch.testing.assert_close(out.double().view(30, 4, 16), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(core.max_logit.double(), ref_max, rtol=1e-5, atol=1e-5)
+    first = core.current_max_attn_logits.clone()
+    out.sum().backward()
+    if softmax_type == "learnable":
+        assert core.softmax_offset.grad is not None
+        assert bool(core.softmax_offset.grad.abs().gt(0).all())
+    # a second micro-batch max-accumulates, as megatron's clip_qk expects
+    core(q * 2, k, v, None, packed_seq_params=params)
+    torch.testing.assert_close(core.current_max_attn_logits,
+                               torch.maximum(first, core.max_logit))
 
 
 # -------------------------------------------------------------------------- sharding hook

@@ -33,6 +33,10 @@ CASES = [
     ("chunked_swa_per_layer", {"window_size": (5, 0)},
      {"strategy": ("a2a+p2p", "p2p"), "chunk_size": 16, "chunk_layers": "all"}, "thd"),
     ("sbhd_causal_p2p", {}, {"strategy": "p2p"}, "sbhd"),
+    # megatron's own softmax_type / qk_clip fields: a learnable sink per head (its gradient
+    # is compared like every other parameter's) and the recorded max logits
+    ("sink_learnable_dispatch", {"softmax_type": "learnable", "qk_clip": True},
+     {"strategy": "dispatch"}, "thd"),
 ]
 EXPECTED_MASKS = {  # per case: (causal, window, chunk) of layers 1 and 2
     "causal_p2p": [(True, (-1, -1), None)] * 2,
@@ -40,6 +44,7 @@ EXPECTED_MASKS = {  # per case: (causal, window, chunk) of layers 1 and 2
     "chunked_a2a": [(True, (-1, -1), 16), (True, (-1, -1), None)],
     "chunked_swa_per_layer": [(True, (5, 0), 16)] * 2,
     "sbhd_causal_p2p": [(True, (-1, -1), None)] * 2,
+    "sink_learnable_dispatch": [(True, (-1, -1), None)] * 2,
 }
 
 
@@ -117,6 +122,15 @@ def _run(model, fmt: str, cp: int):
     return loss_sum / count, grads
 
 
+def _max_logits(model) -> list | None:
+    """Per layer, the max logits recorded by the step (None when not tracked)."""
+    out = []
+    for layer in model.decoder.layers:
+        value = layer.self_attention.core_attention.current_max_attn_logits
+        out.append(None if value is None else value.tolist())
+    return out if any(v is not None for v in out) else None
+
+
 def _layer_info(model) -> list:
     out = []
     for layer in model.decoder.layers:
@@ -154,21 +168,49 @@ def _check_against_megatron(rank: int) -> dict:
     return diffs
 
 
+def _check_clip_qk() -> dict:
+    """cp=1: ``clip_qk_step`` drives megatron's own ``Attention.clip_qk`` from the recorded
+    max logits: Q and K rows of each query group scaled by sqrt(tau / max) (alpha 0.5),
+    V rows untouched, the record reset. Large weights so every head exceeds tau."""
+    import torch
+
+    from varlen_cp.integrations.megatron import clip_qk_step
+
+    model = _build({"qk_clip": True, "qk_clip_threshold": 0.5, "init_method_std": 1.0},
+                   {}, 1, None)
+    _run(model, "thd", 1)
+    attn = model.decoder.layers[0].self_attention
+    ml = attn.core_attention.current_max_attn_logits.clone()
+    w = attn.linear_qkv.weight.detach().clone().view(2, 4, 16, -1)  # per group: q q k v
+    top = clip_qk_step(model)
+    eta = (0.5 / ml.view(2, 2).amax(1)).clamp(max=1.0).sqrt().view(2, 1, 1)
+    new = attn.linear_qkv.weight.detach().view(2, 4, 16, -1)
+    return {"min_max_logit": float(ml.min()), "top": top, "expected_top": float(ml.max()),
+            "q_err": float((new[:, :2] - w[:, :2] * eta[:, None]).abs().max()),
+            "k_err": float((new[:, 2] - w[:, 2] * eta).abs().max()),
+            "v_err": float((new[:, 3] - w[:, 3]).abs().max()),
+            "reset": attn.core_attention.current_max_attn_logits is None}
+
+
 def _parity_worker(rank: int, world: int, config_path: str, log_path: str) -> dict:
     import torch
 
     result: dict = {"cases": {}}
     _setup_parallel(1)
     result["megatron_ref"] = _check_against_megatron(rank)
+    result["clip_qk"] = _check_clip_qk()
     refs = {}
     for name, extra, opts, fmt in CASES:
         model = _build(extra, opts, 1, None)
-        refs[name] = (model.state_dict(), *_run(model, fmt, 1))
+        refs[name] = (model.state_dict(), *_run(model, fmt, 1), _max_logits(model))
     _setup_parallel(2)
     for name, extra, opts, fmt in CASES:
-        state, ref_loss, ref_grads = refs[name]
+        state, ref_loss, ref_grads, ref_max = refs[name]
         model = _build(extra, opts, 2, state)
         loss, grads = _run(model, fmt, 2)
+        result.setdefault("max_logits", {})[name] = (_max_logits(model), ref_max)
+        result.setdefault("grads", {})[name] = {n: float(g.abs().max())
+                                                for n, g in grads.items()}
         grad_err = max(float((grads[n] - g).abs().max() / g.abs().max().clamp(min=1e-12))
                        for n, g in ref_grads.items())
         result["cases"][name] = {"loss": loss, "ref_loss": ref_loss, "grad_rel_err": grad_err,
@@ -192,6 +234,8 @@ normalization = "RMSNorm"
 no_rope_freq = 2
 attention_dropout = 0.0
 hidden_dropout = 0.0
+softmax_type = "learnable"
+qk_clip = true
 
 [gpt]
 vocab_size = 64
@@ -258,6 +302,26 @@ def test_layers_resolve_masks_and_strategies(parity, case: str) -> None:
         assert [m for m, _, _ in layers] == EXPECTED_MASKS[case]
         assert [s for _, s, _ in layers] == strategies
         assert all(cp == 2 for _, _, cp in layers)
+
+
+def test_sink_gets_gradient_and_max_logit_matches_cp1(parity) -> None:
+    for res in parity:
+        grads = res["grads"]["sink_learnable_dispatch"]
+        sinks = [n for n in grads if n.endswith("core_attention.softmax_offset")]
+        assert len(sinks) == 2 and all(grads[n] > 0 for n in sinks), grads
+        got, ref = res["max_logits"]["sink_learnable_dispatch"]
+        assert ref is not None and len(got) == 2 and all(len(h) == 4 for h in got)
+        for layer_got, layer_ref in zip(got, ref):
+            assert layer_got == pytest.approx(layer_ref, rel=1e-5, abs=1e-5)
+        assert res["max_logits"]["causal_p2p"] == (None, None)
+
+
+def test_clip_qk_step_uses_megatrons_clip(parity) -> None:
+    for res in parity:
+        r = res["clip_qk"]
+        assert r["min_max_logit"] > 0.5 and r["reset"], r
+        assert r["top"] == pytest.approx(r["expected_top"]), r
+        assert max(r["q_err"], r["k_err"], r["v_err"]) < 1e-5, r
 
 
 def test_matches_megatron_dot_product_attention(parity) -> None:

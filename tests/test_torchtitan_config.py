@@ -236,3 +236,14 @@ def test_launcher_exits_2_with_one_line_error(tmp_path):
     assert proc.returncode == 2
     assert "stepz" in proc.stderr and "job.toml" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_softmax_type_and_track_max_logit_keys(tmp_path):
+    expect_error(tmp_path, '[model]\nsoftmax_type = "softmax1"\n',
+                 match=["model.softmax_type", "'learnable'", "'softmax1'", "job.toml"])
+    expect_error(tmp_path, "[model]\ntrack_max_logit = 1\n",
+                 match=["model.track_max_logit", "bool", "job.toml"])
+    cfg = build(tmp_path, '[model]\nsoftmax_type = "learnable"\n', "--model.track_max_logit")
+    inner = cfg.model_spec.model.layers[0].attention.inner_attention
+    assert (inner.softmax_type, inner.track_max_logit) == ("learnable", True)
+    assert inner.n_heads == cfg.model.n_heads

@@ -155,3 +155,66 @@ def test_inner_attention_rejects_missing_plan_and_binds_group():
     assert bind_cp_group(model, sentinel) == 2
     assert all(m.group is sentinel for m in model.modules()
                if isinstance(m, VarlenCPInnerAttention))
+
+
+# ------------------------------------------------------------ attention sinks, max logit
+@pytest.mark.parametrize("bad, match", [
+    (dict(softmax_type="softmax1"), "softmax_type"),
+    (dict(track_max_logit=1), "track_max_logit"),
+])
+def test_softmax_args_validation(bad, match):
+    with pytest.raises(ValueError, match=match):
+        Llama4Args(**{**TINY, **bad})
+
+
+def test_softmax_fields_reach_every_layer():
+    cfg = build_llama4_config(Llama4Args(**TINY, n_layers=2, softmax_type="off-by-one",
+                                         track_max_logit=True))
+    inner = [layer.attention.inner_attention for layer in cfg.layers]
+    assert [(c.softmax_type, c.n_heads, c.track_max_logit) for c in inner] == \
+        [("off-by-one", 4, True)] * 2
+    model = build_model(n_layers=2, softmax_type="off-by-one")
+    assert not [n for n, _ in model.named_parameters() if n.endswith(".sink")]
+
+
+def _dense_max_logit(q, k, lengths, scale):
+    """Max over visible (causal, same document) scaled scores per head, dense fp64."""
+    q, k = q.double(), k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    best = torch.full((q.shape[1],), float("-inf"), dtype=torch.float64)
+    start = 0
+    for n in lengths:
+        s = torch.einsum("qhd,khd->hqk", q[start:start + n], k[start:start + n]) * scale
+        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        best = torch.maximum(best, s.amax(dim=(1, 2)))
+        start += n
+    return best
+
+
+def test_learnable_sink_trains_and_max_logits_are_reported():
+    model = build_model(n_layers=2, attention_chunk_size=0, nope_layer_interval=0,
+                        softmax_type="learnable", track_max_logit=True)
+    sinks = {n: p for n, p in model.named_parameters() if n.endswith(".sink")}
+    assert len(sinks) == 2
+    assert all(p.shape == (4,) and p.dtype == torch.float32 and not p.any()
+               for p in sinks.values())
+    assert model.max_logits() == {}
+    captured = {}
+
+    def grab(module, args, kwargs):
+        captured["qk"] = (args[0][0].detach(), args[1][0].detach(), kwargs.get("scale"))
+
+    layer0 = model.layers["0"].attention.inner_attention
+    handle = layer0.register_forward_pre_hook(grab, with_kwargs=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    logits = forward(model, torch.randint(0, 64, (40,)), [13, 27])
+    handle.remove()
+    logits.float().logsumexp(-1).mean().backward()
+    assert all(p.grad is not None and bool(p.grad.abs().gt(0).all()) for p in sinks.values())
+    opt.step()
+    assert all(bool(p.detach().ne(0).all()) for p in sinks.values())
+    got = model.max_logits()
+    assert sorted(got) == [0, 1] and all(v.shape == (4,) and not v.requires_grad
+                                         for v in got.values())
+    q, k, scale = captured["qk"]
+    ref = _dense_max_logit(q, k, [13, 27], scale if scale is not None else 8 ** -0.5)
+    torch.testing.assert_close(got[0].double(), ref, rtol=1e-5, atol=1e-5)

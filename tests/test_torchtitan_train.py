@@ -49,6 +49,7 @@ deterministic = true
 """
 
 
+SINK = ["--model.softmax_type", "learnable", "--model.track_max_logit", "true"]
 RUNS = {  # name: (processes, overrides)
     "cp1": (1, []),
     "cp2_p2p": (2, ["--parallelism.context_parallel_degree", "2",
@@ -65,6 +66,11 @@ RUNS = {  # name: (processes, overrides)
     "fsdp2_cp2": (4, ["--parallelism.data_parallel_shard_degree", "2",
                       "--parallelism.context_parallel_degree", "2",
                       "--varlen_cp.layout", "te"]),
+    # learnable attention sinks (a trained parameter per layer, FSDP-sharded over cp) and
+    # per-layer max logits in the metrics
+    "cp1_sink": (1, SINK),
+    "cp2_sink": (2, SINK + ["--parallelism.context_parallel_degree", "2",
+                            "--varlen_cp.strategy", "p2p"]),
 }
 
 
@@ -119,6 +125,18 @@ def assert_same(ref: list[dict], got: list[dict], what: str) -> None:
 def test_cp2_matches_cp1(results, strategy):
     got = results[f"cp2_{strategy}"]
     assert_same(results["cp1"], got, strategy)
+
+
+def test_learnable_sink_cp2_matches_cp1(results):
+    ref, got = results["cp1_sink"], results["cp2_sink"]
+    assert_same(ref, got, "learnable sink")
+    # the sink changes training (it trains from 0 = off-by-one, unlike vanilla)
+    assert ref[-1]["loss"] != pytest.approx(results["cp1"][-1]["loss"], rel=1e-6)
+    for a, b in zip(ref, got):
+        assert sorted(a["max_logit"]) == [f"max_logit/layer_{i}" for i in range(4)]
+        for key, value in a["max_logit"].items():
+            assert b["max_logit"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert "max_logit" not in results["cp1"][0]
 
 
 def test_fsdp_x_cp_matches_fsdp(results):

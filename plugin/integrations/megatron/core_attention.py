@@ -10,8 +10,15 @@ place of ``DotProductAttention`` / ``TEDotProductAttention``, with context paral
 Formats: THD (``packed_seq_params.qkv_format == "thd"``: q [t, h, d] -> [t, h*dv]) with the
 step's plan from the sharding hook; sbhd (q [s, b, h, d] -> [s, b, h*dv]) where each row is
 one sequence sharded like megatron's ``get_batch_on_this_cp_rank``.
-Limits: self-attention only; no attention dropout, attention bias, mask tensors, or
-non-vanilla softmax (a ValueError at build or call time says which).
+Softmax extras, from megatron's own config fields: ``softmax_type`` "vanilla" |
+"off-by-one" | "learnable" (the learnable sink is the parameter ``softmax_offset``, one
+logit per local query head, named and initialised as megatron's DotProductAttention does, so
+checkpoints interchange; it is kept in fp32), and ``qk_clip`` / ``log_max_attention_logit``:
+each forward's max logit per head (global over the CP group) is kept in ``max_logit`` and
+max-accumulated over micro-batches in ``current_max_attn_logits``, which is what megatron's
+``Attention.clip_qk`` / ``megatron.core.optimizer.qk_clip.clip_qk`` read and reset.
+Limits: self-attention only; no attention dropout, attention bias or mask tensors (a
+ValueError at build or call time says which).
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from .options import (CAUSAL_TYPES, VarlenCPOptions, layer_a2a_size, layer_mask,
                       layer_strategy)
 from .sharding import cp_group_and_rank, plan_from_packed_seq_params, sbhd_plan
 
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+
 
 def _cp_group(pg_collection: Any) -> Any:
     """The CP group: ``pg_collection.cp`` when given, else megatron's parallel_state."""
@@ -49,9 +58,22 @@ def _check_config(config: Any, attention_type: str) -> None:
         raise ValueError(f"config.attention_dropout={config.attention_dropout!r}: attention "
                          f"dropout is not supported by varlen_cp; set it to 0.0")
     softmax_type = getattr(config, "softmax_type", "vanilla")
-    if softmax_type != "vanilla":
-        raise ValueError(f"config.softmax_type={softmax_type!r} is not supported by "
-                         f"varlen_cp (only 'vanilla')")
+    if softmax_type not in SOFTMAX_TYPES:
+        raise ValueError(f"config.softmax_type must be one of {SOFTMAX_TYPES}, got "
+                         f"{softmax_type!r}")
+
+
+def _local_heads(config: Any) -> int:
+    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+    if config.num_attention_heads % tp:
+        raise ValueError(f"config.num_attention_heads={config.num_attention_heads} is not "
+                         f"divisible by tensor_model_parallel_size={tp}")
+    return config.num_attention_heads // tp
+
+
+def _tracks_max_logit(config: Any) -> bool:
+    return bool(getattr(config, "qk_clip", False)
+                or getattr(config, "log_max_attention_logit", False))
 
 
 class VarlenCPCoreAttention(MegatronModule):
@@ -88,6 +110,28 @@ class VarlenCPCoreAttention(MegatronModule):
         if self.cp_size != config.context_parallel_size:
             raise ValueError(f"config.context_parallel_size={config.context_parallel_size} "
                              f"differs from the CP group's size {self.cp_size}")
+        self._init_softmax_extras(config)
+
+    def _init_softmax_extras(self, config: Any) -> None:
+        self.softmax_type = getattr(config, "softmax_type", "vanilla")
+        self.softmax_offset: torch.nn.Parameter | None = None
+        if self.softmax_type == "learnable":
+            # fp32 whatever params_dtype is: the sink is added to fp32 LSEs.
+            offset = torch.zeros(_local_heads(config), dtype=torch.float32)
+            if config.perform_initialization:
+                config.init_method(offset)
+            self.softmax_offset = torch.nn.Parameter(offset)
+        self.track_max_logit = _tracks_max_logit(config)
+        self.max_logit: torch.Tensor | None = None
+        self.current_max_attn_logits: torch.Tensor | None = None
+
+    def _record_max_logit(self, max_logit: torch.Tensor) -> None:
+        """Last forward's value, and the running max over micro-batches that megatron's
+        ``clip_qk`` reads (and resets to None after each optimizer step)."""
+        value = max_logit.detach()
+        self.max_logit = value
+        prev = self.current_max_attn_logits
+        self.current_max_attn_logits = value if prev is None else torch.maximum(prev, value)
 
     def _mask_for(self, attn_mask_type: AttnMaskType | None) -> AttnMask:
         if attn_mask_type is None or attn_mask_type == self.attn_mask_type:
@@ -96,9 +140,16 @@ class VarlenCPCoreAttention(MegatronModule):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan,
                 mask: AttnMask) -> torch.Tensor:
-        return cp_varlen_attn(q, k, v, plan, mask, self.cp_group, self.strategy,
-                              self.softmax_scale, backend=self.options.backend,
-                              validate=self._validate_now(plan), a2a_size=self.a2a_size)
+        sink = self.softmax_offset.float() if self.softmax_offset is not None else None
+        res = cp_varlen_attn(q, k, v, plan, mask, self.cp_group, self.strategy,
+                             self.softmax_scale, backend=self.options.backend,
+                             validate=self._validate_now(plan), a2a_size=self.a2a_size,
+                             return_max_logit=self.track_max_logit,
+                             softmax_type=self.softmax_type, sink=sink)
+        if not self.track_max_logit:
+            return res
+        self._record_max_logit(res[1])
+        return res[0]
 
     def _validate_now(self, plan: CPPlan) -> bool:
         """The cross-rank plan check (a host sync) runs once per plan, in the first layer
@@ -157,4 +208,5 @@ class VarlenCPCoreAttention(MegatronModule):
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_number}, mask={self.mask}, strategy={self.strategy!r}, "
-                f"cp_size={self.cp_size}, backend={self.options.backend!r}")
+                f"cp_size={self.cp_size}, backend={self.options.backend!r}, "
+                f"softmax_type={self.softmax_type!r}")

@@ -40,6 +40,7 @@ from .config import MegatronJob, load_config
 from .cpu_compat import init_cpu_rng, is_cpu_only, megatron_on_cpu
 from .data import synthetic_batch
 from .options import VarlenCPOptions
+from .qk_clip import clip_qk_step
 from .sharding import get_thd_batch_on_this_cp_rank
 from .spec import get_varlen_cp_layer_spec
 
@@ -186,10 +187,14 @@ def train(job: MegatronJob, *, log_json: str | None = None) -> list[float]:
         if t.clip_grad > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad)
         optimizer.step()
+        max_logit = ""
+        if config.qk_clip or config.log_max_attention_logit:
+            value = clip_qk_step(model, log_only=not config.qk_clip)
+            max_logit = f"  max logit {value:.2f}"
         losses.append(loss_sum / max(count, 1.0))
         if rank0 and (step % t.log_interval == 0 or step == t.steps - 1):
             print(f"step {step:4d}  loss {losses[-1]:.4f}  lr {lr_at(job, step):.2e}  "
-                  f"{time.perf_counter() - start:.2f} s", flush=True)
+                  f"{time.perf_counter() - start:.2f} s{max_logit}", flush=True)
     if rank0 and log_json:
         with open(log_json, "w") as f:
             json.dump({"losses": losses, "cp": job.context_parallel_size,

@@ -13,6 +13,9 @@ attention:
 - GQA (``n_kv_heads``), optional QK norm (RMSNorm over head_dim) on RoPE layers.
 - optional MoE feed-forward (torchtitan's MoE: ``num_experts``, ``top_k``, one shared
   expert, every ``interleave_moe_layer_step``-th layer), dense SwiGLU otherwise.
+- attention sinks (``softmax_type`` "off-by-one" | "learnable": a trained fp32 logit per
+  query head in every layer) and max-logit tracking (``track_max_logit``; read with
+  ``Llama4Model.max_logits()``, logged as ``max_logit/layer_N``) for QK-clip.
 Every layer's mask is data on its inner-attention config; one ``CPPlan`` per batch serves all.
 Limits: Llama 4's attention temperature tuning on NoPE layers and its weight-free L2 QK norm
 are not reproduced (QK norm here is torchtitan's RMSNorm); torchtitan's experts compute in
@@ -52,7 +55,10 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.protocols.sharding import ShardingConfig
 
 from ...masks import AttnMask
-from .attention import VarlenCPInnerAttention, inner_attention_sharding
+from .attention import VarlenCPInnerAttention, inner_attention_sharding, layer_max_logits
+
+
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
 @dataclass(kw_only=True)
@@ -95,6 +101,12 @@ class Llama4Args:
     score_func: Literal["sigmoid", "softmax"] = "sigmoid"
     load_balance_coeff: float = 1e-3
     enable_weight_tying: bool = False
+    softmax_type: Literal["vanilla", "off-by-one", "learnable"] = "vanilla"
+    """Attention sink: "off-by-one" adds 1 to the softmax denominator (a zero logit),
+    "learnable" one trained logit per query head and layer (gpt-oss style)."""
+    track_max_logit: bool = False
+    """Record each layer's max attention logit per head every step (``max_logits()``,
+    logged as ``max_logit/layer_N``) for QK-clip."""
 
     def __post_init__(self) -> None:
         positive = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len",
@@ -117,6 +129,12 @@ class Llama4Args:
         if self.attention_chunk_size and self.sliding_window:
             raise ValueError("model.attention_chunk_size and model.sliding_window are "
                              "exclusive (set one to 0)")
+        if self.softmax_type not in SOFTMAX_TYPES:
+            raise ValueError(f"model.softmax_type must be one of {SOFTMAX_TYPES}, got "
+                             f"{self.softmax_type!r}")
+        if not isinstance(self.track_max_logit, bool):
+            raise ValueError(f"model.track_max_logit must be a bool, got "
+                             f"{self.track_max_logit!r}")
         if self.num_experts and self.top_k > self.num_experts:
             raise ValueError(f"model.top_k ({self.top_k}) must be <= model.num_experts "
                              f"({self.num_experts})")
@@ -197,6 +215,12 @@ _GROUPED_EXPERTS_PARAM_LAYOUT = {"w1_EFD": spmd.S(1), "w2_EDF": spmd.S(2), "w3_E
 
 class Llama4Model(Decoder):
     """Llama 4 style decoder (see the module docstring)."""
+
+    def max_logits(self) -> dict[int, torch.Tensor]:
+        """Layer index -> that layer's max attention logit per query head (fp32 [Hq],
+        detached, max over the global batch of the last forward; the same on every CP rank,
+        not reduced over data parallelism). Empty unless ``model.track_max_logit``."""
+        return layer_max_logits(self)
 
     @dataclass(kw_only=True, slots=True)
     class Config(Decoder.Config):
@@ -296,11 +320,13 @@ def _rope_config(args: Llama4Args, nope: bool) -> RoPE.Config:
                       original_max_position_embeddings=args.rope_original_max_position)
 
 
-def _inner_attention(mask: AttnMask, strategy: str, backend: str,
-                     validate: bool) -> VarlenCPInnerAttention.Config:
+def _inner_attention(mask: AttnMask, strategy: str, backend: str, validate: bool,
+                     args: Llama4Args) -> VarlenCPInnerAttention.Config:
     return VarlenCPInnerAttention.Config(
         causal=mask.causal, window_left=mask.window_size[0], window_right=mask.window_size[1],
-        chunk_size=mask.chunk_size or 0, strategy=strategy, backend=backend, validate=validate)
+        chunk_size=mask.chunk_size or 0, strategy=strategy, backend=backend, validate=validate,
+        softmax_type=args.softmax_type, n_heads=args.n_heads,
+        track_max_logit=args.track_max_logit)
 
 
 def _moe_config(args: Llama4Args, layer_id: int) -> object:
@@ -338,7 +364,8 @@ def build_llama4_config(args: Llama4Args, *, strategy: str = "p2p", backend: str
             dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
             head_dim=args.head_dim or None, wqkv_param_init=_linear_init(),
             wo_param_init=_linear_init(_depth_std(i)),
-            inner_attention=_inner_attention(args.layer_mask(i), strategy, backend, validate),
+            inner_attention=_inner_attention(args.layer_mask(i), strategy, backend, validate,
+                                             args),
             fuse_qkv=True, rope=_rope_config(args, nope), qk_norm=qk_norm)
         wqkv = attention.qkv_linear.wqkv
         wqkv.param_init = _agnostic(wqkv.param_init)  # torchtitan's fused init, unsharded
@@ -402,6 +429,6 @@ def uses_rope(model_config: Llama4Model.Config) -> list[bool]:
     return [not isinstance(layer.attention.rope, NoRoPE.Config) for layer in model_config.layers]
 
 
-__all__ = ["Llama4Args", "Llama4Model", "Llama4TransformerBlock", "NoRoPE",
+__all__ = ["SOFTMAX_TYPES", "Llama4Args", "Llama4Model", "Llama4TransformerBlock", "NoRoPE",
            "build_llama4_config", "llama4_model_spec", "layer_masks", "uses_rope",
            "set_llama4_sharding_config"]

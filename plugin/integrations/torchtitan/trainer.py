@@ -33,7 +33,7 @@ from torchtitan.trainer import Trainer
 
 from ...plan import CPPlan
 from ...sharding import cu_seqlens_from_positions, shard_packed_batch
-from .attention import PackedBatch, bind_cp_group
+from .attention import PackedBatch, bind_cp_group, layer_max_logits
 from .config import VarlenCPConfig
 from .model import Llama4Args
 
@@ -57,7 +57,12 @@ def packed_cu_seqlens(positions: torch.Tensor | None, shape: tuple[int, int]) ->
 
 
 class VarlenCPMetrics(MetricsProcessor):
-    """torchtitan's metrics, plus one JSON line per logged step (rank 0) for comparisons."""
+    """torchtitan's metrics, plus one JSON line per logged step (rank 0) for comparisons,
+    plus ``max_logit/layer_N`` (max over heads and over all ranks) when the model tracks
+    max logits. The max-logit read is one small all-reduce and host copy per *logged* step,
+    outside forward/backward."""
+
+    model_parts: list[torch.nn.Module] = []
 
     @dataclass(kw_only=True, slots=True)
     class Config(MetricsProcessor.Config):
@@ -68,14 +73,33 @@ class VarlenCPMetrics(MetricsProcessor):
             extra_metrics: dict[str, Any] | None = None) -> None:
         ntokens = self.ntokens_since_last_log
         elapsed = time.perf_counter() - self.time_last_log
+        max_logits = self.max_logit_metrics()
+        extra_metrics = {**(extra_metrics or {}), **max_logits}
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
         path = self.config.loss_file
         if path and (not dist.is_initialized() or dist.get_rank() == 0):
             tps = ntokens / max(elapsed, 1e-9) / self.parallel_dims.non_data_parallel_size
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            row = {"step": step, "loss": global_avg_loss, "grad_norm": grad_norm, "tps": tps}
+            if max_logits:
+                row["max_logit"] = max_logits
             with open(path, "a") as f:
-                f.write(json.dumps({"step": step, "loss": global_avg_loss,
-                                    "grad_norm": grad_norm, "tps": tps}) + "\n")
+                f.write(json.dumps(row) + "\n")
+
+    def max_logit_metrics(self) -> dict[str, float]:
+        """``{"max_logit/layer_N": value}``: each tracking layer's max logit of the last
+        step (max over heads; max over all ranks, as data-parallel ranks see other batches).
+        Every rank calls ``log``, so the all-reduce is matched."""
+        per_layer: dict[int, torch.Tensor] = {}
+        for part in self.model_parts:
+            per_layer.update(layer_max_logits(part))
+        if not per_layer:
+            return {}
+        layers = sorted(per_layer)
+        values = torch.stack([per_layer[i].amax() for i in layers])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return {f"max_logit/layer_{i}": float(v) for i, v in zip(layers, values.tolist())}
 
 
 class VarlenCPTrainer(Trainer):
@@ -99,6 +123,8 @@ class VarlenCPTrainer(Trainer):
             self.cp_size, self.cp_rank = mesh.size(), mesh.get_local_rank()
         for part in self.model_parts:
             bind_cp_group(part, self.cp_group)
+        if isinstance(self.metrics_processor, VarlenCPMetrics):
+            self.metrics_processor.model_parts = list(self.model_parts)
 
     def batch_generator(self, data_iterable):
         for input_dict, labels in super().batch_generator(data_iterable):
