@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from ..masks import AttnMask
-from .common import (SORT_STRIDE, Attn, Holder, KernelCall, cached_on, dlse_or_none,
-                     empty_attn, head_max, kernel_call, maybe_max, no_max, rank_holder,
-                     segment_ids, visible_pairs)
+from .common import (SORT_STRIDE, Attn, Holder, KernelCall, empty_attn, kernel_call,
+                     rank_holder, segment_ids, visible_pairs)
+from .selected_keys import SelectedKeysSpec, selected_keys_attention
 
 # torch 2.13 renames all_gather_into_tensor to all_gather_single (same call).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -168,54 +168,15 @@ def gather_backward(dout, q, k_sel, v_sel, out, lse, tab: GatherTables, group: A
 
 
 # ------------------------------------------------------------------------------ strategy
-@dataclass(frozen=True)
-class GatherSpec:
-    plan: Any
-    attn: Attn
-    group: Any
-    block: tuple[int, int]
-
-    def tables(self, device: torch.device) -> GatherTables:
-        plan, mask, rank = self.plan, self.attn.mask, self.plan.cp_rank
-        return cached_on(plan, ("all_gather", "tables", mask, self.block, rank), device,
-                         lambda: gather_tables(plan, mask, rank, self.block))
-
-
-class AllGatherAttention(torch.autograd.Function):
-    """All-gather CP attention: (out, lse, max_part) of the local queries vs all keys;
-    lse is differentiable, max_part (or its empty stand-in) is not."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, spec: GatherSpec, need_max: bool):
-        tab = spec.tables(q.device)
-        out, lse, row_max, k_sel, v_sel = gather_forward(q, k, v, tab, spec.group, spec.attn,
-                                                         need_max)
-        max_part = head_max(row_max, q.shape[1], q.device) if need_max else no_max(q.device)
-        ctx.save_for_backward(q, k_sel, v_sel, out, lse)
-        ctx.spec, ctx.k_shape = spec, k.shape
-        ctx.mark_non_differentiable(max_part)
-        ctx.set_materialize_grads(False)  # an unused lse gets no zero gradient
-        return out, lse, max_part
-
-    @staticmethod
-    def backward(ctx, dout, dlse, _dmax):
-        q, k_sel, v_sel, out, lse = ctx.saved_tensors
-        spec = ctx.spec
-        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        dq, dk, dv = gather_backward(dout, q, k_sel, v_sel, out, lse, spec.tables(q.device),
-                                     spec.group, spec.attn, ctx.k_shape, dlse_or_none(dlse))
-        return dq, dk, dv, None, None
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any, attn: Attn,
               group: Any, block: tuple[int, int], *, need_lse: bool = True,
               need_max: bool = False, **_: Any
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Differentiable all-gather attention (inputs already checked): (out, lse,
     max_part)."""
-    out, lse, max_part = AllGatherAttention.apply(q, k, v, GatherSpec(plan, attn, group, block),
-                                                  need_max)
-    return out, lse, maybe_max(max_part)
+    spec = SelectedKeysSpec("all_gather", plan, attn, group, block, gather_tables,
+                            gather_forward, gather_backward)
+    return selected_keys_attention(q, k, v, spec, need_max)
 
 
 def check_heads(n_heads: int, n_kv_heads: int, cp_size: int, **_: Any) -> None:

@@ -37,8 +37,9 @@ import torch
 import torch.distributed as dist
 
 from ..masks import AttnMask
-from .common import (Attn, Holder, KernelCall, cached_on, dlse_or_none, empty_attn, head_max,
-                     kernel_call, maybe_max, no_max, rank_holder, segment_ids, visible_pairs)
+from .common import (Attn, Holder, KernelCall, empty_attn, kernel_call, rank_holder,
+                     segment_ids, visible_pairs)
+from .selected_keys import SelectedKeysSpec, selected_keys_attention
 
 
 # ---------------------------------------------------------------------------- host tables
@@ -188,10 +189,12 @@ def dispatch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tab: Dis
 
 def dispatch_backward(dout: torch.Tensor, q: torch.Tensor, k_sel: torch.Tensor,
                       v_sel: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                      tab: DispatchTables, group: Any, attn: Attn, n_local: int,
+                      tab: DispatchTables, group: Any, attn: Attn, k_shape: torch.Size,
                       dlse: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv): dK/dV of fetched keys go home and are summed with the local ones."""
+    """(dq, dk, dv): dK/dV of fetched keys go home and are summed with the local ones.
+    ``k_shape``: shape of this rank's local K (the layout dk/dv come back in)."""
+    n_local = k_shape[0]
     hkv, d, dv_dim = k_sel.shape[1], k_sel.shape[2], v_sel.shape[2]
     width = hkv * (d + dv_dim)
     if tab.call is None:
@@ -220,55 +223,14 @@ def host_tables(plan: Any, mask: AttnMask, rank: int, block: tuple[int, int]
                        lambda: dispatch_tables(plan, mask, rank, block))
 
 
-@dataclass(frozen=True)
-class DispatchSpec:
-    """Non-tensor arguments of one dispatch call."""
-
-    plan: Any
-    attn: Attn
-    group: Any
-    block: tuple[int, int]
-
-    def tables(self, device: torch.device) -> DispatchTables:
-        plan, mask, rank = self.plan, self.attn.mask, self.plan.cp_rank
-        return cached_on(plan, ("dispatch", "tables", mask, self.block, rank), device,
-                         lambda: dispatch_tables(plan, mask, rank, self.block))
-
-
-class DispatchAttention(torch.autograd.Function):
-    """Dispatch CP attention: (out, lse, max_part) of the local queries vs all keys; lse
-    is differentiable, max_part (or its empty stand-in) is not."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, spec: DispatchSpec, need_max: bool):
-        tab = spec.tables(q.device)
-        out, lse, row_max, k_sel, v_sel = dispatch_forward(q, k, v, tab, spec.group,
-                                                           spec.attn, need_max)
-        max_part = head_max(row_max, q.shape[1], q.device) if need_max else no_max(q.device)
-        ctx.save_for_backward(q, k_sel, v_sel, out, lse)
-        ctx.spec, ctx.n_local = spec, k.shape[0]
-        ctx.mark_non_differentiable(max_part)
-        ctx.set_materialize_grads(False)  # an unused lse gets no zero gradient
-        return out, lse, max_part
-
-    @staticmethod
-    def backward(ctx, dout, dlse, _dmax):
-        q, k_sel, v_sel, out, lse = ctx.saved_tensors
-        spec = ctx.spec
-        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        dq, dk, dv = dispatch_backward(dout, q, k_sel, v_sel, out, lse, spec.tables(q.device),
-                                       spec.group, spec.attn, ctx.n_local, dlse_or_none(dlse))
-        return dq, dk, dv, None, None
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any, attn: Attn,
               group: Any, block: tuple[int, int], *, need_lse: bool = True,
               need_max: bool = False, **_: Any
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Differentiable dispatch attention (inputs already checked): (out, lse, max_part)."""
-    out, lse, max_part = DispatchAttention.apply(q, k, v, DispatchSpec(plan, attn, group, block),
-                                                 need_max)
-    return out, lse, maybe_max(max_part)
+    spec = SelectedKeysSpec("dispatch", plan, attn, group, block, dispatch_tables,
+                            dispatch_forward, dispatch_backward)
+    return selected_keys_attention(q, k, v, spec, need_max)
 
 
 def check_heads(n_heads: int, n_kv_heads: int, cp_size: int, **_: Any) -> None:
