@@ -269,6 +269,19 @@ def _masked_scores(qh: Tensor, kh: Tensor, hidden: Tensor | None, mq: int) -> Te
     return s
 
 
+def _group_operands(g: _Group, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor,
+                    mask: tuple[bool, int, int, int], explicit_q: bool, acc: torch.dtype,
+                    softmax_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What forward and backward both need of one group: the hidden (not visible) pairs and
+    the heads-major q (pre-scaled), k and v in the accumulation dtype."""
+    hkv = k.shape[1]
+    hidden = ~_group_mask(g, q_pos, k_pos, mask, explicit_q)
+    qh = _heads_major(q.index_select(0, g.q_gather), g, g.mq, hkv, acc, softmax_scale)
+    kh = _heads_major(k.index_select(0, g.k_gather), g, g.mk, hkv, acc)
+    vh = _heads_major(v.index_select(0, g.k_gather), g, g.mk, hkv, acc)
+    return hidden, qh, kh, vh
+
+
 def _fwd_group(qh: Tensor, kh: Tensor, vh: Tensor, hidden: Tensor, mq: int
                ) -> tuple[Tensor, Tensor, Tensor]:
     """Online softmax over key chunks of one group -> (out, lse, row max), heads-major.
@@ -346,10 +359,8 @@ def torch_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_
     row_max = torch.full_like(lse, float("-inf")) if return_max else None
     q_pos, k_pos = _positions(cu_q, cu_k, tq, tk, q_positions, k_positions, q.device)
     for g in _groups(sched, cu_q, cu_k, tq, tk, hq, q.device):
-        hidden = ~_group_mask(g, q_pos, k_pos, mask, q_positions is not None)
-        qh = _heads_major(q.index_select(0, g.q_gather), g, g.mq, hkv, acc, softmax_scale)
-        kh = _heads_major(k.index_select(0, g.k_gather), g, g.mk, hkv, acc)
-        vh = _heads_major(v.index_select(0, g.k_gather), g, g.mk, hkv, acc)
+        hidden, qh, kh, vh = _group_operands(g, q, k, v, q_pos, k_pos, mask,
+                                             q_positions is not None, acc, softmax_scale)
         o, row_lse, m = _fwd_group(qh, kh, vh, hidden, g.mq)
         _put_rows(out, o, g, g.mq, hkv)
         _put_rows(lse, row_lse, g, g.mq, hkv)
@@ -396,10 +407,8 @@ def torch_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     lse_TH = lse.t().to(acc).masked_fill(lse.t() == float("-inf"), float("inf"))
     q_pos, k_pos = _positions(cu_q, cu_k, tq, tk, q_positions, k_positions, q.device)
     for g in _groups(sched, cu_q, cu_k, tq, tk, hq, q.device):
-        hidden = ~_group_mask(g, q_pos, k_pos, mask, q_positions is not None)
-        qh = _heads_major(q.index_select(0, g.q_gather), g, g.mq, hkv, acc, softmax_scale)
-        kh = _heads_major(k.index_select(0, g.k_gather), g, g.mk, hkv, acc)
-        vh = _heads_major(v.index_select(0, g.k_gather), g, g.mk, hkv, acc)
+        hidden, qh, kh, vh = _group_operands(g, q, k, v, q_pos, k_pos, mask,
+                                             q_positions is not None, acc, softmax_scale)
         doh = _heads_major(dout.index_select(0, g.q_gather), g, g.mq, hkv, acc)
         rows = torch.stack([delta_TH.index_select(0, g.q_gather),
                             lse_TH.index_select(0, g.q_gather)], dim=-1)

@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from .triton_common import (
-    key_block_range, launch_options, load_positions, query_block_range, tile_may_see,
-    unit_last_stride, visible,
+    key_block_range, launch_options, load_kv_tile, load_positions, query_block_range,
+    tile_may_see, unit_last_stride, visible,
 )
 from .torch_attn import lse_grad_rows
 from .triton_fwd import LOG2E, check_schedule, kernel_constants, resolve_blocks
@@ -148,12 +148,8 @@ def _dq_tile(
     DOT_PREC: tl.constexpr,
 ):
     """One key tile's contribution to dQ (before the final softmax-scale factor)."""
-    cols = (k_start + offs_n).to(tl.int64)
-    col_in = offs_n < end
-    k = tl.load(K + cols[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                mask=col_in[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    v = tl.load(V + cols[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
-                mask=col_in[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    k, v = load_kv_tile(K, V, k_start, offs_n, end, kv_head, offs_d, offs_dv, stride_kt,
+                        stride_kh, stride_vt, stride_vh, HEAD_DIM, HEAD_DIM_V)
     vis = visible(q_pos[:, None], k_pos[None, :], window_left, window_right, chunk_size,
                   CAUSAL, HAS_WL, HAS_WR, HAS_CHUNK)
     vis = vis & row_ok[:, None] & k_valid[None, :]

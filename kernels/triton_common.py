@@ -174,6 +174,21 @@ def position_bounds(pos, valid):
 
 
 @triton.jit
+def load_kv_tile(K, V, k_start, offs_n, n_valid, kv_head, offs_d, offs_dv, stride_kt,
+                 stride_kh, stride_vt, stride_vh, HEAD_DIM: tl.constexpr,
+                 HEAD_DIM_V: tl.constexpr):
+    """K [BLOCK_N, BLOCK_D] and V [BLOCK_N, BLOCK_DV] tiles of one K/V head at segment offsets
+    ``offs_n``; rows at or past ``n_valid`` and the padded head dims read as 0."""
+    cols = (k_start + offs_n).to(tl.int64)
+    col_in = offs_n < n_valid
+    k = tl.load(K + cols[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                mask=col_in[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    v = tl.load(V + cols[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
+                mask=col_in[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    return k, v
+
+
+@triton.jit
 def load_positions(POS, start, offs, bound, shift, EXPLICIT: tl.constexpr):
     """Positions of rows ``offs`` of a segment beginning at ``start``, and which are real.
 

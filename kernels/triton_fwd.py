@@ -22,8 +22,8 @@ import triton.language as tl
 
 from .triton_common import (
     check_block, clamp_mask_param, dot_precision, key_block_range, launch_options,
-    load_positions, padded_head_dim, tile_may_see, triton_block_sizes, unit_last_stride,
-    visible,
+    load_kv_tile, load_positions, padded_head_dim, tile_may_see, triton_block_sizes,
+    unit_last_stride, visible,
 )
 
 LOG2E = math.log2(math.e)
@@ -38,12 +38,8 @@ def _fwd_tile(
     DOT_PREC: tl.constexpr,
 ):
     """One key tile of the online softmax: returns the updated (m, l, acc)."""
-    cols = (k_start + offs_n).to(tl.int64)
-    col_in = offs_n < end
-    k = tl.load(K + cols[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                mask=col_in[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    v = tl.load(V + cols[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
-                mask=col_in[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    k, v = load_kv_tile(K, V, k_start, offs_n, end, kv_head, offs_d, offs_dv, stride_kt,
+                        stride_kh, stride_vt, stride_vh, HEAD_DIM, HEAD_DIM_V)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     vis = visible(q_pos[:, None], k_pos[None, :], window_left, window_right, chunk_size,
                   CAUSAL, HAS_WL, HAS_WR, HAS_CHUNK)
