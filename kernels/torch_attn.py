@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import validation
 from .mask_math import implicit_positions, visible
 from .schedule import BlockSchedule, build_block_schedule
 
@@ -79,28 +80,11 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor,
                   max_seqlen_q: int, max_seqlen_k: int) -> None:
-    """Shape checks on host data only; raises ValueError naming the argument."""
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q, k, v must be [tokens, heads, dim], got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.shape[:2] != v.shape[:2] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"q/k/v shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k heads ({k.shape[1]})")
-    if cu_q.numel() != cu_k.numel() or cu_q.numel() < 1:
-        raise ValueError(f"cu_seqlens_q ({cu_q.numel()} entries) and cu_seqlens_k "
-                         f"({cu_k.numel()} entries) must have the same length >= 1")
-    for name, cu, total, max_len in (("q", cu_q, q.shape[0], max_seqlen_q),
-                                     ("k", cu_k, k.shape[0], max_seqlen_k)):
-        lens = cu[1:] - cu[:-1]
-        if int(cu[0]) != 0 or int(cu[-1]) != total or bool((lens < 0).any()):
-            raise ValueError(f"cu_seqlens_{name} must rise from 0 to {total}, got "
-                             f"{cu.tolist() if cu.numel() <= 16 else 'a longer table'}")
-        longest = int(lens.max()) if lens.numel() else 0
-        if longest > max_len:
-            raise ValueError(f"max_seqlen_{name}={max_len} is below the longest segment "
-                             f"({longest})")
+    """The op's own checks (kernels/validation.py), for callers that reach the twin directly;
+    ``cu_q``/``cu_k`` are host copies, so the value checks never sync."""
+    validation.check_qkv(q, k, v)
+    validation.check_cu_seqlens(cu_q, cu_k, q.shape[0], k.shape[0], max_seqlen_q,
+                                max_seqlen_k, q.device)
 
 
 def _positions(cu_q: Tensor, cu_k: Tensor, total_q: int, total_k: int,

@@ -50,7 +50,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.shape[2] != k.shape[2]:
         _fail(f"head dims differ: q has {q.shape[2]}, k has {k.shape[2]}")
     if k.shape[:2] != v.shape[:2]:
-        _fail(f"k and v disagree on [tokens, heads]: {tuple(k.shape[:2])} vs {tuple(v.shape[:2])}")
+        _fail(f"k and v disagree on [tokens, heads]: shapes {tuple(k.shape)} vs "
+              f"{tuple(v.shape)}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         _fail(f"Hq={q.shape[1]} must be a multiple of Hkv={k.shape[1]} (GQA)")
     for name, d in (("q/k head_dim", q.shape[2]), ("v head_dim", v.shape[2])):
