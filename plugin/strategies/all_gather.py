@@ -27,7 +27,8 @@ import torch.distributed as dist
 from ..masks import AttnMask
 from .common import (SORT_STRIDE, Attn, Holder, KernelCall, empty_attn, kernel_call,
                      rank_holder, segment_ids, visible_pairs)
-from .selected_keys import SelectedKeysSpec, selected_keys_attention
+from .selected_keys import (SelectedKeysSpec, local_key_grads, selected_keys_attention,
+                            unpack_key_grads)
 
 # torch 2.13 renames all_gather_into_tensor to all_gather_single (same call).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -147,23 +148,14 @@ def gather_forward(q, k, v, tab: GatherTables, group: Any, attn: Attn, need_max:
 def gather_backward(dout, q, k_sel, v_sel, out, lse, tab: GatherTables, group: Any,
                     attn: Attn, k_shape: torch.Size, dlse: torch.Tensor | None = None):
     """(dq, dk, dv): dK/dV of the picked keys summed at their owners (fp32)."""
-    t, hkv, d = k_shape
-    dv_dim = v_sel.shape[2]
-    width = hkv * (d + dv_dim)
-    if tab.call is None:
-        dq = torch.zeros_like(q)
-        grads = k_sel.new_zeros(k_sel.shape[0], width)
-    else:
-        dq, dk_sel, dv_sel = attn.bwd(dout, q, k_sel, v_sel, out, lse, tab.call, dlse)
-        grads = torch.cat([dk_sel.flatten(1), dv_sel.flatten(1)], dim=1)
+    dq, grads = local_key_grads(dout, q, k_sel, v_sel, out, lse, tab.call, attn, dlse)
     send = grads.index_select(0, tab.send_order)
-    recv = grads.new_empty(sum(tab.recv_splits), width)
+    recv = grads.new_empty(sum(tab.recv_splits), grads.shape[1])
     dist.all_to_all_single(recv, send, list(tab.recv_splits), list(tab.send_splits),
                            group=group)
-    acc = torch.zeros(t, width, dtype=torch.float32, device=q.device)
+    acc = torch.zeros(k_shape[0], grads.shape[1], dtype=torch.float32, device=q.device)
     acc.index_add_(0, tab.recv_index, recv.float())
-    dk = acc[:, :hkv * d].reshape(t, hkv, d).to(k_sel.dtype)
-    dv = acc[:, hkv * d:].reshape(t, hkv, dv_dim).to(v_sel.dtype)
+    dk, dv = unpack_key_grads(acc, k_shape, k_sel.dtype, v_sel.dtype, v_sel.shape[2])
     return dq, dk, dv
 
 

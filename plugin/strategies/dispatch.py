@@ -39,7 +39,8 @@ import torch.distributed as dist
 from ..masks import AttnMask
 from .common import (Attn, Holder, KernelCall, empty_attn, kernel_call, rank_holder,
                      segment_ids, visible_pairs)
-from .selected_keys import SelectedKeysSpec, selected_keys_attention
+from .selected_keys import (SelectedKeysSpec, local_key_grads, selected_keys_attention,
+                            unpack_key_grads)
 
 
 # ---------------------------------------------------------------------------- host tables
@@ -194,24 +195,15 @@ def dispatch_backward(dout: torch.Tensor, q: torch.Tensor, k_sel: torch.Tensor,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv): dK/dV of fetched keys go home and are summed with the local ones.
     ``k_shape``: shape of this rank's local K (the layout dk/dv come back in)."""
-    n_local = k_shape[0]
-    hkv, d, dv_dim = k_sel.shape[1], k_sel.shape[2], v_sel.shape[2]
-    width = hkv * (d + dv_dim)
-    if tab.call is None:
-        dq = torch.zeros_like(q)
-        grads = k_sel.new_zeros(k_sel.shape[0], width)
-    else:
-        dq, dk_sel, dv_sel = attn.bwd(dout, q, k_sel, v_sel, out, lse, tab.call, dlse)
-        grads = torch.cat([dk_sel.flatten(1), dv_sel.flatten(1)], dim=1)
-    back = grads.new_empty(tab.send_rows.shape[0], width)
+    dq, grads = local_key_grads(dout, q, k_sel, v_sel, out, lse, tab.call, attn, dlse)
+    back = grads.new_empty(tab.send_rows.shape[0], grads.shape[1])
     # The reverse of the forward exchange: what we fetched goes back, what we sent returns.
     dist.all_to_all_single(back, grads.index_select(0, tab.recv_order),
                            list(tab.send_splits), list(tab.recv_splits), group=group)
-    acc = torch.zeros(n_local, width, dtype=torch.float32, device=q.device)
+    acc = torch.zeros(k_shape[0], grads.shape[1], dtype=torch.float32, device=q.device)
     acc.index_add_(0, tab.local_rows, grads.index_select(0, tab.local_slots).float())
     acc.index_add_(0, tab.send_rows, back.float())
-    dk = acc[:, :hkv * d].reshape(n_local, hkv, d).to(k_sel.dtype)
-    dv = acc[:, hkv * d:].reshape(n_local, hkv, dv_dim).to(v_sel.dtype)
+    dk, dv = unpack_key_grads(acc, k_shape, k_sel.dtype, v_sel.dtype, v_sel.shape[2])
     return dq, dk, dv
 
 

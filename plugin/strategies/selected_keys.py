@@ -42,6 +42,26 @@ class SelectedKeysSpec:
                          lambda: self.build_tables(plan, mask, rank, self.block))
 
 
+def local_key_grads(dout, q, k_sel, v_sel, out, lse, call, attn: Attn, dlse
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq, grads): this rank's dQ and the selected keys' dK|dV packed as rows
+    [n_selected, Hkv * (D + Dv)] in the input dtype, ready for the exchange back."""
+    if call is None:  # nothing visible: nothing to differentiate
+        width = k_sel.shape[1] * (k_sel.shape[2] + v_sel.shape[2])
+        return torch.zeros_like(q), k_sel.new_zeros(k_sel.shape[0], width)
+    dq, dk_sel, dv_sel = attn.bwd(dout, q, k_sel, v_sel, out, lse, call, dlse)
+    return dq, torch.cat([dk_sel.flatten(1), dv_sel.flatten(1)], dim=1)
+
+
+def unpack_key_grads(acc: torch.Tensor, k_shape: torch.Size, k_dtype: torch.dtype,
+                     v_dtype: torch.dtype, head_dim_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split the fp32 accumulator of packed dK|dV rows into dk, dv in the local K layout."""
+    n, hkv, d = k_shape
+    dk = acc[:, :hkv * d].reshape(n, hkv, d).to(k_dtype)
+    dv = acc[:, hkv * d:].reshape(n, hkv, head_dim_v).to(v_dtype)
+    return dk, dv
+
+
 class SelectedKeysAttention(torch.autograd.Function):
     """(out, lse, max_part) of the local queries vs the selected keys; lse is
     differentiable, max_part (or its empty stand-in) is not."""
