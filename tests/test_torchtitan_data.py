@@ -10,8 +10,9 @@ pytest.importorskip("torchtitan")
 
 from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
 
+from varlen_cp.integrations.synthetic_data import document_lengths  # noqa: E402
 from varlen_cp.integrations.torchtitan.data import (SyntheticPackedDataLoader,  # noqa: E402
-                                                    SyntheticTokenizer, document_lengths)
+                                                    SyntheticTokenizer)
 from varlen_cp.integrations.torchtitan.trainer import packed_cu_seqlens  # noqa: E402
 
 

@@ -1,9 +1,7 @@
 """Synthetic packed batches in megatron's THD form, for the training demo and the tests.
 
-Each step packs documents with heavy-tailed (Pareto) lengths into one row of ``seq_len``
-tokens. Content a small model can learn only by attending within its document: a document
-follows one of ``num_rules`` fixed random permutations of the alphabet (next token =
-rule[token]; with probability ``noise`` a random token). Batches are a pure function of
+Each step packs documents from ``varlen_cp.integrations.synthetic_data`` (heavy-tailed
+lengths, content learnable only within a document) into one row of ``seq_len`` tokens. Batches are a pure function of
 (seed, step, dp_rank), so every CP rank of a data-parallel replica sees the same global
 batch, and a CP=N run sees exactly the CP=1 run's batches.
 
@@ -17,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ..synthetic_data import make_rules, packed_documents
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -48,45 +48,18 @@ class SyntheticDataConfig:
             raise ValueError(f"data.seed must be an int, got {self.seed!r}")
 
 
-def document_lengths(gen: torch.Generator, total: int, min_len: int, max_len: int,
-                     alpha: float) -> list[int]:
-    """Pareto lengths clipped to [1, max_len] whose sum is exactly ``total``."""
-    lengths: list[int] = []
-    left = total
-    while left > 0:
-        u = float(torch.rand((), generator=gen)) * (1 - 1e-9) + 1e-9
-        n = min(int(min_len / u ** (1.0 / alpha)), max_len, left)
-        lengths.append(max(n, 1))
-        left -= lengths[-1]
-    return lengths
-
-
 def synthetic_batch(cfg: SyntheticDataConfig, step: int, dp_rank: int = 0
                     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The global packed batch of ``step`` for data-parallel rank ``dp_rank``."""
-    rules_gen = torch.Generator().manual_seed(cfg.seed)
-    rules = torch.stack([torch.randperm(cfg.alphabet, generator=rules_gen)
-                         for _ in range(cfg.num_rules)])
+    rules = make_rules(cfg.seed, cfg.num_rules, cfg.alphabet)
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 997 + dp_rank + 1)
-    max_len = cfg.max_doc_len or cfg.seq_len
-    lengths = document_lengths(gen, cfg.seq_len, cfg.min_doc_len, max_len, cfg.alpha)
-    tokens, labels, mask, positions = [], [], [], []
-    for n in lengths:
-        rule = rules[int(torch.randint(cfg.num_rules, (), generator=gen))]
-        seq = torch.empty(n + 1, dtype=torch.long)
-        seq[0] = torch.randint(cfg.alphabet, (), generator=gen)
-        noisy = torch.rand(n, generator=gen) < cfg.noise
-        random_next = torch.randint(cfg.alphabet, (n,), generator=gen)
-        for i in range(n):
-            seq[i + 1] = random_next[i] if noisy[i] else rule[seq[i]]
-        tokens.append(seq[:n])
-        labels.append(seq[1:])
-        m = torch.ones(n)
-        m[-1] = 0.0  # the document's last token has nothing to predict inside it
-        mask.append(m)
-        positions.append(torch.arange(n))
+    lengths, tokens, labels, positions = packed_documents(
+        gen, rules, cfg.seq_len, min_len=cfg.min_doc_len,
+        max_len=cfg.max_doc_len or cfg.seq_len, alpha=cfg.alpha, noise=cfg.noise)
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    batch = {"tokens": torch.cat(tokens)[None], "labels": torch.cat(labels)[None],
-             "loss_mask": torch.cat(mask)[None], "position_ids": torch.cat(positions)[None]}
+    loss_mask = torch.ones(cfg.seq_len)
+    loss_mask[cu[1:].long() - 1] = 0.0  # a document's last token has nothing to predict in it
+    batch = {"tokens": tokens[None], "labels": labels[None], "loss_mask": loss_mask[None],
+             "position_ids": positions[None]}
     return batch, cu

@@ -29,6 +29,8 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import BaseTokenizer
 
+from ..synthetic_data import make_rules, packed_documents
+
 
 class SyntheticTokenizer(BaseTokenizer):
     """Identity 'tokenizer' over integer ids; only its vocabulary size matters."""
@@ -51,46 +53,15 @@ class SyntheticTokenizer(BaseTokenizer):
         return self.vocab_size
 
 
-def document_lengths(gen: torch.Generator, total: int, *, min_len: int, max_len: int,
-                     alpha: float) -> list[int]:
-    """Pareto(alpha, scale=min_len) lengths clipped to max_len, filling exactly ``total``."""
-    lengths: list[int] = []
-    left = total
-    while left > 0:
-        u = float(torch.rand((), generator=gen)) * (1 - 1e-9) + 1e-9
-        n = int(min_len / u ** (1.0 / alpha))
-        n = max(1, min(n, max_len, left))
-        lengths.append(n)
-        left -= n
-    return lengths
-
-
-def make_rules(seed: int, num_rules: int, alphabet: int) -> torch.Tensor:
-    """[num_rules, alphabet] random permutations (the 'grammar' of the synthetic language)."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.stack([torch.randperm(alphabet, generator=gen) for _ in range(num_rules)])
-
-
 def make_row(gen: torch.Generator, rules: torch.Tensor, seq_len: int, *, min_len: int,
              max_len: int, alpha: float, noise: float
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One packed row: (tokens, positions, labels), each [seq_len] int64."""
-    num_rules, alphabet = rules.shape
-    tokens, positions, labels = [], [], []
-    for n in document_lengths(gen, seq_len, min_len=min_len, max_len=max_len, alpha=alpha):
-        rule = rules[int(torch.randint(num_rules, (), generator=gen))]
-        doc = torch.empty(n + 1, dtype=torch.int64)
-        doc[0] = torch.randint(alphabet, (), generator=gen)
-        flips = torch.rand(n, generator=gen) < noise
-        randoms = torch.randint(alphabet, (n,), generator=gen)
-        for j in range(n):  # short docs; the loop is ~1 us per token
-            doc[j + 1] = randoms[j] if flips[j] else rule[doc[j]]
-        tokens.append(doc[:n])
-        lab = doc[1:].clone()
-        lab[-1] = IGNORE_INDEX  # the next document is not predictable from this one
-        labels.append(lab)
-        positions.append(torch.arange(n, dtype=torch.int64))
-    return torch.cat(tokens), torch.cat(positions), torch.cat(labels)
+    lengths, tokens, labels, positions = packed_documents(
+        gen, rules, seq_len, min_len=min_len, max_len=max_len, alpha=alpha, noise=noise)
+    ends = torch.tensor(lengths).cumsum(0) - 1
+    labels[ends] = IGNORE_INDEX  # the next document is not predictable from this one
+    return tokens, positions, labels
 
 
 class SyntheticPackedDataLoader(BaseDataLoader):
