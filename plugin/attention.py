@@ -77,6 +77,33 @@ def _local_attn(q, k, v, plan: CPPlan, attn: Attn, block: tuple[int, int],
                        sink=sink)
 
 
+def prepare_attention(plan: CPPlan, mask: AttnMask, strategy: str, shape: Any,
+                      device: torch.device, *, backend: str = "auto",
+                      a2a_size: int | None = None) -> str:
+    """Build and cache in ``plan`` every table ``cp_varlen_attn(..., mask, strategy=...)``
+    will need for inputs of ``shape`` (``varlen_cp.prepare.AttnShape``) on ``device``;
+    returns the strategy that will run (``auto`` resolved). Host work and non-blocking
+    copies only (see ``varlen_cp.prepare``)."""
+    if strategy != "auto":
+        get_strategy(strategy)
+    if not isinstance(mask, AttnMask):
+        raise ValueError(f"mask must be a varlen_cp.AttnMask, got {type(mask).__name__}")
+    block = block_for(backend, device, shape.head_dim, shape.value_dim)
+    if plan.cp_size == 1:
+        holder = rank_holder(plan, plan.cp_rank)
+        cached_on(plan, ("local", mask, block), device,
+                  lambda: kernel_call(holder, holder, mask, block))
+        return "p2p" if strategy == "auto" else strategy
+    if strategy == "auto":
+        strategy = choose_strategy(plan, mask, n_heads=shape.n_heads,
+                                   n_kv_heads=shape.n_kv_heads, head_dim=shape.head_dim,
+                                   head_dim_v=shape.value_dim,
+                                   dtype_bytes=shape.dtype.itemsize, block=block)
+    get_strategy(strategy).prepare(plan, mask, block, device, n_heads=shape.n_heads,
+                                   n_kv_heads=shape.n_kv_heads, a2a_size=a2a_size)
+    return strategy
+
+
 def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan,
                    mask: AttnMask, group: Any = None, strategy: str = "p2p",
                    softmax_scale: float | None = None, return_lse: bool = False,

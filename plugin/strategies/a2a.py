@@ -300,3 +300,11 @@ def compute_per_rank(plan: Any, mask: AttnMask, *, block: tuple[int, int], **_: 
     visible = visible_pairs(h, h, mask) / plan.cp_size
     visited = kernel_call(h, h, mask, block).visited_pairs / plan.cp_size
     return {"visited": [float(visited)] * plan.cp_size, "visible": [float(visible)] * plan.cp_size}
+
+def prepare(plan: Any, mask: AttnMask, block: tuple[int, int], device: torch.device,
+            **_: Any) -> None:
+    """Build and cache the group's tables and local call (host and ``device`` copy)."""
+    spec = LocalSpec(plan, Attn(mask, 1.0, "auto"), None, plan.cp_size,
+                     tuple(range(plan.cp_size)), True, block)
+    spec.tables(device)
+    spec._call(device)

@@ -194,3 +194,19 @@ def compute_per_rank(plan: Any, mask: AttnMask, *, block: tuple[int, int], n_hea
         visited.append(sum(c.visited_pairs for c in tab.calls if c is not None) / size)
         visible.append(sum(vis[g][tab.source(g, t)] for t in range(tab.n_steps)) / size)
     return {"visited": visited, "visible": visible}
+
+def prepare(plan: Any, mask: AttnMask, block: tuple[int, int], device: torch.device, *,
+            n_heads: int, n_kv_heads: int, a2a_size: int | None = None, **_: Any) -> None:
+    """Build and cache this rank's Ulysses and ring tables (host and ``device`` copy)."""
+    cp = plan.cp_size
+    size = default_a2a_size(n_heads, n_kv_heads, cp) if a2a_size is None else a2a_size
+    if size == 1:
+        return p2p.prepare(plan, mask, block, device)
+    if size == cp:
+        return a2a.prepare(plan, mask, block, device)
+    g = plan.cp_rank // size
+    members = group_members(plan.cp_rank, size)
+    cached_on(plan, ("ulysses", members), device,
+              lambda: ulysses_tables(plan, list(members)))
+    cached_on(plan, ("a2a+p2p", "tables", size, mask, block, g), device,
+              lambda: host_ring_tables(plan, mask, size, g, block))

@@ -204,3 +204,9 @@ def compute_per_rank(plan: Any, mask: AttnMask, *, block: tuple[int, int], **_: 
         sel = plan.cached(("all_gather", "select", mask, r), lambda r=r: select_keys(plan, mask, r))
         visible.append(float(visible_pairs(rank_holder(plan, r), sel.holder, mask)))
     return {"visited": visited, "visible": visible}
+
+def prepare(plan: Any, mask: AttnMask, block: tuple[int, int], device: torch.device,
+            **_: Any) -> None:
+    """Build and cache this rank's tables (host and ``device`` copy) ahead of a call."""
+    SelectedKeysSpec("all_gather", plan, Attn(mask, 1.0, "auto"), None, block, gather_tables,
+                     gather_forward, gather_backward).tables(device)

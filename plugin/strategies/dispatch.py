@@ -263,3 +263,9 @@ def compute_per_rank(plan: Any, mask: AttnMask, *, block: tuple[int, int], **_: 
         visited.append(float(tab.call.visited_pairs) if tab.call is not None else 0.0)
         visible.append(float(visible_pairs(rank_holder(plan, r), needs[r].holder, mask)))
     return {"visited": visited, "visible": visible}
+
+def prepare(plan: Any, mask: AttnMask, block: tuple[int, int], device: torch.device,
+            **_: Any) -> None:
+    """Build and cache this rank's tables (host and ``device`` copy) ahead of a call."""
+    SelectedKeysSpec("dispatch", plan, Attn(mask, 1.0, "auto"), None, block, dispatch_tables,
+                     dispatch_forward, dispatch_backward).tables(device)

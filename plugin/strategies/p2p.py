@@ -328,3 +328,10 @@ def compute_per_rank(plan: Any, mask: AttnMask, *, block: tuple[int, int], **_: 
         vis = _visible(plan, mask)[r]
         visible.append(float(sum(vis[tab.source(r, t)] for t in range(tab.n_steps))))
     return {"visited": visited, "visible": visible}
+
+def prepare(plan: Any, mask: AttnMask, block: tuple[int, int], device: torch.device,
+            **_: Any) -> None:
+    """Build and cache this rank's ring tables (host and ``device`` copy) ahead of a call."""
+    rank = plan.cp_rank
+    cached_on(plan, ("p2p", "tables", mask, block, rank), device,
+              lambda: host_tables(plan, mask, rank, block))

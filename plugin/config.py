@@ -1,0 +1,95 @@
+"""CPConfig: every option of varlen-cp's context parallelism, declared and validated once.
+
+The torchtitan ``[varlen_cp]`` section and megatron's ``VarlenCPOptions`` are this class plus
+their framework's own extras; ``CPPlan.build`` takes its layout options through
+:meth:`CPConfig.plan_kwargs`. The name lists (layouts, strategies, backends, softmax types)
+live next to the code that implements them and are re-exported here, so a new layout or
+strategy is one edit.
+
+Frozen and hashable (plans and strategies may cache per config); invalid fields raise
+``ValueError`` naming the field and value in ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .checks import check_bool, check_choice, check_int
+from .kernels import SOFTMAX_TYPES
+from .kernels.validation import BACKENDS
+from .plan.layouts import LAYOUTS
+from .strategies import STRATEGIES
+
+STRATEGY_NAMES: tuple[str, ...] = (*STRATEGIES, "auto")
+
+__all__ = ["CPConfig", "LAYOUTS", "STRATEGY_NAMES", "BACKENDS", "SOFTMAX_TYPES"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CPConfig:
+    """How a model's attention runs under context parallelism.
+
+    strategy:  how K/V (or heads) move: "p2p" (ring), "all_gather", "a2a" (Ulysses),
+               "a2a+p2p" (Ulysses in groups of ``a2a_size``, ring across), "dispatch" (only
+               the K/V each rank's queries see), or "auto" (chosen per plan and mask from
+               closed-form costs).
+    layout:    which tokens each rank holds: "dual_chunk", "te" (TransformerEngine's padded
+               layout), "contiguous", "balanced" (every layer type's work balanced).
+    backend:   kernels: "auto" (Triton on CUDA, the PyTorch twin otherwise), "triton",
+               "torch".
+    a2a_size:  "a2a+p2p" only: Ulysses group size (None: the largest divisor of cp that the
+               head counts allow).
+    validate:  check once per plan, with one small all-reduce, that every rank built the
+               same plan (ranks that disagree would otherwise compute silently wrong
+               results); False skips it.
+    min_chunk_tokens: "dual_chunk" only: documents shorter than 2*cp*this stay whole.
+    chunk_tokens: "balanced" only: the tile size documents are cut at (None: the layout's
+               default).
+    pad_multiple: "te" only: pad each document to a multiple of it (None: 2*cp; 2*cp*tp
+               with sequence parallelism).
+    prefetch:  integrations: build the next batch's plan and all its tables in the
+               background while the current step runs.
+    """
+
+    strategy: str = "p2p"
+    layout: str = "dual_chunk"
+    backend: str = "auto"
+    a2a_size: int | None = None
+    validate: bool = True
+    min_chunk_tokens: int = 64
+    chunk_tokens: int | None = None
+    pad_multiple: int | None = None
+    prefetch: bool = True
+
+    def __post_init__(self) -> None:
+        check_choice("strategy", self.strategy, STRATEGY_NAMES)
+        check_choice("layout", self.layout, LAYOUTS)
+        check_choice("backend", self.backend, BACKENDS)
+        check_int("a2a_size", self.a2a_size, 1, optional=True)
+        if self.a2a_size is not None and self.strategy != "a2a+p2p":
+            raise ValueError(f"a2a_size applies to strategy 'a2a+p2p' only, got "
+                             f"a2a_size={self.a2a_size!r} with strategy={self.strategy!r}")
+        check_bool("validate", self.validate)
+        check_int("min_chunk_tokens", self.min_chunk_tokens, 1)
+        check_int("chunk_tokens", self.chunk_tokens, 1, optional=True)
+        check_int("pad_multiple", self.pad_multiple, 1, optional=True)
+        check_bool("prefetch", self.prefetch)
+        for name, layout in (("chunk_tokens", "balanced"), ("pad_multiple", "te")):
+            if getattr(self, name) is not None and self.layout != layout:
+                raise ValueError(f"{name} applies to layout {layout!r} only, got "
+                                 f"{name}={getattr(self, name)!r} with layout={self.layout!r}")
+
+    def plan_kwargs(self, masks: Any = None) -> dict[str, Any]:
+        """Keyword arguments of ``CPPlan.build`` for this layout. ``masks``: the model's
+        layer masks with their layer counts, e.g. ``[(AttnMask(chunk_size=8192), 36),
+        (AttnMask(), 12)]``; the ``balanced`` layout balances each of them (other layouts
+        ignore them)."""
+        kw: dict[str, Any] = {"layout": self.layout, "min_chunk_tokens": self.min_chunk_tokens}
+        if self.layout == "balanced":
+            kw["masks"] = masks
+            if self.chunk_tokens is not None:
+                kw["chunk_tokens"] = self.chunk_tokens
+        if self.layout == "te" and self.pad_multiple is not None:
+            kw["pad_multiple"] = self.pad_multiple
+        return kw

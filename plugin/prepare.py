@@ -1,0 +1,157 @@
+"""Build a batch's plan and every host table its attention calls need, ahead of the step.
+
+A training step must never wait for the host (DESIGN.md). ``cp_varlen_attn`` builds a
+strategy's host tables lazily, at the first layer call of each mask, inside the step; the
+integrations instead call :func:`build_plan` + :func:`prepare_plan` for the NEXT batch while
+the current step runs (:class:`PlanPrefetcher`, a background thread fed by the data
+iterator), so the forward finds everything cached in the plan, device copies included
+(made with ``non_blocking=True``).
+
+Limits: the background thread shares the GIL with the training loop, so host planning still
+costs the loop a share of one core while it runs (milliseconds per batch); it never waits
+for it. Collectives are never issued from the thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, Iterable, Iterator, Sequence, TypeVar
+
+import torch
+
+from .checks import check_int
+from .config import CPConfig
+from .masks import AttnMask
+from .plan import CPPlan
+from .plan.balanced import normalize_masks
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttnShape:
+    """Head counts, head dims and dtype of a model's attention (what tile sizes and the
+    ``auto`` cost model depend on)."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    head_dim_v: int | None = None
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        for name in ("n_heads", "n_kv_heads", "head_dim"):
+            check_int(f"AttnShape.{name}", getattr(self, name), 1)
+        check_int("AttnShape.head_dim_v", self.head_dim_v, 1, optional=True)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"AttnShape: n_heads={self.n_heads} must be a multiple of "
+                             f"n_kv_heads={self.n_kv_heads}")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ValueError(f"AttnShape.dtype must be a floating torch.dtype, got "
+                             f"{self.dtype!r}")
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+
+LayerMasks = Sequence[tuple[AttnMask, int]]
+
+
+def build_plan(cu_seqlens: torch.Tensor, config: CPConfig, *, cp_size: int, cp_rank: int,
+               layer_masks: LayerMasks | None = None) -> CPPlan:
+    """The batch's plan for ``config`` (host integer math, the same on every rank).
+    ``layer_masks``: the model's masks with their layer counts, which the ``balanced``
+    layout balances one by one (others ignore them)."""
+    if not isinstance(config, CPConfig):
+        raise ValueError(f"config must be a varlen_cp.CPConfig, got {type(config).__name__}")
+    masks = None if layer_masks is None else normalize_masks(list(layer_masks))
+    return CPPlan.build(cu_seqlens, cp_size=cp_size, cp_rank=cp_rank,
+                        **config.plan_kwargs(masks))
+
+
+def prepare_plan(plan: CPPlan, config: CPConfig, layer_masks: LayerMasks, shape: AttnShape,
+                 device: torch.device | str, strategies: Sequence[str] | None = None) -> CPPlan:
+    """Build (and cache in ``plan``) every host table, and its copy on ``device``, that
+    ``cp_varlen_attn`` will need for each mask of ``layer_masks`` with ``config``'s strategy
+    (or ``strategies[i]`` for mask i, for models with per-layer strategies). Returns
+    ``plan``. Pure host work plus non-blocking copies: no collective, no sync."""
+    from .attention import prepare_attention  # the attention floor owns strategy choice
+
+    masks = [m for m, _ in normalize_masks(list(layer_masks))]
+    if strategies is not None and len(strategies) != len(masks):
+        raise ValueError(f"strategies must have one entry per mask ({len(masks)}), got "
+                         f"{len(strategies)}")
+    for i, mask in enumerate(masks):
+        name = config.strategy if strategies is None else strategies[i]
+        prepare_attention(plan, mask, name, shape, torch.device(device),
+                          backend=config.backend, a2a_size=config.a2a_size)
+    return plan
+
+
+_DONE = object()
+
+
+class PlanPrefetcher(Generic[T]):
+    """Iterate ``source`` with each item's plan built ``depth`` items ahead in a thread.
+
+    ``make_plan(item) -> CPPlan`` builds (and should prepare) the plan of one item; it runs
+    on the background thread while the consumer works on earlier items. Iterating yields
+    ``(item, plan)``. An exception in ``source`` or ``make_plan`` is re-raised in the
+    consumer at the item it belongs to. ``enabled=False`` runs ``make_plan`` inline (same
+    results, no thread), for debugging.
+    """
+
+    def __init__(self, source: Iterable[T], make_plan: Callable[[T], CPPlan], *,
+                 depth: int = 1, enabled: bool = True) -> None:
+        check_int("depth", depth, 1)
+        self._source, self._make_plan = iter(source), make_plan
+        self._enabled = enabled
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def _work(self) -> None:
+        try:
+            for item in self._source:
+                if self._stop.is_set():
+                    return
+                self._put((item, self._make_plan(item), None))
+        except BaseException as e:  # handed to the consumer, raised there
+            self._put((None, None, e))
+            return
+        self._put(_DONE)
+
+    def _put(self, entry: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(entry, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self) -> Iterator[tuple[T, CPPlan]]:
+        if not self._enabled:
+            for item in self._source:
+                yield item, self._make_plan(item)
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="varlen-cp-planner",
+                                            daemon=True)
+            self._thread.start()
+        while True:
+            entry = self._queue.get()
+            if entry is _DONE:
+                return
+            item, plan, error = entry
+            if error is not None:
+                raise error
+            yield item, plan
+
+    def close(self) -> None:
+        """Stop the thread after the item it is planning (idempotent)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
