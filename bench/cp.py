@@ -32,10 +32,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from varlen_cp.masks import AttnMask  # noqa: E402
 from varlen_cp.plan import CPPlan  # noqa: E402
+from varlen_cp.schedules.hybrid import default_a2a_size, heads_fit  # noqa: E402
+from varlen_cp.schedules.selected import fetched_tokens  # noqa: E402
 from varlen_cp.strategies import STRATEGIES, get_strategy  # noqa: E402
-from varlen_cp.strategies.a2a_p2p import default_a2a_size  # noqa: E402
-from varlen_cp.strategies.all_gather import select_keys  # noqa: E402
-from varlen_cp.strategies.common import check_head_split  # noqa: E402
 
 # Llama-3-8B-like attention: 32 query heads, 8 K/V heads, head dim 128, bf16.
 MODEL = {"n_heads": 32, "n_kv_heads": 8, "head_dim": 128, "head_dim_v": 128, "dtype_bytes": 2}
@@ -74,20 +73,13 @@ def masks(tokens: int) -> dict[str, AttnMask]:
 
 
 def _fits(strategy: str, cp: int) -> bool:
-    if strategy != "a2a":
-        return True
-    try:
-        check_head_split(MODEL["n_heads"], MODEL["n_kv_heads"], cp, "a2a")
-        return True
-    except ValueError:
-        return False
+    return strategy != "a2a" or heads_fit(MODEL["n_heads"], MODEL["n_kv_heads"], cp)
 
 
 def needed_bytes(plan: CPPlan, mask: AttnMask) -> list[int]:
     """K/V bytes from other ranks that each rank's queries see (the floor)."""
     row = MODEL["n_kv_heads"] * (MODEL["head_dim"] + MODEL["head_dim_v"]) * MODEL["dtype_bytes"]
-    return [int((select_keys(plan, mask, r).owner != r).sum()) * row
-            for r in range(plan.cp_size)]
+    return [n * row for n in fetched_tokens(plan, mask)]
 
 
 def measure(docs: list[int], cp: int, mask: AttnMask, layout: str) -> dict:

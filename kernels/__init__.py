@@ -8,11 +8,14 @@ merge), ``block_sizes_for`` and ``build_block_schedule`` (host-side tile schedul
 and ``max_logit_of`` (per-head max logit from the kernels' row maxima).
 """
 
-from .api import block_sizes_for, varlen_attn, varlen_attn_bwd, varlen_attn_fwd
+from .api import (block_sizes_for, resolve_backend, varlen_attn, varlen_attn_bwd, varlen_attn_fwd,
+                  varlen_attn_unchecked,
+                  varlen_bwd_unchecked, varlen_fwd_unchecked)
 from .merge import merge_attn_partials
 from .schedule import BlockSchedule, build_block_schedule
 from .sink import SOFTMAX_TYPES, apply_softmax_sink, check_softmax_args, max_logit_of
 
 __all__ = ["varlen_attn", "varlen_attn_fwd", "varlen_attn_bwd", "merge_attn_partials",
            "block_sizes_for", "BlockSchedule", "build_block_schedule", "apply_softmax_sink",
-           "check_softmax_args", "max_logit_of", "SOFTMAX_TYPES"]
+           "check_softmax_args", "max_logit_of", "SOFTMAX_TYPES", "resolve_backend",
+           "varlen_fwd_unchecked", "varlen_bwd_unchecked", "varlen_attn_unchecked"]

@@ -285,3 +285,56 @@ def varlen_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
         return _bwd_op(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
                        out.contiguous(), lse.contiguous(),
                        None if dlse is None else dlse.contiguous(), *args)
+
+
+# ----------------------------------------------------------- validated-once private entry
+def resolve_backend(backend: str, device) -> str:
+    """``backend`` validated for ``device``, with "auto" resolved to "triton" or "torch"."""
+    backend = validation.check_backend(backend, torch.device(device))
+    if backend == "triton" and torch.device(device).type != "cuda" and not _TRITON_INTERPRETED:
+        raise ValueError("backend='triton' on a CPU tensor needs TRITON_INTERPRET=1 set before "
+                         "varlen_cp is imported; use backend='torch' (or 'auto') on CPUs")
+    return backend
+
+
+def varlen_fwd_unchecked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         softmax_scale, causal, window_left, window_right, chunk_size,
+                         q_positions, k_positions, backend, schedule, return_max):
+    """``varlen_attn_fwd`` for callers that validated everything once (the CP strategies):
+    int32 cu/positions already on q's device, ``chunk_size`` 0 = none, ``backend``
+    resolved, ``schedule`` on the device or None. No checks, no copies, no sync.
+    Returns (out, lse, row_max or None)."""
+    with torch.no_grad():
+        out, lse, row_max = _fwd_op(q.contiguous(), k.contiguous(), v.contiguous(),
+                                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    softmax_scale, causal, window_left, window_right,
+                                    chunk_size, q_positions, k_positions, backend,
+                                    *_schedule_args(schedule), bool(return_max))
+    return out, lse, (row_max if return_max else None)
+
+
+def varlen_bwd_unchecked(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
+                         max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                         window_right, chunk_size, q_positions, k_positions, backend,
+                         schedule):
+    """``varlen_attn_bwd`` with the contract of :func:`varlen_fwd_unchecked`."""
+    with torch.no_grad():
+        return _bwd_op(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+                       out.contiguous(), lse.contiguous(),
+                       None if dlse is None else dlse.contiguous(), cu_seqlens_q,
+                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                       window_left, window_right, chunk_size, q_positions, k_positions,
+                       backend, *_schedule_args(schedule))
+
+
+def varlen_attn_unchecked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          softmax_scale, causal, window_left, window_right, chunk_size,
+                          q_positions, k_positions, backend, schedule, return_max):
+    """Differentiable (through out and lse) ``varlen_attn`` with the contract of
+    :func:`varlen_fwd_unchecked`: (out, lse, row_max or None)."""
+    out, lse, row_max = _fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q,
+                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                causal, window_left, window_right, chunk_size, q_positions,
+                                k_positions, backend, *_schedule_args(schedule),
+                                bool(return_max))
+    return out, lse, (row_max if return_max else None)

@@ -15,9 +15,15 @@ returned its results on the current stream, joins them (no host sync). Attention
 strategy's partial results are merged, through ``apply_softmax_sink`` on (out, lse); that is
 why the strategies' LSE is differentiable.
 
-All argument checks run before any communication, so a bad call fails with a ValueError on
-every rank instead of hanging a collective. With cp_size == 1 the call is the local
-differentiable op. Limits: self-attention only (q and k share the plan's token layout).
+All argument checks run here, once per call and before any communication, so a bad call
+fails with a ValueError on every rank instead of hanging a collective; the strategies then
+run on host tables built from the plan (``varlen_cp.schedules``) and call the kernels
+without re-checking per step. With ``validate`` (the default) the first call on a plan also
+checks, with one 16-byte all-reduce, that every rank of the group built the same plan
+(ranks that disagree would otherwise get silently wrong results or a hung collective); the
+answer is cached in the plan, so it costs one small collective and one host read per plan
+(per batch), not per layer. With cp_size == 1 the call is the local differentiable op, after
+the same checks (a strategy's head rules included). Limits: self-attention only (q and k share the plan's token layout).
 A learnable sink is replicated on the CP ranks: each rank's ``sink.grad`` is its own
 queries' share, summed by the usual gradient all-reduce over the CP (and data) ranks, as
 for every other replicated parameter.
@@ -25,32 +31,106 @@ for every other replicated parameter.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .kernels import SOFTMAX_TYPES, apply_softmax_sink, check_softmax_args, varlen_attn
+from .checks import check_bool
+from .kernels import SOFTMAX_TYPES, apply_softmax_sink, block_sizes_for, check_softmax_args
+from .kernels import resolve_backend
 from .masks import AttnMask
 from .plan import CPPlan
-from .strategies import get_strategy
-from .strategies.auto import choose_strategy
-from .strategies.common import (Attn, block_for, cached_on, check_fingerprint, check_inputs,
-                                check_rank, kernel_call, rank_holder, resolve_group)
+from .schedules.auto import choose_strategy
+from .schedules.cost import make_shape
+from .schedules.keys import host_table, table_key
+from .strategies import LOCAL, CallSpec, Strategy, get_strategy
+from .strategies.calls import Attn
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+# ------------------------------------------------------------------------------- checks
 def _check_scale(softmax_scale: Any) -> None:
     if softmax_scale is not None and (isinstance(softmax_scale, bool)
                                       or not isinstance(softmax_scale, (int, float))
+                                      or not math.isfinite(softmax_scale)
                                       or not softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive float or None, got "
+        raise ValueError(f"softmax_scale must be a finite positive float or None, got "
                          f"{softmax_scale!r}")
 
 
-def _check_flag(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any,
+                 mask: Any) -> None:
+    """Local q/k/v against the plan and each other (shapes, dtypes, devices only)."""
+    if not isinstance(plan, CPPlan):
+        raise ValueError(f"plan must be a varlen_cp.CPPlan, got {type(plan).__name__}")
+    if not isinstance(mask, AttnMask):
+        raise ValueError(f"mask must be a varlen_cp.AttnMask, got {type(mask).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor [local_tokens, heads, head_dim], "
+                             f"got {getattr(t, 'shape', type(t))}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name}.dtype must be float16, bfloat16 or float32, got "
+                             f"{t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
+    n_local = plan.num_tokens_of(plan.cp_rank)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[0] != n_local:
+            raise ValueError(f"{name} has {t.shape[0]} local tokens, but the plan gives "
+                             f"rank {plan.cp_rank} {n_local} tokens")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"head dims differ: q has {q.shape[2]}, k has {k.shape[2]}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v head counts differ: {k.shape[1]} vs {v.shape[1]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"Hq={q.shape[1]} must be a multiple of Hkv={k.shape[1]} (GQA)")
+
+
+def resolve_group(group: Any, plan: CPPlan) -> Any:
+    """The CP process group (``group``, else the default group) after checking that it is
+    one, that its size is the plan's cp_size and that this process is the plan's rank."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"group must be a torch.distributed.ProcessGroup or None, got "
+                         f"{type(group).__name__}")
+    if plan.cp_size == 1 and group is None:
+        return None
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"group: torch.distributed is not initialized, but the plan has "
+                         f"cp_size={plan.cp_size} > 1")
+    group = dist.group.WORLD if group is None else group
+    size = dist.get_world_size(group)
+    if size != plan.cp_size:
+        raise ValueError(f"group: size {size} differs from the plan's cp_size={plan.cp_size}")
+    rank = dist.get_rank(group)
+    if rank != plan.cp_rank:
+        raise ValueError(f"plan: built for cp_rank={plan.cp_rank}, but this process is rank "
+                         f"{rank} of the group")
+    return group
+
+
+def check_plan_agreement(plan: CPPlan, group: Any, device: torch.device) -> None:
+    """All ranks of ``group`` built the same plan: MAX of [fp, -fp] gives max and -min of
+    the fingerprints in one all-reduce. Once per (plan, group): the result is cached in
+    the plan. Reads one value back to the host (a sync)."""
+    def check() -> bool:
+        fp = plan.fingerprint()
+        t = torch.tensor([fp, -fp], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        hi, neg_lo = (int(x) for x in t.cpu())
+        if hi != -neg_lo:
+            raise ValueError(f"plan: ranks built different plans (fingerprints range "
+                             f"{-neg_lo}..{hi}); every rank must build the plan from the "
+                             f"same global cu_seqlens, cp_size and layout")
+        return True
+    ranks = tuple(dist.get_process_group_ranks(group))
+    host_table(plan, table_key("plan_agreement", None, None, ranks), check)
 
 
 def _results(out: torch.Tensor, lse: torch.Tensor, max_logit: torch.Tensor | None,
@@ -61,22 +141,11 @@ def _results(out: torch.Tensor, lse: torch.Tensor, max_logit: torch.Tensor | Non
     return res if len(res) > 1 else out
 
 
-def _local_attn(q, k, v, plan: CPPlan, attn: Attn, block: tuple[int, int],
-                return_lse: bool, return_max_logit: bool, softmax_type: str,
-                sink: torch.Tensor | None):
-    """cp == 1: the single-device differentiable op on the plan's (only) rank."""
-    holder = rank_holder(plan, plan.cp_rank)
-    call = cached_on(plan, ("local", attn.mask, block), q.device,
-                     lambda: kernel_call(holder, holder, attn.mask, block))
-    m = attn.mask
-    return varlen_attn(q, k, v, call.cu_q, call.cu_k, call.max_q, call.max_k, attn.scale,
-                       m.causal, m.window_size, chunk_size=m.chunk_size,
-                       q_positions=call.q_pos, k_positions=call.k_pos,
-                       return_lse=return_lse, backend=attn.backend, schedule=call.schedule,
-                       return_max_logit=return_max_logit, softmax_type=softmax_type,
-                       sink=sink)
+def _strategy_for(plan: CPPlan, strategy: str) -> Strategy:
+    return LOCAL if plan.cp_size == 1 else get_strategy(strategy)
 
 
+# -------------------------------------------------------------------------- ahead of time
 def prepare_attention(plan: CPPlan, mask: AttnMask, strategy: str, shape: Any,
                       device: torch.device, *, backend: str = "auto",
                       a2a_size: int | None = None) -> str:
@@ -88,26 +157,24 @@ def prepare_attention(plan: CPPlan, mask: AttnMask, strategy: str, shape: Any,
         get_strategy(strategy)
     if not isinstance(mask, AttnMask):
         raise ValueError(f"mask must be a varlen_cp.AttnMask, got {type(mask).__name__}")
-    block = block_for(backend, device, shape.head_dim, shape.value_dim)
-    if plan.cp_size == 1:
-        holder = rank_holder(plan, plan.cp_rank)
-        cached_on(plan, ("local", mask, block), device,
-                  lambda: kernel_call(holder, holder, mask, block))
-        return "p2p" if strategy == "auto" else strategy
-    if strategy == "auto":
+    device = torch.device(device)
+    block = tuple(block_sizes_for(backend, device, shape.head_dim, shape.value_dim))
+    cost_shape = make_shape(shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.value_dim,
+                            shape.dtype.itemsize)
+    if strategy == "auto" and plan.cp_size > 1:
         strategy = choose_strategy(plan, mask, n_heads=shape.n_heads,
                                    n_kv_heads=shape.n_kv_heads, head_dim=shape.head_dim,
                                    head_dim_v=shape.value_dim,
-                                   dtype_bytes=shape.dtype.itemsize, block=block)
-    get_strategy(strategy).prepare(plan, mask, block, device, n_heads=shape.n_heads,
-                                   n_kv_heads=shape.n_kv_heads, a2a_size=a2a_size)
-    return strategy
+                                   dtype_bytes=shape.dtype.itemsize)
+    _strategy_for(plan, strategy).prepare(plan, mask, block, device, cost_shape, a2a_size)
+    return "p2p" if strategy == "auto" else strategy
 
 
+# ------------------------------------------------------------------------------ the op
 def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan,
                    mask: AttnMask, group: Any = None, strategy: str = "p2p",
                    softmax_scale: float | None = None, return_lse: bool = False,
-                   backend: str = "auto", validate: bool = False, *,
+                   backend: str = "auto", validate: bool = True, *,
                    a2a_size: int | None = None, return_max_logit: bool = False,
                    softmax_type: str = "vanilla", sink: torch.Tensor | None = None):
     """Context-parallel varlen attention of this rank's local tokens.
@@ -117,11 +184,12 @@ def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPl
     process group (default group when None); its size must be ``plan.cp_size``.
     ``mask``: a ``varlen_cp.AttnMask`` (causal / window / chunk), applied on the plan's
     positions within each document. ``strategy``: "p2p", "all_gather", "a2a", "a2a+p2p",
-    "dispatch" or "auto" (chosen per (plan, mask) from the plan's cost estimates, see
-    ``varlen_cp.strategies.auto``; the same on every rank)
+    "dispatch" or "auto" (chosen per (plan, mask) from closed-form costs on the plan, see
+    ``varlen_cp.schedules.auto``; the same on every rank)
     (``a2a_size``: Ulysses group size for "a2a+p2p"; default the largest divisor of cp
-    that divides Hq). ``validate``: check first that all ranks built the same plan (one
-    small all-reduce and a host sync).
+    that divides Hq). ``validate`` (default True): on the first call with this plan, check
+    that all ranks built the same plan (one 16-byte all-reduce and a host read, cached in
+    the plan); False skips it.
     ``softmax_type``: "vanilla", "off-by-one" (a zero sink logit per head) or "learnable"
     (``sink``: fp32 [Hq] logits on q's device, usually an ``nn.Parameter``; it gets this
     rank's share of the gradient).
@@ -134,51 +202,49 @@ def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPl
     """
     if strategy != "auto":
         get_strategy(strategy)  # validates the name before anything else
-    if not isinstance(plan, CPPlan):
-        raise ValueError(f"plan must be a varlen_cp.CPPlan, got {type(plan).__name__}")
     check_inputs(q, k, v, plan, mask)
     _check_scale(softmax_scale)
-    _check_flag("return_lse", return_lse)
-    _check_flag("return_max_logit", return_max_logit)
+    for name, flag in (("return_lse", return_lse), ("return_max_logit", return_max_logit),
+                       ("validate", validate)):
+        check_bool(name, flag)
     check_softmax_args(softmax_type, sink, q.shape[1], q.device)
     if a2a_size is not None and strategy != "a2a+p2p":
         raise ValueError(f"a2a_size applies to strategy 'a2a+p2p' only, got "
                          f"a2a_size={a2a_size!r} with strategy={strategy!r}")
-    block = block_for(backend, q.device, q.shape[2], v.shape[2])  # validates backend
+    backend = resolve_backend(backend, q.device)
+    block = tuple(block_sizes_for(backend, q.device, q.shape[2], v.shape[2]))
+    group = resolve_group(group, plan)
+    if strategy != "auto":  # the same rules at every cp, so cp=1 debugging catches them
+        get_strategy(strategy).check_heads(q.shape[1], k.shape[1], plan.cp_size, a2a_size)
+    if plan.cp_size > 1:
+        if strategy == "auto":  # closed-form costs, cached in the plan per (mask, shapes)
+            strategy = choose_strategy(plan, mask, n_heads=q.shape[1], n_kv_heads=k.shape[1],
+                                       head_dim=q.shape[2], head_dim_v=v.shape[2],
+                                       dtype_bytes=q.element_size())
+        if validate:
+            check_plan_agreement(plan, group, q.device)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-    attn = Attn(mask, scale, backend)
-    if plan.cp_size == 1:
-        return _local_attn(q, k, v, plan, attn, block, return_lse, return_max_logit,
-                           softmax_type, sink)
-    group = resolve_group(group, plan.cp_size)
-    check_rank(group, plan.cp_rank)
-    if strategy == "auto":  # host cost model, cached in the plan per (mask, shapes, dtype)
-        strategy = choose_strategy(plan, mask, n_heads=q.shape[1], n_kv_heads=k.shape[1],
-                                   head_dim=q.shape[2], head_dim_v=v.shape[2],
-                                   dtype_bytes=q.element_size(), block=block)
-    strat = get_strategy(strategy)
-    opts = {} if a2a_size is None else {"a2a_size": a2a_size}
-    strat.check_heads(q.shape[1], k.shape[1], plan.cp_size, **opts)
-    if validate:
-        check_fingerprint(plan, group, q.device)
     # The sink rescales by the merged LSE, so the strategy must hand it back.
     need_lse = return_lse or softmax_type != "vanilla"
-    out, lse, max_part = strat.attention(q, k, v, plan, attn, group, block,
-                                         need_lse=need_lse, need_max=return_max_logit, **opts)
+    spec = CallSpec(plan, Attn(mask, scale, backend), group, block, need_lse,
+                    return_max_logit, a2a_size)
+    out, lse, max_part = _strategy_for(plan, strategy).attention(q, k, v, spec)
     out, lse = apply_softmax_sink(out, lse, softmax_type, sink)
     max_logit = None
     if return_max_logit:
-        max_logit = _global_max(max_part, q.shape[1], q.device, group)
+        max_logit = _global_max(max_part, q.shape[1], q.device, group, plan.cp_size)
     return _results(out, lse, max_logit, return_lse)
 
 
 def _global_max(max_part: torch.Tensor | None, n_heads: int, device: torch.device,
-                group: Any) -> torch.Tensor:
+                group: Any, cp_size: int) -> torch.Tensor:
     """One MAX all-reduce of this rank's per-head maxes over the CP group. Issued on the
     current stream after the strategy returned, i.e. after every kernel that wrote
     ``max_part`` was enqueued there (the strategies compute on the current stream)."""
     if max_part is None:  # a rank that computed nothing still joins the collective
         max_part = torch.full((n_heads,), float("-inf"), device=device)
+    if cp_size == 1:
+        return max_part.detach().float()
     # A copy: the all-reduce writes in place, and the strategy's tensor is its own.
     max_part = max_part.detach().to(torch.float32, copy=True)
     dist.all_reduce(max_part, op=dist.ReduceOp.MAX, group=group)
@@ -199,14 +265,16 @@ class ContextParallelVarlenAttention(nn.Module):
     def __init__(self, mask: AttnMask, strategy: str = "p2p", group: Any = None,
                  backend: str = "auto", softmax_scale: float | None = None, *,
                  a2a_size: int | None = None, softmax_type: str = "vanilla",
-                 n_heads: int | None = None, track_max_logit: bool = False) -> None:
+                 n_heads: int | None = None, track_max_logit: bool = False,
+                 validate: bool = True) -> None:
         super().__init__()
         if not isinstance(mask, AttnMask):
             raise ValueError(f"mask must be a varlen_cp.AttnMask, got {type(mask).__name__}")
         if strategy != "auto":
             get_strategy(strategy)
         _check_scale(softmax_scale)
-        _check_flag("track_max_logit", track_max_logit)
+        check_bool("track_max_logit", track_max_logit)
+        check_bool("validate", validate)
         if softmax_type not in SOFTMAX_TYPES:
             raise ValueError(f"softmax_type must be one of {SOFTMAX_TYPES}, got "
                              f"{softmax_type!r}")
@@ -225,6 +293,7 @@ class ContextParallelVarlenAttention(nn.Module):
         self.a2a_size = a2a_size
         self.softmax_type = softmax_type
         self.track_max_logit = track_max_logit
+        self.validate = validate
         self.sink = sink
         self.max_logit: torch.Tensor | None = None
 
@@ -234,7 +303,8 @@ class ContextParallelVarlenAttention(nn.Module):
         # differentiable, so the parameter still gets its gradient).
         sink = None if self.sink is None else self.sink.float()
         res = cp_varlen_attn(q, k, v, plan, self.mask, self.group, self.strategy,
-                             self.softmax_scale, backend=self.backend, a2a_size=self.a2a_size,
+                             self.softmax_scale, backend=self.backend, validate=self.validate,
+                             a2a_size=self.a2a_size,
                              return_max_logit=self.track_max_logit,
                              softmax_type=self.softmax_type, sink=sink)
         if not self.track_max_logit:

@@ -24,7 +24,10 @@ from tests.test_cp_strategies import (HEADS, MASKS, _ByteCounter, _check_padding
 from varlen_cp.attention import cp_varlen_attn
 from varlen_cp.masks import AttnMask
 from varlen_cp.plan import CPPlan
-from varlen_cp.strategies import dispatch, get_strategy
+from varlen_cp.schedules import selected
+from varlen_cp.strategies import get_strategy
+
+dispatch = get_strategy("dispatch")
 
 DOCS = [1, 2, 37, 9, 0, 130, 5, 23]            # 207 tokens, as the other strategies' tests
 TINY = [2, 1]
@@ -82,7 +85,7 @@ def test_needed_keys_are_exactly_the_visible_ones(one_thread):
                 first = torch.tensor([0] + [plan.num_tokens_of(r) for r in range(cp)]).cumsum(0)
                 fetched, sent_to = [], [0] * cp
                 for r in range(cp):
-                    n = dispatch.needed_keys(plan, mask, r)
+                    n = selected.select_keys(plan, mask, r)
                     glob = every[first[n.owner] + n.row]  # the token each (owner, row) is
                     want = _brute_needed(plan, mask, r)
                     assert glob.tolist() == want, (layout, cp, mname, r)
@@ -238,7 +241,7 @@ LONG = [8192, 6144, 2048]
 
 
 def test_auto_picks_dispatch_for_local_masks_on_short_documents(one_thread):
-    from varlen_cp.strategies.auto import choose_strategy
+    from varlen_cp.schedules.auto import choose_strategy
     for mask in (AttnMask(window_size=(256, 0)), AttnMask(chunk_size=512)):
         for layout in ("balanced", "dual_chunk"):
             plan = _plan(SHORT, 4, 0, layout, mask) if layout == "balanced" else \
@@ -248,7 +251,7 @@ def test_auto_picks_dispatch_for_local_masks_on_short_documents(one_thread):
 
 
 def test_auto_picks_a2a_or_p2p_for_global_masks_on_long_documents(one_thread, monkeypatch):
-    from varlen_cp.strategies import auto
+    from varlen_cp.schedules import auto
     for mask in (AttnMask(causal=True), AttnMask(causal=False)):
         plan = CPPlan.build(_cu(LONG), cp_size=4, cp_rank=0, layout="dual_chunk")
         for hq, hkv in ((32, 8), (8, 8), (16, 2)):
@@ -264,12 +267,12 @@ def test_auto_picks_a2a_or_p2p_for_global_masks_on_long_documents(one_thread, mo
 
 
 def test_auto_memory_budget_and_tie_rule(one_thread):
-    from varlen_cp.strategies.auto import CostModel, Estimate, choose_strategy, pick
+    from varlen_cp.schedules.auto import CostModel, Estimate, choose_strategy, pick
     mask = AttnMask(window_size=(256, 0))
     plan = _plan(SHORT, 4, 0, "balanced", mask)
     kw = dict(n_heads=32, n_kv_heads=8, head_dim=128)
     assert choose_strategy(plan, mask, memory_budget_bytes=0, **kw) == "p2p"
-    need = max(n.owner.numel() for n in dispatch.all_needed(plan, mask)) * 8 * 256 * 2
+    need = max(selected.select_keys(plan, mask, r).owner.numel() for r in range(plan.cp_size)) * 8 * 256 * 2
     assert choose_strategy(plan, mask, memory_budget_bytes=need, **kw) == "dispatch"
     assert choose_strategy(plan, mask, memory_budget_bytes=need - 1, **kw) != "dispatch"
     # Within the tolerance the fewest bytes win; outside it the fastest.
@@ -282,7 +285,7 @@ def test_auto_memory_budget_and_tie_rule(one_thread):
 
 
 def test_auto_bad_arguments():
-    from varlen_cp.strategies.auto import CostModel, choose_strategy
+    from varlen_cp.schedules.auto import CostModel, choose_strategy
     plan = CPPlan.build(_cu(LONG), cp_size=2, cp_rank=0)
     mask = AttnMask()
     kw = dict(n_heads=8, n_kv_heads=2, head_dim=64)

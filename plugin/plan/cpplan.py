@@ -22,11 +22,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..kernels import mask_math
 from ..masks import AttnMask
 from .balanced import MaskWeights, check_chunk_tokens, describe, normalize_masks
 from .collective import check_group, gather_padded
 from .layouts import LAYOUTS, layout_pieces
+from .runs import Runs, pair_work
 from .tables import TokenTables, expand_pieces
 
 
@@ -109,6 +109,7 @@ class CPPlan:
         self.masks = masks  # balanced only: ((AttnMask, weight), ...) it balances for
         self.chunk_tokens = chunk_tokens  # balanced only
         self.n_docs = cu_seqlens.numel() - 1
+        self.doc_lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         self.total_tokens = int(cu_seqlens[-1])
         self.padded_total_tokens = int(tables.token_index.numel())
         self.cu_seqlens_padded = torch.cat([torch.zeros(1, dtype=torch.int64),
@@ -183,6 +184,29 @@ class CPPlan:
         """Longest local segment of ``rank`` (padding included): the kernels' max_seqlen."""
         self._rows(rank)
         return int(self._max_seg[rank])
+
+    @property
+    def runs(self) -> Runs:
+        """Every rank's runs of consecutive real positions (holder = rank), sorted by
+        (rank, doc, start); ``row`` is the run's first local row on its rank. Read-only."""
+        return self._t.runs
+
+    def local_rows_of(self, rank: int) -> slice:
+        """``rank``'s rows in the concatenation of every rank's local tokens (the order of
+        the all-rank tables such as :meth:`all_positions`)."""
+        return self._rows(rank)
+
+    def all_positions(self) -> torch.Tensor:
+        """int32 [padded_total]: every rank's local positions, concatenated in rank order."""
+        return self._t.position
+
+    def all_documents(self) -> torch.Tensor:
+        """int64 [padded_total]: the document of every rank's local tokens, in rank order."""
+        return self._t.doc
+
+    def all_padded_indices(self) -> torch.Tensor:
+        """int64 [padded_total]: the padded global index of every rank's local tokens."""
+        return self._t.padded_index
 
     @property
     def token_indices(self) -> torch.Tensor:
@@ -286,14 +310,12 @@ class CPPlan:
             raise ValueError(f"mask must be a varlen_cp.AttnMask, got {type(mask).__name__}")
 
         def compute() -> list[int]:
-            t = self._t
-            lo, hi = mask_math.key_interval(t.position, *mask.params)
-            doc_len = (self.cu_seqlens[1:] - self.cu_seqlens[:-1])[t.doc]
-            per_token = (torch.minimum(hi, doc_len - 1) - lo + 1).clamp(min=0)
-            counts = t.rank_offsets[1:] - t.rank_offsets[:-1]
-            rank = torch.repeat_interleave(torch.arange(self.cp_size), counts)
+            # Each run's queries against its whole document, in closed form.
+            r = self._t.runs
+            pairs = pair_work(r.start, r.stop, torch.zeros_like(r.start),
+                              self.doc_lengths[r.doc], mask)
             work = torch.zeros(self.cp_size, dtype=torch.int64)
-            return work.scatter_add_(0, rank, per_token).tolist()
+            return work.scatter_add_(0, r.holder, pairs).tolist()
 
         return self.cached(("plan_work", mask), compute)
 

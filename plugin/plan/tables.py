@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .layouts import Pieces
+from .runs import Runs
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class TokenTables:
     position:      int32 [N] position within the document, -1 for padding.
     doc:           int64 [N] document of each token.
     local_cu:      int32 [cp, n_docs+1] local cu_seqlens of each rank.
+    runs:          the layout's pieces in local order, real tokens only (``runs.Runs``:
+                   holder = rank, row = local row of the run's first token).
     """
 
     rank_offsets: torch.Tensor
@@ -37,6 +40,7 @@ class TokenTables:
     position: torch.Tensor
     doc: torch.Tensor
     local_cu: torch.Tensor
+    runs: Runs
 
 
 def _local_order(p: Pieces) -> torch.Tensor:
@@ -73,11 +77,18 @@ def expand_pieces(p: Pieces, lengths: torch.Tensor, cp_size: int) -> TokenTables
         0, rank * n_docs + doc, count).view(cp_size, n_docs)
     local_cu = torch.cat([torch.zeros(cp_size, 1, dtype=torch.int64),
                           torch.cumsum(seg, 1)], dim=1)
+    rank_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(per_rank, 0)])
+    # Real part of each piece (``te`` pads at a document's end, so padding trails a piece).
+    real_len = (torch.minimum(start + count, lengths[doc]) - start).clamp(min=0)
+    keep = real_len > 0
+    runs = Runs(rank[keep], doc[keep], start[keep], real_len[keep],
+                (first_row - rank_offsets[rank])[keep])
     return TokenTables(
-        rank_offsets=torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(per_rank, 0)]),
+        rank_offsets=rank_offsets,
         token_index=torch.where(real, cu[tok_doc] + padded_pos, -1),
         padded_index=cu_padded[tok_doc] + padded_pos,
         position=torch.where(real, padded_pos, -1).to(torch.int32),
         doc=tok_doc,
         local_cu=local_cu.to(torch.int32),
+        runs=runs,
     )

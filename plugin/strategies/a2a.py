@@ -21,45 +21,31 @@ sequence split, but the local call's longest document is the whole document.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..masks import AttnMask
-from .common import (Attn, Holder, KernelCall, cached_on, check_head_split, dlse_or_none,
-                     empty_attn, head_max, kernel_call, maybe_max, merged_order, no_max,
-                     visible_pairs)
+from ..plan import CPPlan
+from ..schedules.cost import Shape, kv_heads_per_rank
+from ..schedules.hybrid import heads_fit
+from ..schedules.keys import device_table, table_key
+from ..schedules.ulysses import UlyssesTables, group_call, ulysses_tables
+from .base import CallSpec, Strategy
+from .calls import dlse_or_none, empty_attn, head_max, maybe_max, no_max
 
 
-# ---------------------------------------------------------------------------- host tables
-@dataclass(frozen=True)
-class UlyssesTables:
-    """Token bookkeeping of one Ulysses group (host, or copied to the device)."""
-
-    sizes: tuple[int, ...]   # local tokens of each member: the all-to-all split sizes
-    order: torch.Tensor      # int64 [N]: member-concatenation row of each merged row
-    inverse: torch.Tensor    # int64 [N]: merged row of each member-concatenation row
-    holder: Holder           # the merged tokens (document order), host tensors
-
-    def to(self, device: torch.device) -> "UlyssesTables":
-        return replace(self, order=self.order.to(device, non_blocking=True),
-                       inverse=self.inverse.to(device, non_blocking=True))
-
-
-def ulysses_tables(plan: Any, members: list[int]) -> UlyssesTables:
-    """Tables of the group made of CP ranks ``members`` (in group-rank order)."""
-    order, holder = merged_order(plan, members)
-    return UlyssesTables(tuple(plan.num_tokens_of(r) for r in members), order,
-                         torch.argsort(order), holder)
-
-
-def kv_heads_per_rank(n_kv_heads: int, size: int) -> tuple[int, int]:
-    """(K/V heads each rank holds after the all-to-all, replication factor)."""
-    if n_kv_heads % size == 0:
-        return n_kv_heads // size, 1
-    return 1, size // n_kv_heads
+def check_head_split(n_heads: int, n_kv_heads: int, parts: int, what: str) -> None:
+    """ValueError unless an all-to-all over ``parts`` ranks can split the heads (K/V heads
+    split, or replicated when there are fewer than ``parts``)."""
+    if n_heads % parts:
+        raise ValueError(f"{what}: Hq={n_heads} must be divisible by {parts} (heads are "
+                         f"split across the all-to-all ranks)")
+    if not heads_fit(n_heads, n_kv_heads, parts):
+        raise ValueError(f"{what}: Hkv={n_kv_heads} and the all-to-all size {parts} must "
+                         f"divide one another (K/V heads are split, or replicated when fewer)")
 
 
 # ---------------------------------------------------------------------------- transforms
@@ -102,24 +88,20 @@ def _split_cols(x: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Te
 class UlyssesSpec:
     """Non-tensor arguments of a Ulysses call; subclasses supply the core."""
 
-    plan: Any
-    attn: Attn
-    group: Any               # the all-to-all group
-    size: int                # its size
+    call: CallSpec
+    group: Any                # the all-to-all group
+    size: int                 # its size
     members: tuple[int, ...]  # CP ranks of the group, in group-rank order
-    need_lse: bool
-
-    def host_tables(self) -> UlyssesTables:
-        return self.plan.cached(("ulysses", self.members),
-                                lambda: ulysses_tables(self.plan, list(self.members)))
 
     def tables(self, device: torch.device) -> UlyssesTables:
-        return cached_on(self.plan, ("ulysses", self.members), device, self.host_tables)
+        plan, members = self.call.plan, self.members
+        return device_table(plan, table_key("ulysses", None, None, members), device,
+                            lambda: ulysses_tables(plan, members))
 
     @property
     def index(self) -> int:
         """This rank's place in the group: it holds query-head slice ``index``."""
-        return self.members.index(self.plan.cp_rank)
+        return self.members.index(self.call.plan.cp_rank)
 
     def core_fwd(self, q, k, v, device, need_max):
         """-> (out in q.dtype, lse, per-head max [H_local] or None)"""
@@ -133,30 +115,24 @@ class UlyssesSpec:
 class LocalSpec(UlyssesSpec):
     """Pure Ulysses: the core is one local call over the merged (whole) documents."""
 
-    block: tuple[int, int] = (64, 64)
-
-    def _call(self, device: torch.device) -> KernelCall | None:
-        plan, mask, block = self.plan, self.attn.mask, self.block
-        host = self.host_tables().holder
-
-        def build() -> KernelCall | None:
-            return kernel_call(host, host, mask, block) if visible_pairs(host, host, mask) \
-                else None
-        return cached_on(plan, ("a2a", "call", self.members, mask, block), device, build)
+    def _call(self, device: torch.device):
+        plan, mask, block = self.call.plan, self.call.attn.mask, self.call.block
+        return device_table(plan, table_key("ulysses_call", mask, block, self.members), device,
+                            lambda: group_call(plan, self.members, mask, block))
 
     def core_fwd(self, q, k, v, device, need_max):
         call = self._call(device)
         if call is None:
             out, lse, row_max = empty_attn(q, v.shape[2], need_max)
         else:
-            out, lse, row_max = self.attn.fwd(q, k, v, call, need_max)
+            out, lse, row_max = self.call.attn.fwd(q, k, v, call, need_max)
         return out, lse, head_max(row_max, q.shape[1], device) if need_max else None
 
     def core_bwd(self, dout, q, k, v, out, lse, device, dlse):
         call = self._call(device)
         if call is None:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        return self.attn.bwd(dout, q, k, v, out, lse, call, dlse)
+        return self.call.attn.bwd(dout, q, k, v, out, lse, call, dlse)
 
 
 # ------------------------------------------------------------------------------ function
@@ -185,7 +161,8 @@ class UlyssesAttention(torch.autograd.Function):
     max_part); lse is differentiable, max_part (or its empty stand-in) is not."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec: UlyssesSpec, need_max: bool):
+    def forward(ctx, q, k, v, spec: UlyssesSpec):
+        need_max = spec.call.need_max
         device, size = q.device, spec.size
         tab = spec.tables(device)
         t, hq, d, hkv, dv = q.shape[0], q.shape[1], q.shape[2], k.shape[1], v.shape[2]
@@ -197,7 +174,7 @@ class UlyssesAttention(torch.autograd.Function):
         out_h, lse_h, max_h = spec.core_fwd(q_h, k_h, v_h, device, need_max)
         out = to_tokens(out_h.flatten(1).index_select(0, tab.inverse),
                         size, tab.sizes, t, spec.group).reshape(t, hq, dv)
-        if spec.need_lse:
+        if spec.call.need_lse:
             lse = to_tokens(lse_h.t().index_select(0, tab.inverse), size, tab.sizes, t,
                             spec.group).reshape(t, hq).t().contiguous()
         else:  # not asked for: skip its all-to-all (backward uses lse_h); [Hq, 0] stand-in
@@ -223,7 +200,7 @@ class UlyssesAttention(torch.autograd.Function):
         dout_h = dout_h.index_select(0, tab.order).view(out_h.shape)
         # need_lse is the same on every member, so all or none join the dlse all-to-all.
         dlse_h = (_lse_to_heads(dlse_or_none(dlse), t, hq, spec, tab, device)
-                  if spec.need_lse else None)
+                  if spec.call.need_lse else None)
         dq_h, dk_h, dv_h = spec.core_bwd(dout_h, q_h, k_h, v_h, out_h, lse_h, device, dlse_h)
         packed = torch.cat([g.flatten(1) for g in (dq_h, dk_h, dv_h)], dim=1)
         back = to_tokens(packed.index_select(0, tab.inverse), size, tab.sizes, t, spec.group)
@@ -235,76 +212,31 @@ class UlyssesAttention(torch.autograd.Function):
         if rep > 1:  # sum the gradients of the replicated K/V heads
             dk = dk.view(t, hkv, rep, d).float().sum(2).to(dk.dtype)
             dv_ = dv_.view(t, hkv, rep, dv).float().sum(2).to(dv_.dtype)
-        return dq, dk, dv_, None, None
+        return dq, dk, dv_, None
 
 
 # ------------------------------------------------------------------------------ strategy
-def check_heads(n_heads: int, n_kv_heads: int, cp_size: int, **_: Any) -> None:
-    """Hq % cp == 0, and Hkv % cp == 0 or cp % Hkv == 0 (ValueError otherwise)."""
-    check_head_split(n_heads, n_kv_heads, cp_size, "strategy 'a2a'")
+class A2A(Strategy):
+    """Ulysses: sequence -> heads all-to-all, whole documents per rank, heads -> sequence."""
 
+    name = "a2a"
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any, attn: Attn,
-              group: Any, block: tuple[int, int], *, need_lse: bool = True,
-              need_max: bool = False, **_: Any
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Differentiable Ulysses attention over the whole CP group (inputs checked): (out,
-    lse, max_part); lse is [Hq, 0] unless ``need_lse``."""
-    spec = LocalSpec(plan, attn, group, plan.cp_size, tuple(range(plan.cp_size)), need_lse,
-                     block)
-    out, lse, max_part = UlyssesAttention.apply(q, k, v, spec, need_max)
-    return out, lse, maybe_max(max_part)
+    def check_heads(self, n_heads: int, n_kv_heads: int, cp_size: int,
+                    a2a_size: int | None = None) -> None:
+        """Hq % cp == 0, and Hkv % cp == 0 or cp % Hkv == 0 (ValueError otherwise)."""
+        check_head_split(n_heads, n_kv_heads, cp_size, "strategy 'a2a'")
 
+    def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
+                device: torch.device, shape: Shape, a2a_size: int | None = None) -> None:
+        spec = LocalSpec(CallSpec(plan, None, None, block), None, plan.cp_size,
+                         tuple(range(plan.cp_size)))
+        spec.tables(device)
+        device_table(plan, table_key("ulysses_call", mask, block, spec.members), device,
+                     lambda: group_call(plan, spec.members, mask, block))
 
-# ---------------------------------------------------------------------------- cost model
-def ulysses_bytes(sizes: tuple[int, ...], index: int, *, n_heads: int, n_kv_heads: int,
-                  head_dim: int, head_dim_v: int, dtype_bytes: int, need_lse: bool = False
-                  ) -> tuple[int, int]:
-    """(forward, backward) bytes member ``index`` of a group with ``sizes`` sends in its
-    all-to-alls (rows to itself excluded), as the engine packs them."""
-    size = len(sizes)
-    hk, _ = kv_heads_per_rank(n_kv_heads, size)
-    qkv_row = (n_heads // size * head_dim + hk * (head_dim + head_dim_v)) * dtype_bytes
-    out_row = n_heads // size * head_dim_v * dtype_bytes
-    mine, others = sizes[index], sum(sizes) - sizes[index]
-    fwd = (size - 1) * mine * qkv_row + others * out_row
-    bwd = (size - 1) * mine * out_row + others * qkv_row
-    if need_lse:  # the fp32 LSE back to tokens, its gradient to heads
-        fwd += others * n_heads // size * 4
-        bwd += (size - 1) * mine * n_heads // size * 4
-    return fwd, bwd
-
-
-def bytes_sent_per_rank(plan: Any, mask: AttnMask, *, head_dim: int, n_kv_heads: int,
-                        n_heads: int, dtype_bytes: int, head_dim_v: int | None = None,
-                        **_: Any) -> dict[str, list[int]]:
-    """Bytes each rank sends per layer (q/k/v and out forward, dout and grads backward)."""
-    dv = head_dim if head_dim_v is None else head_dim_v
-    sizes = tuple(plan.num_tokens_of(r) for r in range(plan.cp_size))
-    fwd, bwd = [], []
-    for r in range(plan.cp_size):
-        f, b = ulysses_bytes(sizes, r, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                             head_dim=head_dim, head_dim_v=dv, dtype_bytes=dtype_bytes)
-        fwd.append(f)
-        bwd.append(b)
-    return {"fwd": fwd, "bwd": bwd}
-
-
-def compute_per_rank(plan: Any, mask: AttnMask, *, block: tuple[int, int], **_: Any
-                     ) -> dict[str, list[float]]:
-    """Per rank, per query head of the model: every rank computes all documents for 1/cp
-    of the heads, so the work is the whole batch's divided by cp, on every rank."""
-    tab = plan.cached(("ulysses", tuple(range(plan.cp_size))),
-                      lambda: ulysses_tables(plan, list(range(plan.cp_size))))
-    h = tab.holder
-    visible = visible_pairs(h, h, mask) / plan.cp_size
-    visited = kernel_call(h, h, mask, block).visited_pairs / plan.cp_size
-    return {"visited": [float(visited)] * plan.cp_size, "visible": [float(visible)] * plan.cp_size}
-
-def prepare(plan: Any, mask: AttnMask, block: tuple[int, int], device: torch.device,
-            **_: Any) -> None:
-    """Build and cache the group's tables and local call (host and ``device`` copy)."""
-    spec = LocalSpec(plan, Attn(mask, 1.0, "auto"), None, plan.cp_size,
-                     tuple(range(plan.cp_size)), True, block)
-    spec.tables(device)
-    spec._call(device)
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        cp = spec.plan.cp_size
+        ulysses = LocalSpec(spec, spec.group, cp, tuple(range(cp)))
+        out, lse, max_part = UlyssesAttention.apply(q, k, v, ulysses)
+        return out, lse, maybe_max(max_part)

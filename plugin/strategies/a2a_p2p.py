@@ -16,11 +16,14 @@ and a divide one another). a2a_size == cp is plain ``a2a`` and a2a_size == 1 pla
 those run the simpler strategy directly. The Ulysses sub-groups are created once per (CP
 group, a2a_size) with ``dist.new_group(..., use_local_synchronization=True)`` on first use,
 so only the members of each sub-group take part (the CP group may be a subgroup of a larger
-job). Limits: creating the sub-group is a blocking call on the first forward.
+job), and with the CP group's own timeout (a stalled member fails its peers after the time
+the user gave the CP group, not torch's 10-30 minute default). Limits: creating the
+sub-group is a blocking call on the first forward.
 """
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,46 +31,34 @@ import torch
 import torch.distributed as dist
 
 from ..masks import AttnMask
-from . import a2a, p2p
-from .a2a import UlyssesAttention, UlyssesSpec, kv_heads_per_rank, ulysses_bytes, ulysses_tables
-from .common import Attn, Holder, cached_on, check_head_split, global_rank, maybe_max
-from .p2p import (Ring, ring_backward, ring_forward, ring_send_rows, ring_tables,
-                  ring_visible)
+from ..plan import CPPlan
+from ..schedules.cost import Shape
+from ..schedules.hybrid import default_a2a_size, group_members, hybrid_ring_tables
+from ..schedules.keys import device_table, table_key
+from ..schedules.ulysses import ulysses_tables
+from .a2a import A2A, UlyssesAttention, UlyssesSpec, check_head_split
+from .base import CallSpec, Strategy
+from .calls import global_rank, maybe_max
+from .p2p import P2P, Ring, ring_backward, ring_forward
 
 _SUBGROUPS: dict[tuple, tuple[Any, tuple[int, ...], Any]] = {}
 
 
-def _heads_fit(n_heads: int, n_kv_heads: int, size: int) -> bool:
-    return n_heads % size == 0 and (n_kv_heads % size == 0 or size % n_kv_heads == 0)
-
-
-def default_a2a_size(n_heads: int, n_kv_heads: int, cp_size: int) -> int:
-    """Largest divisor of cp whose all-to-all the head counts allow."""
-    return max(a for a in range(1, cp_size + 1)
-               if cp_size % a == 0 and _heads_fit(n_heads, n_kv_heads, a))
-
-
-def check_heads(n_heads: int, n_kv_heads: int, cp_size: int, *, a2a_size: int | None = None,
-                **_: Any) -> None:
-    """a2a_size divides cp, and the heads split over it (ValueError otherwise)."""
-    if a2a_size is None:
-        return  # the default always fits (1 at worst)
-    if isinstance(a2a_size, bool) or not isinstance(a2a_size, int) or a2a_size < 1 \
-            or cp_size % a2a_size:
-        raise ValueError(f"a2a_size must be a positive divisor of cp_size={cp_size}, got "
-                         f"{a2a_size!r}")
-    check_head_split(n_heads, n_kv_heads, a2a_size, f"strategy 'a2a+p2p' (a2a_size={a2a_size})")
-
-
-def group_members(rank: int, size: int) -> tuple[int, ...]:
-    """CP ranks of ``rank``'s Ulysses group (consecutive ranks)."""
-    first = rank // size * size
-    return tuple(range(first, first + size))
+def group_timeout(group: Any) -> datetime.timedelta | None:
+    """The timeout ``group``'s collectives run with (None if torch does not say)."""
+    group = dist.group.WORLD if group is None else group
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # no backend for that device, or no options on this torch
+            continue
+    return None
 
 
 def ulysses_subgroup(cp_group: Any, size: int) -> tuple[Any, tuple[int, ...]]:
     """(process group, its members as CP ranks in group-rank order) of this rank's Ulysses
-    group; created on first use and cached per (CP group, size)."""
+    group; created on first use (with the CP group's timeout) and cached per (CP group,
+    size)."""
     ranks = tuple(dist.get_process_group_ranks(cp_group))
     # id() tells apart a re-initialized default group; the entry keeps the group alive so
     # its id is never reused by another group while cached.
@@ -75,7 +66,9 @@ def ulysses_subgroup(cp_group: Any, size: int) -> tuple[Any, tuple[int, ...]]:
     if key not in _SUBGROUPS:
         me = dist.get_rank(cp_group)
         members = group_members(me, size)
-        sub = dist.new_group([ranks[m] for m in members], use_local_synchronization=True)
+        timeout = group_timeout(cp_group)
+        kw = {} if timeout is None else {"timeout": timeout}
+        sub = dist.new_group([ranks[m] for m in members], use_local_synchronization=True, **kw)
         order = tuple(ranks.index(g) for g in dist.get_process_group_ranks(sub))
         # Ring partners must hold the same head slice, so member j of every group must be
         # CP rank g*size + j: true as torch sorts a group's global ranks (the CP group's
@@ -87,41 +80,19 @@ def ulysses_subgroup(cp_group: Any, size: int) -> tuple[Any, tuple[int, ...]]:
     return _SUBGROUPS[key][:2]
 
 
-# ---------------------------------------------------------------------------- host tables
-def _group_holders(plan: Any, size: int) -> list[Holder]:
-    def build() -> list[Holder]:
-        return [plan.cached(("ulysses", group_members(g * size, size)),
-                            lambda g=g: ulysses_tables(plan, list(group_members(g * size, size)))
-                            ).holder for g in range(plan.cp_size // size)]
-    return plan.cached(("a2a+p2p", "holders", size), build)
-
-
-def _visible(plan: Any, mask: AttnMask, size: int) -> list[list[int]]:
-    return plan.cached(("a2a+p2p", "visible", size, mask),
-                       lambda: ring_visible(_group_holders(plan, size), mask))
-
-
-def host_ring_tables(plan: Any, mask: AttnMask, size: int, group_index: int,
-                     block: tuple[int, int]) -> p2p.RingTables:
-    return plan.cached(("a2a+p2p", "tables", size, mask, block, group_index),
-                       lambda: ring_tables(_group_holders(plan, size),
-                                           _visible(plan, mask, size), group_index, mask,
-                                           block))
-
-
 # --------------------------------------------------------------------------------- spec
 @dataclass(frozen=True)
 class HybridSpec(UlyssesSpec):
     """Ulysses spec whose core is a ring across the groups (member i with members i)."""
 
-    block: tuple[int, int] = (64, 64)
     cp_group: Any = None
 
     def _ring(self, device: torch.device) -> Ring:
-        plan, size, mask = self.plan, self.size, self.attn.mask
+        call, size = self.call, self.size
+        plan, mask, block = call.plan, call.attn.mask, call.block
         g, index = divmod(plan.cp_rank, size)
-        tables = cached_on(plan, ("a2a+p2p", "tables", size, mask, self.block, g), device,
-                           lambda: host_ring_tables(plan, mask, size, g, self.block))
+        tables = device_table(plan, table_key("hybrid_ring", mask, block, size, g), device,
+                              lambda: hybrid_ring_tables(plan, mask, size, g, block))
         # The ring joins the members holding the same head slice: index ``index`` of every
         # group.
         peers = tuple(global_rank(self.cp_group, gg * size + index)
@@ -129,84 +100,60 @@ class HybridSpec(UlyssesSpec):
         return Ring(tables, g, peers, self.cp_group)
 
     def core_fwd(self, q, k, v, device, need_max):
-        out, lse, max_part = ring_forward(q, k, v, self._ring(device), self.attn, need_max)
+        out, lse, max_part = ring_forward(q, k, v, self._ring(device), self.call.attn,
+                                          need_max)
         return out.to(q.dtype), lse, max_part
 
     def core_bwd(self, dout, q, k, v, out, lse, device, dlse):
-        return ring_backward(dout, q, k, v, out, lse, self._ring(device), self.attn, dlse)
+        return ring_backward(dout, q, k, v, out, lse, self._ring(device), self.call.attn,
+                             dlse)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any, attn: Attn,
-              group: Any, block: tuple[int, int], *, need_lse: bool = True,
-              need_max: bool = False, a2a_size: int | None = None, **_: Any
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Differentiable hybrid attention (inputs checked): (out, lse, max_part)."""
-    cp = plan.cp_size
-    size = default_a2a_size(q.shape[1], k.shape[1], cp) if a2a_size is None else a2a_size
-    if size == 1:
-        return p2p.attention(q, k, v, plan, attn, group, block, need_max=need_max)
-    if size == cp:
-        return a2a.attention(q, k, v, plan, attn, group, block, need_lse=need_lse,
-                             need_max=need_max)
-    sub, members = ulysses_subgroup(group, size)
-    spec = HybridSpec(plan, attn, sub, size, members, need_lse, block, group)
-    out, lse, max_part = UlyssesAttention.apply(q, k, v, spec, need_max)
-    return out, lse, maybe_max(max_part)
+class A2AP2P(Strategy):
+    """Ulysses inside groups of ``a2a_size`` ranks, a ring across the groups."""
 
+    name = "a2a+p2p"
 
-# ---------------------------------------------------------------------------- cost model
-def bytes_sent_per_rank(plan: Any, mask: AttnMask, *, head_dim: int, n_kv_heads: int,
-                        n_heads: int, dtype_bytes: int, head_dim_v: int | None = None,
-                        a2a_size: int | None = None, **_: Any) -> dict[str, list[int]]:
-    """Bytes each rank sends per layer: its group's all-to-alls plus its ring's K/V (and,
-    backward, K/V again and the dK/dV partials) for its head slice."""
-    cp = plan.cp_size
-    size = default_a2a_size(n_heads, n_kv_heads, cp) if a2a_size is None else a2a_size
-    dv = head_dim if head_dim_v is None else head_dim_v
-    hk, _ = kv_heads_per_rank(n_kv_heads, size)
-    row = hk * (head_dim + dv) * dtype_bytes
-    sizes = tuple(h.n_tokens for h in _group_holders(plan, size))
-    vis = _visible(plan, mask, size)
-    fwd, bwd = [], []
-    for r in range(cp):
-        members = group_members(r, size)
-        f, b = ulysses_bytes(tuple(plan.num_tokens_of(m) for m in members), r % size,
-                             n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                             head_dim_v=dv, dtype_bytes=dtype_bytes)
-        kv, grads = ring_send_rows(sizes, vis, r // size)
-        fwd.append(f + kv * row)
-        bwd.append(b + (kv + grads) * row)
-    return {"fwd": fwd, "bwd": bwd}
+    def check_heads(self, n_heads: int, n_kv_heads: int, cp_size: int,
+                    a2a_size: int | None = None) -> None:
+        """a2a_size divides cp, and the heads split over it (ValueError otherwise)."""
+        if a2a_size is None:
+            return  # the default always fits (1 at worst)
+        if isinstance(a2a_size, bool) or not isinstance(a2a_size, int) or a2a_size < 1 \
+                or cp_size % a2a_size:
+            raise ValueError(f"a2a_size must be a positive divisor of cp_size={cp_size}, got "
+                             f"{a2a_size!r}")
+        check_head_split(n_heads, n_kv_heads, a2a_size,
+                         f"strategy 'a2a+p2p' (a2a_size={a2a_size})")
 
+    @staticmethod
+    def _size(plan: CPPlan, n_heads: int, n_kv_heads: int, a2a_size: int | None) -> int:
+        return default_a2a_size(n_heads, n_kv_heads, plan.cp_size) if a2a_size is None \
+            else a2a_size
 
-def compute_per_rank(plan: Any, mask: AttnMask, *, block: tuple[int, int], n_heads: int,
-                     n_kv_heads: int, a2a_size: int | None = None, **_: Any
-                     ) -> dict[str, list[float]]:
-    """Per rank, per query head of the model: its group's ring work over 1/a2a_size of the
-    heads."""
-    cp = plan.cp_size
-    size = default_a2a_size(n_heads, n_kv_heads, cp) if a2a_size is None else a2a_size
-    vis = _visible(plan, mask, size)
-    visited, visible = [], []
-    for r in range(cp):
-        g = r // size
-        tab = host_ring_tables(plan, mask, size, g, block)
-        visited.append(sum(c.visited_pairs for c in tab.calls if c is not None) / size)
-        visible.append(sum(vis[g][tab.source(g, t)] for t in range(tab.n_steps)) / size)
-    return {"visited": visited, "visible": visible}
+    def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
+                device: torch.device, shape: Shape, a2a_size: int | None = None) -> None:
+        size = self._size(plan, shape.n_heads, shape.n_kv_heads, a2a_size)
+        if size == 1:
+            return P2P().prepare(plan, mask, block, device, shape)
+        if size == plan.cp_size:
+            return A2A().prepare(plan, mask, block, device, shape)
+        g = plan.cp_rank // size
+        members = group_members(plan.cp_rank, size)
+        device_table(plan, table_key("ulysses", None, None, members), device,
+                     lambda: ulysses_tables(plan, members))
+        device_table(plan, table_key("hybrid_ring", mask, block, size, g), device,
+                     lambda: hybrid_ring_tables(plan, mask, size, g, block))
 
-def prepare(plan: Any, mask: AttnMask, block: tuple[int, int], device: torch.device, *,
-            n_heads: int, n_kv_heads: int, a2a_size: int | None = None, **_: Any) -> None:
-    """Build and cache this rank's Ulysses and ring tables (host and ``device`` copy)."""
-    cp = plan.cp_size
-    size = default_a2a_size(n_heads, n_kv_heads, cp) if a2a_size is None else a2a_size
-    if size == 1:
-        return p2p.prepare(plan, mask, block, device)
-    if size == cp:
-        return a2a.prepare(plan, mask, block, device)
-    g = plan.cp_rank // size
-    members = group_members(plan.cp_rank, size)
-    cached_on(plan, ("ulysses", members), device,
-              lambda: ulysses_tables(plan, list(members)))
-    cached_on(plan, ("a2a+p2p", "tables", size, mask, block, g), device,
-              lambda: host_ring_tables(plan, mask, size, g, block))
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        plan = spec.plan
+        size = self._size(plan, q.shape[1], k.shape[1], spec.a2a_size)
+        if size == 1:
+            return P2P().attention(q, k, v, spec)
+        if size == plan.cp_size:
+            return A2A().attention(q, k, v, spec)
+        sub, members = ulysses_subgroup(spec.group, size)
+        hybrid = HybridSpec(spec, sub, size, members, spec.group)
+        out, lse, max_part = UlyssesAttention.apply(q, k, v, hybrid)
+        return out, lse, maybe_max(max_part)

@@ -28,7 +28,7 @@ every rank's K/V from the forward (memory stays one local K/V plus one in flight
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,72 +36,15 @@ import torch.distributed as dist
 
 from ..kernels import merge_attn_partials
 from ..masks import AttnMask
-from .common import (Attn, Holder, KernelCall, cached_on, dlse_or_none, global_rank,
-                     head_max, kernel_call, maybe_max, no_max, pack_flat, rank_holder,
-                     unpack_flat, visible_pairs)
+from ..plan import CPPlan
+from ..schedules.cost import Shape
+from ..schedules.keys import device_table, table_key
+from ..schedules.ring import RingTables, p2p_tables
+from .base import CallSpec, Strategy
+from .calls import (Attn, dlse_or_none, global_rank, head_max, maybe_max, no_max, pack_flat,
+                    unpack_flat)
 
 _TAG_KV, _TAG_ACC = 0, 1
-
-
-# ---------------------------------------------------------------------------- host tables
-def ring_visible(holders: list[Holder], mask: AttnMask) -> list[list[int]]:
-    """vis[s][j]: visible pairs of holder s's queries with holder j's keys."""
-    return [[visible_pairs(hq, hk, mask) for hk in holders] for hq in holders]
-
-
-def ring_length(vis: list[list[int]]) -> int:
-    """Steps the ring runs: 1 + the last step t at which some holder s needs the K/V of
-    (s - t) % R. Step 0 (own K/V) always runs."""
-    size = len(vis)
-    last = 0
-    for t in range(1, size):
-        if any(vis[s][(s - t) % size] for s in range(size)):
-            last = t
-    return last + 1
-
-
-@dataclass(frozen=True)
-class RingTables:
-    """One ring index's view of a ring: how long it runs, what each step computes."""
-
-    n_steps: int
-    sizes: tuple[int, ...]                    # tokens of each holder (recv buffer sizes)
-    calls: tuple[KernelCall | None, ...]      # per step; None = nothing visible, skipped
-    incoming: tuple[bool, ...]                # per step: a dK/dV partial arrives for us
-
-    def to(self, device: torch.device) -> "RingTables":
-        return replace(self, calls=tuple(None if c is None else c.to(device)
-                                         for c in self.calls))
-
-    def source(self, index: int, step: int) -> int:
-        return (index - step) % len(self.sizes)
-
-
-def ring_tables(holders: list[Holder], vis: list[list[int]], index: int, mask: AttnMask,
-                block: tuple[int, int]) -> RingTables:
-    """Host tables of ring position ``index`` (schedules for its non-empty steps only)."""
-    size = len(holders)
-    n_steps = ring_length(vis)
-    calls, incoming = [], []
-    for t in range(n_steps):
-        src = (index - t) % size
-        calls.append(kernel_call(holders[index], holders[src], mask, block)
-                     if vis[index][src] else None)
-        # At step t, position index + t computes on our K/V: it sends its partial home.
-        incoming.append(t > 0 and vis[(index + t) % size][index] > 0)
-    return RingTables(n_steps, tuple(h.n_tokens for h in holders), tuple(calls),
-                      tuple(incoming))
-
-
-def ring_send_rows(sizes: tuple[int, ...], vis: list[list[int]], index: int
-                   ) -> tuple[int, int]:
-    """(K/V rows, dK/dV rows) ring position ``index`` sends: K/V in forward and again in
-    backward, dK/dV partials in backward only; exactly what the engine posts."""
-    size, n_steps = len(sizes), ring_length(vis)
-    kv = sum(sizes[(index - t) % size] for t in range(n_steps - 1))
-    grads = sum(sizes[(index - t) % size] for t in range(1, n_steps)
-                if vis[index][(index - t) % size])
-    return kv, grads
 
 
 # --------------------------------------------------------------------------------- engine
@@ -223,38 +166,10 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
 
 # ------------------------------------------------------------------------------ strategy
-def _rank_holders(plan: Any) -> list[Holder]:
-    return plan.cached(("p2p", "holders"), lambda: [rank_holder(plan, r)
-                                                    for r in range(plan.cp_size)])
-
-
-def _visible(plan: Any, mask: AttnMask) -> list[list[int]]:
-    return plan.cached(("p2p", "visible", mask),
-                       lambda: ring_visible(_rank_holders(plan), mask))
-
-
-def host_tables(plan: Any, mask: AttnMask, rank: int, block: tuple[int, int]) -> RingTables:
-    """Ring tables of ``rank`` (host), cached in the plan."""
-    return plan.cached(("p2p", "tables", mask, block, rank),
-                       lambda: ring_tables(_rank_holders(plan), _visible(plan, mask), rank,
-                                           mask, block))
-
-
-@dataclass(frozen=True)
-class P2PSpec:
-    """Non-tensor arguments of one p2p call."""
-
-    plan: Any
-    attn: Attn
-    group: Any
-    block: tuple[int, int]
-
-
-def _ring(spec: P2PSpec, device: torch.device) -> Ring:
-    plan, rank = spec.plan, spec.plan.cp_rank
-    key = ("p2p", "tables", spec.attn.mask, spec.block, rank)
-    tables = cached_on(plan, key, device,
-                       lambda: host_tables(plan, spec.attn.mask, rank, spec.block))
+def _ring(spec: CallSpec, device: torch.device) -> Ring:
+    plan, rank, mask = spec.plan, spec.plan.cp_rank, spec.attn.mask
+    tables = device_table(plan, table_key("p2p", mask, spec.block, rank), device,
+                          lambda: p2p_tables(plan, mask, spec.block, rank))
     peers = tuple(global_rank(spec.group, r) for r in range(plan.cp_size))
     return Ring(tables, rank, peers, spec.group)
 
@@ -264,11 +179,11 @@ class P2PAttention(torch.autograd.Function):
     keys; lse is differentiable, max_part (or its empty stand-in) is not."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec: P2PSpec, need_max: bool):
+    def forward(ctx, q, k, v, spec: CallSpec):
         ring = _ring(spec, q.device)
-        out, lse, max_part = ring_forward(q, k, v, ring, spec.attn, need_max)
+        out, lse, max_part = ring_forward(q, k, v, ring, spec.attn, spec.need_max)
         out = out.to(q.dtype)
-        max_part = max_part if need_max else no_max(q.device)
+        max_part = max_part if spec.need_max else no_max(q.device)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.spec = spec
         ctx.mark_non_differentiable(max_part)
@@ -282,56 +197,21 @@ class P2PAttention(torch.autograd.Function):
         ring = _ring(ctx.spec, q.device)
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ring, ctx.spec.attn,
                                    dlse_or_none(dlse))
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any, attn: Attn,
-              group: Any, block: tuple[int, int], *, need_lse: bool = True,
-              need_max: bool = False, **_: Any
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Differentiable ring attention (inputs already checked): (out, lse, max_part)."""
-    out, lse, max_part = P2PAttention.apply(q, k, v, P2PSpec(plan, attn, group, block),
-                                            need_max)
-    return out, lse, maybe_max(max_part)
+class P2P(Strategy):
+    """Ring attention: K/V around the ring, transfers overlapped with each step's compute."""
 
+    name = "p2p"
 
-def check_heads(n_heads: int, n_kv_heads: int, cp_size: int, **_: Any) -> None:
-    """The ring moves whole K/V: any GQA head split works."""
+    def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
+                device: torch.device, shape: Shape, a2a_size: int | None = None) -> None:
+        rank = plan.cp_rank
+        device_table(plan, table_key("p2p", mask, block, rank), device,
+                     lambda: p2p_tables(plan, mask, block, rank))
 
-
-# ---------------------------------------------------------------------------- cost model
-def bytes_sent_per_rank(plan: Any, mask: AttnMask, *, head_dim: int, n_kv_heads: int,
-                        dtype_bytes: int, head_dim_v: int | None = None, **_: Any
-                        ) -> dict[str, list[int]]:
-    """Bytes each rank posts per layer: {"fwd": [...], "bwd": [...]}; K/V forward, K/V
-    again and the dK/dV partials backward, all in the input dtype."""
-    dv = head_dim if head_dim_v is None else head_dim_v
-    row = n_kv_heads * (head_dim + dv) * dtype_bytes
-    vis = _visible(plan, mask)
-    sizes = tuple(h.n_tokens for h in _rank_holders(plan))
-    fwd, bwd = [], []
-    for r in range(plan.cp_size):
-        kv, grads = ring_send_rows(sizes, vis, r)
-        fwd.append(kv * row)
-        bwd.append((kv + grads) * row)
-    return {"fwd": fwd, "bwd": bwd}
-
-
-def compute_per_rank(plan: Any, mask: AttnMask, *, block: tuple[int, int], **_: Any
-                     ) -> dict[str, list[float]]:
-    """Per rank: query-key pairs the kernels visit (tiles from the schedules) and the
-    visible pairs among them, per query head (all heads are local in p2p)."""
-    visited, visible = [], []
-    for r in range(plan.cp_size):
-        tab = host_tables(plan, mask, r, block)
-        visited.append(float(sum(c.visited_pairs for c in tab.calls if c is not None)))
-        vis = _visible(plan, mask)[r]
-        visible.append(float(sum(vis[tab.source(r, t)] for t in range(tab.n_steps))))
-    return {"visited": visited, "visible": visible}
-
-def prepare(plan: Any, mask: AttnMask, block: tuple[int, int], device: torch.device,
-            **_: Any) -> None:
-    """Build and cache this rank's ring tables (host and ``device`` copy) ahead of a call."""
-    rank = plan.cp_rank
-    cached_on(plan, ("p2p", "tables", mask, block, rank), device,
-              lambda: host_tables(plan, mask, rank, block))
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        out, lse, max_part = P2PAttention.apply(q, k, v, spec)
+        return out, lse, maybe_max(max_part)

@@ -1,0 +1,173 @@
+"""Run-level geometry: what the strategies' host tables are computed from, without per-token
+passes where runs suffice.
+
+A *run* is a maximal stretch of consecutive real positions of one document held by one
+*holder* (a CP rank, or a Ulysses group of ranks). A layout has few runs (a whole short
+document is one run; a long one a few per rank), so pairing runs is cheap where pairing
+tokens or rank pairs is not.
+
+Three facts from DESIGN.md's mask table make runs enough:
+- every real query sees itself, and both ends of its key interval never decrease with its
+  position, so the keys seen by the queries of a run form ONE contiguous span
+  ``[lo(first), hi(last)]`` (:func:`key_spans`);
+- the spans of one holder's runs in one document are ordered too, so their union is a few
+  merged spans (:func:`merge_spans`);
+- the number of visible pairs between a query run and a key range has a closed form
+  (:func:`pair_work`), piecewise-quadratic in the ends, split at chunk edges.
+
+Everything is int64 host math over arrays of runs (no Python loop over runs, documents or
+rank pairs). Limits: positions must stay below 2^40 (mask_math's UNBOUNDED).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..masks import AttnMask
+
+# Sort keys combine (document, position) as doc * STRIDE + position.
+STRIDE = 1 << 42
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Runs sorted by (holder, doc, start), all int64 [R]; ``row`` is the run's first
+    token's row among its holder's local tokens (its order there), ``length`` > 0."""
+
+    holder: torch.Tensor
+    doc: torch.Tensor
+    start: torch.Tensor
+    length: torch.Tensor
+    row: torch.Tensor
+
+    @property
+    def stop(self) -> torch.Tensor:
+        return self.start + self.length
+
+    def select(self, keep: torch.Tensor) -> "Runs":
+        return Runs(self.holder[keep], self.doc[keep], self.start[keep], self.length[keep],
+                    self.row[keep])
+
+    def by_document(self) -> "Runs":
+        """The same runs sorted by (doc, start): for the runs of ALL holders this lists
+        each document's real positions in order, as a partition."""
+        order = torch.argsort(self.doc * STRIDE + self.start)
+        return self.select(order)
+
+
+def key_spans(runs: Runs, mask: AttnMask, doc_len: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inclusive (lo, hi) of the keys the queries of each run see, clipped to the document
+    (non-empty: every query sees itself)."""
+    lo, _ = mask.key_interval(runs.start)
+    _, hi = mask.key_interval(runs.stop - 1)
+    return lo.clamp(min=0), torch.minimum(hi, doc_len[runs.doc] - 1)
+
+
+def merge_spans(holder: torch.Tensor, doc: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+    """Union of spans per (holder, doc): (holder, doc, lo, hi) of the merged spans.
+
+    Input sorted by (holder, doc, run start), so within a group both ends are
+    non-decreasing and a span starts a new merged span iff it begins after the previous
+    one's end + 1; a merged span ends at its last member's hi.
+    """
+    n = lo.numel()
+    if n == 0:
+        return holder, doc, lo, hi
+    new = torch.ones(n, dtype=torch.bool)
+    same = (holder[1:] == holder[:-1]) & (doc[1:] == doc[:-1])
+    new[1:] = ~same | (lo[1:] > hi[:-1] + 1)
+    last = torch.ones(n, dtype=torch.bool)
+    last[:-1] = new[1:]
+    return holder[new], doc[new], lo[new], hi[last]
+
+
+def span_pieces(doc: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, runs: Runs
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Intersections of spans (doc, [lo, hi]) with ``runs`` (sorted by (doc, start), not
+    overlapping): (span index, run index, first position, length) of every non-empty
+    piece, in (span, position) order."""
+    start_key = runs.doc * STRIDE + runs.start
+    stop_key = runs.doc * STRIDE + runs.stop  # exclusive
+    first = torch.searchsorted(stop_key, doc * STRIDE + lo, right=True)   # runs ending > lo
+    last = torch.searchsorted(start_key, doc * STRIDE + hi, right=True)   # runs starting <= hi
+    count = (last - first).clamp(min=0)
+    n = int(count.sum())
+    span = torch.repeat_interleave(torch.arange(doc.numel()), count, output_size=n)
+    run = torch.arange(n) - (torch.cumsum(count, 0) - count)[span] + first[span]
+    a = torch.maximum(lo[span], runs.start[run])
+    b = torch.minimum(hi[span] + 1, runs.stop[run])
+    return span, run, a, b - a
+
+
+# ---- exact visible-pair counts --------------------------------------------------------------
+def _tri(x: torch.Tensor) -> torch.Tensor:
+    """sum of q for q in [0, x)."""
+    return x * (x - 1) // 2
+
+
+def _ramp_sum(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, e: torch.Tensor,
+              left: int | None, right: int | None) -> torch.Tensor:
+    """sum over q in [a, b) of |[max(c, q - left), min(e, q + right)]|, for ranges where
+    every interval is non-empty (``None``: that side has no q-term)."""
+    n = (b - a).clamp(min=0)
+    if right is None:
+        s_hi = e * n
+    else:
+        m = torch.minimum(torch.maximum(e - right, a), b)  # q < m: q + right is the min
+        s_hi = _tri(m) - _tri(a) + right * (m - a) + e * (b - m)
+    if left is None:
+        s_lo = c * n
+    else:
+        m = torch.minimum(torch.maximum(c + left + 1, a), b)  # q >= m: q - left is the max
+        s_lo = c * (m - a) + _tri(b) - _tri(m) - left * (b - m)
+    return s_hi - s_lo + n
+
+
+def _window(mask: AttnMask) -> tuple[int | None, int | None]:
+    """(left, right) reach of a query inside its chunk (None = unbounded)."""
+    causal, wl, wr, _ = mask.params
+    rights = [x for x in ((0 if causal else None), (wr if wr >= 0 else None)) if x is not None]
+    return (wl if wl >= 0 else None), (min(rights) if rights else None)
+
+
+def _plain_pairs(a, b, c, e, left, right) -> torch.Tensor:
+    """Visible pairs of queries [a, b) x keys [c, e) under a window without chunks."""
+    lo_q = a if right is None else torch.maximum(a, c - right)
+    hi_q = b if left is None else torch.minimum(b, e + left)
+    ok = (lo_q < hi_q) & (c < e)
+    lo_q, hi_q = torch.where(ok, lo_q, a), torch.where(ok, hi_q, a)
+    return torch.where(ok, _ramp_sum(lo_q, hi_q, c, e - 1, left, right), 0)
+
+
+def pair_work(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, e: torch.Tensor,
+              mask: AttnMask) -> torch.Tensor:
+    """int64: visible pairs between queries at positions [a, b) and keys at positions
+    [c, e) of one document (elementwise over the four tensors; empty ranges give 0).
+    Checked against ``AttnMask.count_visible`` in the tests."""
+    a, b, c, e = (t.to(torch.int64) for t in (a, b, c, e))
+    left, right = _window(mask)
+    chunk = mask.chunk_size
+    if not chunk:
+        return _plain_pairs(a, b, c, e, left, right)
+    # Queries see keys of their own chunk only: chunks j0..j1 hold both sides; the inner
+    # ones are whole on both sides, so each holds the same count.
+    j0 = torch.maximum(torch.div(a, chunk, rounding_mode="floor"),
+                       torch.div(c, chunk, rounding_mode="floor"))
+    j1 = torch.minimum(torch.div(b - 1, chunk, rounding_mode="floor"),
+                       torch.div(e - 1, chunk, rounding_mode="floor"))
+    live = (j0 <= j1) & (a < b) & (c < e)
+
+    def in_chunk(j: torch.Tensor) -> torch.Tensor:
+        lo, hi = j * chunk, (j + 1) * chunk
+        return _plain_pairs(torch.maximum(a, lo), torch.minimum(b, hi),
+                            torch.maximum(c, lo), torch.minimum(e, hi), left, right)
+
+    zero = torch.zeros(1, dtype=torch.int64)
+    full = _plain_pairs(zero, zero + chunk, zero, zero + chunk, left, right)
+    total = in_chunk(j0) + torch.where(j1 > j0, in_chunk(j1), 0) \
+        + (j1 - j0 - 1).clamp(min=0) * full
+    return torch.where(live, total, 0)

@@ -1,0 +1,179 @@
+"""``strategy="auto"``: pick the CP strategy from closed-form costs on the plan.
+
+The rule (per (plan, mask, head shape, dtype); cached in the plan):
+
+1. Candidates: every strategy whose head split fits: ``p2p``, ``all_gather``, ``dispatch``
+   always; ``a2a`` when Hq % cp == 0 and Hkv, cp divide one another; ``a2a+p2p`` (default
+   a2a_size) when that size is strictly between 1 and cp.
+2. Memory: with ``memory_budget_bytes`` set, drop candidates that keep more than that for
+   the backward pass per layer and rank beyond their inputs (``cost.saved_bytes``):
+   dispatch and all_gather keep the K/V their queries see, a2a / a2a+p2p the head-sharded
+   q/k/v/out of their group; p2p keeps nothing extra, so it always survives.
+3. Time per layer (forward + backward), slowest rank: compute = visible pairs x Hq x
+   flops per pair (2(D+Dv) forward, 6D+4Dv backward: FA2's five matmuls) /
+   ``flops_per_s``; comm = bytes sent (exactly what the collectives post) / ``bytes_per_s``.
+   The ring (p2p) overlaps its transfers with compute: max(compute, comm) per pass; the
+   others wait for their collectives: compute + comm.
+4. Among the candidates within ``tolerance`` (5%) of the fastest, the one that sends the
+   fewest bytes (max over ranks): when compute dominates, all take about the same time, and
+   transfers still contend with compute for SMs and memory bandwidth and with other
+   parallelisms' traffic. Remaining ties: the order p2p, a2a, dispatch, a2a+p2p, all_gather.
+
+Everything comes from run-level closed forms (``schedules.cost``): no tile schedule and no
+candidate's runtime tables are built, so choosing costs a few milliseconds per plan and mask
+(``bench/plan.py`` measures it). Visible pairs stand for the kernels' work (tiles add a
+few percent at the edges of windows and chunks, the same for every strategy).
+
+What that gives (README "which strategy when"): long documents with full or causal masks
+are compute-bound, so the least traffic wins: a2a when the heads allow, else p2p, whose
+transfers hide behind compute; sliding windows, chunked attention and many short documents
+make dispatch's traffic a small fraction of anyone else's (it fetches only visible K/V); p2p
+when memory is tight; all_gather is never better than dispatch (same compute, more bytes).
+
+Limits: the defaults of :class:`CostModel` are one H100 node's order of magnitude (NVLink);
+pass your own for other machines. Latency per collective is not modelled, so for tiny
+batches the pick is arbitrary (all are fast).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..checks import check_int
+from ..masks import AttnMask
+from ..plan import CPPlan
+from . import cost
+from .cost import Shape, make_shape
+from .hybrid import default_a2a_size, heads_fit
+from .keys import host_table, table_key
+
+# Tie order: simpler / less memory first.
+CANDIDATES = ("p2p", "a2a", "dispatch", "a2a+p2p", "all_gather")
+OVERLAPPED = frozenset({"p2p"})
+
+
+def _positive(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or not value > 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """Machine rates the estimate converts pairs and bytes with (per rank).
+
+    flops_per_s: attention kernel throughput (default 3e14: FA2-class bf16 on an H100).
+    bytes_per_s: bytes one rank sends per second in a collective (default 1.5e11: NCCL
+    all-to-all / P2P inside an NVLink node; ~2.5e10-4.5e10 across InfiniBand nodes).
+    tolerance: estimates within this fraction of the best count as equal (default 0.05).
+    """
+
+    flops_per_s: float = 3e14
+    bytes_per_s: float = 1.5e11
+    tolerance: float = 0.05
+
+    def __post_init__(self) -> None:
+        _positive("CostModel.flops_per_s", self.flops_per_s)
+        _positive("CostModel.bytes_per_s", self.bytes_per_s)
+        if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, (int, float)) \
+                or not 0 <= self.tolerance < 1:
+            raise ValueError(f"CostModel.tolerance must be in [0, 1), got {self.tolerance!r}")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One strategy's estimate for one layer (forward + backward), slowest rank."""
+
+    seconds: float
+    compute_s: float
+    comm_s: float
+    bytes_sent: int       # max over ranks, forward + backward
+    saved_bytes: int      # max over ranks: kept for the backward beyond inputs and out
+
+
+def candidate_options(name: str, shape: Shape, cp: int) -> dict[str, Any] | None:
+    """Strategy options, or None when the strategy is not a candidate for these heads."""
+    if name == "a2a+p2p":
+        size = default_a2a_size(shape.n_heads, shape.n_kv_heads, cp)
+        return {"a2a_size": size} if 1 < size < cp else None
+    if name == "a2a":
+        return {} if heads_fit(shape.n_heads, shape.n_kv_heads, cp) else None
+    return {}
+
+
+def estimate(plan: CPPlan, mask: AttnMask, name: str, shape: Shape, model: CostModel,
+             a2a_size: int | None = None) -> Estimate:
+    """Time, bytes and saved memory of strategy ``name`` (host only, closed form)."""
+    sent = cost.bytes_sent(name, plan, mask, shape, a2a_size)
+    pairs = max(cost.visible_pairs(name, plan, mask, shape, a2a_size)) * shape.n_heads
+    d, dv = shape.head_dim, shape.head_dim_v
+    c_fwd = pairs * 2 * (d + dv) / model.flops_per_s
+    c_bwd = pairs * (6 * d + 4 * dv) / model.flops_per_s
+    x_fwd = max(sent["fwd"]) / model.bytes_per_s
+    x_bwd = max(sent["bwd"]) / model.bytes_per_s
+    if name in OVERLAPPED:
+        seconds = max(c_fwd, x_fwd) + max(c_bwd, x_bwd)
+    else:
+        seconds = c_fwd + x_fwd + c_bwd + x_bwd
+    total = max(f + b for f, b in zip(sent["fwd"], sent["bwd"]))
+    return Estimate(seconds, c_fwd + c_bwd, x_fwd + x_bwd, total,
+                    cost.saved_bytes(name, plan, mask, shape, a2a_size))
+
+
+def _check_model(model: Any) -> CostModel:
+    model = CostModel() if model is None else model
+    if not isinstance(model, CostModel):
+        raise ValueError(f"model must be a CostModel or None, got {type(model).__name__}")
+    return model
+
+
+def estimates(plan: CPPlan, mask: AttnMask, *, n_heads: int, n_kv_heads: int, head_dim: int,
+              head_dim_v: int | None = None, dtype_bytes: int = 2,
+              model: CostModel | None = None) -> dict[str, Estimate]:
+    """Estimate of every candidate strategy (see the module docstring), in tie order."""
+    if not isinstance(mask, AttnMask):
+        raise ValueError(f"mask must be a varlen_cp.AttnMask, got {type(mask).__name__}")
+    shape = make_shape(n_heads, n_kv_heads, head_dim, head_dim_v, dtype_bytes)
+    model = _check_model(model)
+    out = {}
+    for name in CANDIDATES:
+        opts = candidate_options(name, shape, plan.cp_size)
+        if opts is not None:
+            out[name] = estimate(plan, mask, name, shape, model, opts.get("a2a_size"))
+    return out
+
+
+def pick(costs: dict[str, Estimate], model: CostModel,
+         memory_budget_bytes: int | None = None) -> str:
+    """Rules 2 and 4 of the module docstring on precomputed estimates."""
+    fits = {n: e for n, e in costs.items()
+            if memory_budget_bytes is None or e.saved_bytes <= memory_budget_bytes}
+    best = min(e.seconds for e in fits.values())
+    close = [n for n, e in fits.items() if e.seconds <= best * (1 + model.tolerance)]
+    return min(close, key=lambda n: (fits[n].bytes_sent, CANDIDATES.index(n)))
+
+
+def choose_strategy(plan: CPPlan, mask: AttnMask, *, n_heads: int, n_kv_heads: int,
+                    head_dim: int, head_dim_v: int | None = None, dtype_bytes: int = 2,
+                    memory_budget_bytes: int | None = None,
+                    model: CostModel | None = None) -> str:
+    """The strategy ``strategy="auto"`` runs for ``mask`` on ``plan`` (rule: module
+    docstring). ``memory_budget_bytes``: what a strategy may keep per layer and rank for
+    the backward beyond its inputs (None: no limit). Cached in the plan per arguments; the
+    same on every rank (host integer math on the shared plan)."""
+    check_int("memory_budget_bytes", memory_budget_bytes, 0, optional=True)
+    shape = make_shape(n_heads, n_kv_heads, head_dim, head_dim_v, dtype_bytes)
+    model = _check_model(model)
+    if plan.cp_size == 1:
+        return "p2p"  # every strategy is the local op
+    key = table_key("auto", mask, None, shape, memory_budget_bytes, model)
+
+    def choose() -> str:
+        costs = estimates(plan, mask, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                          head_dim=head_dim, head_dim_v=head_dim_v, dtype_bytes=dtype_bytes,
+                          model=model)
+        return pick(costs, model, memory_budget_bytes)
+    return host_table(plan, key, choose)

@@ -1,0 +1,58 @@
+"""Hybrid (a2a+p2p) tables: Ulysses groups of ``a2a_size`` consecutive ranks, a ring across
+the groups with each group's merged tokens as one ring holder."""
+
+from __future__ import annotations
+
+import torch
+
+from ..masks import AttnMask
+from ..plan import CPPlan
+from ..plan.runs import Runs
+from .holders import Holder
+from .keys import host_table, table_key
+from .ring import RingTables, ring_tables, visible_matrix
+from .ulysses import ulysses_tables
+
+
+def heads_fit(n_heads: int, n_kv_heads: int, size: int) -> bool:
+    """Whether an all-to-all over ``size`` ranks can split the heads (K/V heads split, or
+    replicated when there are fewer than ``size``)."""
+    return n_heads % size == 0 and (n_kv_heads % size == 0 or size % n_kv_heads == 0)
+
+
+def default_a2a_size(n_heads: int, n_kv_heads: int, cp_size: int) -> int:
+    """Largest divisor of cp whose all-to-all the head counts allow."""
+    return max(a for a in range(1, cp_size + 1)
+               if cp_size % a == 0 and heads_fit(n_heads, n_kv_heads, a))
+
+
+def group_members(rank: int, size: int) -> tuple[int, ...]:
+    """CP ranks of ``rank``'s Ulysses group (consecutive ranks)."""
+    first = rank // size * size
+    return tuple(range(first, first + size))
+
+
+def group_holders(plan: CPPlan, size: int) -> list[Holder]:
+    """The merged tokens of every group, as ring holders (cached)."""
+    return host_table(plan, table_key("group_holders", None, None, size),
+                      lambda: [ulysses_tables(plan, group_members(g * size, size)).holder
+                               for g in range(plan.cp_size // size)])
+
+
+def group_visibility(plan: CPPlan, mask: AttnMask, size: int) -> torch.Tensor:
+    """int64 [G, G]: visible pairs of group s's queries with group j's keys (cached)."""
+    def build() -> torch.Tensor:
+        r = plan.runs
+        runs = Runs(torch.div(r.holder, size, rounding_mode="floor"), r.doc, r.start,
+                    r.length, r.row)
+        return visible_matrix(runs, plan.cp_size // size, plan.doc_lengths, mask)
+    return host_table(plan, table_key("group_visibility", mask, None, size), build)
+
+
+def hybrid_ring_tables(plan: CPPlan, mask: AttnMask, size: int, group_index: int,
+                       block: tuple[int, int]) -> RingTables:
+    """Ring tables of group ``group_index`` in the ring of groups (cached)."""
+    return host_table(plan, table_key("hybrid_ring", mask, block, size, group_index),
+                      lambda: ring_tables(group_holders(plan, size),
+                                          group_visibility(plan, mask, size), group_index,
+                                          mask, block))

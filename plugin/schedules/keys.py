@@ -1,0 +1,58 @@
+"""The one key under which host tables are cached in a plan, and their device copies.
+
+Every table the strategies build is memoized in the plan (``CPPlan.cached``) under a
+:class:`TableKey` made here, so the keys of different tables can never collide and a
+prefetch (``varlen_cp.prepare``) fills exactly the entries the forward later reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from ..masks import AttnMask
+from ..plan import CPPlan
+
+
+class TableKey(NamedTuple):
+    """kind: which table ("ring", "dispatch", ...); mask and block when it depends on them;
+    extra: anything else it depends on (rank, group size, ...)."""
+
+    kind: str
+    mask: AttnMask | None
+    block: tuple[int, int] | None
+    extra: tuple
+    device: str | None = None
+
+
+def table_key(kind: str, mask: AttnMask | None = None, block: tuple[int, int] | None = None,
+              *extra: Any) -> TableKey:
+    return TableKey(kind, mask, None if block is None else tuple(block), tuple(extra))
+
+
+def host_table(plan: CPPlan, key: TableKey, build: Callable[[], Any]) -> Any:
+    """``build()`` once per plan and key."""
+    return plan.cached(key, build)
+
+
+def device_table(plan: CPPlan, key: TableKey, device: torch.device | str,
+                 build: Callable[[], Any]) -> Any:
+    """The host table of ``key`` (built once) and its copy on ``device`` (made once,
+    ``non_blocking``)."""
+    host = host_table(plan, key, build)
+    return plan.cached(key._replace(device=str(torch.device(device))),
+                       lambda: to_device(host, torch.device(device)))
+
+
+def to_device(x: Any, device: torch.device) -> Any:
+    """Tensors (and objects with ``.to(device)``) inside ``x`` copied to ``device``."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=True)
+    if isinstance(x, tuple):
+        return tuple(to_device(e, device) for e in x)
+    if isinstance(x, list):
+        return [to_device(e, device) for e in x]
+    if hasattr(x, "to") and not isinstance(x, (int, float, str)):
+        return x.to(device)
+    return x

@@ -1,0 +1,103 @@
+"""Ring tables: which ring steps compute, how long the ring runs, what each step sends.
+
+Holder s at step t holds the K/V of holder (s - t) % H. The exact number of visible pairs
+between every pair of holders comes from the runs in closed form (``plan.runs``: a query
+run's keys form one span; the span is cut by the key holders' runs; each piece is counted
+with ``pair_work``), so no Python loop over holder pairs and no per-token pass. Steps
+with nothing visible are skipped, and the ring stops after the last step at which ANY
+holder still needs K/V: the decision is the same on every rank, so no rank waits on a
+message that is never sent.
+
+Used with ranks as holders (``p2p``) and with Ulysses groups as holders (``a2a+p2p``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..masks import AttnMask
+from ..plan import CPPlan
+from ..plan.runs import Runs, key_spans, pair_work, span_pieces
+from .holders import Holder, KernelCall, kernel_call, rank_holders
+from .keys import host_table, table_key
+
+
+def visible_matrix(runs: Runs, n_holders: int, doc_len: torch.Tensor, mask: AttnMask
+                   ) -> torch.Tensor:
+    """int64 [H, H]: visible pairs of holder s's queries with holder j's keys."""
+    lo, hi = key_spans(runs, mask, doc_len)
+    by_doc = runs.by_document()
+    span, run, first, length = span_pieces(runs.doc, lo, hi, by_doc)
+    pairs = pair_work(runs.start[span], runs.stop[span], first, first + length, mask)
+    cell = runs.holder[span] * n_holders + by_doc.holder[run]
+    out = torch.zeros(n_holders * n_holders, dtype=torch.int64)
+    return out.scatter_add_(0, cell, pairs).view(n_holders, n_holders)
+
+
+def ring_length(vis: torch.Tensor) -> int:
+    """Steps the ring runs: 1 + the last step t at which some holder s needs the K/V of
+    (s - t) % H. Step 0 (own K/V) always runs."""
+    size = vis.shape[0]
+    s = torch.arange(size)
+    # need[t, s] = vis[s, (s - t) % H]
+    need = (vis > 0)[s.unsqueeze(0), (s.unsqueeze(0) - s.unsqueeze(1)) % size]
+    steps = torch.nonzero(need[1:].any(1)).flatten()
+    return int(steps[-1]) + 2 if steps.numel() else 1
+
+
+@dataclass(frozen=True)
+class RingTables:
+    """One ring index's view of a ring: how long it runs, what each step computes."""
+
+    n_steps: int
+    sizes: tuple[int, ...]                    # tokens of each holder (recv buffer sizes)
+    calls: tuple[KernelCall | None, ...]      # per step; None = nothing visible, skipped
+    incoming: tuple[bool, ...]                # per step: a dK/dV partial arrives for us
+
+    def to(self, device: torch.device) -> "RingTables":
+        return replace(self, calls=tuple(None if c is None else c.to(device)
+                                         for c in self.calls))
+
+    def source(self, index: int, step: int) -> int:
+        return (index - step) % len(self.sizes)
+
+
+def ring_tables(holders: list[Holder], vis: torch.Tensor, index: int, mask: AttnMask,
+                block: tuple[int, int]) -> RingTables:
+    """Host tables of ring position ``index`` (schedules for its non-empty steps only)."""
+    size = len(holders)
+    n_steps = ring_length(vis)
+    t = torch.arange(n_steps)
+    mine = (vis[index, (index - t) % size] > 0).tolist()
+    # At step t, position index + t computes on our K/V: it sends its partial home.
+    incoming = ((vis[(index + t) % size, index] > 0) & (t > 0)).tolist()
+    calls = tuple(kernel_call(holders[index], holders[(index - s) % size], mask, block)
+                  if mine[s] else None for s in range(n_steps))
+    return RingTables(n_steps, tuple(h.n_tokens for h in holders), calls, tuple(incoming))
+
+
+def ring_send_rows(sizes: tuple[int, ...], vis: torch.Tensor, index: int) -> tuple[int, int]:
+    """(K/V rows, dK/dV rows) ring position ``index`` sends: K/V in forward and again in
+    backward, dK/dV partials in backward only; exactly what the engine posts."""
+    size, n_steps = len(sizes), ring_length(vis)
+    src = [(index - t) % size for t in range(n_steps)]
+    kv = sum(sizes[s] for s in src[:-1])
+    grads = sum(sizes[s] for s in src[1:] if int(vis[index, s]) > 0)
+    return kv, grads
+
+
+# ---- p2p: ranks as holders ----------------------------------------------------------------
+def rank_visibility(plan: CPPlan, mask: AttnMask) -> torch.Tensor:
+    """int64 [cp, cp]: visible pairs of rank s's queries with rank j's keys (cached)."""
+    return host_table(plan, table_key("rank_visibility", mask),
+                      lambda: visible_matrix(plan.runs, plan.cp_size, plan.doc_lengths, mask))
+
+
+def p2p_tables(plan: CPPlan, mask: AttnMask, block: tuple[int, int], rank: int
+               ) -> RingTables:
+    """Ring tables of ``rank`` for the ring of all ranks (cached)."""
+    return host_table(plan, table_key("p2p", mask, block, rank),
+                      lambda: ring_tables(rank_holders(plan), rank_visibility(plan, mask),
+                                          rank, mask, block))

@@ -1,0 +1,68 @@
+"""Ulysses tables: the permutation that turns a group's all-to-all output into whole
+documents, and the local call over them.
+
+After the all-to-all a member holds every member's tokens (member order) for its head
+slice; ``order`` lists them by (document, position), padding last in each document, which
+is the order of the plan's padded global index (TransformerEngine's THD indexing for
+``te``, the global token order otherwise). For the whole CP group that order is a
+permutation of the padded batch, inverted by one scatter; for a subgroup it is a sort of the
+members' tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..masks import AttnMask
+from ..plan import CPPlan
+from .holders import Holder, KernelCall, holder_from_counts, kernel_call
+from .keys import host_table, table_key
+
+
+@dataclass(frozen=True)
+class UlyssesTables:
+    """Token bookkeeping of one Ulysses group (host, or copied to the device)."""
+
+    sizes: tuple[int, ...]   # local tokens of each member: the all-to-all split sizes
+    order: torch.Tensor      # int64 [N]: member-concatenation row of each merged row
+    inverse: torch.Tensor    # int64 [N]: merged row of each member-concatenation row
+    holder: Holder           # the merged tokens (document order), host tensors
+
+    def to(self, device: torch.device) -> "UlyssesTables":
+        return replace(self, order=self.order.to(device, non_blocking=True),
+                       inverse=self.inverse.to(device, non_blocking=True))
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel())
+    return inv
+
+
+def ulysses_tables(plan: CPPlan, members: tuple[int, ...]) -> UlyssesTables:
+    """Tables of the group made of CP ranks ``members`` (consecutive, in group-rank
+    order), cached."""
+    def build() -> UlyssesTables:
+        rows = slice(plan.local_rows_of(members[0]).start, plan.local_rows_of(members[-1]).stop)
+        padded = plan.all_padded_indices()[rows]
+        if len(members) == plan.cp_size:   # a permutation of the padded batch: invert it
+            order = _inverse(padded)
+        else:
+            order = torch.argsort(padded)
+        pos = plan.all_positions()[rows][order]
+        doc = plan.all_documents()[rows][order]
+        return UlyssesTables(tuple(plan.num_tokens_of(r) for r in members), order,
+                             _inverse(order), holder_from_counts(doc, pos, plan.n_docs))
+    return host_table(plan, table_key("ulysses", None, None, tuple(members)), build)
+
+
+def group_call(plan: CPPlan, members: tuple[int, ...], mask: AttnMask,
+               block: tuple[int, int]) -> KernelCall | None:
+    """The local call over the group's merged tokens; None when nothing is visible."""
+    def build() -> KernelCall | None:
+        h = ulysses_tables(plan, members).holder
+        any_real = bool((h.pos >= 0).any()) if h.n_tokens else False
+        return kernel_call(h, h, mask, block) if any_real else None
+    return host_table(plan, table_key("ulysses_call", mask, block, tuple(members)), build)
