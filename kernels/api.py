@@ -2,7 +2,13 @@
 
 ``varlen_attn`` mirrors ``flash_attn_varlen_func`` and adds per-token positions, chunked
 (Llama 4) masks, padding tokens and a choice of backend. ``varlen_attn_fwd`` /
-``varlen_attn_bwd`` are the non-autograd halves the CP strategies call step by step.
+``varlen_attn_bwd`` are the validated non-autograd halves; ``varlen_fwd_unchecked`` /
+``varlen_bwd_unchecked`` are the same ops for callers that validated once (the CP
+strategies, per ring step and layer): no checks, no host sync, no copies. Measured around
+no-op kernels at 1K documents on one CPU core: the public halves cost ~55 us per call (the
+twin used to re-check another ~30-40 us, now skipped), the unchecked ones ~15 us (the
+custom-op dispatch itself).
+
 The LSE output is differentiable (its gradient enters the backward as delta -= dlse), which
 lets attention sinks (``sink.apply_softmax_sink``) be applied after the op, or after a CP
 merge; the forward can also return each row's max logit for QK-clip.
@@ -12,10 +18,16 @@ Both halves are ``torch.library.custom_op``s with fake (meta) implementations, s
 before anything is computed (see ``validation``). Host-side metadata (cu_seqlens and
 positions on the CPU) is welcome even for CUDA tensors: it is validated on the host, a tile
 schedule is built from it there, and it is copied to the device without a sync.
+
+``max_seqlen_q/k`` may be loose upper bounds, as flash-attn callers pass them: with host
+cu_seqlens (and no caller schedule) the real longest segments replace them, so neither the
+launch grid nor any host table grows with the bound. With device cu_seqlens the bound sizes
+the launch grid (reading the lengths would sync) and nothing on the host.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -30,20 +42,40 @@ from .sink import apply_softmax_sink, check_softmax_args, max_logit_of
 _TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@functools.cache
 def _backend_module(backend: str):
+    """(fwd, bwd) of a resolved backend; the twin gets ``check=False`` (validated here)."""
     if backend == "triton":
-        from . import triton_attn
-        return triton_attn.triton_fwd, triton_attn.triton_bwd
-    from . import torch_attn
-    return torch_attn.torch_fwd, torch_attn.torch_bwd
+        from .triton_bwd import triton_bwd
+        from .triton_fwd import triton_fwd
+        return triton_fwd, triton_bwd
+    from .torch_attn import torch_bwd, torch_fwd
+    return (functools.partial(torch_fwd, check=False),
+            functools.partial(torch_bwd, check=False))
 
 
-def block_sizes_for(backend: str, device, head_dim: int, head_dim_v: int) -> tuple[int, int]:
-    """(block_m, block_n) a ``BlockSchedule`` must use to be passed to ``backend``."""
+def resolve_backend(backend: str, device) -> str:
+    """'auto' -> 'triton' on CUDA, 'torch' elsewhere; ValueError for unknown names, and for
+    'triton' on a CPU without the interpreter (TRITON_INTERPRET=1 before import)."""
+    device = torch.device(device)
+    backend = validation.check_backend(backend, device)
+    if backend == "triton" and device.type != "cuda" and not _TRITON_INTERPRETED:
+        raise ValueError("backend='triton' on a CPU tensor needs TRITON_INTERPRET=1 set before "
+                         "varlen_cp is imported; use backend='torch' (or 'auto') on CPUs")
+    return backend
+
+
+def block_sizes_for(backend: str, device, head_dim: int, head_dim_v: int, *,
+                    dtype: Optional[torch.dtype] = None) -> tuple[int, int]:
+    """(block_m, block_n) a ``BlockSchedule`` must use to be passed to ``backend``.
+
+    ``dtype`` (q's) picks the Triton tiles that fit that dtype: fp32 at head dims > 128
+    takes smaller ones (see ``triton_common.triton_block_sizes``); None means 16-bit.
+    """
     backend = validation.check_backend(backend, torch.device(device))
     if backend == "triton":
-        from .triton_attn import triton_block_sizes
-        return triton_block_sizes(head_dim, head_dim_v)
+        from .triton_common import triton_block_sizes
+        return triton_block_sizes(head_dim, head_dim_v, dtype)
     # The twin walks query blocks of DEFAULT_BLOCK_M rows and takes any key range, so one
     # size serves both ends of the schedule.
     from .torch_attn import DEFAULT_BLOCK_M
@@ -160,8 +192,8 @@ def _auto_schedule(q, v, cu_q, cu_k, max_q, max_k, mask, q_pos, k_pos, backend):
     if (backend != "triton" or (q_pos is None and k_pos is None)
             or torch.compiler.is_compiling() or not _on_host(cu_q, cu_k, q_pos, k_pos)):
         return None
-    from .triton_attn import triton_block_sizes
-    block_m, block_n = triton_block_sizes(q.shape[-1], v.shape[-1])
+    from .triton_common import triton_block_sizes
+    block_m, block_n = triton_block_sizes(q.shape[-1], v.shape[-1], q.dtype)
     causal, wl, wr, chunk = mask
     sched = build_block_schedule(cu_q, cu_k, max_q, max_k, causal=causal, window_left=wl,
                                  window_right=wr, chunk_size=chunk, q_positions=q_pos,
@@ -175,16 +207,18 @@ def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, so
     validation.check_qkv(q, k, v)
     validation.check_mask_args(window_size, chunk_size, softmax_scale)
     device = q.device
-    validation.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
-                                max_seqlen_q, max_seqlen_k, device)
+    longest = validation.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
+                                          max_seqlen_q, max_seqlen_k, device)
     validation.check_positions("q_positions", q_positions, q.shape[0], device)
     validation.check_positions("k_positions", k_positions, k.shape[0], device)
-    backend = validation.check_backend(backend, device)
-    if backend == "triton" and device.type != "cuda" and not _TRITON_INTERPRETED:
-        raise ValueError("backend='triton' on a CPU tensor needs TRITON_INTERPRET=1 set before "
-                         "varlen_cp is imported; use backend='torch' (or 'auto') on CPUs")
+    backend = resolve_backend(backend, device)
     validation.check_schedule(schedule, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k)
     mask = (bool(causal), window_size[0], window_size[1], chunk_size or 0)
+    if schedule is None and longest is not None:
+        # max_seqlen is only a bound (10**9 for 14 tokens cost 6-13 s and ~2 GB of host
+        # tables); any bound >= the longest segment is exact for the kernels. A caller's
+        # schedule keeps the caller's values, which its table shapes were checked against.
+        max_seqlen_q, max_seqlen_k = longest
     if schedule is None:
         schedule = _auto_schedule(q, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, mask, q_positions, k_positions, backend)
@@ -204,10 +238,12 @@ def varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
 
     q [total_q, Hq, D]; k [total_k, Hkv, D]; v [total_k, Hkv, Dv]; Hq % Hkv == 0 (GQA).
     Segment i of q (rows cu_seqlens_q[i]:cu_seqlens_q[i+1]) attends to segment i of k.
+    ``max_seqlen_q/k`` may be upper bounds (as in flash-attn); see the module docstring.
     Masks: ``causal``, ``window_size=(left, right)`` (-1 unbounded) and ``chunk_size``
     (Llama 4 chunked attention) apply together, on positions: ``q_positions`` /
-    ``k_positions`` (int [total], position within the document; < 0 marks padding that sees
-    and is seen by nothing), or flash-attn's bottom-right alignment when omitted.
+    ``k_positions`` (int [total], position within the document, < 2**30; < 0 marks padding
+    that sees and is seen by nothing: its q/k/v/dout are never read, so NaN there is
+    harmless, and its gradients are 0), or flash-attn's bottom-right alignment when omitted.
     ``backend``: "auto" (triton for CUDA tensors, torch otherwise), "triton" or "torch".
     ``schedule``: an optional host-built ``BlockSchedule`` (block sizes from
     ``block_sizes_for``) that bounds which tiles are visited.
@@ -287,54 +323,64 @@ def varlen_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
                        None if dlse is None else dlse.contiguous(), *args)
 
 
-# ----------------------------------------------------------- validated-once private entry
-def resolve_backend(backend: str, device) -> str:
-    """``backend`` validated for ``device``, with "auto" resolved to "triton" or "torch"."""
-    backend = validation.check_backend(backend, torch.device(device))
-    if backend == "triton" and torch.device(device).type != "cuda" and not _TRITON_INTERPRETED:
-        raise ValueError("backend='triton' on a CPU tensor needs TRITON_INTERPRET=1 set before "
-                         "varlen_cp is imported; use backend='torch' (or 'auto') on CPUs")
-    return backend
+# ------------------------------------------------------------- validated-once entries
+def varlen_fwd_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                         max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+                         causal: bool, window_left: int, window_right: int, chunk_size: int,
+                         q_positions: Optional[torch.Tensor],
+                         k_positions: Optional[torch.Tensor], backend: str,
+                         schedule: Optional[BlockSchedule], return_max: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``varlen_attn_fwd`` without validation, for callers that validated once (CP steps).
 
-
-def varlen_fwd_unchecked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         softmax_scale, causal, window_left, window_right, chunk_size,
-                         q_positions, k_positions, backend, schedule, return_max):
-    """``varlen_attn_fwd`` for callers that validated everything once (the CP strategies):
-    int32 cu/positions already on q's device, ``chunk_size`` 0 = none, ``backend``
-    resolved, ``schedule`` on the device or None. No checks, no copies, no sync.
-    Returns (out, lse, row_max or None)."""
+    Contract (unchecked; a violation is undefined behaviour, not a ValueError): arguments
+    as ``varlen_attn_fwd`` would accept them; cu_seqlens and positions (or None) int32 on
+    q's device; ``max_seqlen_*`` >= the longest segment (and matching ``schedule``'s
+    tables when one is given); ``chunk_size`` 0 for none; ``backend`` from
+    ``resolve_backend``; ``schedule`` None or on q's device. No host sync (the torch twin
+    on a GPU excepted, see ``torch_attn``), no copies of the metadata; the same custom op as the public entry (torch.compile traces it), under
+    no_grad. -> (out, lse, row_max or None unless ``return_max``).
+    """
     with torch.no_grad():
         out, lse, row_max = _fwd_op(q.contiguous(), k.contiguous(), v.contiguous(),
                                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                    softmax_scale, causal, window_left, window_right,
-                                    chunk_size, q_positions, k_positions, backend,
-                                    *_schedule_args(schedule), bool(return_max))
+                                    float(softmax_scale), bool(causal), window_left,
+                                    window_right, chunk_size, q_positions, k_positions,
+                                    backend, *_schedule_args(schedule), bool(return_max))
     return out, lse, (row_max if return_max else None)
 
 
-def varlen_bwd_unchecked(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
-                         max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                         window_right, chunk_size, q_positions, k_positions, backend,
-                         schedule):
-    """``varlen_attn_bwd`` with the contract of :func:`varlen_fwd_unchecked`."""
+def varlen_bwd_unchecked(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                         dlse: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor,
+                         cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                         softmax_scale: float, causal: bool, window_left: int,
+                         window_right: int, chunk_size: int,
+                         q_positions: Optional[torch.Tensor],
+                         k_positions: Optional[torch.Tensor], backend: str,
+                         schedule: Optional[BlockSchedule]
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``varlen_attn_bwd`` without validation: (dq, dk, dv). The contract of
+    ``varlen_fwd_unchecked``, plus ``dout`` like out, ``lse`` and ``dlse`` (or None) fp32
+    [Hq, total_q]."""
     with torch.no_grad():
         return _bwd_op(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
                        out.contiguous(), lse.contiguous(),
                        None if dlse is None else dlse.contiguous(), cu_seqlens_q,
-                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                       window_left, window_right, chunk_size, q_positions, k_positions,
-                       backend, *_schedule_args(schedule))
+                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale),
+                       bool(causal), window_left, window_right, chunk_size, q_positions,
+                       k_positions, backend, *_schedule_args(schedule))
 
 
 def varlen_attn_unchecked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           softmax_scale, causal, window_left, window_right, chunk_size,
                           q_positions, k_positions, backend, schedule, return_max):
     """Differentiable (through out and lse) ``varlen_attn`` with the contract of
-    :func:`varlen_fwd_unchecked`: (out, lse, row_max or None)."""
+    :func:`varlen_fwd_unchecked`, for the cp == 1 strategy: (out, lse, row_max or None)."""
     out, lse, row_max = _fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q,
-                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                                causal, window_left, window_right, chunk_size, q_positions,
-                                k_positions, backend, *_schedule_args(schedule),
+                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale),
+                                bool(causal), window_left, window_right, chunk_size,
+                                q_positions, k_positions, backend, *_schedule_args(schedule),
                                 bool(return_max))
     return out, lse, (row_max if return_max else None)

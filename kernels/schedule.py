@@ -93,7 +93,12 @@ def build_block_schedule(
     chunk_size: int, q_positions: torch.Tensor | None = None,
     k_positions: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64,
 ) -> BlockSchedule:
-    """Build the schedule on the host. All tensor arguments must be CPU tensors."""
+    """Build the schedule on the host. All tensor arguments must be CPU tensors.
+
+    The tables are sized by ``max_seqlen_q/k`` as given (their shapes are checked against
+    the call's values): pass the longest segments, not a loose bound. 10**9 for 14 tokens
+    means ~2 GB of empty blocks; the api and the twin pass the exact lengths themselves.
+    """
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
                     ("q_positions", q_positions), ("k_positions", k_positions)):
         if t is not None and t.device.type != "cpu":

@@ -10,6 +10,7 @@ into ``lse``, which is why the attention ops' LSE output is differentiable.
 
 The max logit (QK-clip / MuonClip) is the per-head max of the scaled, masked scores; the
 kernels produce it per row (``row_max`` [Hq, Tq]) and ``max_logit_of`` reduces it.
+``lse_grad_rows`` is the LSE-gradient term both backward kernels subtract from delta.
 Limits: sinks are fp32 [Hq] tensors on the attention's device; nothing here syncs the host.
 """
 
@@ -76,6 +77,13 @@ def apply_softmax_sink(out: torch.Tensor, lse: torch.Tensor, softmax_type: str,
     keep = torch.sigmoid(lse - t)                                   # [Hq, Tq]
     out_s = (out.float() * keep.t().unsqueeze(-1)).to(out.dtype)
     return out_s, lse_s
+
+
+def lse_grad_rows(dlse: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """fp32 dlse with rows that see nothing zeroed: their P is 0, and a non-finite dlse there
+    (e.g. from logaddexp(-inf, -inf) upstream, or NaN padding) must not turn
+    0 * (dP - delta) into NaN. The backward kernels use delta = rowsum(dO * O) - this."""
+    return torch.where(lse == float("-inf"), 0.0, dlse.float())
 
 
 def max_logit_of(row_max: torch.Tensor) -> torch.Tensor:

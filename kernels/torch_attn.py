@@ -12,8 +12,13 @@ items of similar size are gathered into one padded batch ("group") and computed 
 batched matmuls; thousands of short documents then cost a few dozen groups, not thousands of
 loop turns. Keys are walked in chunks (online softmax) so score tiles stay cache sized.
 
+Padding rows (explicit position < 0) are zeroed in the gathered operands before any
+product, like the Triton kernels' masked loads: NaN / inf left in their q, k, v or dout
+never reaches a real row, and their own gradients are 0.
+
 Limits: scores and softmax are fp32 (fp64 for fp64 inputs), so the twin is memory bound and
-much slower than the Triton kernels on a GPU. Without a schedule it builds one on the host;
+much slower than the Triton kernels on a GPU. Without a schedule it builds one on the host,
+sized by the longest segment (never by the caller's max_seqlen, which may be a loose bound);
 if cu_seqlens / positions live on a GPU that means one device->host copy (a sync), which is
 accepted in this twin only.
 """
@@ -28,6 +33,7 @@ from torch import Tensor
 from . import validation
 from .mask_math import implicit_positions, visible
 from .schedule import BlockSchedule, build_block_schedule
+from .sink import lse_grad_rows
 
 # Query rows per block when the caller passes no schedule. bench/kernels.py's sweep (fp32,
 # 8 heads, d=128, 4K tokens, one CPU core): 128 is within noise of the best for one long
@@ -46,12 +52,6 @@ _KEY_CHUNK = 512
 # = 1 MiB per buffer ran 10-25% faster than 4 MiB on many short documents (cache); a single
 # item larger than this still runs alone.
 _GROUP_ELEMS = 1 << 18
-
-
-def lse_grad_rows(dlse: Tensor, lse: Tensor) -> Tensor:
-    """dlse with rows that see nothing zeroed: their P is 0, and a non-finite dlse there
-    (e.g. from logaddexp(-inf, -inf) upstream) must not turn 0 * (dP - delta) into NaN."""
-    return torch.where(lse == float("-inf"), 0.0, dlse.float())
 
 
 @dataclass(frozen=True)
@@ -100,19 +100,25 @@ def _positions(cu_q: Tensor, cu_k: Tensor, total_q: int, total_k: int,
     return qp, kp
 
 
+def _longest(cu: Tensor) -> int:
+    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+
+
 def _schedule(schedule: BlockSchedule | None, cu_q: Tensor, cu_k: Tensor, max_seqlen_q: int,
               max_seqlen_k: int, mask: tuple[bool, int, int, int],
               q_positions: Tensor | None, k_positions: Tensor | None) -> BlockSchedule:
     """The caller's schedule (validated) or one built on the host with the default block."""
     n_seg = cu_q.numel() - 1
     if schedule is None:
+        # Tables sized by the real longest segments: max_seqlen may be a loose upper bound
+        # (flash-attn callers pass one), and 10**9 would mean gigabytes of empty blocks.
         causal, wl, wr, chunk = mask
         return build_block_schedule(
-            cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal=causal, window_left=wl,
+            cu_q, cu_k, _longest(cu_q), _longest(cu_k), causal=causal, window_left=wl,
             window_right=wr, chunk_size=chunk, q_positions=_host(q_positions),
             k_positions=_host(k_positions), block_m=DEFAULT_BLOCK_M, block_n=DEFAULT_BLOCK_M)
     kv = schedule.kv_range
-    longest = int((cu_q[1:] - cu_q[:-1]).max()) if n_seg else 0
+    longest = _longest(cu_q)
     if kv.dim() != 3 or kv.shape[0] != n_seg or kv.shape[1] * schedule.block_m < longest:
         raise ValueError(f"schedule.kv_range of shape {tuple(kv.shape)} with block_m="
                          f"{schedule.block_m} does not cover {n_seg} segments of up to "
@@ -183,14 +189,24 @@ def _groups(schedule: BlockSchedule, cu_q: Tensor, cu_k: Tensor, total_q: int, t
     return out
 
 
-def _group_mask(g: _Group, q_pos: Tensor, k_pos: Tensor, mask: tuple[bool, int, int, int],
+def _group_mask(qp: Tensor, kp: Tensor, g: _Group, mask: tuple[bool, int, int, int],
                 q_explicit: bool) -> Tensor:
-    """[n, mq, mk] bool: visible pairs; padded rows and padded keys see / are seen by nothing."""
-    qp = q_pos.index_select(0, g.q_gather).view(g.n, g.mq)
+    """[n, mq, mk] bool: visible pairs of gathered positions ``qp`` [n, mq], ``kp`` [n, mk];
+    padded rows and padded keys see / are seen by nothing."""
     # Key position -1 is never visible (key intervals start at 0), which hides padded keys.
-    kp = torch.where(g.k_valid, k_pos.index_select(0, g.k_gather).view(g.n, g.mk), -1)
-    vis = visible(qp, kp, *mask, negative_is_padding=q_explicit)
+    vis = visible(qp, torch.where(g.k_valid, kp, -1), *mask, negative_is_padding=q_explicit)
     return vis & g.q_valid[:, :, None]
+
+
+def _zero_rows(x: Tensor, pad: Tensor | None) -> Tensor:
+    """Zero the gathered rows ``x`` [n*rows, ...] (a fresh copy) where ``pad`` [n*rows].
+
+    masked_fill, not a multiply: 0 * NaN would stay NaN. On the CPU a padding-free group
+    skips the pass; on a GPU that test would sync, so the fill always runs there.
+    """
+    if pad is None or (pad.device.type == "cpu" and not bool(pad.any())):
+        return x
+    return x.masked_fill_(pad.view(-1, *([1] * (x.dim() - 1))), 0)
 
 
 def _heads_major(x: Tensor, g: _Group, rows: int, hkv: int, acc: torch.dtype,
@@ -254,16 +270,23 @@ def _masked_scores(qh: Tensor, kh: Tensor, hidden: Tensor | None, mq: int) -> Te
 
 
 def _group_operands(g: _Group, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor,
-                    mask: tuple[bool, int, int, int], explicit_q: bool, acc: torch.dtype,
-                    softmax_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """What forward and backward both need of one group: the hidden (not visible) pairs and
-    the heads-major q (pre-scaled), k and v in the accumulation dtype."""
+                    mask: tuple[bool, int, int, int], explicit: tuple[bool, bool],
+                    acc: torch.dtype, softmax_scale: float
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """What forward and backward both need of one group: the hidden (not visible) pairs,
+    the heads-major q (pre-scaled), k and v in the accumulation dtype with padding rows
+    zeroed, and which gathered query rows are padding (None without explicit positions)."""
     hkv = k.shape[1]
-    hidden = ~_group_mask(g, q_pos, k_pos, mask, explicit_q)
-    qh = _heads_major(q.index_select(0, g.q_gather), g, g.mq, hkv, acc, softmax_scale)
-    kh = _heads_major(k.index_select(0, g.k_gather), g, g.mk, hkv, acc)
-    vh = _heads_major(v.index_select(0, g.k_gather), g, g.mk, hkv, acc)
-    return hidden, qh, kh, vh
+    qp = q_pos.index_select(0, g.q_gather).view(g.n, g.mq)
+    kp = k_pos.index_select(0, g.k_gather).view(g.n, g.mk)
+    hidden = ~_group_mask(qp, kp, g, mask, explicit[0])
+    q_pad = (qp < 0).view(-1) if explicit[0] else None
+    k_pad = (kp < 0).view(-1) if explicit[1] else None
+    qh = _heads_major(_zero_rows(q.index_select(0, g.q_gather), q_pad), g, g.mq, hkv, acc,
+                      softmax_scale)
+    kh = _heads_major(_zero_rows(k.index_select(0, g.k_gather), k_pad), g, g.mk, hkv, acc)
+    vh = _heads_major(_zero_rows(v.index_select(0, g.k_gather), k_pad), g, g.mk, hkv, acc)
+    return hidden, qh, kh, vh, q_pad
 
 
 def _fwd_group(qh: Tensor, kh: Tensor, vh: Tensor, hidden: Tensor, mq: int
@@ -323,15 +346,17 @@ def torch_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_
               max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
               window_left: int, window_right: int, chunk_size: int,
               q_positions: Tensor | None, k_positions: Tensor | None,
-              schedule: BlockSchedule | None = None, *, return_max: bool = False
-              ) -> tuple[Tensor, ...]:
+              schedule: BlockSchedule | None = None, *, return_max: bool = False,
+              check: bool = True) -> tuple[Tensor, ...]:
     """Varlen attention forward. -> (out [Tq, Hq, Dv] in q.dtype, lse fp32 [Hq, Tq]).
 
     With ``return_max`` also the row max of the scaled visible scores, fp32 [Hq, Tq]
-    (-inf on rows that see nothing), for the max logit of QK-clip.
+    (-inf on rows that see nothing), for the max logit of QK-clip. ``check=False`` skips
+    the argument checks (the api layer has run them already).
     """
     cu_q, cu_k = _host(cu_seqlens_q), _host(cu_seqlens_k)
-    _check_inputs(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k)
+    if check:
+        _check_inputs(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k)
     mask = (bool(causal), int(window_left), int(window_right), int(chunk_size or 0))
     tq, hq, tk, hkv = q.shape[0], q.shape[1], k.shape[0], k.shape[1]
     acc = _acc_dtype(q.dtype)
@@ -342,9 +367,10 @@ def torch_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_
     lse = torch.full((tq + 1, hq, 1), float("-inf"), dtype=torch.float32, device=q.device)
     row_max = torch.full_like(lse, float("-inf")) if return_max else None
     q_pos, k_pos = _positions(cu_q, cu_k, tq, tk, q_positions, k_positions, q.device)
+    explicit = (q_positions is not None, k_positions is not None)
     for g in _groups(sched, cu_q, cu_k, tq, tk, hq, q.device):
-        hidden, qh, kh, vh = _group_operands(g, q, k, v, q_pos, k_pos, mask,
-                                             q_positions is not None, acc, softmax_scale)
+        hidden, qh, kh, vh, _ = _group_operands(g, q, k, v, q_pos, k_pos, mask, explicit, acc,
+                                                softmax_scale)
         o, row_lse, m = _fwd_group(qh, kh, vh, hidden, g.mq)
         _put_rows(out, o, g, g.mq, hkv)
         _put_rows(lse, row_lse, g, g.mq, hkv)
@@ -362,7 +388,8 @@ def torch_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
               max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
               window_right: int, chunk_size: int, q_positions: Tensor | None,
               k_positions: Tensor | None, schedule: BlockSchedule | None = None, *,
-              dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+              dlse: Tensor | None = None, check: bool = True
+              ) -> tuple[Tensor, Tensor, Tensor]:
     """FA2 backward from the given (possibly merged) out/lse. -> (dq, dk, dv), input dtypes.
 
     ``out``/``lse`` are never recomputed: with the final merged ones of a ring step this
@@ -371,8 +398,9 @@ def torch_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     enters as delta = rowsum(dO * O) - dlse.
     """
     cu_q, cu_k = _host(cu_seqlens_q), _host(cu_seqlens_k)
-    _check_inputs(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k)
-    if tuple(lse.shape) != (q.shape[1], q.shape[0]) or out.shape != dout.shape:
+    if check:
+        _check_inputs(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k)
+    if check and (tuple(lse.shape) != (q.shape[1], q.shape[0]) or out.shape != dout.shape):
         raise ValueError(f"lse must be [Hq, Tq]={[q.shape[1], q.shape[0]]} and out like dout "
                          f"{tuple(dout.shape)}; got lse {tuple(lse.shape)}, "
                          f"out {tuple(out.shape)}")
@@ -387,15 +415,21 @@ def torch_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     delta_TH = (dout.to(acc) * out.to(acc)).sum(dim=-1)          # rowsum(dO * O)
     if dlse is not None:
         delta_TH = delta_TH - lse_grad_rows(dlse, lse).t().to(acc)
-    # lse = -inf means the row sees no key anywhere: +inf there makes P = exp(s - inf) = 0.
-    lse_TH = lse.t().to(acc).masked_fill(lse.t() == float("-inf"), float("inf"))
+    # lse = -inf means the row sees no key anywhere: +inf there makes P = exp(s - inf) = 0,
+    # and delta 0 keeps a non-finite rowsum(dO * O) of such a row out of 0 * (dP - delta).
+    empty_TH = lse.t() == float("-inf")
+    lse_TH = lse.t().to(acc).masked_fill(empty_TH, float("inf"))
+    delta_TH = delta_TH.masked_fill(empty_TH, 0.0)
     q_pos, k_pos = _positions(cu_q, cu_k, tq, tk, q_positions, k_positions, q.device)
+    explicit = (q_positions is not None, k_positions is not None)
     for g in _groups(sched, cu_q, cu_k, tq, tk, hq, q.device):
-        hidden, qh, kh, vh = _group_operands(g, q, k, v, q_pos, k_pos, mask,
-                                             q_positions is not None, acc, softmax_scale)
-        doh = _heads_major(dout.index_select(0, g.q_gather), g, g.mq, hkv, acc)
-        rows = torch.stack([delta_TH.index_select(0, g.q_gather),
-                            lse_TH.index_select(0, g.q_gather)], dim=-1)
+        hidden, qh, kh, vh, q_pad = _group_operands(g, q, k, v, q_pos, k_pos, mask, explicit,
+                                                    acc, softmax_scale)
+        doh = _heads_major(_zero_rows(dout.index_select(0, g.q_gather), q_pad), g, g.mq, hkv,
+                           acc)
+        # Padding rows get delta 0 and lse 0 (their P is 0 through ``hidden`` anyway).
+        rows = _zero_rows(torch.stack([delta_TH.index_select(0, g.q_gather),
+                                       lse_TH.index_select(0, g.q_gather)], dim=-1), q_pad)
         delta, row_lse = _heads_major(rows, g, g.mq, hkv, acc).unbind(-1)
         dq_g, dk_g, dv_g = _bwd_group(qh, kh, vh, doh, delta[..., None], row_lse[..., None],
                                       hidden, g.mq)

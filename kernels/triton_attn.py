@@ -1,4 +1,5 @@
-"""Triton varlen attention kernels: the entry points the api layer calls.
+"""Triton varlen attention kernels in one namespace (for tests and benchmarks; the api layer
+imports ``triton_fwd`` / ``triton_bwd`` directly).
 
 ``triton_fwd`` / ``triton_bwd`` take THD tensors with cu_seqlens and the package's
 position-based mask (causal, sliding window, chunks, padding positions); see

@@ -11,9 +11,14 @@ gradients of this call's keys (never recompute them here).
   chosen exactly as in the forward.
 No atomics: results are deterministic, and the interpreter cannot do bf16 atomics.
 
-Limits: as the forward (positions in (-2**30, 2**30), head dims padded to a power of two).
-fp32 inputs at padded head dim 256 need ~200 KB of shared memory here (ptxas, one stage):
-they launch on an H100 (227 KB), not on an A100 (163 KB); 16-bit inputs fit both.
+Padding rows (explicit position < 0) are never loaded: their Q, dO, K, V read as 0 and
+their delta as 0, so NaN / inf in them reaches no real row's gradient, and their own
+gradients are 0.
+
+Limits: as the forward (positions in [-2**31, 2**30), head dims padded to a power of two).
+fp32 inputs at padded head dim 256 need 192-200 KB of shared memory with 64x32 tiles
+(ptxas, sm80, one stage), more than an A100 has (163 KB): the default tiles for fp32 there
+are 32x32 (128-132 KB, see ``triton_common.triton_block_sizes``); 16-bit inputs fit 64x32.
 """
 
 from __future__ import annotations
@@ -22,27 +27,34 @@ import torch
 import triton
 import triton.language as tl
 
+from .sink import lse_grad_rows
 from .triton_common import (
-    key_block_range, launch_options, load_kv_tile, load_positions, query_block_range,
+    LOG2E, check_schedule, key_block_range, kernel_constants, launch_options, load_kv_tile,
+    load_positions, load_rows, query_block_range, query_rows, resolve_blocks, segment_bounds,
     tile_may_see, unit_last_stride, visible,
 )
-from .torch_attn import lse_grad_rows
-from .triton_fwd import LOG2E, check_schedule, kernel_constants, resolve_blocks
 
 
 @triton.jit
-def _load_row_stats(LSE, DELTA, head, rows, row_in, total_q):
-    """lse (as base-2, -inf rows replaced by 0), whether it is finite, and delta for rows."""
+def _load_row_stats(LSE, DELTA, head, rows, row_ok, total_q):
+    """lse (as base-2, -inf rows replaced by 0), whether the row is live, and delta.
+
+    Live: ``row_ok`` (a real query row) with a finite lse. Other rows have P = 0 and get
+    delta 0, so a non-finite delta there (rowsum(dO * O) of NaN padding) cannot make
+    0 * (dP - delta) NaN.
+    """
     off = head.to(tl.int64) * total_q + rows
-    lse = tl.load(LSE + off, mask=row_in, other=float("-inf"))
-    delta = tl.load(DELTA + off, mask=row_in, other=0.0)
+    lse = tl.load(LSE + off, mask=row_ok, other=float("-inf"))
+    delta = tl.load(DELTA + off, mask=row_ok, other=0.0)
     live = lse != float("-inf")
-    return tl.where(live, lse * 1.4426950408889634, 0.0), live, delta
+    # A select on the loaded vector: masking the load by ``live`` would chain it to the lse
+    # load (+11% PTX in the dK/dV kernel, sm90).
+    return tl.where(live, lse * 1.4426950408889634, 0.0), live, tl.where(live, delta, 0.0)
 
 
 @triton.jit
 def _dkdv_tile(
-    dk, dv, k, v, k_pos, k_valid, Q, DO, LSE, DELTA, q_start, offs_m, q_pos, q_valid, end,
+    dk, dv, k, v, k_pos, k_valid, Q, DO, LSE, DELTA, q_start, offs_m, q_pos, q_valid,
     kv_head, group, offs_d, offs_dv, stride_qt, stride_qh, stride_dot, stride_doh, total_q,
     qk_scale, window_left, window_right, chunk_size, HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
@@ -54,15 +66,12 @@ def _dkdv_tile(
                   CAUSAL, HAS_WL, HAS_WR, HAS_CHUNK)
     vis = vis & q_valid[None, :] & k_valid[:, None]
     rows = (q_start + offs_m).to(tl.int64)
-    row_in = offs_m < end
     # The mask is shared by the group's heads; only Q, dO and the row stats change.
     for g in range(group):
         head = kv_head * group + g
-        q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                    mask=row_in[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-        do = tl.load(DO + rows[:, None] * stride_dot + head * stride_doh + offs_dv[None, :],
-                     mask=row_in[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
-        lse2, live, delta = _load_row_stats(LSE, DELTA, head, rows, row_in, total_q)
+        q = load_rows(Q, rows, q_valid, head, stride_qt, stride_qh, offs_d, HEAD_DIM)
+        do = load_rows(DO, rows, q_valid, head, stride_dot, stride_doh, offs_dv, HEAD_DIM_V)
+        lse2, live, delta = _load_row_stats(LSE, DELTA, head, rows, q_valid, total_q)
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale
         p_t = tl.where(vis & live[None, :], tl.exp2(s_t - lse2[None, :]), 0.0)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PREC)
@@ -87,10 +96,7 @@ def _dkdv_kernel(
     pid_n = tl.program_id(0)
     seg = tl.program_id(1)
     kv_head = tl.program_id(2)
-    q_start = tl.load(CU_Q + seg)
-    len_q = tl.load(CU_Q + seg + 1) - q_start
-    k_start = tl.load(CU_K + seg)
-    len_k = tl.load(CU_K + seg + 1) - k_start
+    q_start, len_q, k_start, len_k = segment_bounds(CU_Q, CU_K, seg)
     if pid_n * BLOCK_N >= len_k:
         return
     q_shift = len_k - len_q  # implicit query position = offset + q_shift
@@ -102,12 +108,8 @@ def _dkdv_kernel(
     k_pos, k_valid = load_positions(KPOS, k_start, offs_n, len_k, 0, EXPLICIT_K)
     cols = (k_start + offs_n).to(tl.int64)
     col_in = offs_n < len_k
-    k_mask = col_in[:, None] & (offs_d[None, :] < HEAD_DIM)
-    v_mask = col_in[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
-    k = tl.load(K + cols[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                mask=k_mask, other=0.0)
-    v = tl.load(V + cols[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
-                mask=v_mask, other=0.0)
+    k, v = load_kv_tile(K, V, k_start, offs_n, k_valid, kv_head, offs_d, offs_dv, stride_kt,
+                        stride_kh, stride_vt, stride_vh, HEAD_DIM, HEAD_DIM_V)
 
     start, end, qlo, qhi = query_block_range(
         Q_RANGE, (seg * n_kblocks + pid_n) * 2, k_pos, k_valid, len_q, q_shift, window_left,
@@ -122,33 +124,35 @@ def _dkdv_kernel(
             if tile_may_see(q_pos, q_valid, qlo, qhi):
                 dk, dv = _dkdv_tile(
                     dk, dv, k, v, k_pos, k_valid, Q, DO, LSE, DELTA, q_start, offs_m, q_pos,
-                    q_valid, end, kv_head, group, offs_d, offs_dv, stride_qt, stride_qh,
+                    q_valid, kv_head, group, offs_d, offs_dv, stride_qt, stride_qh,
                     stride_dot, stride_doh, total_q, qk_scale, window_left, window_right,
                     chunk_size, HEAD_DIM, HEAD_DIM_V, CAUSAL, HAS_WL, HAS_WR, HAS_CHUNK,
                     DOT_PREC)
         else:
             dk, dv = _dkdv_tile(
                 dk, dv, k, v, k_pos, k_valid, Q, DO, LSE, DELTA, q_start, offs_m, q_pos,
-                q_valid, end, kv_head, group, offs_d, offs_dv, stride_qt, stride_qh,
+                q_valid, kv_head, group, offs_d, offs_dv, stride_qt, stride_qh,
                 stride_dot, stride_doh, total_q, qk_scale, window_left, window_right,
                 chunk_size, HEAD_DIM, HEAD_DIM_V, CAUSAL, HAS_WL, HAS_WR, HAS_CHUNK, DOT_PREC)
 
+    # Padding keys store their zero gradients too (dk, dv stay 0 where K, V were not read).
     tl.store(DK + cols[:, None] * stride_dkt + kv_head * stride_dkh + offs_d[None, :],
-             (dk * scale).to(DK.dtype.element_ty), mask=k_mask)
+             (dk * scale).to(DK.dtype.element_ty),
+             mask=col_in[:, None] & (offs_d[None, :] < HEAD_DIM))
     tl.store(DV + cols[:, None] * stride_dvt + kv_head * stride_dvh + offs_dv[None, :],
-             dv.to(DV.dtype.element_ty), mask=v_mask)
+             dv.to(DV.dtype.element_ty), mask=col_in[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
 
 
 @triton.jit
 def _dq_tile(
     dq, q, do, lse2, delta, row_ok, q_pos, K, V, k_start, kv_head, offs_n, k_pos, k_valid,
-    end, offs_d, offs_dv, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, window_left,
+    offs_d, offs_dv, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, window_left,
     window_right, chunk_size, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CHUNK: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     """One key tile's contribution to dQ (before the final softmax-scale factor)."""
-    k, v = load_kv_tile(K, V, k_start, offs_n, end, kv_head, offs_d, offs_dv, stride_kt,
+    k, v = load_kv_tile(K, V, k_start, offs_n, k_valid, kv_head, offs_d, offs_dv, stride_kt,
                         stride_kh, stride_vt, stride_vh, HEAD_DIM, HEAD_DIM_V)
     vis = visible(q_pos[:, None], k_pos[None, :], window_left, window_right, chunk_size,
                   CAUSAL, HAS_WL, HAS_WR, HAS_CHUNK)
@@ -175,28 +179,20 @@ def _dq_kernel(
     pid_m = tl.program_id(0)
     seg = tl.program_id(1)
     head = tl.program_id(2)
-    q_start = tl.load(CU_Q + seg)
-    len_q = tl.load(CU_Q + seg + 1) - q_start
-    k_start = tl.load(CU_K + seg)
-    len_k = tl.load(CU_K + seg + 1) - k_start
+    q_start, len_q, k_start, len_k = segment_bounds(CU_Q, CU_K, seg)
     if pid_m * BLOCK_M >= len_q:
         return
     kv_head = head // group
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_pos, q_valid = load_positions(QPOS, q_start, offs_m, len_q, len_k - len_q, EXPLICIT_Q)
-    rows = (q_start + offs_m).to(tl.int64)
-    row_in = offs_m < len_q
-    q_mask = row_in[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=q_mask, other=0.0)
-    do = tl.load(DO + rows[:, None] * stride_dot + head * stride_doh + offs_dv[None, :],
-                 mask=row_in[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
-    lse2, live, delta = _load_row_stats(LSE, DELTA, head, rows, row_in, total_q)
-    row_ok = q_valid & live  # rows with lse = -inf saw nothing: P = 0 there
+    offs_m, rows, q_pos, q_valid = query_rows(QPOS, q_start, len_q, len_k, pid_m, BLOCK_M,
+                                              EXPLICIT_Q)
+    q = load_rows(Q, rows, q_valid, head, stride_qt, stride_qh, offs_d, HEAD_DIM)
+    do = load_rows(DO, rows, q_valid, head, stride_dot, stride_doh, offs_dv, HEAD_DIM_V)
+    # Rows with lse = -inf saw nothing (P = 0 there), padding rows included.
+    lse2, row_ok, delta = _load_row_stats(LSE, DELTA, head, rows, q_valid, total_q)
 
     start, end, klo, khi = key_block_range(
         KV_RANGE, (seg * n_qblocks + pid_m) * 2, q_pos, q_valid, len_k, window_left,
@@ -210,18 +206,19 @@ def _dq_kernel(
             if tile_may_see(k_pos, k_valid, klo, khi):
                 dq = _dq_tile(
                     dq, q, do, lse2, delta, row_ok, q_pos, K, V, k_start, kv_head, offs_n,
-                    k_pos, k_valid, end, offs_d, offs_dv, stride_kt, stride_kh, stride_vt,
+                    k_pos, k_valid, offs_d, offs_dv, stride_kt, stride_kh, stride_vt,
                     stride_vh, qk_scale, window_left, window_right, chunk_size, HEAD_DIM,
                     HEAD_DIM_V, CAUSAL, HAS_WL, HAS_WR, HAS_CHUNK, DOT_PREC)
         else:
             dq = _dq_tile(
                 dq, q, do, lse2, delta, row_ok, q_pos, K, V, k_start, kv_head, offs_n, k_pos,
-                k_valid, end, offs_d, offs_dv, stride_kt, stride_kh, stride_vt, stride_vh,
+                k_valid, offs_d, offs_dv, stride_kt, stride_kh, stride_vt, stride_vh,
                 qk_scale, window_left, window_right, chunk_size, HEAD_DIM, HEAD_DIM_V,
                 CAUSAL, HAS_WL, HAS_WR, HAS_CHUNK, DOT_PREC)
 
     tl.store(DQ + rows[:, None] * stride_dqt + head * stride_dqh + offs_d[None, :],
-             (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
+             (dq * scale).to(DQ.dtype.element_ty),
+             mask=(offs_m < len_q)[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
 def triton_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
@@ -240,7 +237,7 @@ def triton_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     total_k, n_kv_heads, _ = k.shape
     head_dim_v = v.shape[-1]
     n_seg = cu_seqlens_q.shape[0] - 1
-    block_m, block_n = resolve_blocks(schedule, block_sizes, head_dim, head_dim_v)
+    block_m, block_n = resolve_blocks(schedule, block_sizes, q.dtype, head_dim, head_dim_v)
     check_schedule(schedule, n_seg, max_seqlen_q, max_seqlen_k)
     q, k, v = (unit_last_stride(t) for t in (q, k, v))
     dq = torch.zeros_like(q)

@@ -1,16 +1,25 @@
-"""Pieces shared by the Triton varlen attention kernels: mask math and launch choices.
+"""Pieces shared by the Triton varlen attention kernels: mask math, loads, launch choices.
 
 The ``@triton.jit`` helpers evaluate the mask contract of the package (causal, sliding
-window, Llama 4 chunks, padding positions < 0) on int32 positions, and bound which tiles a
+window, Llama 4 chunks, padding positions < 0) on int32 positions, bound which tiles a
 block has to visit from the fact that both ends of a query's visible key interval never
-decrease with its position (see ``kernels/mask_math.py`` for the host twin).
+decrease with its position (see ``kernels/mask_math.py`` for the host twin), and load the
+segment bounds and row tiles every kernel starts from. Host-side: tile sizes, launch
+options, the constexpr switches and schedule checks the forward and backward share.
 
-Limits: positions (explicit or implicit) must lie in (-2**30, 2**30); windows and chunk sizes
-beyond that are clamped to 2**30, which changes nothing for such positions and keeps every
-sum and difference inside int32.
+Padding rows (explicit position < 0) are never loaded: their Q, K, V and dO read as 0, so
+NaN or inf left in them (torch.empty padding) cannot reach a real row through 0 x NaN in a
+product, and their own gradients come out 0.
+
+Limits: positions (explicit or implicit) must lie in [-2**31, 2**30) (the api rejects others
+when they are on the host); windows and chunk sizes beyond 2**30 are clamped to it, which
+changes nothing for such positions and keeps every sum and difference of real positions
+inside int32.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -20,6 +29,7 @@ import triton.language as tl
 # adding a window (also <= BIG) without int32 overflow.
 BIG = 1 << 30
 _BIG: tl.constexpr = tl.constexpr(BIG)  # the same bound, readable inside @triton.jit code
+LOG2E = math.log2(math.e)  # the kernels run the softmax in base 2
 
 
 def clamp_mask_param(value: int) -> int:
@@ -37,15 +47,21 @@ def padded_head_dim(d: int) -> int:
     return max(16, triton.next_power_of_2(int(d)))
 
 
-def triton_block_sizes(head_dim: int, head_dim_v: int) -> tuple[int, int]:
-    """(block_m, block_n) the kernels prefer for these head dims (>= 32 each).
+def triton_block_sizes(head_dim: int, head_dim_v: int,
+                       dtype: torch.dtype | None = None) -> tuple[int, int]:
+    """(block_m, block_n) the kernels prefer for these head dims and input dtype (>= 32 each).
 
     64x64 keeps Q, the fp32 accumulator and one K/V tile in registers up to a padded head
     dim of 128; at 256 (e.g. MLA's 192) the key tile is halved so the fp32 accumulator of
-    64 x 256 plus K and V tiles still fit with 8 warps.
+    64 x 256 plus K and V tiles still fit with 8 warps. fp32 inputs at 256 also halve the
+    query tile: with 64x32 the dQ and dK/dV kernels need 192 and 200 KB of shared memory
+    (ptxas, sm80, triton 3.9), more than an A100's 163 KB; 32x32 needs 128 and 132 KB.
+    ``dtype=None`` gives the 16-bit choice.
     """
     widest = max(padded_head_dim(head_dim), padded_head_dim(head_dim_v))
-    return (64, 64) if widest <= 128 else (64, 32)
+    if widest <= 128:
+        return 64, 64
+    return (32, 32) if dtype == torch.float32 else (64, 32)
 
 
 def launch_options(dtype: torch.dtype, head_dim: int, head_dim_v: int,
@@ -82,6 +98,56 @@ def check_block(name: str, value: int) -> None:
     """Tile sizes must be powers of two >= 16 (tl.arange and tl.dot minimums)."""
     if value < 16 or value & (value - 1):
         raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+
+
+def resolve_blocks(schedule, block_sizes, dtype: torch.dtype, head_dim: int,
+                   head_dim_v: int) -> tuple[int, int]:
+    """Tile sizes: the schedule's (its tables are per block), else the override, else default."""
+    if schedule is not None:
+        bm, bn = schedule.block_m, schedule.block_n
+    elif block_sizes is not None:
+        bm, bn = block_sizes
+    else:
+        bm, bn = triton_block_sizes(head_dim, head_dim_v, dtype)
+    check_block("block_m", bm)
+    check_block("block_n", bn)
+    return int(bm), int(bn)
+
+
+def check_schedule(schedule, n_seg: int, max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """The tables must match this call's segments and block counts (shape metadata only)."""
+    if schedule is None:
+        return
+    want_kv = (n_seg, triton.cdiv(max(max_seqlen_q, 1), schedule.block_m), 2)
+    want_q = (n_seg, triton.cdiv(max(max_seqlen_k, 1), schedule.block_n), 2)
+    if tuple(schedule.kv_range.shape) != want_kv:
+        raise ValueError(f"schedule.kv_range has shape {tuple(schedule.kv_range.shape)}, "
+                         f"expected {want_kv} for these cu_seqlens_q / max_seqlen_q")
+    if tuple(schedule.q_range.shape) != want_q:
+        raise ValueError(f"schedule.q_range has shape {tuple(schedule.q_range.shape)}, "
+                         f"expected {want_q} for these cu_seqlens_k / max_seqlen_k")
+
+
+def kernel_constants(dtype: torch.dtype, head_dim: int, head_dim_v: int, block_m: int,
+                     block_n: int, causal: bool, window_left: int, window_right: int,
+                     chunk_size: int, explicit_q: bool, explicit_k: bool,
+                     use_schedule: bool) -> dict:
+    """Keyword arguments shared by the three kernels: mask values and constexpr switches.
+
+    Constexpr flags drop unused mask terms and tile modes at compile time. The scan flags
+    mark explicit positions without a schedule: only then is a per-tile skip test needed.
+    """
+    return dict(
+        window_left=clamp_mask_param(max(window_left, 0)),
+        window_right=clamp_mask_param(max(window_right, 0)),
+        chunk_size=clamp_mask_param(chunk_size) if chunk_size > 0 else 1,
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=padded_head_dim(head_dim), BLOCK_DV=padded_head_dim(head_dim_v),
+        CAUSAL=bool(causal), HAS_WL=window_left >= 0, HAS_WR=window_right >= 0,
+        HAS_CHUNK=chunk_size > 0, EXPLICIT_Q=explicit_q, EXPLICIT_K=explicit_k,
+        USE_SCHEDULE=use_schedule, SCAN_Q=explicit_q and not use_schedule,
+        SCAN_K=explicit_k and not use_schedule, DOT_PREC=dot_precision(dtype),
+    )
 
 
 # --------------------------------------------------------------------------- device side
@@ -174,18 +240,58 @@ def position_bounds(pos, valid):
 
 
 @triton.jit
-def load_kv_tile(K, V, k_start, offs_n, n_valid, kv_head, offs_d, offs_dv, stride_kt,
+def segment_bounds(CU_Q, CU_K, seg):
+    """(q_start, len_q, k_start, len_k) of segment ``seg``."""
+    q_start = tl.load(CU_Q + seg)
+    len_q = tl.load(CU_Q + seg + 1) - q_start
+    k_start = tl.load(CU_K + seg)
+    len_k = tl.load(CU_K + seg + 1) - k_start
+    return q_start, len_q, k_start, len_k
+
+
+@triton.jit
+def load_rows(PTR, rows, row_ok, head, stride_t, stride_h, offs_d, HEAD_DIM: tl.constexpr):
+    """[len(rows), len(offs_d)] tile of one head at absolute (int64) token ``rows``.
+
+    Rows where ``row_ok`` is False (padding, or past the visited range) and the padded head
+    dims are not read: they are 0, whatever the memory holds. A masked load, not a multiply,
+    so NaN / inf in padding never enters a dot product.
+    """
+    return tl.load(PTR + rows[:, None] * stride_t + head * stride_h + offs_d[None, :],
+                   mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+
+@triton.jit
+def load_kv_tile(K, V, k_start, offs_n, k_valid, kv_head, offs_d, offs_dv, stride_kt,
                  stride_kh, stride_vt, stride_vh, HEAD_DIM: tl.constexpr,
                  HEAD_DIM_V: tl.constexpr):
     """K [BLOCK_N, BLOCK_D] and V [BLOCK_N, BLOCK_DV] tiles of one K/V head at segment offsets
-    ``offs_n``; rows at or past ``n_valid`` and the padded head dims read as 0."""
+    ``offs_n``; keys that are not ``k_valid`` (padding, past the range) read as 0.
+
+    With explicit positions the mask makes these loads wait for the positions load: for
+    sm90 (bf16, d 128) the forward then keeps one K/V buffer fewer (82 instead of 115 KB of
+    shared memory). A select on tiles loaded with the range mask alone keeps the buffers
+    but adds a shared -> register -> shared round trip before each dot (+22% PTX). Neither
+    is timed on a GPU yet; implicit positions compile as before (the mask is the range).
+    """
     cols = (k_start + offs_n).to(tl.int64)
-    col_in = offs_n < n_valid
-    k = tl.load(K + cols[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                mask=col_in[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    v = tl.load(V + cols[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
-                mask=col_in[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    k = load_rows(K, cols, k_valid, kv_head, stride_kt, stride_kh, offs_d, HEAD_DIM)
+    v = load_rows(V, cols, k_valid, kv_head, stride_vt, stride_vh, offs_dv, HEAD_DIM_V)
     return k, v
+
+
+@triton.jit
+def query_rows(QPOS, q_start, len_q, len_k, pid_m, BLOCK_M: tl.constexpr,
+               EXPLICIT_Q: tl.constexpr):
+    """The query block ``pid_m`` of a segment: (offsets, int64 token rows, positions, valid).
+
+    Shared prologue of the forward and dQ kernels; implicit positions are bottom-right
+    aligned (offset + len_k - len_q).
+    """
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_pos, q_valid = load_positions(QPOS, q_start, offs_m, len_q, len_k - len_q, EXPLICIT_Q)
+    rows = (q_start + offs_m).to(tl.int64)
+    return offs_m, rows, q_pos, q_valid
 
 
 @triton.jit

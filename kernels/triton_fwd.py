@@ -7,38 +7,38 @@ document length): the schedule's ``kv_range`` when given; else, with implicit ke
 the range derived from the block's query positions; else (explicit key positions) every
 tile of the segment, skipping K/V loads and math when the tile's positions miss the span.
 
+Padding rows (explicit position < 0) are never loaded (Q, K, V read as 0), so NaN / inf in
+them stays out of every product. The launch grid covers ``max_seqlen_q`` (the api passes
+the real longest segment when it can read it on the host).
+
 Limits: head dims are padded to a power of two (>= 16) in registers; positions must lie in
-(-2**30, 2**30); GQA needs Hq % Hkv == 0. Inputs are assumed validated by the caller (the
+[-2**31, 2**30); GQA needs Hq % Hkv == 0. Inputs are assumed validated by the caller (the
 api layer), contiguous in the last dim, on one device.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 from .triton_common import (
-    check_block, clamp_mask_param, dot_precision, key_block_range, launch_options,
-    load_kv_tile, load_positions, padded_head_dim, tile_may_see, triton_block_sizes,
+    LOG2E, check_schedule, key_block_range, kernel_constants, launch_options, load_kv_tile,
+    load_positions, load_rows, query_rows, resolve_blocks, segment_bounds, tile_may_see,
     unit_last_stride, visible,
 )
-
-LOG2E = math.log2(math.e)
 
 
 @triton.jit
 def _fwd_tile(
-    q, q_pos, q_valid, m_i, l_i, acc, K, V, k_start, kv_head, offs_n, k_pos, k_valid, end,
+    q, q_pos, q_valid, m_i, l_i, acc, K, V, k_start, kv_head, offs_n, k_pos, k_valid,
     offs_d, offs_dv, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, window_left,
     window_right, chunk_size, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CHUNK: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     """One key tile of the online softmax: returns the updated (m, l, acc)."""
-    k, v = load_kv_tile(K, V, k_start, offs_n, end, kv_head, offs_d, offs_dv, stride_kt,
+    k, v = load_kv_tile(K, V, k_start, offs_n, k_valid, kv_head, offs_d, offs_dv, stride_kt,
                         stride_kh, stride_vt, stride_vh, HEAD_DIM, HEAD_DIM_V)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     vis = visible(q_pos[:, None], k_pos[None, :], window_left, window_right, chunk_size,
@@ -70,23 +70,18 @@ def _fwd_kernel(
     pid_m = tl.program_id(0)
     seg = tl.program_id(1)
     head = tl.program_id(2)
-    q_start = tl.load(CU_Q + seg)
-    len_q = tl.load(CU_Q + seg + 1) - q_start
-    k_start = tl.load(CU_K + seg)
-    len_k = tl.load(CU_K + seg + 1) - k_start
+    q_start, len_q, k_start, len_k = segment_bounds(CU_Q, CU_K, seg)
     if pid_m * BLOCK_M >= len_q:  # the grid covers max_seqlen_q; shorter segments end here
         return
     kv_head = head // group
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_pos, q_valid = load_positions(QPOS, q_start, offs_m, len_q, len_k - len_q, EXPLICIT_Q)
-    rows = (q_start + offs_m).to(tl.int64)
+    offs_m, rows, q_pos, q_valid = query_rows(QPOS, q_start, len_q, len_k, pid_m, BLOCK_M,
+                                              EXPLICIT_Q)
     row_in = offs_m < len_q
-    q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=row_in[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    q = load_rows(Q, rows, q_valid, head, stride_qt, stride_qh, offs_d, HEAD_DIM)
 
     start, end, klo, khi = key_block_range(
         KV_RANGE, (seg * n_qblocks + pid_m) * 2, q_pos, q_valid, len_k, window_left,
@@ -104,13 +99,13 @@ def _fwd_kernel(
             if tile_may_see(k_pos, k_valid, klo, khi):
                 m_i, l_i, acc = _fwd_tile(
                     q, q_pos, q_valid, m_i, l_i, acc, K, V, k_start, kv_head, offs_n, k_pos,
-                    k_valid, end, offs_d, offs_dv, stride_kt, stride_kh, stride_vt,
+                    k_valid, offs_d, offs_dv, stride_kt, stride_kh, stride_vt,
                     stride_vh, qk_scale, window_left, window_right, chunk_size, HEAD_DIM,
                     HEAD_DIM_V, CAUSAL, HAS_WL, HAS_WR, HAS_CHUNK, DOT_PREC)
         else:
             m_i, l_i, acc = _fwd_tile(
                 q, q_pos, q_valid, m_i, l_i, acc, K, V, k_start, kv_head, offs_n, k_pos,
-                k_valid, end, offs_d, offs_dv, stride_kt, stride_kh, stride_vt, stride_vh,
+                k_valid, offs_d, offs_dv, stride_kt, stride_kh, stride_vt, stride_vh,
                 qk_scale, window_left, window_right, chunk_size, HEAD_DIM, HEAD_DIM_V,
                 CAUSAL, HAS_WL, HAS_WR, HAS_CHUNK, DOT_PREC)
 
@@ -128,55 +123,6 @@ def _fwd_kernel(
                  mask=row_in)
 
 
-def resolve_blocks(schedule, block_sizes, head_dim: int, head_dim_v: int) -> tuple[int, int]:
-    """Tile sizes: the schedule's (its tables are per block), else the override, else default."""
-    if schedule is not None:
-        bm, bn = schedule.block_m, schedule.block_n
-    elif block_sizes is not None:
-        bm, bn = block_sizes
-    else:
-        bm, bn = triton_block_sizes(head_dim, head_dim_v)
-    check_block("block_m", bm)
-    check_block("block_n", bn)
-    return int(bm), int(bn)
-
-
-def check_schedule(schedule, n_seg: int, max_seqlen_q: int, max_seqlen_k: int) -> None:
-    """The tables must match this call's segments and block counts (shape metadata only)."""
-    if schedule is None:
-        return
-    want_kv = (n_seg, triton.cdiv(max(max_seqlen_q, 1), schedule.block_m), 2)
-    want_q = (n_seg, triton.cdiv(max(max_seqlen_k, 1), schedule.block_n), 2)
-    if tuple(schedule.kv_range.shape) != want_kv:
-        raise ValueError(f"schedule.kv_range has shape {tuple(schedule.kv_range.shape)}, "
-                         f"expected {want_kv} for these cu_seqlens_q / max_seqlen_q")
-    if tuple(schedule.q_range.shape) != want_q:
-        raise ValueError(f"schedule.q_range has shape {tuple(schedule.q_range.shape)}, "
-                         f"expected {want_q} for these cu_seqlens_k / max_seqlen_k")
-
-
-def kernel_constants(dtype: torch.dtype, head_dim: int, head_dim_v: int, block_m: int,
-                     block_n: int, causal: bool, window_left: int, window_right: int,
-                     chunk_size: int, explicit_q: bool, explicit_k: bool,
-                     use_schedule: bool) -> dict:
-    """Keyword arguments shared by the three kernels: mask values and constexpr switches.
-
-    Constexpr flags drop unused mask terms and tile modes at compile time. The scan flags
-    mark explicit positions without a schedule: only then is a per-tile skip test needed.
-    """
-    return dict(
-        window_left=clamp_mask_param(max(window_left, 0)),
-        window_right=clamp_mask_param(max(window_right, 0)),
-        chunk_size=clamp_mask_param(chunk_size) if chunk_size > 0 else 1,
-        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=padded_head_dim(head_dim), BLOCK_DV=padded_head_dim(head_dim_v),
-        CAUSAL=bool(causal), HAS_WL=window_left >= 0, HAS_WR=window_right >= 0,
-        HAS_CHUNK=chunk_size > 0, EXPLICIT_Q=explicit_q, EXPLICIT_K=explicit_k,
-        USE_SCHEDULE=use_schedule, SCAN_Q=explicit_q and not use_schedule,
-        SCAN_K=explicit_k and not use_schedule, DOT_PREC=dot_precision(dtype),
-    )
-
-
 def triton_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                softmax_scale: float, causal: bool, window_left: int, window_right: int,
                chunk_size: int, q_positions, k_positions, schedule=None, *,
@@ -191,7 +137,7 @@ def triton_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqle
     total_q, n_heads, head_dim = q.shape
     head_dim_v = v.shape[-1]
     n_seg = cu_seqlens_q.shape[0] - 1
-    block_m, block_n = resolve_blocks(schedule, block_sizes, head_dim, head_dim_v)
+    block_m, block_n = resolve_blocks(schedule, block_sizes, q.dtype, head_dim, head_dim_v)
     check_schedule(schedule, n_seg, max_seqlen_q, max_seqlen_k)
     q, k, v = (unit_last_stride(t) for t in (q, k, v))
     out = torch.zeros(total_q, n_heads, head_dim_v, dtype=q.dtype, device=q.device)

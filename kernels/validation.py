@@ -1,12 +1,15 @@
 """Argument checks for the varlen op, run before any compute.
 
 Shape, dtype and device checks always run (they read metadata only). Checks of *values*
-(cu_seqlens monotone and consistent, max_seqlen large enough) run only when the value
-tensors live on the host, because reading a device tensor would sync the stream, and never
-while torch.compile traces. Every failure is a ValueError naming the argument and its value.
+(cu_seqlens monotone and consistent, max_seqlen large enough, positions inside the kernels'
+int32 range) run only when the value tensors live on the host, because reading a device
+tensor would sync the stream, and never while torch.compile traces. Every failure is a
+ValueError naming the argument and its value.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -14,6 +17,9 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INT_DTYPES = (torch.int32, torch.int64)
 BACKENDS = ("auto", "triton", "torch")
 MAX_HEAD_DIM = 256
+# Positions are int32 in the kernels, which add windows (clamped to 2**30) to real ones:
+# real positions must stay below 2**30; padding may be any int32 value below 0.
+POSITION_MIN, POSITION_LIMIT = -(1 << 31), 1 << 30
 
 
 def _fail(msg: str) -> None:
@@ -31,8 +37,10 @@ def check_mask_args(window_size, chunk_size, softmax_scale) -> None:
                                    or chunk_size < 1):
         _fail(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float))
+                                          and not isinstance(softmax_scale, bool)
+                                          and math.isfinite(softmax_scale)
                                           and softmax_scale > 0):
-        _fail(f"softmax_scale must be a positive float or None, got {softmax_scale!r}")
+        _fail(f"softmax_scale must be a finite positive float or None, got {softmax_scale!r}")
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -60,8 +68,12 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def check_cu_seqlens(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int,
-                     max_q: int, max_k: int, device: torch.device) -> None:
-    """cu_seqlens_q/k: 1-D int, equal length >= 1, on q's device or the host; and values."""
+                     max_q: int, max_k: int, device: torch.device
+                     ) -> tuple[int, int] | None:
+    """cu_seqlens_q/k: 1-D int, equal length >= 1, on q's device or the host; and values.
+
+    Returns the longest (query, key) segments when both were read on the host, else None.
+    """
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1:
             _fail(f"{name} must be a 1-D tensor with at least one entry, got "
@@ -77,7 +89,8 @@ def check_cu_seqlens(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             _fail(f"{name} must be an int >= 0, got {m!r}")
     if torch.compiler.is_compiling():
-        return
+        return None
+    longest_qk = []
     for name, cu, total, mx in (("cu_seqlens_q", cu_q, total_q, max_q),
                                 ("cu_seqlens_k", cu_k, total_k, max_k)):
         if cu.device.type != "cpu":
@@ -94,6 +107,8 @@ def check_cu_seqlens(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total
         longest = int(lens.max()) if lens.numel() else 0
         if mx < longest:
             _fail(f"max_seqlen_{name[-1]}={mx} is smaller than the longest segment ({longest})")
+        longest_qk.append(longest)
+    return tuple(longest_qk) if len(longest_qk) == 2 else None
 
 
 def check_positions(name: str, pos, total: int, device: torch.device) -> None:
@@ -108,6 +123,13 @@ def check_positions(name: str, pos, total: int, device: torch.device) -> None:
         _fail(f"{name} has {pos.numel()} entries, expected one per token ({total})")
     if pos.device != device and pos.device.type != "cpu":
         _fail(f"{name} is on {pos.device}, expected {device} or the host")
+    if pos.device.type != "cpu" or pos.numel() == 0 or torch.compiler.is_compiling():
+        return  # values on the device: reading them would sync the stream
+    lo, hi = (int(x) for x in torch.aminmax(pos))
+    if hi >= POSITION_LIMIT or lo < POSITION_MIN:
+        bad = hi if hi >= POSITION_LIMIT else lo
+        _fail(f"{name} must lie in [{POSITION_MIN}, {POSITION_LIMIT}) (int32 kernels; < 0 "
+              f"is padding), got {bad}")
 
 
 def check_backend(backend: str, device: torch.device) -> str:

@@ -158,7 +158,8 @@ def prepare_attention(plan: CPPlan, mask: AttnMask, strategy: str, shape: Any,
     if not isinstance(mask, AttnMask):
         raise ValueError(f"mask must be a varlen_cp.AttnMask, got {type(mask).__name__}")
     device = torch.device(device)
-    block = tuple(block_sizes_for(backend, device, shape.head_dim, shape.value_dim))
+    block = tuple(block_sizes_for(backend, device, shape.head_dim, shape.value_dim,
+                                  dtype=shape.dtype))
     cost_shape = make_shape(shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.value_dim,
                             shape.dtype.itemsize)
     if strategy == "auto" and plan.cp_size > 1:
@@ -212,7 +213,7 @@ def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPl
         raise ValueError(f"a2a_size applies to strategy 'a2a+p2p' only, got "
                          f"a2a_size={a2a_size!r} with strategy={strategy!r}")
     backend = resolve_backend(backend, q.device)
-    block = tuple(block_sizes_for(backend, q.device, q.shape[2], v.shape[2]))
+    block = tuple(block_sizes_for(backend, q.device, q.shape[2], v.shape[2], dtype=q.dtype))
     group = resolve_group(group, plan)
     if strategy != "auto":  # the same rules at every cp, so cp=1 debugging catches them
         get_strategy(strategy).check_heads(q.shape[1], k.shape[1], plan.cp_size, a2a_size)

@@ -357,7 +357,7 @@ except ImportError as exc:
 from varlen_cp.kernels import triton_bwd as B, triton_fwd as F
 from varlen_cp.kernels.triton_common import launch_options, triton_block_sizes
 
-DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 POINTERS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 INT_POINTERS = {"CU_Q", "CU_K", "QPOS", "KPOS", "KV_RANGE", "Q_RANGE"}
 FP32_POINTERS = {"LSE", "DELTA", "RMAX"}
@@ -365,7 +365,7 @@ KERNELS = {"fwd": F._fwd_kernel, "dq": B._dq_kernel, "dkdv": B._dkdv_kernel}
 results = []
 for kind, dt, d, dv, arch, mode in json.loads(sys.argv[1]):
     fn = KERNELS[kind]
-    bm, bn = triton_block_sizes(d, dv)
+    bm, bn = triton_block_sizes(d, dv, DT[dt])
     consts = F.kernel_constants(DT[dt], d, dv, bm, bn, True, 64, -1, 0, mode != "implicit",
                                 mode != "implicit", mode == "schedule")
     consts["STORE_MAX"] = True  # the forward's max-logit store compiles too (fwd only)
@@ -399,6 +399,8 @@ def test_kernels_compile_for_gpus():
         ("dkdv", "bf16", 128, 128, 90, "schedule"), ("fwd", "fp16", 192, 128, 80, "scan"),
         ("dq", "fp16", 64, 64, 80, "schedule"), ("dkdv", "bf16", 256, 256, 80, "implicit"),
         ("dkdv", "fp16", 80, 80, 80, "scan"),
+        # fp32 at padded d = 256 fits an A100 only with its dtype-aware 32x32 tiles.
+        ("dkdv", "fp32", 256, 256, 80, "implicit"), ("dq", "fp32", 192, 192, 80, "schedule"),
     ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[1]
