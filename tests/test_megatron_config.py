@@ -21,8 +21,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 
 from tests.reference import reference_attn  # noqa: E402
 from varlen_cp import CPPlan  # noqa: E402
+from megatron.core.transformer.attention import SelfAttention  # noqa: E402
+
+import varlen_cp.config as cp_config  # noqa: E402
+from varlen_cp.config import CPConfig  # noqa: E402
 from varlen_cp.integrations.megatron import (VarlenCPCoreAttention,  # noqa: E402
-                                             VarlenCPOptions, get_thd_batch_on_this_cp_rank,
+                                             VarlenCPOptions, VarlenCPSelfAttention,
+                                             get_thd_batch_on_this_cp_rank,
                                              get_varlen_cp_layer_spec, layer_mask,
                                              layer_strategy, swap_core_attention)
 from varlen_cp.integrations.megatron.config import job_from_dict, load_config  # noqa: E402
@@ -57,6 +62,15 @@ def test_swap_local_spec_replaces_only_core_attention() -> None:
     assert new.submodules.mlp.submodules.linear_fc1 is local.submodules.mlp.submodules.linear_fc1
     ready = get_varlen_cp_layer_spec(opts, qk_layernorm=True)
     assert _core(ready).module is VarlenCPCoreAttention
+    # megatron's SelfAttention becomes the subclass that takes RoPE positions from the plan
+    assert local.submodules.self_attention.module is SelfAttention
+    assert new.submodules.self_attention.module is VarlenCPSelfAttention
+    assert issubclass(VarlenCPSelfAttention, SelfAttention)
+    kept = swap_core_attention(local, opts, rope_from_plan=False)
+    assert kept.submodules.self_attention.module is SelfAttention
+    assert _core(kept).params == {"options": opts, "rope_from_plan": False}
+    with pytest.raises(ValueError, match="rope_from_plan must be a bool"):
+        swap_core_attention(local, opts, rope_from_plan=1)
 
 
 class _FakeTE:
@@ -137,6 +151,9 @@ def test_swap_block_spec_and_lists() -> None:
     mla = swap_core_attention(gpt_layer_specs.get_gpt_layer_local_spec(
         multi_latent_attention=True))
     assert _core(mla).module is VarlenCPCoreAttention
+    # MLA applies its own RoPE: not routed, so the layout must be te at CP > 1
+    assert mla.submodules.self_attention.module is not VarlenCPSelfAttention
+    assert _core(mla).params["rope_from_plan"] is False
 
 
 def test_swap_errors() -> None:
@@ -167,10 +184,39 @@ def test_swap_errors() -> None:
     ({"min_chunk_tokens": 0}, "min_chunk_tokens"),
     ({"pad_multiple": 0}, "pad_multiple"),
     ({"pad_multiple": 8, "layout": "dual_chunk"}, "pad_multiple applies"),
+    ({"chunk_tokens": 8, "layout": "te"}, "chunk_tokens applies"),
+    ({"a2a_size": 2, "strategy": "p2p"}, "a2a_size applies"),
+    ({"a2a_size": 2, "strategy": ["p2p", "a2a"]}, "a2a_size applies"),
+    ({"prefetch": "yes"}, "prefetch must be a bool"),
 ])
 def test_options_reject(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
         VarlenCPOptions(**kwargs)
+
+
+def test_options_are_cp_config_plus_megatron_extras() -> None:
+    """One declaration: every CPConfig field and check, megatron's extras on top."""
+    opts = VarlenCPOptions()
+    assert isinstance(opts, CPConfig)
+    shared = {f.name for f in dataclasses.fields(CPConfig)}
+    assert shared < {f.name for f in dataclasses.fields(VarlenCPOptions)}
+    assert (opts.strategy, opts.layout, opts.chunk_size, opts.chunk_layers) == \
+        (None, "balanced", 0, "rope")
+    assert (opts.validate, opts.prefetch) == (CPConfig().validate, CPConfig().prefetch)
+    per_layer = VarlenCPOptions(strategy=["a2a+p2p", "dispatch"], a2a_size=2,
+                                chunk_layers=[1, 0], layout="balanced", chunk_tokens=128)
+    assert per_layer.strategy == ("a2a+p2p", "dispatch")
+    assert per_layer.chunk_layers == (True, False)
+    assert hash(per_layer) == hash(VarlenCPOptions(strategy=("a2a+p2p", "dispatch"),
+                                                   a2a_size=2, chunk_layers=(True, False),
+                                                   chunk_tokens=128))
+    assert per_layer.plan_kwargs(None)["chunk_tokens"] == 128
+    import varlen_cp.integrations.megatron.core_attention as core_mod
+    import varlen_cp.integrations.megatron.options as opt_mod
+    for mod in (opt_mod, core_mod):  # the name lists live in varlen_cp.config only
+        for name in ("BACKENDS", "SOFTMAX_TYPES", "LAYOUTS", "STRATEGY_NAMES"):
+            assert getattr(mod, name, None) in (None, getattr(cp_config, name)), name
+        assert not hasattr(mod, "_is_int")
 
 
 def test_layer_masks_follow_megatron_config() -> None:
@@ -217,6 +263,7 @@ def test_layer_strategy_resolution() -> None:
     ({}, {"options": {"chunk_size": 8}}, "options must be"),
     ({}, {"options": VarlenCPOptions(strategy=["p2p", "a2a"])}, "num_layers=4"),
     ({"context_parallel_size": 2}, {}, "context_parallel_size=2"),
+    ({"context_parallel_size": 2}, {"rope_from_plan": False}, "megatron's own THD RoPE"),
 ])
 def test_module_build_errors(cfg_extra, kwargs, match) -> None:
     cfg = _config(**cfg_extra)
@@ -253,6 +300,8 @@ def test_module_forward_errors() -> None:
         core(q, k, v, None, attention_bias=torch.zeros(1), packed_seq_params=thd)
     with pytest.raises(ValueError, match="qkv_format"):
         core(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
+    with pytest.raises(ValueError, match="no varlen_cp plan attached"):
+        core(q, k, v, None, packed_seq_params=thd)  # a layer never plans
     with pytest.raises(ValueError, match="cu_seqlens_kv differs"):
         core(q, k, v, None, packed_seq_params=dataclasses.replace(
             thd, cu_seqlens_kv=torch.tensor([0, 5, 10], dtype=torch.int32)))
@@ -394,10 +443,11 @@ def test_sharding_hook_errors() -> None:
 def test_te_layout_plan_matches_megatron_padding() -> None:
     """The plan behind the hook pads like TE (multiple of 2*cp) and puts chunks r and
     2*cp-1-r on rank r, which megatron's THD RoPE assumes."""
-    from varlen_cp.integrations.megatron.sharding import build_plan, packed_seq_params_for
+    from varlen_cp.integrations.megatron.planning import plan_batch
+    from varlen_cp.integrations.megatron.sharding import packed_seq_params_for
 
     cu = torch.tensor([0, 5, 13])
-    plans = [build_plan(cu, 2, r, VarlenCPOptions()) for r in (0, 1)]
+    plans = [plan_batch(cu, VarlenCPOptions(layout="te"), 2, r) for r in (0, 1)]
     assert plans[0].cu_seqlens_padded.tolist() == [0, 8, 16]
     # doc 0 padded to 8 -> chunks of 2: rank 0 holds positions 0,1 and 6,7 (padding)
     assert plans[0].positions_of(0).tolist()[:4] == [0, 1, -1, -1]

@@ -4,9 +4,14 @@ One launch of 2 processes runs every case: first all CP=1 references (megatron's
 state with cp=1; both ranks compute the whole batch), then the same models (same weights)
 with CP=2 on the sharded batch; loss and every parameter gradient must match (fp32).
 Cases cover causal, SWA (megatron's window_size / window_attn_skip_freq), chunked Llama 4
-layers (no_rope_freq), chunked+SWA, four strategies (incl. a per-layer list), THD and sbhd.
+layers (no_rope_freq), chunked+SWA, every strategy (incl. a per-layer list and auto), the
+layouts (balanced by default, te with megatron's own THD RoPE, dual_chunk), THD and sbhd.
+THD batches come from ``PrefetchedTHDBatches`` (plan and tables built on its thread); the
+forward/backward must then build no plan and no table (every plan cache lookup hits).
 The same launch checks the module against megatron's own DotProductAttention (cp=1, sbhd:
-an independent reference for the mask semantics) and runs the training entry point.
+an independent reference for the mask semantics), that RoPE routed through the plan equals
+megatron's THD RoPE (cp=1), that a layout megatron's RoPE cannot serve is refused when the
+model is built, and runs the training entry point.
 """
 
 from __future__ import annotations
@@ -37,7 +42,16 @@ CASES = [
     # is compared like every other parameter's) and the recorded max logits
     ("sink_learnable_dispatch", {"softmax_type": "learnable", "qk_clip": True},
      {"strategy": "dispatch"}, "thd"),
+    # megatron's own THD RoPE (TE's layout) instead of RoPE positions from the plan
+    ("te_megatron_rope_p2p", {"no_rope_freq": 2},
+     {"strategy": "p2p", "layout": "te", "chunk_size": 16}, "thd"),
+    # balanced with small tiles, so that documents really are cut across the ranks
+    ("balanced_llama4_dispatch", {"no_rope_freq": 2},
+     {"strategy": "dispatch", "chunk_size": 16, "chunk_tokens": 8}, "thd"),
+    ("dual_chunk_swa_auto", {"window_size": (12, 0)},
+     {"strategy": "auto", "layout": "dual_chunk", "min_chunk_tokens": 4}, "thd"),
 ]
+SPEC_KWARGS = {"te_megatron_rope_p2p": {"rope_from_plan": False}}
 EXPECTED_MASKS = {  # per case: (causal, window, chunk) of layers 1 and 2
     "causal_p2p": [(True, (-1, -1), None)] * 2,
     "swa_all_gather": [(True, (12, 0), None), (True, (-1, -1), None)],
@@ -45,6 +59,9 @@ EXPECTED_MASKS = {  # per case: (causal, window, chunk) of layers 1 and 2
     "chunked_swa_per_layer": [(True, (5, 0), 16)] * 2,
     "sbhd_causal_p2p": [(True, (-1, -1), None)] * 2,
     "sink_learnable_dispatch": [(True, (-1, -1), None)] * 2,
+    "te_megatron_rope_p2p": [(True, (-1, -1), 16), (True, (-1, -1), None)],
+    "balanced_llama4_dispatch": [(True, (-1, -1), 16), (True, (-1, -1), None)],
+    "dual_chunk_swa_auto": [(True, (12, 0), None)] * 2,
 }
 
 
@@ -59,7 +76,8 @@ def _setup_parallel(cp: int) -> None:
     init_cpu_rng(0)
 
 
-def _build(extra: dict, opts: dict, cp: int, state: dict | None):
+def _build(extra: dict, opts: dict, cp: int, state: dict | None, spec_kwargs=None,
+           position_embedding_type: str = "rope"):
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -70,11 +88,16 @@ def _build(extra: dict, opts: dict, cp: int, state: dict | None):
                                use_cpu_initialization=True)
     torch.manual_seed(7)
     model = build_model(config, VarlenCPOptions(**opts), dict(
-        vocab_size=128, max_sequence_length=256, position_embedding_type="rope"),
-        {"normalization": "RMSNorm"})
+        vocab_size=128, max_sequence_length=256,
+        position_embedding_type=position_embedding_type),
+        {"normalization": "RMSNorm", **(spec_kwargs or {})})
     if state is not None:
         model.load_state_dict(state)
     return model
+
+
+def _options(model):
+    return model.decoder.layers[0].self_attention.core_attention.options
 
 
 def _thd_batch():
@@ -104,20 +127,41 @@ def _sbhd_batch(cp: int):
     return get_batch_on_this_cp_rank(dict(batch)) if cp > 1 else batch
 
 
-def _micro_batches(fmt: str, cp: int):
-    from varlen_cp.integrations.megatron import get_thd_batch_on_this_cp_rank
+def _micro_batches(fmt: str, cp: int, model):
+    from varlen_cp.integrations.megatron import PrefetchedTHDBatches
 
     if fmt == "sbhd":
         return [(_sbhd_batch(cp), None)]
-    batch, cu = _thd_batch()
-    return [get_thd_batch_on_this_cp_rank(batch, cu)]
+    with PrefetchedTHDBatches([_thd_batch()], config=model.config, options=_options(model),
+                              device="cpu") as batches:
+        return list(batches)
 
 
-def _run(model, fmt: str, cp: int):
+def _run(model, fmt: str, cp: int, misses: list | None = None):
+    """Loss and grads of one step; ``misses`` collects the plan cache entries (tables,
+    plans) that the step itself had to build."""
     from varlen_cp.integrations.megatron.train import run_step
+    from varlen_cp.plan import CPPlan
 
     model.zero_grad(set_to_none=True)
-    loss_sum, count = run_step(model, _micro_batches(fmt, cp))
+    micro_batches = _micro_batches(fmt, cp, model)
+    cached, build = CPPlan.__dict__["cached"], CPPlan.__dict__["build"]
+
+    def counting_cached(plan, key, fn):
+        if key not in plan._cache and misses is not None:
+            misses.append(repr(key))
+        return cached(plan, key, fn)
+
+    def counting_build(cls, *args, **kwargs):
+        if misses is not None:
+            misses.append("CPPlan.build")
+        return build.__func__(cls, *args, **kwargs)
+
+    CPPlan.cached, CPPlan.build = counting_cached, classmethod(counting_build)
+    try:
+        loss_sum, count = run_step(model, micro_batches)
+    finally:
+        CPPlan.cached, CPPlan.build = cached, build
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return loss_sum / count, grads
 
@@ -192,6 +236,42 @@ def _check_clip_qk() -> dict:
             "reset": attn.core_attention.current_max_attn_logits is None}
 
 
+def _check_rope_routing() -> dict:
+    """cp=1, THD: RoPE from the plan (VarlenCPSelfAttention) vs megatron's own THD RoPE
+    (rope_from_plan=False) on the same weights, and vs no RoPE at all (which must differ:
+    proof that the routed RoPE is applied, not dropped)."""
+    import torch
+
+    from varlen_cp.integrations.megatron.train import runtime
+
+    extra, opts = {"no_rope_freq": 2}, {"chunk_size": 16}
+    routed = _build(extra, opts, 1, None)
+    state = routed.state_dict()
+    theirs = _build(extra, {**opts, "layout": "te"}, 1, state, {"rope_from_plan": False})
+    nope = _build(extra, opts, 1, state, position_embedding_type="none")
+    types = [type(m.self_attention).__name__ for m in (routed.decoder.layers[0],
+                                                        theirs.decoder.layers[0])]
+    logits = []
+    for model in (routed, theirs, nope):
+        (local, packed), = _micro_batches("thd", 1, model)
+        with runtime(), torch.no_grad():
+            logits.append(model(local["tokens"], local["position_ids"], None,
+                                packed_seq_params=packed))
+    scale = float(logits[1].abs().max())
+    return {"types": types, "vs_megatron": float((logits[0] - logits[1]).abs().max()) / scale,
+            "vs_nope": float((logits[0] - logits[2]).abs().max()) / scale}
+
+
+def _check_layout_refused() -> str:
+    """cp=2: megatron's own THD RoPE (rope_from_plan=False) with a layout it cannot
+    serve is refused when the model is built."""
+    try:
+        _build({}, {"layout": "balanced"}, 2, None, {"rope_from_plan": False})
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 def _parity_worker(rank: int, world: int, config_path: str, log_path: str) -> dict:
     import torch
 
@@ -199,15 +279,19 @@ def _parity_worker(rank: int, world: int, config_path: str, log_path: str) -> di
     _setup_parallel(1)
     result["megatron_ref"] = _check_against_megatron(rank)
     result["clip_qk"] = _check_clip_qk()
+    result["rope_routing"] = _check_rope_routing()
     refs = {}
     for name, extra, opts, fmt in CASES:
-        model = _build(extra, opts, 1, None)
+        model = _build(extra, opts, 1, None, SPEC_KWARGS.get(name))
         refs[name] = (model.state_dict(), *_run(model, fmt, 1), _max_logits(model))
     _setup_parallel(2)
+    result["refused"] = _check_layout_refused()
     for name, extra, opts, fmt in CASES:
         state, ref_loss, ref_grads, ref_max = refs[name]
-        model = _build(extra, opts, 2, state)
-        loss, grads = _run(model, fmt, 2)
+        model = _build(extra, opts, 2, state, SPEC_KWARGS.get(name))
+        misses: list = []
+        loss, grads = _run(model, fmt, 2, misses)
+        result.setdefault("misses", {})[name] = misses
         result.setdefault("max_logits", {})[name] = (_max_logits(model), ref_max)
         result.setdefault("grads", {})[name] = {n: float(g.abs().max())
                                                 for n, g in grads.items()}
@@ -314,6 +398,27 @@ def test_sink_gets_gradient_and_max_logit_matches_cp1(parity) -> None:
         for layer_got, layer_ref in zip(got, ref):
             assert layer_got == pytest.approx(layer_ref, rel=1e-5, abs=1e-5)
         assert res["max_logits"]["causal_p2p"] == (None, None)
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES if c[3] == "thd"
+                                  and not c[2].get("validate")])
+def test_forward_builds_no_plan_and_no_table(parity, case: str) -> None:
+    """PrefetchedTHDBatches built the plan and every table: the step only looks them up."""
+    for res in parity:
+        assert res["misses"][case] == [], res["misses"][case]
+
+
+def test_rope_from_plan_equals_megatrons_thd_rope(parity) -> None:
+    for res in parity:
+        r = res["rope_routing"]
+        assert r["types"] == ["VarlenCPSelfAttention", "SelfAttention"], r
+        assert r["vs_megatron"] < 1e-5 and r["vs_nope"] > 1e-3, r
+
+
+def test_megatron_rope_refuses_other_layouts(parity) -> None:
+    for res in parity:
+        assert "megatron's own THD RoPE" in res["refused"], res["refused"]
+        assert "layout='te'" in res["refused"], res["refused"]
 
 
 def test_clip_qk_step_uses_megatrons_clip(parity) -> None:

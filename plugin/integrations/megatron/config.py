@@ -5,7 +5,8 @@ Sections: ``[model]`` (any ``TransformerConfig`` field, plus ``activation = "swi
 "gelu" | "silu" | "relu"``), ``[gpt]`` (``GPTModel`` arguments: vocab_size,
 max_sequence_length, position_embedding_type, rotary_base, ...), ``[parallel]``
 (context_parallel_size, tensor_model_parallel_size, cp_comm_type,
-hierarchical_context_parallel_sizes), ``[varlen_cp]`` (``VarlenCPOptions``), ``[training]``
+hierarchical_context_parallel_sizes), ``[varlen_cp]`` (``VarlenCPOptions``: every
+``varlen_cp.CPConfig`` field plus chunk_size, chunk_layers), ``[training]``
 (``TrainingArgs``), ``[data]`` (``SyntheticDataConfig``). Unknown sections or keys are a
 ValueError naming them, so a typo never silently falls back to a default.
 

@@ -8,8 +8,13 @@ place of ``DotProductAttention`` / ``TEDotProductAttention``, with context paral
 (which megatron's own DotProductAttention refuses) and every varlen_cp mask.
 
 Formats: THD (``packed_seq_params.qkv_format == "thd"``: q [t, h, d] -> [t, h*dv]) with the
-step's plan from the sharding hook; sbhd (q [s, b, h, d] -> [s, b, h*dv]) where each row is
-one sequence sharded like megatron's ``get_batch_on_this_cp_rank``.
+step's plan from the sharding hook (the module never plans: no plan attached is a
+ValueError), and RoPE per token from the plan when ``VarlenCPSelfAttention`` routed megatron's
+RoPE table here (any layout; without it, layouts other than ``te`` are refused at CP > 1,
+since megatron's own THD RoPE assumes TE's); sbhd (q [s, b, h, d] -> [s, b, h*dv]) where each
+row is one sequence sharded like megatron's ``get_batch_on_this_cp_rank``: its plan is a pure
+function of (b, s, cp, rank), built once per process per shape and shared by every layer and
+step (``sharding.sbhd_plan``).
 Softmax extras, from megatron's own config fields: ``softmax_type`` "vanilla" |
 "off-by-one" | "learnable" (the learnable sink is the parameter ``softmax_offset``, one
 logit per local query head, named and initialised as megatron's DotProductAttention does, so
@@ -32,13 +37,14 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from ...attention import cp_varlen_attn
+from ...checks import check_choice
+from ...config import SOFTMAX_TYPES
 from ...masks import AttnMask
 from ...plan import CPPlan
 from .options import (CAUSAL_TYPES, VarlenCPOptions, layer_a2a_size, layer_mask,
                       layer_strategy)
+from .rope import apply_plan_rope
 from .sharding import cp_group_and_rank, plan_from_packed_seq_params, sbhd_plan
-
-SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
 def _cp_group(pg_collection: Any) -> Any:
@@ -57,10 +63,8 @@ def _check_config(config: Any, attention_type: str) -> None:
     if config.attention_dropout:
         raise ValueError(f"config.attention_dropout={config.attention_dropout!r}: attention "
                          f"dropout is not supported by varlen_cp; set it to 0.0")
-    softmax_type = getattr(config, "softmax_type", "vanilla")
-    if softmax_type not in SOFTMAX_TYPES:
-        raise ValueError(f"config.softmax_type must be one of {SOFTMAX_TYPES}, got "
-                         f"{softmax_type!r}")
+    check_choice("config.softmax_type", getattr(config, "softmax_type", "vanilla"),
+                 SOFTMAX_TYPES)
 
 
 def _local_heads(config: Any) -> int:
@@ -83,13 +87,19 @@ class VarlenCPCoreAttention(MegatronModule):
                  attention_type: str = "self", attention_dropout: float | None = None,
                  softmax_scale: float | None = None, cp_comm_type: str | None = None,
                  pg_collection: Any = None, options: VarlenCPOptions | None = None,
-                 **unused: Any) -> None:
+                 rope_from_plan: bool = True, **unused: Any) -> None:
         super().__init__(config=config)
         options = VarlenCPOptions() if options is None else options
         if not isinstance(options, VarlenCPOptions):
             raise ValueError(f"options must be a VarlenCPOptions, got "
                              f"{type(options).__name__}")
         _check_config(config, attention_type)
+        if not rope_from_plan and config.context_parallel_size > 1 and options.layout != "te":
+            raise ValueError(
+                f"VarlenCPOptions.layout={options.layout!r}: this layer's self-attention "
+                f"applies megatron's own THD RoPE, which assumes TE's layout; use layout='te', "
+                f"or megatron's SelfAttention with rope_from_plan=True in swap_core_attention "
+                f"(RoPE positions from the plan, any layout)")
         if attention_dropout:
             raise ValueError(f"attention_dropout={attention_dropout!r} is not supported by "
                              f"varlen_cp; use 0.0")
@@ -143,22 +153,13 @@ class VarlenCPCoreAttention(MegatronModule):
         sink = self.softmax_offset.float() if self.softmax_offset is not None else None
         res = cp_varlen_attn(q, k, v, plan, mask, self.cp_group, self.strategy,
                              self.softmax_scale, backend=self.options.backend,
-                             validate=self._validate_now(plan), a2a_size=self.a2a_size,
+                             validate=self.options.validate, a2a_size=self.a2a_size,
                              return_max_logit=self.track_max_logit,
                              softmax_type=self.softmax_type, sink=sink)
         if not self.track_max_logit:
             return res
         self._record_max_logit(res[1])
         return res[0]
-
-    def _validate_now(self, plan: CPPlan) -> bool:
-        """The cross-rank plan check (a host sync) runs once per plan, in the first layer
-        that sees it; every rank makes the same choice, since all share the step's plan."""
-        if not self.options.validate:
-            return False
-        done = plan.cached(("megatron_plan_validated",), lambda: [False])
-        first, done[0] = not done[0], True
-        return first
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
@@ -176,11 +177,27 @@ class VarlenCPCoreAttention(MegatronModule):
             if query.dim() != 3:
                 raise ValueError(f"query: THD input must be [t, h, d], got shape "
                                  f"{tuple(query.shape)}")
-            plan = plan_from_packed_seq_params(packed_seq_params, self.cp_size, self.cp_rank,
-                                               self.options)
+            plan = plan_from_packed_seq_params(packed_seq_params, self.cp_size, self.cp_rank)
+            query, key = self._rope(query, key, plan, packed_seq_params)
             out = self._attend(query, key, value, plan, mask)
             return out.reshape(out.shape[0], -1)
         return self._forward_sbhd(query, key, value, attention_mask, attn_mask_type, mask)
+
+    def _rope(self, query: torch.Tensor, key: torch.Tensor, plan: CPPlan,
+              params: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE by the plan's positions when the self-attention routed it here; else
+        megatron applied its own THD RoPE, which is right only for TE's layout."""
+        rope = getattr(params, "varlen_cp_rope", None)
+        if rope is not None:
+            return apply_plan_rope(query, key, rope, self.config, self.cp_group)
+        if plan.cp_size > 1 and plan.layout != "te":
+            raise ValueError(
+                f"layout {plan.layout!r} needs RoPE positions from the plan, but this layer's "
+                f"self-attention applied megatron's own THD RoPE (which assumes TE's layout): "
+                f"build the model from swap_core_attention / get_varlen_cp_layer_spec, whose "
+                f"self-attention (VarlenCPSelfAttention) routes RoPE through the plan, or use "
+                f"VarlenCPOptions(layout='te')")
+        return query, key
 
     def _forward_sbhd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None,

@@ -1,5 +1,10 @@
 """The ``[varlen_cp]`` options of a megatron-core model and how they resolve per layer.
 
+``VarlenCPOptions`` is ``varlen_cp.CPConfig`` (strategy, layout, backend, a2a_size, validate,
+min_chunk_tokens, chunk_tokens, pad_multiple, prefetch: declared and validated there) plus
+what only megatron needs: Llama 4 chunked attention (``chunk_size``, ``chunk_layers``) and a
+strategy that may be a per-layer list or None (follow megatron's ``cp_comm_type``).
+
 Megatron's own config says what it can: causal or not (the layer's ``attn_mask_type``),
 sliding windows (``window_size``, ``window_attn_skip_freq``), RoPE-free layers
 (``no_rope_freq``) and the CP strategy (``cp_comm_type``). Megatron has no field for Llama 4
@@ -19,104 +24,88 @@ from typing import Any
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
 
+from ...checks import check_choice, check_int, is_int
+from ...config import STRATEGY_NAMES, CPConfig
 from ...masks import AttnMask
-from ...plan import LAYOUTS
-from ...strategies import STRATEGIES
 
-BACKENDS = ("auto", "torch", "triton")
 CHUNK_LAYER_MODES = ("rope", "all")
 CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal,
                 AttnMaskType.causal_bottom_right)
 FULL_TYPES = (AttnMaskType.no_mask, AttnMaskType.padding)
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _check_strategy(value: Any, what: str) -> None:
-    if value != "auto" and value not in STRATEGIES:
-        raise ValueError(f"{what} must be one of {(*STRATEGIES, 'auto')}, got {value!r}")
-
-
 @dataclass(kw_only=True, frozen=True)
-class VarlenCPOptions:
-    """Plugin settings shared by every layer (hashable, so plans cache per layer mask).
+class VarlenCPOptions(CPConfig):
+    """``CPConfig`` with megatron's extras (hashable, so plans cache per layer mask).
 
-    strategy:     CP strategy: a name, a per-layer list of names, or None to follow
-                  megatron's ``cp_comm_type`` (default "p2p").
-    layout:       the batch layout the sharding hook produces. "te" (default) is the one
-                  megatron's THD RoPE assumes; "dual_chunk" / "contiguous" balance better but
-                  need RoPE applied from explicit positions (not megatron's THD RoPE).
-    backend:      kernel backend: "auto" (triton on CUDA, torch on CPU), "torch", "triton".
+    Fields that differ from ``CPConfig``:
+
+    strategy:     a name, a per-layer list of names, or None (default) to follow
+                  megatron's ``cp_comm_type`` (itself defaulting to "p2p").
+    layout:       "balanced" (default): every layer type's attention work and the tokens
+                  equal on every rank, no padding. RoPE positions come from the plan (the
+                  layer spec routes megatron's RoPE through it), so every layout is correct
+                  with ``swap_core_attention`` / ``get_varlen_cp_layer_spec``. Pick "te" for
+                  specs whose self-attention is not megatron's ``SelfAttention`` (MLA, custom
+                  classes: megatron's own THD RoPE then runs and assumes TE's layout) or to
+                  feed TE-padded batches (``cu_seqlens_padded``); "dual_chunk" / "contiguous"
+                  for comparisons.
+    a2a_size:     "a2a+p2p" Ulysses group size; None: megatron's
+                  ``hierarchical_context_parallel_sizes[0]`` if set, else the strategy's
+                  default.
+
+    Megatron only:
+
     chunk_size:   Llama 4 chunked attention size in tokens; 0 = none.
     chunk_layers: where chunking applies: "rope" (layers that use RoPE, see megatron's
                   ``no_rope_freq``), "all", or a per-layer list of bools.
-    a2a_size:     Ulysses group size of "a2a+p2p"; None: megatron's
-                  ``hierarchical_context_parallel_sizes[0]`` if set, else the strategy's default.
-    validate:     check once per batch that all CP ranks built the same plan (a host sync).
-    min_chunk_tokens: "dual_chunk" layout only: documents shorter than 2*cp*this stay whole.
-    pad_multiple: "te" layout only: pad each document to a multiple of it (None: 2*cp; use
-                  2*cp*tp with sequence parallelism).
     """
 
     strategy: str | tuple[str, ...] | None = None
-    layout: str = "te"
-    backend: str = "auto"
+    layout: str = "balanced"
     chunk_size: int = 0
     chunk_layers: str | tuple[bool, ...] = "rope"
-    a2a_size: int | None = None
-    validate: bool = False
-    min_chunk_tokens: int = 64
-    pad_multiple: int | None = None
 
     def __post_init__(self) -> None:
+        strategy = self._check_strategy()
+        # CPConfig validates every shared field; it knows one strategy name per model, so
+        # it checks a stand-in while this class owns the per-layer / None forms.
+        stand_in = "a2a+p2p" if self.a2a_size is not None else (
+            strategy if isinstance(strategy, str) else "p2p")
+        object.__setattr__(self, "strategy", stand_in)
+        try:
+            super().__post_init__()
+        finally:
+            object.__setattr__(self, "strategy", strategy)
+        check_int("chunk_size", self.chunk_size, 0)
+        self._check_chunk_layers()
+
+    def _check_strategy(self) -> str | tuple[str, ...] | None:
         s = self.strategy
         if isinstance(s, (list, tuple)):
             if not s:
-                raise ValueError("VarlenCPOptions.strategy must not be an empty list")
-            for i, name in enumerate(s):
-                _check_strategy(name, f"VarlenCPOptions.strategy[{i}]")
-            object.__setattr__(self, "strategy", tuple(s))
+                raise ValueError("strategy must not be an empty list")
+            s = tuple(check_choice(f"strategy[{i}]", name, STRATEGY_NAMES)
+                      for i, name in enumerate(s))
         elif s is not None:
-            _check_strategy(s, "VarlenCPOptions.strategy")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"VarlenCPOptions.layout must be one of {LAYOUTS}, got "
-                             f"{self.layout!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"VarlenCPOptions.backend must be one of {BACKENDS}, got "
-                             f"{self.backend!r}")
-        if not _is_int(self.chunk_size) or self.chunk_size < 0:
-            raise ValueError(f"VarlenCPOptions.chunk_size must be an int >= 0, got "
-                             f"{self.chunk_size!r}")
-        self._check_chunk_layers()
-        if self.a2a_size is not None and (not _is_int(self.a2a_size) or self.a2a_size < 1):
-            raise ValueError(f"VarlenCPOptions.a2a_size must be None or an int >= 1, got "
-                             f"{self.a2a_size!r}")
-        if not isinstance(self.validate, bool):
-            raise ValueError(f"VarlenCPOptions.validate must be a bool, got {self.validate!r}")
-        if not _is_int(self.min_chunk_tokens) or self.min_chunk_tokens < 1:
-            raise ValueError(f"VarlenCPOptions.min_chunk_tokens must be an int >= 1, got "
-                             f"{self.min_chunk_tokens!r}")
-        p = self.pad_multiple
-        if p is not None and (not _is_int(p) or p < 1):
-            raise ValueError(f"VarlenCPOptions.pad_multiple must be None or an int >= 1, got "
-                             f"{p!r}")
-        if p is not None and self.layout != "te":
-            raise ValueError(f"VarlenCPOptions.pad_multiple applies to layout 'te' only, got "
-                             f"pad_multiple={p!r} with layout={self.layout!r}")
+            check_choice("strategy", s, STRATEGY_NAMES)
+        names = s if isinstance(s, tuple) else (s,)
+        if self.a2a_size is not None and s is not None and "a2a+p2p" not in names:
+            raise ValueError(f"a2a_size applies to strategy 'a2a+p2p' only, got "
+                             f"a2a_size={self.a2a_size!r} with strategy={s!r}")
+        return s
 
     def _check_chunk_layers(self) -> None:
         c = self.chunk_layers
         if isinstance(c, str):
             if c not in CHUNK_LAYER_MODES:
-                raise ValueError(f"VarlenCPOptions.chunk_layers must be one of "
-                                 f"{CHUNK_LAYER_MODES} or a list of bools, got {c!r}")
+                raise ValueError(f"chunk_layers must be one of {CHUNK_LAYER_MODES} or a list "
+                                 f"of bools, got {c!r}")
             return
         if not isinstance(c, (list, tuple)) or not c or not all(
                 isinstance(x, bool) or x in (0, 1) for x in c):
-            raise ValueError(f"VarlenCPOptions.chunk_layers must be one of "
-                             f"{CHUNK_LAYER_MODES} or a non-empty list of bools, got {c!r}")
+            raise ValueError(f"chunk_layers must be one of {CHUNK_LAYER_MODES} or a "
+                             f"non-empty list of bools, got {c!r}")
         object.__setattr__(self, "chunk_layers", tuple(bool(x) for x in c))
 
     def check_num_layers(self, num_layers: int) -> None:
@@ -142,7 +131,7 @@ def uses_rope(config: Any, layer_number: int) -> bool:
     no_rope = getattr(config, "no_rope_freq", None)
     if not no_rope:
         return True
-    if _is_int(no_rope):  # a config object that skipped megatron's post-init
+    if is_int(no_rope):  # a config object that skipped megatron's post-init
         return layer_number % no_rope != 0
     return not bool(_per_layer(no_rope, layer_number, "config.no_rope_freq"))
 
@@ -173,7 +162,7 @@ def layer_mask(config: Any, options: VarlenCPOptions, layer_number: int,
     if is_layer_window_attention(config.window_size, config.window_attn_skip_freq,
                                  layer_number):
         ws = tuple(config.window_size)
-        if len(ws) != 2 or not all(_is_int(w) for w in ws):
+        if len(ws) != 2 or not all(is_int(w) for w in ws):
             raise ValueError(f"config.window_size must be a pair of ints, got "
                              f"{config.window_size!r}")
         window = (int(ws[0]), int(ws[1]))
@@ -192,12 +181,12 @@ def layer_strategy(config: Any, options: VarlenCPOptions, layer_number: int,
     cfg = getattr(config, "cp_comm_type", None)
     if isinstance(cfg, (list, tuple)):
         name = _per_layer(cfg, layer_number, "config.cp_comm_type")
-        _check_strategy(name, f"config.cp_comm_type[{layer_number - 1}]")
+        check_choice(f"config.cp_comm_type[{layer_number - 1}]", name, STRATEGY_NAMES)
         return name
     name = cfg if cfg is not None else cp_comm_type
     if name is None:
         return "p2p"
-    _check_strategy(name, "cp_comm_type")
+    check_choice("cp_comm_type", name, STRATEGY_NAMES)
     return name
 
 

@@ -1,12 +1,17 @@
 """THD batch sharding for megatron-core without TransformerEngine, and the plan it carries.
 
 ``get_thd_batch_on_this_cp_rank`` replaces megatron's function of the same name (which calls
-``tex.thd_get_partitioned_indices`` and so needs TE): it builds one ``CPPlan`` for the step
-from the HOST ``cu_seqlens`` of the global packed batch, cuts this rank's tokens out of every
-[1, T] tensor, and returns ``VarlenCPPackedSeqParams``: megatron's ``PackedSeqParams`` (global
-cu_seqlens, TE-style padded cu_seqlens for megatron's THD RoPE) plus the plan, which every
-layer's core attention reuses. The default ``te`` layout is TE's exactly, so megatron's THD
-RoPE (which assumes it) stays correct.
+``tex.thd_get_partitioned_indices`` and so needs TE): it takes the step's ``CPPlan`` (ready
+from ``PrefetchedTHDBatches``, or built here from the HOST ``cu_seqlens`` of the global packed
+batch with the model's layer masks when ``config`` is given), cuts this rank's tokens out of
+every [1, T] tensor, and returns ``VarlenCPPackedSeqParams``: megatron's ``PackedSeqParams``
+(global cu_seqlens; padded cu_seqlens of the plan's layout) plus the plan, which every layer's
+core attention reuses: no layer ever plans.
+
+RoPE: megatron's own THD RoPE cuts every padded document into 2*cp chunks (TE's layout).
+The layer spec of this plugin routes megatron's RoPE table through the plan instead (each
+token takes the row of its position, ``rope.VarlenCPSelfAttention``), so every layout is
+correct; for specs without it the core attention refuses layouts other than ``te`` at CP > 1.
 
 Limits: batch size 1 (THD packs everything into one row); the plan is host integer math on
 CPU tensors, so ``cu_seqlens`` must be given on the host.
@@ -25,6 +30,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from ...plan import CPPlan
 from .options import VarlenCPOptions
+from .planning import ModelAttention, model_attention, plan_batch
 
 # Keys megatron's data pipeline puts in a batch that are not per-token tensors.
 _META_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "cu_seqlens_argmin")
@@ -33,9 +39,14 @@ _PACKED_FIELDS = {f.name for f in dataclasses.fields(PackedSeqParams)}
 
 @dataclasses.dataclass
 class VarlenCPPackedSeqParams(PackedSeqParams):
-    """``PackedSeqParams`` that also carry the step's ``CPPlan`` to every core attention."""
+    """``PackedSeqParams`` that also carry the step's ``CPPlan`` to every core attention.
+
+    ``varlen_cp_rope`` is set per layer by ``VarlenCPSelfAttention`` (on its own copy): the
+    layer's RoPE frequencies per local token, which the core attention applies; None when
+    megatron's own RoPE ran (or the model has none)."""
 
     varlen_cp_plan: CPPlan | None = None
+    varlen_cp_rope: Any = None
 
 
 def cp_group_and_rank(cp_group: Any = None) -> tuple[Any, int, int]:
@@ -46,21 +57,6 @@ def cp_group_and_rank(cp_group: Any = None) -> tuple[Any, int, int]:
     if cp_group is None or not dist.is_initialized():
         return None, 1, 0
     return cp_group, dist.get_world_size(cp_group), dist.get_rank(cp_group)
-
-
-def build_plan(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int,
-               options: VarlenCPOptions) -> CPPlan:
-    """The step's plan. With one CP rank the ``contiguous`` layout (the identity: no
-    reordering, no padding) replaces the configured one."""
-    if cp_size == 1:
-        return CPPlan.build(cu_seqlens, cp_size=1, cp_rank=0, layout="contiguous")
-    kwargs: dict[str, Any] = {}
-    if options.layout == "te":
-        kwargs["pad_multiple"] = options.pad_multiple
-    elif options.layout == "dual_chunk":
-        kwargs["min_chunk_tokens"] = options.min_chunk_tokens
-    return CPPlan.build(cu_seqlens, cp_size=cp_size, cp_rank=cp_rank, layout=options.layout,
-                        **kwargs)
 
 
 def _check_host_cu(x: Any, what: str) -> None:
@@ -106,10 +102,28 @@ def _shard_tensor(plan: CPPlan, x: torch.Tensor, padded_input: bool) -> torch.Te
     return x.index_select(1, index)
 
 
+def _check_plan(plan: Any, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> None:
+    """A ready plan must be this batch's and this rank's (host compare, no device)."""
+    if not isinstance(plan, CPPlan):
+        raise ValueError(f"plan must be a varlen_cp.CPPlan, got {type(plan).__name__}")
+    if plan.cp_size != cp_size or plan.cp_rank != cp_rank:
+        raise ValueError(f"plan is for cp_size={plan.cp_size}, cp_rank={plan.cp_rank}, but "
+                         f"the CP group has size {cp_size} and this rank is {cp_rank}")
+    if not torch.equal(plan.cu_seqlens, cu_seqlens.flatten().to(plan.cu_seqlens.dtype)):
+        raise ValueError("plan was built for other cu_seqlens than this batch's")
+
+
+def _model(config: Any, options: VarlenCPOptions) -> ModelAttention | None:
+    if config is None or isinstance(config, ModelAttention):
+        return config
+    return model_attention(config, options)
+
+
 def get_thd_batch_on_this_cp_rank(
         batch: dict[str, Any], cu_seqlens: torch.Tensor, *, cp_group: Any = None,
         options: VarlenCPOptions | None = None,
-        cu_seqlens_padded: torch.Tensor | None = None,
+        cu_seqlens_padded: torch.Tensor | None = None, config: Any = None,
+        plan: CPPlan | None = None, device: Any = None,
 ) -> tuple[dict[str, Any], VarlenCPPackedSeqParams]:
     """This CP rank's part of a packed batch, and the THD params every layer needs.
 
@@ -117,6 +131,12 @@ def get_thd_batch_on_this_cp_rank(
     ``cu_seqlens_padded`` None they are unpadded (T = cu_seqlens[-1]); with it, they are
     megatron's TE-padded batch (T = cu_seqlens_padded[-1]), whose padding must equal the te
     layout's. cu_seqlens (and cu_seqlens_padded): CPU int tensors of the GLOBAL batch.
+    plan: the batch's ready plan (``PrefetchedTHDBatches`` builds it ahead of the step);
+    None builds it here, with ``config`` (megatron's ``TransformerConfig`` or a
+    ``ModelAttention``) for the model's layer masks and every table the layers will need;
+    without ``config`` the layout balances causal attention and the tables are built by the
+    first layer of each mask. device: where the model runs (tables, packed params'
+    cu_seqlens; default: the batch's device).
     Returns a new dict: tokens/labels of padding tokens are 0, their loss_mask 0,
     position_ids the position within the document (0 for padding), attention_mask None
     (THD attention needs none), metadata keys dropped; and the packed params.
@@ -128,10 +148,21 @@ def get_thd_batch_on_this_cp_rank(
         raise ValueError(f"batch must be a dict of tensors, got {type(batch).__name__}")
     _check_host_cu(cu_seqlens, "cu_seqlens")
     group, cp_size, cp_rank = cp_group_and_rank(cp_group)
-    plan = build_plan(cu_seqlens.flatten(), cp_size, cp_rank, options)
     padded_input = cu_seqlens_padded is not None
     if padded_input:
         _check_host_cu(cu_seqlens_padded, "cu_seqlens_padded")
+    batch_device = None
+    for x in batch.values():
+        if isinstance(x, torch.Tensor) and x.dim() >= 2:
+            batch_device = x.device
+            break
+    device = device if device is not None else batch_device
+    if plan is None:
+        plan = plan_batch(cu_seqlens.flatten(), options, cp_size, cp_rank,
+                          model=_model(config, options), device=device)
+    else:
+        _check_plan(plan, cu_seqlens, cp_size, cp_rank)
+    if padded_input:
         if plan.layout != "te" and cp_size > 1:
             raise ValueError(f"cu_seqlens_padded (TE-padded input) needs layout 'te', got "
                              f"{plan.layout!r}")
@@ -141,14 +172,12 @@ def get_thd_batch_on_this_cp_rank(
             raise ValueError("cu_seqlens_padded: with one CP rank the batch must be unpadded "
                              "(cu_seqlens_padded equal to cu_seqlens)")
     n_global = int(cu_seqlens_padded.flatten()[-1]) if padded_input else plan.total_tokens
-    device = None
     for key, x in batch.items():
         if key in _META_KEYS or key == "attention_mask" or not isinstance(x, torch.Tensor):
             continue
         if x.dim() < 2 or x.shape[0] != 1 or x.shape[1] != n_global:
             raise ValueError(f"batch[{key!r}] must have shape [1, {n_global}, ...] (THD: one "
                              f"packed row), got {tuple(x.shape)}")
-        device = x.device
     out: dict[str, Any] = {}
     for key, x in batch.items():
         if key in _META_KEYS:
@@ -170,29 +199,21 @@ def get_thd_batch_on_this_cp_rank(
     return out, params
 
 
-def plan_from_packed_seq_params(params: PackedSeqParams, cp_size: int, cp_rank: int,
-                                options: VarlenCPOptions) -> CPPlan:
-    """The plan of a THD step: the one attached by the sharding hook, else one built (once,
-    then kept on ``params``) from host cu_seqlens. Device cu_seqlens without a plan are an
-    error: reading them would stall the device every layer."""
+def plan_from_packed_seq_params(params: PackedSeqParams, cp_size: int,
+                                cp_rank: int) -> CPPlan:
+    """The plan of a THD step, attached by the sharding hook. A layer never builds one:
+    without it this is a ValueError naming the hook."""
     plan = getattr(params, "varlen_cp_plan", None)
     if plan is None:
-        plan = getattr(params, "_varlen_cp_plan_cache", None)
-    if plan is None:
-        cu = params.cu_seqlens_q
-        if not isinstance(cu, torch.Tensor) or cu.device.type != "cpu":
-            raise ValueError("packed_seq_params: no varlen_cp plan attached and cu_seqlens_q "
-                             "is not a host tensor; build the batch with varlen_cp."
-                             "integrations.megatron.get_thd_batch_on_this_cp_rank")
-        if params.cu_seqlens_kv is not None and not torch.equal(params.cu_seqlens_kv, cu):
+        cu, cu_kv = params.cu_seqlens_q, params.cu_seqlens_kv
+        if (isinstance(cu, torch.Tensor) and isinstance(cu_kv, torch.Tensor)
+                and cu.device.type == "cpu" and cu_kv.device.type == "cpu"
+                and not torch.equal(cu_kv, cu)):
             raise ValueError("packed_seq_params: cu_seqlens_kv differs from cu_seqlens_q; "
                              "varlen_cp supports self-attention only")
-        plan = build_plan(cu.flatten(), cp_size, cp_rank, options)
-        padded = params.cu_seqlens_q_padded
-        if padded is not None and cp_size > 1:
-            _check_host_cu(padded, "packed_seq_params.cu_seqlens_q_padded")
-            _check_padded(plan, padded.flatten())
-        object.__setattr__(params, "_varlen_cp_plan_cache", plan)
+        raise ValueError("packed_seq_params: no varlen_cp plan attached; build the batch with "
+                         "varlen_cp.integrations.megatron.get_thd_batch_on_this_cp_rank (or "
+                         "PrefetchedTHDBatches), or attach a plan with packed_seq_params_for")
     if plan.cp_size != cp_size or plan.cp_rank != cp_rank:
         raise ValueError(f"packed_seq_params: the plan is for cp_size={plan.cp_size}, "
                          f"cp_rank={plan.cp_rank}, but this layer's CP group has size "

@@ -4,9 +4,11 @@
     torchrun --nproc_per_node 2 -m varlen_cp.integrations.megatron.train --config ...
 
 The model is megatron's ``GPTModel`` built from its local (TE-free) layer spec with the core
-attention swapped for ``VarlenCPCoreAttention``; every step shards the packed batch with
-``get_thd_batch_on_this_cp_rank`` and runs megatron-core's own forward/backward schedule
-(``get_forward_backward_func``) with per-token loss. Gradients are summed over the
+attention swapped for ``VarlenCPCoreAttention``; the data iterator (``PrefetchedTHDBatches``)
+builds the NEXT micro-batch's plan and all its tables on a background thread while the
+current one runs, so each step only shards its packed batch with a ready plan, inside
+megatron-core's own forward/backward schedule (``get_forward_backward_func``) with per-token
+loss. Gradients are summed over the
 data+context-parallel group and divided by the step's token count in the schedule's
 ``finalize_model_grads_func`` hook, so a CP=N run reproduces the CP=1 run's steps.
 
@@ -40,8 +42,8 @@ from .config import MegatronJob, load_config
 from .cpu_compat import init_cpu_rng, is_cpu_only, megatron_on_cpu
 from .data import synthetic_batch
 from .options import VarlenCPOptions
+from .prefetch import PrefetchedTHDBatches
 from .qk_clip import clip_qk_step
-from .sharding import get_thd_batch_on_this_cp_rank
 from .spec import get_varlen_cp_layer_spec
 
 
@@ -97,19 +99,26 @@ def finalize_grads(models: list[torch.nn.Module], num_tokens: torch.Tensor | Non
         offset += n
 
 
-def run_step(model: GPTModel, micro_batches: list[tuple[dict, Any]], *,
+def run_step(model: GPTModel, micro_batches: list[tuple[dict, Any]] | Iterator, *,
+             num_microbatches: int | None = None,
              forward_only: bool = False) -> tuple[float, float]:
     """One forward(/backward) over the micro-batches with megatron's schedule; returns
-    (global loss sum, global token count) over the data+context-parallel group."""
+    (global loss sum, global token count) over the data+context-parallel group.
+    ``micro_batches``: a list of (local batch, packed params), or an iterator (e.g.
+    ``PrefetchedTHDBatches``) the schedule draws ``num_microbatches`` from, one at a time."""
     config = model.config
     config.calculate_per_token_loss = True
     config.finalize_model_grads_func = finalize_grads
-    seq_len = sum(int(b["tokens"].shape[1]) for b, _ in micro_batches)
+    if isinstance(micro_batches, list):
+        num_microbatches = len(micro_batches)
+        micro_batches = iter(micro_batches)
+    elif num_microbatches is None:
+        raise ValueError("num_microbatches is required when micro_batches is an iterator")
     with runtime():
         store = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=model,
-            num_microbatches=len(micro_batches), seq_length=seq_len, micro_batch_size=1,
-            forward_only=forward_only)
+            forward_step_func=forward_step, data_iterator=micro_batches, model=model,
+            num_microbatches=num_microbatches, seq_length=0,  # unused without pipelining
+            micro_batch_size=1, forward_only=forward_only)
     stats = torch.stack([s["lm loss"].float() for s in store]).sum(0)
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if dist.get_world_size(group) > 1:
@@ -117,17 +126,16 @@ def run_step(model: GPTModel, micro_batches: list[tuple[dict, Any]], *,
     return float(stats[0]), float(stats[1])
 
 
-def local_batches(job: MegatronJob, step: int, device: torch.device) -> list[tuple[dict, Any]]:
-    """This rank's micro-batches of ``step``: the global batch, sharded for its CP rank."""
+def train_batches(job: MegatronJob, config: TransformerConfig, device: torch.device,
+                  first_step: int = 0) -> PrefetchedTHDBatches:
+    """This rank's micro-batches from ``first_step`` on: the global synthetic batches,
+    planned ahead on a background thread (``job.options.prefetch``) and sharded for its CP
+    rank as the schedule draws them."""
     dp_rank = parallel_state.get_data_parallel_rank()
-    out = []
-    for m in range(job.training.micro_batches):
-        batch, cu = synthetic_batch(job.data, step * job.training.micro_batches + m, dp_rank)
-        local, packed = get_thd_batch_on_this_cp_rank(batch, cu, options=job.options)
-        local = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                 for k, v in local.items()}
-        out.append((local, packed))
-    return out
+    m = job.training.micro_batches
+    source = (synthetic_batch(job.data, i, dp_rank)
+              for i in range(first_step * m, job.training.steps * m))
+    return PrefetchedTHDBatches(source, config=config, options=job.options, device=device)
 
 
 def lr_at(job: MegatronJob, step: int) -> float:
@@ -178,26 +186,29 @@ def train(job: MegatronJob, *, log_json: str | None = None) -> list[float]:
                                   weight_decay=t.weight_decay)
     rank0 = dist.get_rank() == 0
     losses: list[float] = []
-    for step in range(t.steps):
-        start = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(job, step)
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum, count = run_step(model, local_batches(job, step, device))
-        if t.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad)
-        optimizer.step()
-        max_logit = ""
-        if config.qk_clip or config.log_max_attention_logit:
-            value = clip_qk_step(model, log_only=not config.qk_clip)
-            max_logit = f"  max logit {value:.2f}"
-        losses.append(loss_sum / max(count, 1.0))
-        if rank0 and (step % t.log_interval == 0 or step == t.steps - 1):
-            print(f"step {step:4d}  loss {losses[-1]:.4f}  lr {lr_at(job, step):.2e}  "
-                  f"{time.perf_counter() - start:.2f} s{max_logit}", flush=True)
+    step_s: list[float] = []
+    with train_batches(job, config, device) as batches:
+        for step in range(t.steps):
+            start = time.perf_counter()
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(job, step)
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum, count = run_step(model, batches, num_microbatches=t.micro_batches)
+            if t.clip_grad > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad)
+            optimizer.step()
+            max_logit = ""
+            if config.qk_clip or config.log_max_attention_logit:
+                value = clip_qk_step(model, log_only=not config.qk_clip)
+                max_logit = f"  max logit {value:.2f}"
+            losses.append(loss_sum / max(count, 1.0))
+            step_s.append(time.perf_counter() - start)
+            if rank0 and (step % t.log_interval == 0 or step == t.steps - 1):
+                print(f"step {step:4d}  loss {losses[-1]:.4f}  lr {lr_at(job, step):.2e}  "
+                      f"{step_s[-1]:.2f} s{max_logit}", flush=True)
     if rank0 and log_json:
         with open(log_json, "w") as f:
-            json.dump({"losses": losses, "cp": job.context_parallel_size,
+            json.dump({"losses": losses, "step_s": step_s, "cp": job.context_parallel_size,
                        "world": dist.get_world_size()}, f)
     return losses
 

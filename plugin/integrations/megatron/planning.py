@@ -1,0 +1,145 @@
+"""A megatron model's attention as the planner sees it, and one batch's plan with its tables.
+
+``model_attention(config, options)`` reads the layer masks (causal, ``window_size`` /
+``window_attn_skip_freq``, the options' chunked layers, ``no_rope_freq``), each layer's
+strategy (options, else ``cp_comm_type``) and the head shape from megatron's
+``TransformerConfig``, exactly as ``VarlenCPCoreAttention`` resolves them at build time.
+``plan_batch`` builds the batch's plan with those masks (the ``balanced`` layout balances each
+of them) through ``varlen_cp.prepare.build_plan`` and, given a device, every host table and
+device copy the layers' attention calls and the RoPE lookup will need
+(``varlen_cp.prepare.prepare_plan``), so the model's forward never plans.
+
+Limits: GPT-style self-attention (one ``attn_mask_type`` for every layer, causal by default);
+host work only (no collectives), so it may run on a background thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core.transformer.enums import AttnMaskType
+
+from ... import prepare
+from ...config import CPConfig
+from ...masks import AttnMask
+from ...plan import CPPlan
+from ...prepare import AttnShape
+from .options import VarlenCPOptions, layer_a2a_size, layer_mask, layer_strategy
+
+# cp == 1: the identity layout (no reordering, no padding), whatever the options say.
+_SINGLE_RANK = CPConfig(layout="contiguous", validate=False, prefetch=False)
+
+
+@dataclass(frozen=True)
+class ModelAttention:
+    """layer_masks: the distinct layer masks with their layer counts (``build_plan``);
+    calls: the distinct (mask, strategy, a2a_size) of the layers (``prepare_plan``);
+    shape: heads per tensor-parallel rank, head dims and dtype."""
+
+    layer_masks: tuple[tuple[AttnMask, int], ...]
+    calls: tuple[tuple[AttnMask, str, int | None], ...]
+    shape: AttnShape
+
+
+def _dtype(config: Any) -> torch.dtype:
+    if getattr(config, "bf16", False):
+        return torch.bfloat16
+    if getattr(config, "fp16", False):
+        return torch.float16
+    return getattr(config, "params_dtype", None) or torch.float32
+
+
+def attn_shape(config: Any) -> AttnShape:
+    """The core attention's input shape on one tensor-parallel rank."""
+    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+    heads = config.num_attention_heads
+    groups = getattr(config, "num_query_groups", None) or heads
+    if getattr(config, "multi_latent_attention", False):
+        head_dim = config.qk_head_dim + config.qk_pos_emb_head_dim
+        head_dim_v = config.v_head_dim
+        groups = heads  # MLA expands K/V to every head before the core attention
+    else:
+        head_dim = config.kv_channels
+        head_dim_v = None
+    for name, n in (("num_attention_heads", heads), ("num_query_groups", groups)):
+        if n % tp:
+            raise ValueError(f"config.{name}={n} is not divisible by "
+                             f"tensor_model_parallel_size={tp}")
+    return AttnShape(n_heads=heads // tp, n_kv_heads=groups // tp, head_dim=head_dim,
+                     head_dim_v=head_dim_v, dtype=_dtype(config))
+
+
+def model_attention(config: Any, options: VarlenCPOptions | None = None,
+                    attn_mask_type: AttnMaskType = AttnMaskType.causal) -> ModelAttention:
+    """Masks, strategies and shape of every layer of a megatron model (see module doc)."""
+    options = VarlenCPOptions() if options is None else options
+    if not isinstance(options, VarlenCPOptions):
+        raise ValueError(f"options must be a VarlenCPOptions, got {type(options).__name__}")
+    options.check_num_layers(config.num_layers)
+    counts: dict[AttnMask, int] = {}
+    calls: dict[tuple[AttnMask, str, int | None], None] = {}
+    for n in range(1, config.num_layers + 1):
+        mask = layer_mask(config, options, n, attn_mask_type)
+        strategy = layer_strategy(config, options, n, None)
+        counts[mask] = counts.get(mask, 0) + 1
+        calls[(mask, strategy, layer_a2a_size(config, options, strategy))] = None
+    return ModelAttention(layer_masks=tuple(counts.items()), calls=tuple(calls),
+                          shape=attn_shape(config))
+
+
+def resolve_device(device: Any) -> torch.device:
+    """``device`` with its index pinned: a CUDA device without one means the CALLER's current
+    device, which a background thread (whose current device is 0) would not see."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def rope_index(plan: CPPlan, device: torch.device) -> torch.Tensor:
+    """Each local token's position in its document (padding: 0) on ``device``: the rows of
+    megatron's RoPE table that the tokens take (cached in the plan)."""
+    return plan.cached(("megatron_rope_index", device), lambda: plan.positions.clamp(
+        min=0).to(device=device, dtype=torch.int64, non_blocking=True))
+
+
+def max_position(plan: CPPlan) -> int:
+    """Largest position of any token (host; cached): RoPE tables must be longer."""
+    def compute() -> int:
+        lengths = plan.cu_seqlens[1:] - plan.cu_seqlens[:-1]
+        return int(lengths.max()) - 1 if lengths.numel() else -1
+    return plan.cached(("megatron_max_position",), compute)
+
+
+def prepare_model_plan(plan: CPPlan, options: VarlenCPOptions, model: ModelAttention,
+                       device: Any) -> CPPlan:
+    """Every table the model's attention layers and the RoPE lookup need, on ``device``."""
+    device = resolve_device(device)
+    by_a2a: dict[int | None, list[tuple[AttnMask, str]]] = {}
+    for mask, strategy, a2a in model.calls:
+        by_a2a.setdefault(a2a, []).append((mask, strategy))
+    for a2a, calls in by_a2a.items():
+        # prepare_plan takes backend and a2a_size from a CPConfig, strategies per mask
+        config = CPConfig(strategy="p2p" if a2a is None else "a2a+p2p",
+                          backend=options.backend, a2a_size=a2a)
+        prepare.prepare_plan(plan, config, [(m, 1) for m, _ in calls], model.shape, device,
+                             strategies=[s for _, s in calls])
+    rope_index(plan, device)
+    max_position(plan)
+    return plan
+
+
+def plan_batch(cu_seqlens: torch.Tensor, options: VarlenCPOptions, cp_size: int, cp_rank: int,
+               model: ModelAttention | None = None, device: Any = None) -> CPPlan:
+    """One batch's plan: ``options``' layout balanced for ``model``'s layer masks (causal
+    when None); with ``model`` and ``device``, prepared (tables built) for the model's
+    layers. With one CP rank the ``contiguous`` layout (the identity) replaces the
+    configured one."""
+    config = _SINGLE_RANK if cp_size == 1 else options
+    plan = prepare.build_plan(cu_seqlens, config, cp_size=cp_size, cp_rank=cp_rank,
+                              layer_masks=None if model is None else model.layer_masks)
+    if model is not None and device is not None:
+        prepare_model_plan(plan, options, model, device)
+    return plan
