@@ -32,6 +32,7 @@ for every other replicated parameter.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -45,7 +46,6 @@ from .masks import AttnMask
 from .plan import CPPlan
 from .schedules.auto import choose_strategy
 from .schedules.cost import make_shape
-from .schedules.keys import host_table, table_key
 from .strategies import LOCAL, CallSpec, Strategy, get_strategy
 from .strategies.calls import Attn
 
@@ -115,22 +115,29 @@ def resolve_group(group: Any, plan: CPPlan) -> Any:
     return group
 
 
+# plan -> the groups (as rank tuples) whose ranks were found to agree on it; weak, so a
+# plan's entry goes with the plan.
+_AGREED: "weakref.WeakKeyDictionary[CPPlan, set]" = weakref.WeakKeyDictionary()
+
+
 def check_plan_agreement(plan: CPPlan, group: Any, device: torch.device) -> None:
     """All ranks of ``group`` built the same plan: MAX of [fp, -fp] gives max and -min of
-    the fingerprints in one all-reduce. Once per (plan, group): the result is cached in
-    the plan. Reads one value back to the host (a sync)."""
-    def check() -> bool:
-        fp = plan.fingerprint()
-        t = torch.tensor([fp, -fp], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        hi, neg_lo = (int(x) for x in t.cpu())
-        if hi != -neg_lo:
-            raise ValueError(f"plan: ranks built different plans (fingerprints range "
-                             f"{-neg_lo}..{hi}); every rank must build the plan from the "
-                             f"same global cu_seqlens, cp_size and layout")
-        return True
+    the fingerprints in one all-reduce. Once per (plan, group): later calls return at once
+    (every rank of the group makes the same calls, so all skip or all join). Reads one
+    value back to the host (a sync)."""
     ranks = tuple(dist.get_process_group_ranks(group))
-    host_table(plan, table_key("plan_agreement", None, None, ranks), check)
+    done = _AGREED.setdefault(plan, set())
+    if ranks in done:
+        return
+    fp = plan.fingerprint()
+    t = torch.tensor([fp, -fp], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    hi, neg_lo = (int(x) for x in t.cpu())
+    if hi != -neg_lo:
+        raise ValueError(f"plan: ranks built different plans (fingerprints range "
+                         f"{-neg_lo}..{hi}); every rank must build the plan from the "
+                         f"same global cu_seqlens, cp_size and layout")
+    done.add(ranks)
 
 
 def _results(out: torch.Tensor, lse: torch.Tensor, max_logit: torch.Tensor | None,

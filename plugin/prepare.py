@@ -112,6 +112,10 @@ class PlanPrefetcher(Generic[T]):
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        if enabled:  # start now: the first item is planned while the caller sets up
+            self._thread = threading.Thread(target=self._work, name="varlen-cp-planner",
+                                            daemon=True)
+            self._thread.start()
 
     def _work(self) -> None:
         try:
@@ -137,10 +141,6 @@ class PlanPrefetcher(Generic[T]):
             for item in self._source:
                 yield item, self._make_plan(item)
             return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="varlen-cp-planner",
-                                            daemon=True)
-            self._thread.start()
         while True:
             entry = self._queue.get()
             if entry is _DONE:
