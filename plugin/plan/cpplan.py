@@ -200,6 +200,18 @@ class CPPlan:
         """int32 [padded_total]: every rank's local positions, concatenated in rank order."""
         return self._t.position
 
+    def all_local_cu_seqlens(self) -> torch.Tensor:
+        """int32 [cp, n_docs+1]: every rank's local cu_seqlens."""
+        return self._t.local_cu
+
+    def rank_offsets(self) -> torch.Tensor:
+        """int64 [cp+1]: each rank's first row in the all-rank tables (``all_positions``)."""
+        return self._t.rank_offsets
+
+    def max_local_seqlens(self) -> tuple[int, ...]:
+        """Every rank's longest local segment."""
+        return tuple(int(x) for x in self._max_seg)
+
     def all_documents(self) -> torch.Tensor:
         """int64 [padded_total]: the document of every rank's local tokens, in rank order."""
         return self._t.doc

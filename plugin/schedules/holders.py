@@ -16,12 +16,9 @@ from functools import cached_property
 import torch
 
 from ..kernels import BlockSchedule
-from ..kernels.mask_math import UNBOUNDED
 from ..masks import AttnMask
 from ..plan import CPPlan
 from .keys import host_table, table_key
-
-_STRIDE = 1 << 42  # sort keys: segment * _STRIDE + position
 
 
 @dataclass(frozen=True)
@@ -39,49 +36,196 @@ class Holder:
     def n_tokens(self) -> int:
         return int(self.pos.numel())
 
-    # ---- derived tables for tile schedules (computed once per holder) --------------------
     @cached_property
-    def _segments(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(start int64 [n_seg], length, real rows) of each segment."""
-        cu = self.cu.to(torch.int64)
-        start, length = cu[:-1], cu[1:] - cu[:-1]
-        real = torch.zeros(length.numel(), dtype=torch.int64)
-        live = self.pos >= 0
-        real.index_add_(0, segment_ids(cu, self.n_tokens)[live],
-                        torch.ones(int(live.sum()), dtype=torch.int64))
-        return start, length, real
+    def as_set(self) -> "HolderSet":
+        """This holder as a one-holder :class:`HolderSet` (made once)."""
+        return HolderSet.of([self])
+
+
+_POS_BITS = 32                        # sort keys: (holder * n_seg + seg) << 32 | position
+_PAD_KEY = (1 << _POS_BITS) - 1       # padding sorts last in its segment
+_MAX_POS = _PAD_KEY - 1
+
+
+@dataclass(frozen=True)
+class HolderSet:
+    """H holders over the same documents, their tokens concatenated holder by holder: the
+    unit the tile schedules are computed on, so a ring's calls (one query holder against
+    many key holders) take a fixed number of vectorized ops, however many steps it has.
+
+    cu: int64 [H, n_seg+1] each holder's cu_seqlens; pos: int32 [N] every holder's
+    positions back to back; offsets: int64 [H+1] each holder's first row in ``pos``;
+    max_len: each holder's longest segment.
+    """
+
+    cu: torch.Tensor
+    pos: torch.Tensor
+    offsets: torch.Tensor
+    max_len: tuple[int, ...]
+
+    @classmethod
+    def of(cls, holders: list[Holder]) -> "HolderSet":
+        sizes = torch.tensor([h.n_tokens for h in holders], dtype=torch.int64)
+        return cls(torch.stack([h.cu.to(torch.int64) for h in holders]),
+                   torch.cat([h.pos for h in holders]),
+                   torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(sizes, 0)]),
+                   tuple(h.max_len for h in holders))
+
+    @property
+    def n_seg(self) -> int:
+        return self.cu.shape[1] - 1
+
+    def holder(self, h: int) -> Holder:
+        """Holder ``h`` (views of the set's tables)."""
+        rows = slice(int(self.offsets[h]), int(self.offsets[h + 1]))
+        return Holder(self.cu[h].to(torch.int32), self.pos[rows], self.max_len[h])
 
     @cached_property
-    def sort_keys(self) -> torch.Tensor:
-        """int64 [n]: segment * STRIDE + position, padding at segment * STRIDE + STRIDE - 1
-        (padding is last in its segment, so the keys are sorted)."""
-        seg = segment_ids(self.cu, self.n_tokens)
-        pos = self.pos.to(torch.int64)
-        return seg * _STRIDE + torch.where(pos >= 0, pos, _STRIDE - 1)
+    def _cells(self) -> torch.Tensor:
+        """int64 [N]: holder * n_seg + segment of every row."""
+        lens = (self.cu[:, 1:] - self.cu[:, :-1]).flatten()
+        return torch.repeat_interleave(torch.arange(lens.numel()), lens,
+                                       output_size=self.pos.numel())
+
+    @cached_property
+    def _padding(self) -> torch.Tensor | None:
+        """Rows with a position < 0 (None when there are none: most layouts)."""
+        pad = torch.nonzero(self.pos < 0).flatten()
+        return pad if pad.numel() else None
+
+    @cached_property
+    def keys(self) -> torch.Tensor:
+        """int64 [N]: (holder * n_seg + segment) << 32 | position (padding: all ones):
+        sorted, since positions increase inside a segment and padding comes last."""
+        if len(self.max_len) * self.n_seg >= 1 << 30:
+            raise ValueError(f"HolderSet: {len(self.max_len)} holders x {self.n_seg} "
+                             f"documents is too many for the 64-bit sort keys")
+        keys = (self._cells << _POS_BITS) + self.pos
+        if self._padding is not None:
+            keys[self._padding] += _PAD_KEY - self.pos[self._padding].to(torch.int64)
+        return keys
+
+    def first_row(self, holder: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+        """Row in ``pos`` of the first token of (holder, segment)."""
+        return self.offsets[holder] + self.cu[holder, seg]
 
     def block_ends(self, block: int) -> tuple[torch.Tensor, ...]:
-        """The non-empty blocks of ``block`` rows of every segment: (dense index
-        segment * cdiv(max_len, block) + block, rows in the block, first real row, last
-        real row); rows are absolute, a block without real rows has first > last.
+        """Every holder's non-empty blocks of ``block`` rows per segment, holder by holder:
+        (holder, segment, block index, rows in the block, first real row, last real row)
+        with rows absolute in ``pos``; a block without real rows has first > last.
         Cached per block size."""
         cache = self.__dict__.setdefault("_block_ends", {})
         if block not in cache:
-            start, length, real = self._segments
-            nb = -(-max(self.max_len, 1) // block)
+            length = (self.cu[:, 1:] - self.cu[:, :-1]).flatten()      # [H * n_seg]
+            real = length
+            if self._padding is not None:  # padding trails each segment
+                real = length - torch.bincount(self._cells[self._padding],
+                                               minlength=length.numel())
             count = -(-length // block)
-            seg = torch.repeat_interleave(torch.arange(length.numel()), count)
-            b = torch.arange(seg.numel()) - (torch.cumsum(count, 0) - count)[seg]
+            cell = torch.repeat_interleave(torch.arange(length.numel()), count)
+            b = torch.arange(cell.numel()) - (torch.cumsum(count, 0) - count)[cell]
             lo = b * block
-            rows = torch.minimum(lo + block, length[seg]) - lo
-            last = torch.minimum(lo + block, real[seg]) - 1
-            cache[block] = (seg * nb + b, seg, rows, start[seg] + lo, start[seg] + last)
+            holder = torch.div(cell, self.n_seg, rounding_mode="floor")
+            seg = cell - holder * self.n_seg
+            start = self.first_row(holder, seg)
+            rows = torch.minimum(lo + block, length[cell]) - lo
+            last = torch.minimum(lo + block, real[cell]) - 1
+            per_holder = torch.bincount(holder, minlength=len(self.max_len))
+            bounds = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(per_holder, 0)])
+            cache[block] = (holder, seg, b, rows, start + lo, start + last, bounds)
         return cache[block]
+
+    def blocks_of(self, block: int, holders: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The live blocks of the listed holders, concatenated in that order: (index in
+        ``holders``, segment, block index, rows, first real row, last real row)."""
+        h, seg, b, rows, first, last, bounds = self.block_ends(block)
+        count = bounds[holders + 1] - bounds[holders]
+        which = torch.repeat_interleave(torch.arange(holders.numel()), count)
+        idx = torch.arange(which.numel()) - (torch.cumsum(count, 0) - count)[which] \
+            + bounds[holders][which]
+        live = first[idx] <= last[idx]
+        idx, which = idx[live], which[live]
+        return which, seg[idx], b[idx], rows[idx], first[idx], last[idx]
+
+
+def _search(src: HolderSet, blocks: tuple[torch.Tensor, ...], dst: HolderSet,
+            dst_holder: torch.Tensor, interval) -> tuple[torch.Tensor, torch.Tensor]:
+    """[start, end) offsets, in its segment of holder ``dst_holder[i]`` of ``dst``, of the
+    rows whose positions fall in the union of block i's row intervals: [lo(first real
+    row), hi(last real row)], as both interval ends never decrease with the position."""
+    _, seg, _, _, first, last = blocks
+    pos = src.pos.to(torch.int64)
+    lo, _ = interval(pos[first])
+    _, hi = interval(pos[last])
+    base = (dst_holder * dst.n_seg + seg) << _POS_BITS
+    at = dst.first_row(dst_holder, seg)
+    start = torch.searchsorted(dst.keys, base + lo.clamp(0, _MAX_POS)) - at
+    end = torch.searchsorted(dst.keys, base + hi.clamp(-1, _MAX_POS), right=True) - at
+    end = torch.maximum(end, start)
+    empty = lo > hi
+    return torch.where(empty, 0, start), torch.where(empty, 0, end)
+
+
+def call_schedules(qset: HolderSet, q: int, kset: HolderSet, ks: list[int], mask: AttnMask,
+                   block: tuple[int, int]) -> list[BlockSchedule]:
+    """The tile schedules of the calls (holder ``q`` of ``qset``) x (holder ``k`` of
+    ``kset``) for every k in ``ks``: what ``build_block_schedule`` computes from per-token
+    tables, from per-block interval ends and sorted keys, all calls at once
+    (O(blocks log tokens), a fixed number of ops for any number of calls)."""
+    bm, bn = block
+    n_seg, n = qset.n_seg, len(ks)
+    kt = torch.tensor(ks, dtype=torch.int64)
+    # kv_range: the query blocks are the same for every call.
+    _, seg, b, rows, first, last = qset.blocks_of(bm, torch.tensor([q]))
+    nqb = -(-max(qset.max_len[q], 1) // bm)
+    blocks = (None, seg.repeat(n), None, None, first.repeat(n), last.repeat(n))
+    start, end = _search(qset, blocks, kset, kt.repeat_interleave(seg.numel()),
+                         mask.key_interval)
+    kv = torch.zeros(n, n_seg * nqb, 2, dtype=torch.int32)
+    slot = (torch.arange(n).repeat_interleave(seg.numel()) * (n_seg * nqb)
+            + (seg * nqb + b).repeat(n))
+    kv.view(-1, 2)[slot] = torch.stack([start, end], -1).to(torch.int32)
+    visited = (rows.repeat(n) * (end - start)).view(n, -1).sum(1).tolist() if n else []
+    # q_range: each call's key blocks, against the one query holder.
+    which, kseg, kb, _, kfirst, klast = kset.blocks_of(bn, kt)
+    kblocks = (None, kseg, None, None, kfirst, klast)
+    qstart, qend = _search(kset, kblocks, qset, torch.full_like(kseg, q), mask.query_interval)
+    nkb = torch.tensor([-(-max(kset.max_len[k], 1) // bn) for k in ks], dtype=torch.int64)
+    size = n_seg * nkb
+    at = torch.cumsum(size, 0) - size
+    q_range = torch.zeros(int(size.sum()), 2, dtype=torch.int32)
+    q_range[at[which] + kseg * nkb[which] + kb] = torch.stack([qstart, qend], -1).to(torch.int32)
+    out = []
+    for i, k in enumerate(ks):
+        qr = q_range[int(at[i]):int(at[i]) + int(size[i])].view(n_seg, int(nkb[i]), 2)
+        out.append(BlockSchedule(bm, bn, kv[i].view(n_seg, nqb, 2), qr, int(visited[i])))
+    return out
 
 
 def rank_holder(plan: CPPlan, rank: int) -> Holder:
     """Holder of ``rank``'s local tokens (views of the plan's tables)."""
     return Holder(plan.local_cu_seqlens_of(rank), plan.positions_of(rank),
                   plan.max_local_seqlen_of(rank))
+
+
+def rank_set(plan: CPPlan) -> HolderSet:
+    """Every rank's local tokens as one HolderSet (views of the plan's tables, cached)."""
+    return host_table(plan, table_key("rank_set"),
+                      lambda: HolderSet(plan.all_local_cu_seqlens().to(torch.int64),
+                                        plan.all_positions(), plan.rank_offsets(),
+                                        plan.max_local_seqlens()))
+
+
+def set_calls(qset: HolderSet, q: int, kset: HolderSet, ks: list[int], mask: AttnMask,
+              block: tuple[int, int]) -> list[KernelCall]:
+    """The calls (holder ``q`` of ``qset``) x (each holder of ``kset`` in ``ks``), their
+    schedules computed together (:func:`call_schedules`)."""
+    qh = qset.holder(q)
+    out = []
+    for k, sched in zip(ks, call_schedules(qset, q, kset, ks, mask, block)):
+        kh = kset.holder(k)
+        out.append(KernelCall(qh.cu, kh.cu, qh.max_len, kh.max_len, qh.pos, kh.pos, sched))
+    return out
 
 
 def rank_holders(plan: CPPlan) -> list[Holder]:
@@ -128,41 +272,10 @@ class KernelCall:
                           mv(self.q_pos), mv(self.k_pos), self.schedule.to(device))
 
 
-def _ranges(src: Holder, block: int, dst: Holder, interval) -> tuple[torch.Tensor, int]:
-    """For each block of ``src`` rows: the offsets [start, end) in its segment of ``dst``
-    of the rows whose positions fall in the union of the block rows' intervals (the
-    interval ends never decrease with the position, so the union is [lo(first real row),
-    hi(last real row)]), as the dense [n_seg, cdiv(max_len, block), 2] table; and the
-    pairs those ranges cover (rows x span, summed)."""
-    n_seg, nb = src.cu.numel() - 1, -(-max(src.max_len, 1) // block)
-    out = torch.zeros(n_seg * nb, 2, dtype=torch.int32)
-    slot, seg, rows, first, last = src.block_ends(block)
-    live = first <= last
-    if not bool(live.any()):
-        return out.view(n_seg, nb, 2), 0
-    slot, seg, rows, first, last = slot[live], seg[live], rows[live], first[live], last[live]
-    pos = src.pos.to(torch.int64)
-    lo, _ = interval(pos[first])
-    _, hi = interval(pos[last])
-    base = seg * _STRIDE
-    d_start = dst.cu.to(torch.int64)[seg]
-    start = torch.searchsorted(dst.sort_keys, base + lo.clamp(min=0)) - d_start
-    end = torch.searchsorted(dst.sort_keys, base + hi.clamp(max=UNBOUNDED), right=True) - d_start
-    end = torch.maximum(end, start)
-    empty = lo > hi
-    start, end = torch.where(empty, 0, start), torch.where(empty, 0, end)
-    out[slot] = torch.stack([start, end], -1).to(torch.int32)
-    return out.view(n_seg, nb, 2), int((rows * (end - start)).sum())
-
-
 def block_schedule(q: Holder, k: Holder, mask: AttnMask, block: tuple[int, int]
                    ) -> BlockSchedule:
-    """The tile schedule of the call ``q`` x ``k`` (what ``build_block_schedule`` computes
-    from per-token tables), from per-block ends and sorted keys: O(blocks log tokens) per
-    call instead of several passes over every token."""
-    kv_range, visited = _ranges(q, block[0], k, mask.key_interval)
-    q_range, _ = _ranges(k, block[1], q, mask.query_interval)
-    return BlockSchedule(block[0], block[1], kv_range, q_range, visited)
+    """The tile schedule of the one call ``q`` x ``k`` (see :func:`call_schedules`)."""
+    return call_schedules(q.as_set, 0, k.as_set, [0], mask, block)[0]
 
 
 def kernel_call(q: Holder, k: Holder, mask: AttnMask, block: tuple[int, int]) -> KernelCall:

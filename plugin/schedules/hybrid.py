@@ -8,7 +8,7 @@ import torch
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..plan.runs import Runs
-from .holders import Holder
+from .holders import HolderSet
 from .keys import host_table, table_key
 from .ring import RingTables, ring_tables, visible_matrix
 from .ulysses import ulysses_tables
@@ -32,11 +32,11 @@ def group_members(rank: int, size: int) -> tuple[int, ...]:
     return tuple(range(first, first + size))
 
 
-def group_holders(plan: CPPlan, size: int) -> list[Holder]:
+def group_holders(plan: CPPlan, size: int) -> HolderSet:
     """The merged tokens of every group, as ring holders (cached)."""
     return host_table(plan, table_key("group_holders", None, None, size),
-                      lambda: [ulysses_tables(plan, group_members(g * size, size)).holder
-                               for g in range(plan.cp_size // size)])
+                      lambda: HolderSet.of([ulysses_tables(plan, group_members(g * size, size))
+                                            .holder for g in range(plan.cp_size // size)]))
 
 
 def group_visibility(plan: CPPlan, mask: AttnMask, size: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..plan.runs import Runs, key_spans, pair_work, span_pieces
-from .holders import Holder, KernelCall, kernel_call, rank_holders
+from .holders import HolderSet, KernelCall, rank_set, set_calls
 from .keys import host_table, table_key
 
 
@@ -64,18 +64,23 @@ class RingTables:
         return (index - step) % len(self.sizes)
 
 
-def ring_tables(holders: list[Holder], vis: torch.Tensor, index: int, mask: AttnMask,
+def ring_tables(holders: HolderSet, vis: torch.Tensor, index: int, mask: AttnMask,
                 block: tuple[int, int]) -> RingTables:
-    """Host tables of ring position ``index`` (schedules for its non-empty steps only)."""
-    size = len(holders)
+    """Host tables of ring position ``index`` (schedules for its non-empty steps only, all
+    computed together)."""
+    size = len(holders.max_len)
     n_steps = ring_length(vis)
     t = torch.arange(n_steps)
+    src = ((index - t) % size).tolist()
     mine = (vis[index, (index - t) % size] > 0).tolist()
     # At step t, position index + t computes on our K/V: it sends its partial home.
     incoming = ((vis[(index + t) % size, index] > 0) & (t > 0)).tolist()
-    calls = tuple(kernel_call(holders[index], holders[(index - s) % size], mask, block)
-                  if mine[s] else None for s in range(n_steps))
-    return RingTables(n_steps, tuple(h.n_tokens for h in holders), calls, tuple(incoming))
+    steps = [s for s in range(n_steps) if mine[s]]
+    made = dict(zip(steps, set_calls(holders, index, holders, [src[s] for s in steps],
+                                     mask, block)))
+    sizes = (holders.offsets[1:] - holders.offsets[:-1]).tolist()
+    return RingTables(n_steps, tuple(sizes), tuple(made.get(s) for s in range(n_steps)),
+                      tuple(incoming))
 
 
 def ring_send_rows(sizes: tuple[int, ...], vis: torch.Tensor, index: int) -> tuple[int, int]:
@@ -99,5 +104,5 @@ def p2p_tables(plan: CPPlan, mask: AttnMask, block: tuple[int, int], rank: int
                ) -> RingTables:
     """Ring tables of ``rank`` for the ring of all ranks (cached)."""
     return host_table(plan, table_key("p2p", mask, block, rank),
-                      lambda: ring_tables(rank_holders(plan), rank_visibility(plan, mask),
+                      lambda: ring_tables(rank_set(plan), rank_visibility(plan, mask),
                                           rank, mask, block))
