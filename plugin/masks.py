@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import is_int
 from .kernels import mask_math
 
 
@@ -35,13 +36,13 @@ class AttnMask:
             raise ValueError(f"AttnMask.causal must be a bool, got {self.causal!r}")
         ws = self.window_size
         if (not isinstance(ws, (tuple, list)) or len(ws) != 2
-                or not all(isinstance(w, int) and not isinstance(w, bool) for w in ws)):
+                or not all(is_int(w) for w in ws)):
             raise ValueError(f"AttnMask.window_size must be a pair of ints, got {ws!r}")
         if ws[0] < -1 or ws[1] < -1:
             raise ValueError(f"AttnMask.window_size entries must be >= -1, got {tuple(ws)!r}")
         object.__setattr__(self, "window_size", (int(ws[0]), int(ws[1])))
         c = self.chunk_size
-        if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 1):
+        if c is not None and (not is_int(c) or c < 1):
             raise ValueError(f"AttnMask.chunk_size must be None or an int >= 1, got {c!r}")
 
     # Primitive form understood by the kernels and mask_math.

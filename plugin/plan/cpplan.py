@@ -23,15 +23,12 @@ import torch
 import torch.distributed as dist
 
 from ..masks import AttnMask
+from ..checks import is_int
 from .balanced import MaskWeights, check_chunk_tokens, describe, normalize_masks
 from .collective import check_group, gather_padded
 from .layouts import LAYOUTS, layout_pieces
 from .runs import Runs, pair_work
 from .tables import TokenTables, expand_pieces
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _check_cu_seqlens(cu: Any) -> torch.Tensor:
@@ -59,20 +56,20 @@ def _check_cu_seqlens(cu: Any) -> torch.Tensor:
 def _check_params(cp_size: Any, cp_rank: Any, layout: Any, min_chunk_tokens: Any,
                   pad_multiple: Any) -> int:
     """Validate the scalar build arguments; returns the resolved ``pad_multiple``."""
-    if not _is_int(cp_size) or cp_size < 1:
+    if not is_int(cp_size) or cp_size < 1:
         raise ValueError(f"cp_size must be an int >= 1, got {cp_size!r}")
-    if not _is_int(cp_rank) or not 0 <= cp_rank < cp_size:
+    if not is_int(cp_rank) or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if not _is_int(min_chunk_tokens) or min_chunk_tokens < 1:
+    if not is_int(min_chunk_tokens) or min_chunk_tokens < 1:
         raise ValueError(f"min_chunk_tokens must be an int >= 1, got {min_chunk_tokens!r}")
     if pad_multiple is None:
         return 2 * cp_size
     if layout != "te":
         raise ValueError(f"pad_multiple applies to layout 'te' only, got "
                          f"pad_multiple={pad_multiple!r} with layout={layout!r}")
-    if not _is_int(pad_multiple) or pad_multiple < 1 or pad_multiple % (2 * cp_size):
+    if not is_int(pad_multiple) or pad_multiple < 1 or pad_multiple % (2 * cp_size):
         raise ValueError(f"pad_multiple must be a positive multiple of 2*cp_size="
                          f"{2 * cp_size}, got {pad_multiple!r}")
     return pad_multiple
@@ -153,7 +150,7 @@ class CPPlan:
 
     # ---- per-rank tables -------------------------------------------------------------
     def _rows(self, rank: Any, what: str = "rank") -> slice:
-        if not _is_int(rank) or not 0 <= rank < self.cp_size:
+        if not is_int(rank) or not 0 <= rank < self.cp_size:
             raise ValueError(f"{what} must be an int in [0, {self.cp_size}), got {rank!r}")
         return slice(self._offsets[rank], self._offsets[rank + 1])
 
@@ -250,7 +247,7 @@ class CPPlan:
     def _check_tokens(self, x: Any, dim: int, expected: int, what: str) -> int:
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
-        if not _is_int(dim) or not -x.dim() <= dim < x.dim():
+        if not is_int(dim) or not -x.dim() <= dim < x.dim():
             raise ValueError(f"dim must be an int in [{-x.dim()}, {x.dim()}) for {what} of "
                              f"shape {tuple(x.shape)}, got {dim!r}")
         dim = dim % x.dim()

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..checks import is_int
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..schedules.cost import Shape
@@ -119,8 +120,7 @@ class A2AP2P(Strategy):
         """a2a_size divides cp, and the heads split over it (ValueError otherwise)."""
         if a2a_size is None:
             return  # the default always fits (1 at worst)
-        if isinstance(a2a_size, bool) or not isinstance(a2a_size, int) or a2a_size < 1 \
-                or cp_size % a2a_size:
+        if not is_int(a2a_size) or a2a_size < 1 or cp_size % a2a_size:
             raise ValueError(f"a2a_size must be a positive divisor of cp_size={cp_size}, got "
                              f"{a2a_size!r}")
         check_head_split(n_heads, n_kv_heads, a2a_size,
