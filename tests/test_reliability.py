@@ -276,3 +276,330 @@ def test_stalled_rank_fails_its_ulysses_peers_within_the_cp_timeout(tmp_path):
         elif elapsed >= FAIL_BOUND_S:
             errors.append(f"rank {rank} failed only after {elapsed:.0f} s: {outcome}")
     assert not errors, "\n".join(errors)
+
+
+# ======================================================================================
+# 3. Bad arguments: a ValueError naming the field, before any computation or collective
+# ======================================================================================
+def _cp1(docs=(5, 9), hq=4, hkv=2, layout="dual_chunk"):
+    plan = CPPlan.build(_cu(list(docs)), cp_size=1, cp_rank=0, layout=layout)
+    return plan, _local(plan, _inputs(sum(docs), hq, hkv), grad=False)[:3]
+
+
+BAD_SCALES = [float("inf"), float("-inf"), float("nan"), 10 ** 400, 1e39, 1e-50, 0.0, -1.0,
+              True, "0.1", torch.tensor(0.1)]
+
+
+@pytest.mark.parametrize("scale", BAD_SCALES, ids=lambda s: repr(s)[:12])
+def test_softmax_scale_must_be_finite_and_positive_in_fp32(scale, one_thread):
+    """inf passed before (7603d2c); 10**400 raised OverflowError; 1e39 and 1e-50 are inf and
+    0 in the kernels' fp32 (NaN / uniform attention)."""
+    plan, (q, k, v) = _cp1()
+    with pytest.raises(ValueError, match="softmax_scale"):
+        cp_varlen_attn(q, k, v, plan, CAUSAL, softmax_scale=scale)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        ContextParallelVarlenAttention(CAUSAL, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("shapes, name", [
+    (((0, 4, 8), (0, 2, 8), (0, 2, 8)), None),                # no tokens: fine
+    (((14, 0, 8), (14, 2, 8), (14, 2, 8)), "q"),              # Hq = 0 returned [14, 0, 8]
+    (((14, 4, 8), (14, 0, 8), (14, 0, 8)), "k"),
+    (((14, 4, 0), (14, 2, 0), (14, 2, 8)), "q"),              # D = 0: ZeroDivisionError
+    (((14, 4, 8), (14, 2, 8), (14, 2, 0)), "v"),              # Dv = 0 returned [14, 4, 0]
+])
+def test_empty_heads_and_head_dims_are_rejected(shapes, name, one_thread):
+    plan = CPPlan.build(_cu([5, 9] if shapes[0][0] else []), cp_size=1, cp_rank=0)
+    q, k, v = (torch.randn(s) for s in shapes)
+    if name is None:
+        assert cp_varlen_attn(q, k, v, plan, CAUSAL).shape == (0, 4, 8)
+        return
+    with pytest.raises(ValueError, match=f"^{name} must have at least one head"):
+        cp_varlen_attn(q, k, v, plan, CAUSAL)
+
+
+class DeviceMesh:  # stands in for torch's (whose construction needs a process group)
+    pass
+
+
+BAD_GROUPS = [3, "cp", [0, 1], DeviceMesh()]
+
+
+@pytest.mark.parametrize("group", BAD_GROUPS, ids=lambda g: type(g).__name__)
+def test_group_of_another_type_is_rejected_at_cp1(group, one_thread):
+    """Before (7603d2c) plan.unshard(group=3) said 'not initialized' and the module took
+    any group until its first forward."""
+    plan, (q, k, v) = _cp1()
+    match = "^group must be a torch.distributed.ProcessGroup or None, got " + \
+        type(group).__name__
+    for fn in (lambda: cp_varlen_attn(q, k, v, plan, CAUSAL, group),
+               lambda: ContextParallelVarlenAttention(CAUSAL, group=group),
+               lambda: plan.unshard(q, group=group)):
+        with pytest.raises(ValueError, match=match):
+            fn()
+    if isinstance(group, DeviceMesh):
+        with pytest.raises(ValueError, match=r"get_group\(\)"):
+            plan.unshard(q, group=group)
+
+
+# (strategy, options, Hq, Hkv): options invalid in themselves, whatever the cp; each must
+# raise the same ValueError at cp 1 (no process group) as at cp 2.
+OPTION_CASES = {
+    "a2a_size with p2p": ("p2p", {"a2a_size": 1}, 4, 2),
+    "a2a_size with all_gather": ("all_gather", {"a2a_size": 2}, 4, 2),
+    "a2a_size with a2a": ("a2a", {"a2a_size": 1}, 4, 2),
+    "a2a_size with dispatch": ("dispatch", {"a2a_size": 1}, 4, 2),
+    "a2a_size with auto": ("auto", {"a2a_size": 1}, 4, 2),
+    "a2a_size 0": ("a2a+p2p", {"a2a_size": 0}, 4, 2),
+    "a2a_size True": ("a2a+p2p", {"a2a_size": True}, 4, 2),
+    "a2a_size '1'": ("a2a+p2p", {"a2a_size": "1"}, 4, 2),
+    "a2a_size 1.0": ("a2a+p2p", {"a2a_size": 1.0}, 4, 2),
+    "a2a_size 3 (no divisor)": ("a2a+p2p", {"a2a_size": 3}, 6, 3),
+    "GQA 3/2 a2a": ("a2a", {}, 3, 2),
+    "ok: a2a+p2p a2a_size 1": ("a2a+p2p", {"a2a_size": 1}, 3, 1),
+}
+
+
+def _option_outcomes(rank, world):
+    outcomes = {}
+    for name, (strategy, opts, hq, hkv) in OPTION_CASES.items():
+        plan = CPPlan.build(_cu([5, 9]), cp_size=world, cp_rank=rank)
+        q, k, v, _ = _local(plan, _inputs(14, hq, hkv), grad=False)
+        outcome = _outcome(lambda: cp_varlen_attn(q, k, v, plan, CAUSAL, None, strategy,
+                                                  **opts))
+        outcomes[name] = outcome.replace(f"cp_size={world}", "cp_size=N")
+    return outcomes
+
+
+def group_worker(rank, world):
+    """cp = 2: the option cases, then every entry point with a group of a wrong type."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from varlen_cp.sharding import gather_sequence
+
+    options = _option_outcomes(rank, world)
+    plan = CPPlan.build(_cu([5, 9]), cp_size=world, cp_rank=rank)
+    q, k, v, _ = _local(plan, _inputs(14), grad=False)
+    groups = {"int": 3, "str": "cp", "list": [0, 1],
+              "DeviceMesh": init_device_mesh("cpu", (world,))}
+    groups_out = {}
+    for name, group in groups.items():
+        groups_out[name] = [
+            _outcome(lambda: cp_varlen_attn(q, k, v, plan, CAUSAL, group)),
+            _outcome(lambda: ContextParallelVarlenAttention(CAUSAL, group=group)),
+            _outcome(lambda: plan.unshard(q, group=group)),
+            _outcome(lambda: gather_sequence(q.unsqueeze(0), plan, group)),
+        ]
+    # Nothing was half-communicated: the group still works.
+    ok = torch.equal(plan.unshard(q), _inputs(14)[0])
+    return options, groups_out, ok
+
+
+def test_options_raise_at_cp1_as_at_cp2_and_groups_are_checked(tmp_path, one_thread):
+    """Before (7603d2c) cp == 1 returned before the strategy's checks: a2a_size 0, True,
+    '1', 1.0 or 3 ran silently at cp 1 and raised at cp 2."""
+    cp1 = _option_outcomes(0, 1)
+    results = run_distributed(group_worker, 2, tmp_path, timeout_s=120,
+                              collective_timeout_s=20)
+    for rank, (cp2, groups, ok) in enumerate(results):
+        assert ok, f"rank {rank}: the group is unusable after the rejected calls"
+        for name in OPTION_CASES:
+            want = "ok" if name.startswith("ok") else "ValueError: "
+            assert cp1[name].startswith(want), (name, cp1[name])
+            assert cp2[name] == cp1[name], f"{name}: cp 1 -> {cp1[name]}; cp 2 -> {cp2[name]}"
+        for name, outcomes in groups.items():
+            for outcome in outcomes:
+                assert outcome.startswith("ValueError: group must be a torch.distributed."
+                                          "ProcessGroup or None, got " + name), outcome
+
+
+def test_plan_build_rejects_batches_beyond_its_int32_tables(one_thread):
+    """Checked before any table is allocated: before, 2**40 tokens tried to allocate 8 TB
+    (RuntimeError), and a document of 2**30 + 1 tokens overflowed the kernels' positions."""
+    for docs, match in (([1 << 40], "document 0 has"), ([5, (1 << 30) + 1], "document 1 has"),
+                        ([1 << 30, 1 << 30], "2147483648 tokens")):
+        start = time.monotonic()
+        with pytest.raises(ValueError, match=f"cu_seqlens.*{match}"):
+            CPPlan.build(_cu(docs), cp_size=2, cp_rank=0)
+        assert time.monotonic() - start < 5
+    # te pads every document up to a multiple of 2*cp: the padded total counts.
+    with pytest.raises(ValueError, match=r"cu_seqlens \(padded\)"):
+        CPPlan.build(_cu([(1 << 30) - 1, (1 << 30) - 1]), cp_size=4, cp_rank=0, layout="te")
+
+
+def test_module_checks_its_options_when_built(one_thread):
+    """Before, these passed the constructor and failed at the first forward."""
+    for kw, match in (({"group": 3}, "group"), ({"backend": "cuda"}, "backend"),
+                      ({"strategy": "p2p", "a2a_size": 2}, "a2a_size applies"),
+                      ({"strategy": "a2a+p2p", "a2a_size": 0}, "a2a_size"),
+                      ({"validate": 1}, "validate"), ({"strategy": "ring"}, "strategy")):
+        with pytest.raises(ValueError, match=match):
+            ContextParallelVarlenAttention(CAUSAL, **kw)
+
+
+def test_plan_and_sharding_reject_bad_arguments(one_thread):
+    from varlen_cp.sharding import cu_seqlens_from_positions, shard_packed_batch
+
+    plan = CPPlan.build(_cu([5, 3]), cp_size=2, cp_rank=0, layout="te")
+    batch = {"input": torch.zeros(1, 8, dtype=torch.long),
+             "labels": torch.zeros(1, 8, dtype=torch.long)}
+    # 1.5 became label 1 on padding rows (trained on); 'x' raised TypeError.
+    for bad in (1.5, "x", None, True):
+        with pytest.raises(ValueError, match="ignore_index"):
+            shard_packed_batch(batch, plan, ignore_index=bad)
+    # seq_dim beyond every tensor left the whole batch on every rank, silently.
+    with pytest.raises(ValueError, match="seq_dim=2"):
+        shard_packed_batch(batch, plan, seq_dim=2)
+    # A padding marker joined the document before it.
+    with pytest.raises(ValueError, match=r"positions\[2\]=-1"):
+        cu_seqlens_from_positions(torch.tensor([0, 1, -1, -1, 0, 1]))
+    # Parts that differ in dtype were promoted; in other dims, torch.cat's RuntimeError.
+    n0, n1 = plan.num_tokens_of(0), plan.num_tokens_of(1)
+    for part1 in (torch.zeros(n1, 2, dtype=torch.long), torch.zeros(n1, 3)):
+        with pytest.raises(ValueError, match=r"parts\[1\]"):
+            plan.unshard_parts([torch.zeros(n0, 2), part1])
+
+
+def test_prepare_rejects_bad_arguments(one_thread):
+    """prepare_attention / prepare_plan run ahead of the step (a background thread): a bad
+    argument must fail there as the call would, not as an AttributeError or later."""
+    from varlen_cp.attention import prepare_attention
+    from varlen_cp.config import CPConfig
+    from varlen_cp.prepare import AttnShape, prepare_plan
+
+    plan = CPPlan.build(_cu([5, 9]), cp_size=2, cp_rank=0)
+    shape = AttnShape(n_heads=4, n_kv_heads=2, head_dim=8, dtype=torch.float32)
+    cases = [((plan, CAUSAL, "p2p", {"n_heads": 4}, "cpu"), {}, "shape"),
+             (("plan", CAUSAL, "p2p", shape, "cpu"), {}, "plan"),
+             ((plan, "causal", "p2p", shape, "cpu"), {}, "mask"),
+             ((plan, CAUSAL, "p2p", shape, "gpu:x"), {}, "device"),
+             ((plan, CAUSAL, "p2p", shape, "cpu"), {"backend": "cuda"}, "backend"),
+             ((plan, CAUSAL, "p2p", shape, "cpu"), {"a2a_size": 2}, "a2a_size applies"),
+             ((plan, CAUSAL, "a2a+p2p", shape, "cpu"), {"a2a_size": 3}, "a2a_size"),
+             ((plan, CAUSAL, "a2a", AttnShape(n_heads=3, n_kv_heads=1, head_dim=8), "cpu"),
+              {}, "Hq=3")]
+    if not torch.cuda.is_available():
+        cases.append(((plan, CAUSAL, "p2p", shape, "cuda"), {}, "CUDA is not available"))
+    for args, kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            prepare_attention(*args, **kw)
+    with pytest.raises(ValueError, match="Hq=3"):
+        prepare_plan(plan, CPConfig(strategy="a2a"), [(CAUSAL, 1)],
+                     AttnShape(n_heads=3, n_kv_heads=1, head_dim=8), "cpu")
+
+
+# ======================================================================================
+# Edge batches: empty, all padding (with NaN in the padding rows), 100K documents
+# ======================================================================================
+SWA = AttnMask(causal=False, window_size=(3, 2))
+
+
+def _reference(inputs, docs, mask):
+    """Single-device op on the global batch: out, lse, dq, dk, dv."""
+    q, k, v, dout = inputs
+    cu = _cu(docs)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    longest = max(docs, default=0)
+    out, lse = varlen_attn(q, k, v, cu, cu, longest, longest, None, mask.causal,
+                           mask.window_size, chunk_size=mask.chunk_size, return_lse=True,
+                           backend="torch")
+    out.backward(dout)
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def _cp_case(plan, inputs, docs, mask, strategy, group=None, poison=float("nan")):
+    """CP forward + backward with ``poison`` in every padding row of q, k, v and dout; the
+    problems found (empty when the result is the reference's, padding rows 0 / -inf)."""
+    q, k, v, dout = (plan.shard(t) for t in inputs)
+    pad = plan.token_indices < 0
+    for t in (q, k, v, dout):
+        t[pad] = poison
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = cp_varlen_attn(q, k, v, plan, mask, group, strategy, return_lse=True)
+    out.backward(dout)
+    local = (out.detach(), lse.detach(), q.grad, k.grad, v.grad)
+    errors = []
+    for name, t in zip(("out", "lse", "dq", "dk", "dv"), local):
+        if torch.isnan(t).any():
+            errors.append(f"{name} has NaN")
+        rows = t[:, pad] if name == "lse" else t[pad]
+        want = float("-inf") if name == "lse" else 0.0
+        if not bool((rows == want).all()):
+            errors.append(f"padding rows of {name} are not {want}")
+    gather = (lambda t: plan.unshard(t)) if plan.cp_size > 1 else \
+        (lambda t: plan.unshard_parts([t]))
+    got = [gather(local[0]), gather(local[1].t().contiguous()).t()] + \
+        [gather(g) for g in local[2:]]
+    for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, _reference(inputs, docs, mask)):
+        try:
+            torch.testing.assert_close(g, r, atol=3e-5, rtol=3e-4)
+        except AssertionError as e:
+            errors.append(f"{name} differs from the single-device op: "
+                          f"{str(e).splitlines()[1:3]}")
+    return errors
+
+
+EDGE_BATCHES = {
+    "empty": ([], "dual_chunk"),
+    "empty_docs": ([0, 0, 0], "te"),
+    "padding_only_rank": ([1, 1], "te"),     # te at cp 2: rank 1 holds 4 padding rows
+    "padded_mix": ([3, 17, 1, 6], "te"),
+}
+
+
+def edge_worker(rank, world):
+    errors = []
+    for name, (docs, layout) in EDGE_BATCHES.items():
+        plan = CPPlan.build(_cu(docs), cp_size=world, cp_rank=rank, layout=layout)
+        inputs = _inputs(sum(docs), seed=len(docs))
+        for strategy in ALL:
+            for mask in (CAUSAL, SWA):
+                errors += [f"{name} {strategy} {mask}: {e}"
+                           for e in _cp_case(plan, inputs, docs, mask, strategy)]
+    return errors
+
+
+def test_edge_batches(tmp_path, one_thread):
+    """Empty batches, a rank that holds only padding, NaN in every padding row of q, k, v
+    and dout: the single-device result, padding rows out 0 / lse -inf / gradients 0."""
+    errors = []
+    for name, (docs, layout) in EDGE_BATCHES.items():   # cp == 1 (te pads to 2 there)
+        plan = CPPlan.build(_cu(docs), cp_size=1, cp_rank=0, layout=layout)
+        inputs = _inputs(sum(docs), seed=len(docs))
+        errors += [f"cp1 {name}: {e}" for e in _cp_case(plan, inputs, docs, CAUSAL, "p2p")]
+    for rank, errs in enumerate(run_distributed(edge_worker, 2, tmp_path, timeout_s=150,
+                                                collective_timeout_s=30)):
+        errors += [f"rank {rank} {e}" for e in errs]
+    assert not errors, "\n".join(errors)
+
+
+N_DOCS = 100_000
+
+
+def _many_docs():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 3, (N_DOCS,), generator=g).tolist()   # ~100K tokens, empties
+
+
+def many_docs_worker(rank, world):
+    docs = _many_docs()
+    inputs = _inputs(sum(docs), hq=2, hkv=1, seed=3)
+    start = time.monotonic()
+    plan = CPPlan.build(_cu(docs), cp_size=world, cp_rank=rank)
+    times = {"build": time.monotonic() - start}
+    errors = []
+    for strategy in ALL:
+        start = time.monotonic()
+        errors += [f"{strategy}: {e}" for e in _cp_case(plan, inputs, docs, CAUSAL, strategy)]
+        times[strategy] = time.monotonic() - start
+    return errors, times
+
+
+def test_100k_documents(tmp_path, one_thread):
+    """100K documents (~100K tokens, a third of them empty) through every strategy at cp 2:
+    the single-device result; the plan's build stays a host matter of seconds."""
+    results = run_distributed(many_docs_worker, 2, tmp_path, timeout_s=300,
+                              collective_timeout_s=120)
+    errors = [f"rank {r} {e}" for r, (errs, _) in enumerate(results) for e in errs]
+    assert not errors, "\n".join(errors)
+    for rank, (_, times) in enumerate(results):
+        assert times["build"] < 30, f"rank {rank}: plan build took {times['build']:.1f} s"
