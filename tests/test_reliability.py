@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import math
 import os
 import time
 import weakref
