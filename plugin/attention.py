@@ -21,9 +21,10 @@ run on host tables built from the plan (``varlen_cp.schedules``) and call the ke
 without re-checking per step. With ``validate`` (the default) the first call on a plan also
 checks, with one 16-byte all-reduce, that every rank of the group built the same plan
 (ranks that disagree would otherwise get silently wrong results or a hung collective); the
-answer is cached in the plan, so it costs one small collective and one host read per plan
-(per batch), not per layer. With cp_size == 1 the call is the local differentiable op, after
-the same checks (a strategy's head rules included). Limits: self-attention only (q and k share the plan's token layout).
+answer is remembered beside the plan (a weak map keyed by it, per group), so it costs one
+small collective and one host read per plan (per batch), not per layer. With cp_size == 1
+the call is the local differentiable op, after the same checks (a strategy's option and
+head rules included). Limits: self-attention only (q and k share the plan's token layout).
 A learnable sink is replicated on the CP ranks: each rank's ``sink.grad`` is its own
 queries' share, summed by the usual gradient all-reduce over the CP (and data) ranks, as
 for every other replicated parameter.
@@ -32,6 +33,7 @@ for every other replicated parameter.
 from __future__ import annotations
 
 import math
+import struct
 import weakref
 from typing import Any
 
@@ -39,11 +41,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checks import check_bool
+from .checks import check_bool, check_choice, check_int
+from .config import AttnShape
 from .kernels import SOFTMAX_TYPES, apply_softmax_sink, block_sizes_for, check_softmax_args
 from .kernels import resolve_backend
+from .kernels.validation import BACKENDS
 from .masks import AttnMask
 from .plan import CPPlan
+from .plan.collective import check_group_type
 from .schedules.auto import choose_strategy
 from .schedules.cost import make_shape
 from .strategies import LOCAL, CallSpec, Strategy, get_strategy
@@ -54,12 +59,29 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # ------------------------------------------------------------------------------- checks
 def _check_scale(softmax_scale: Any) -> None:
-    if softmax_scale is not None and (isinstance(softmax_scale, bool)
-                                      or not isinstance(softmax_scale, (int, float))
-                                      or not math.isfinite(softmax_scale)
-                                      or not softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a finite positive float or None, got "
-                         f"{softmax_scale!r}")
+    """None, or a positive float that stays finite and non-zero in fp32 (what the kernels
+    scale scores in: 1e39 is inf there, 1e-50 is 0)."""
+    if softmax_scale is None:
+        return
+    ok = isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
+    if ok:
+        try:
+            fp32 = struct.unpack("f", struct.pack("f", float(softmax_scale)))[0]
+        except OverflowError:  # beyond fp32 (or a float), e.g. 1e39 or 10**400
+            fp32 = math.inf
+        ok = math.isfinite(fp32) and fp32 > 0
+    if not ok:
+        raise ValueError(f"softmax_scale must be a finite positive float (in fp32) or None, "
+                         f"got {softmax_scale!r}")
+
+
+def _check_a2a_size(strategy: str, a2a_size: Any) -> None:
+    """``a2a_size`` is an option of "a2a+p2p" only, and a positive int (whether it divides
+    cp_size is the strategy's check, once the plan is known)."""
+    if a2a_size is not None and strategy != "a2a+p2p":
+        raise ValueError(f"a2a_size applies to strategy 'a2a+p2p' only, got "
+                         f"a2a_size={a2a_size!r} with strategy={strategy!r}")
+    check_int("a2a_size", a2a_size, 1, optional=True)
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any,
@@ -76,6 +98,9 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any,
         if t.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name}.dtype must be float16, bfloat16 or float32, got "
                              f"{t.dtype}")
+        if t.shape[1] < 1 or t.shape[2] < 1:
+            raise ValueError(f"{name} must have at least one head and a head_dim >= 1, got "
+                             f"shape {tuple(t.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -96,9 +121,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any,
 def resolve_group(group: Any, plan: CPPlan) -> Any:
     """The CP process group (``group``, else the default group) after checking that it is
     one, that its size is the plan's cp_size and that this process is the plan's rank."""
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise ValueError(f"group must be a torch.distributed.ProcessGroup or None, got "
-                         f"{type(group).__name__}")
+    check_group_type(group)
     if plan.cp_size == 1 and group is None:
         return None
     if not dist.is_available() or not dist.is_initialized():
@@ -153,18 +176,40 @@ def _strategy_for(plan: CPPlan, strategy: str) -> Strategy:
 
 
 # -------------------------------------------------------------------------- ahead of time
+def _check_device(device: Any) -> torch.device:
+    """``device`` as a torch.device that this process can use (ValueError otherwise)."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be a torch.device or a device string, got "
+                         f"{device!r} ({e})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device} requested, but CUDA is not available")
+    return device
+
+
 def prepare_attention(plan: CPPlan, mask: AttnMask, strategy: str, shape: Any,
                       device: torch.device, *, backend: str = "auto",
                       a2a_size: int | None = None) -> str:
     """Build and cache in ``plan`` every table ``cp_varlen_attn(..., mask, strategy=...)``
-    will need for inputs of ``shape`` (``varlen_cp.prepare.AttnShape``) on ``device``;
+    will need for inputs of ``shape`` (``varlen_cp.config.AttnShape``) on ``device``;
     returns the strategy that will run (``auto`` resolved). Host work and non-blocking
     copies only (see ``varlen_cp.prepare``)."""
     if strategy != "auto":
         get_strategy(strategy)
+    if not isinstance(plan, CPPlan):
+        raise ValueError(f"plan must be a varlen_cp.CPPlan, got {type(plan).__name__}")
     if not isinstance(mask, AttnMask):
         raise ValueError(f"mask must be a varlen_cp.AttnMask, got {type(mask).__name__}")
-    device = torch.device(device)
+    if not isinstance(shape, AttnShape):
+        raise ValueError(f"shape must be a varlen_cp.config.AttnShape, got "
+                         f"{type(shape).__name__}")
+    device = _check_device(device)
+    check_choice("backend", backend, BACKENDS)
+    _check_a2a_size(strategy, a2a_size)
+    if strategy != "auto":  # the call's own rule, so a bad option fails ahead of the step
+        get_strategy(strategy).check_heads(shape.n_heads, shape.n_kv_heads, plan.cp_size,
+                                           a2a_size)
     block = tuple(block_sizes_for(backend, device, shape.head_dim, shape.value_dim,
                                   dtype=shape.dtype))
     cost_shape = make_shape(shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.value_dim,
@@ -196,8 +241,8 @@ def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPl
     ``varlen_cp.schedules.auto``; the same on every rank)
     (``a2a_size``: Ulysses group size for "a2a+p2p"; default the largest divisor of cp
     that divides Hq). ``validate`` (default True): on the first call with this plan, check
-    that all ranks built the same plan (one 16-byte all-reduce and a host read, cached in
-    the plan); False skips it.
+    that all ranks built the same plan (one 16-byte all-reduce and a host read, remembered
+    for the plan); False skips it.
     ``softmax_type``: "vanilla", "off-by-one" (a zero sink logit per head) or "learnable"
     (``sink``: fp32 [Hq] logits on q's device, usually an ``nn.Parameter``; it gets this
     rank's share of the gradient).
@@ -216,9 +261,7 @@ def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPl
                        ("validate", validate)):
         check_bool(name, flag)
     check_softmax_args(softmax_type, sink, q.shape[1], q.device)
-    if a2a_size is not None and strategy != "a2a+p2p":
-        raise ValueError(f"a2a_size applies to strategy 'a2a+p2p' only, got "
-                         f"a2a_size={a2a_size!r} with strategy={strategy!r}")
+    _check_a2a_size(strategy, a2a_size)
     backend = resolve_backend(backend, q.device)
     block = tuple(block_sizes_for(backend, q.device, q.shape[2], v.shape[2], dtype=q.dtype))
     group = resolve_group(group, plan)
@@ -280,7 +323,12 @@ class ContextParallelVarlenAttention(nn.Module):
             raise ValueError(f"mask must be a varlen_cp.AttnMask, got {type(mask).__name__}")
         if strategy != "auto":
             get_strategy(strategy)
+        # Everything that does not depend on the inputs is checked here, so a bad option
+        # fails when the model is built, not at its first forward.
+        check_group_type(group)
+        check_choice("backend", backend, BACKENDS)
         _check_scale(softmax_scale)
+        _check_a2a_size(strategy, a2a_size)
         check_bool("track_max_logit", track_max_logit)
         check_bool("validate", validate)
         if softmax_type not in SOFTMAX_TYPES:

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .checks import check_bool, check_choice, check_int
 from .kernels import SOFTMAX_TYPES
 from .kernels.validation import BACKENDS
@@ -23,7 +25,7 @@ from .strategies import STRATEGIES
 
 STRATEGY_NAMES: tuple[str, ...] = (*STRATEGIES, "auto")
 
-__all__ = ["CPConfig", "LAYOUTS", "STRATEGY_NAMES", "BACKENDS", "SOFTMAX_TYPES"]
+__all__ = ["CPConfig", "AttnShape", "LAYOUTS", "STRATEGY_NAMES", "BACKENDS", "SOFTMAX_TYPES"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,3 +95,30 @@ class CPConfig:
         if self.layout == "te" and self.pad_multiple is not None:
             kw["pad_multiple"] = self.pad_multiple
         return kw
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttnShape:
+    """Head counts, head dims and dtype of a model's attention (what tile sizes and the
+    ``auto`` cost model depend on)."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    head_dim_v: int | None = None
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        for name in ("n_heads", "n_kv_heads", "head_dim"):
+            check_int(f"AttnShape.{name}", getattr(self, name), 1)
+        check_int("AttnShape.head_dim_v", self.head_dim_v, 1, optional=True)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"AttnShape: n_heads={self.n_heads} must be a multiple of "
+                             f"n_kv_heads={self.n_kv_heads}")
+        if self.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"AttnShape.dtype must be torch.float16, bfloat16 or float32, "
+                             f"got {self.dtype!r}")
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v

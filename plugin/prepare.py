@@ -21,40 +21,13 @@ from typing import Any, Callable, Generic, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 
-from .checks import check_int
-from .config import CPConfig
+from .checks import check_bool, check_int
+from .config import AttnShape, CPConfig
 from .masks import AttnMask
 from .plan import CPPlan
 from .plan.balanced import normalize_masks
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, kw_only=True)
-class AttnShape:
-    """Head counts, head dims and dtype of a model's attention (what tile sizes and the
-    ``auto`` cost model depend on)."""
-
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    head_dim_v: int | None = None
-    dtype: torch.dtype = torch.bfloat16
-
-    def __post_init__(self) -> None:
-        for name in ("n_heads", "n_kv_heads", "head_dim"):
-            check_int(f"AttnShape.{name}", getattr(self, name), 1)
-        check_int("AttnShape.head_dim_v", self.head_dim_v, 1, optional=True)
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"AttnShape: n_heads={self.n_heads} must be a multiple of "
-                             f"n_kv_heads={self.n_kv_heads}")
-        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
-            raise ValueError(f"AttnShape.dtype must be a floating torch.dtype, got "
-                             f"{self.dtype!r}")
-
-    @property
-    def value_dim(self) -> int:
-        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
 
 LayerMasks = Sequence[tuple[AttnMask, int]]
@@ -80,13 +53,15 @@ def prepare_plan(plan: CPPlan, config: CPConfig, layer_masks: LayerMasks, shape:
     ``plan``. Pure host work plus non-blocking copies: no collective, no sync."""
     from .attention import prepare_attention  # the attention floor owns strategy choice
 
+    if not isinstance(config, CPConfig):
+        raise ValueError(f"config must be a varlen_cp.CPConfig, got {type(config).__name__}")
     masks = [m for m, _ in normalize_masks(list(layer_masks))]
     if strategies is not None and len(strategies) != len(masks):
         raise ValueError(f"strategies must have one entry per mask ({len(masks)}), got "
                          f"{len(strategies)}")
     for i, mask in enumerate(masks):
         name = config.strategy if strategies is None else strategies[i]
-        prepare_attention(plan, mask, name, shape, torch.device(device),
+        prepare_attention(plan, mask, name, shape, device,
                           backend=config.backend, a2a_size=config.a2a_size)
     return plan
 
@@ -107,6 +82,9 @@ class PlanPrefetcher(Generic[T]):
     def __init__(self, source: Iterable[T], make_plan: Callable[[T], CPPlan], *,
                  depth: int = 1, enabled: bool = True) -> None:
         check_int("depth", depth, 1)
+        check_bool("enabled", enabled)
+        if not callable(make_plan):
+            raise ValueError(f"make_plan must be callable, got {type(make_plan).__name__}")
         self._source, self._make_plan = iter(source), make_plan
         self._enabled = enabled
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)

@@ -51,6 +51,14 @@ def shard_packed_batch(batch: dict[str, Any], plan: CPPlan, *, seq_dim: int = 1,
         raise ValueError(f"batch must be a dict of tensors, got {type(batch).__name__}")
     if not isinstance(seq_dim, int) or isinstance(seq_dim, bool) or seq_dim < 0:
         raise ValueError(f"seq_dim must be an int >= 0, got {seq_dim!r}")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        # index_fill_ would cast 1.5 to 1 and train on the padding labels
+        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
+    tensors = [x for x in batch.values() if isinstance(x, torch.Tensor)]
+    if tensors and not any(x.dim() > seq_dim for x in tensors):
+        # Nothing would be sharded: every rank would silently keep the whole batch.
+        raise ValueError(f"seq_dim={seq_dim}: no tensor of the batch has that dim (shapes "
+                         f"{[tuple(x.shape) for x in tensors]})")
     for key, x in batch.items():
         if isinstance(x, torch.Tensor) and x.dim() > seq_dim \
                 and x.shape[seq_dim] != plan.total_tokens:
@@ -88,6 +96,13 @@ def cu_seqlens_from_positions(positions: torch.Tensor) -> torch.Tensor:
     if positions.dtype.is_floating_point or positions.dtype == torch.bool:
         raise ValueError(f"positions must be an integer tensor, got dtype {positions.dtype}")
     n = positions.numel()
+    # A negative position (a padding marker such as -1) is no position within a document:
+    # counted as a continuation of the document before it, it would silently join that
+    # document. (Jumps are accepted: torchtitan's trainer resets each row's first position
+    # to 0, so a row that starts mid-document reads 0, 38, 39, ...)
+    if n and bool((positions < 0).any()):
+        i = int(torch.nonzero(positions < 0)[0])
+        raise ValueError(f"positions must be >= 0, got positions[{i}]={int(positions[i])}")
     starts = positions == 0
     if n:
         starts[0] = True  # a sample cut mid-document still starts a segment at token 0

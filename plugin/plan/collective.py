@@ -16,8 +16,22 @@ import torch.distributed as dist
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def check_group_type(group: object) -> None:
+    """ValueError unless ``group`` is a ProcessGroup or None. A DeviceMesh, a rank list or
+    a group name would otherwise reach torch's collectives, which fail with unrelated
+    errors (or, for some types, on one rank only)."""
+    if group is None or (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        return
+    hint = ""
+    if type(group).__name__ == "DeviceMesh":
+        hint = " (for a DeviceMesh, pass its CP dimension's group: mesh['cp'].get_group())"
+    raise ValueError(f"group must be a torch.distributed.ProcessGroup or None, got "
+                     f"{type(group).__name__}{hint}")
+
+
 def check_group(group: dist.ProcessGroup | None, cp_size: int, cp_rank: int) -> None:
     """ValueError unless ``group`` has ``cp_size`` ranks and this process is ``cp_rank``."""
+    check_group_type(group)
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(f"group: torch.distributed is not initialized, but the plan has "
                          f"cp_size={cp_size} > 1")

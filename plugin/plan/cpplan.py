@@ -31,6 +31,10 @@ from .runs import Runs, pair_work
 from .tables import TokenTables, expand_pieces
 
 
+MAX_DOC_TOKENS = 1 << 30          # real positions < 2**30 (kernels/validation.py)
+MAX_TOTAL_TOKENS = (1 << 31) - 1  # int32 cu_seqlens and row offsets
+
+
 def _check_cu_seqlens(cu: Any) -> torch.Tensor:
     """Validated copy of the global cu_seqlens as int64 (CPU)."""
     if not isinstance(cu, torch.Tensor):
@@ -50,7 +54,20 @@ def _check_cu_seqlens(cu: Any) -> torch.Tensor:
         i = int(torch.nonzero(steps < 0)[0])
         raise ValueError(f"cu_seqlens must be non-decreasing, got cu_seqlens[{i}]="
                          f"{int(cu[i])} > cu_seqlens[{i + 1}]={int(cu[i + 1])}")
+    # Checked before any table is allocated (~20 bytes per token): the kernels' positions
+    # and the plan's local cu_seqlens are int32, and real positions stay below 2**30.
+    if steps.numel() and int(steps.max()) > MAX_DOC_TOKENS:
+        i = int(torch.argmax(steps))
+        raise ValueError(f"cu_seqlens: document {i} has {int(steps[i])} tokens, more than "
+                         f"the {MAX_DOC_TOKENS} (2**30) the kernels' int32 positions allow")
+    _check_total(int(cu[-1]), "cu_seqlens")
     return cu
+
+
+def _check_total(total: int, what: str) -> None:
+    if total > MAX_TOTAL_TOKENS:
+        raise ValueError(f"{what}: the batch has {total} tokens, more than the "
+                         f"{MAX_TOTAL_TOKENS} (2**31 - 1) of the plan's int32 tables")
 
 
 def _check_params(cp_size: Any, cp_rank: Any, layout: Any, min_chunk_tokens: Any,
@@ -138,6 +155,8 @@ class CPPlan:
         lengths = cu[1:] - cu[:-1]
         pieces = layout_pieces(lengths, cp_size, layout, min_chunk_tokens=min_chunk_tokens,
                                pad_multiple=pad, masks=masks, chunk_tokens=chunk)
+        if layout == "te":  # padding adds up to pad_multiple - 1 tokens per document
+            _check_total(int(pieces.padded_lengths.sum()), "cu_seqlens (padded)")
         tables = expand_pieces(pieces, lengths, cp_size)
         return cls(cu, cp_size, cp_rank, layout, min_chunk_tokens, pad, pieces.padded_lengths,
                    tables, masks=masks, chunk_tokens=chunk)
@@ -292,6 +311,15 @@ class CPPlan:
         dims = {self._check_tokens(p, dim, self.num_tokens_of(r), f"parts[{r}]")
                 for r, p in enumerate(parts)}
         d = dims.pop()
+        first = parts[0]
+        for r, p in enumerate(parts):  # torch.cat would promote dtypes or fail obscurely
+            rest = p.shape[:d] + p.shape[d + 1:]
+            if (p.dtype, p.device, rest) != (first.dtype, first.device,
+                                             first.shape[:d] + first.shape[d + 1:]):
+                raise ValueError(f"parts[{r}] ({p.dtype}, {p.device}, shape "
+                                 f"{tuple(p.shape)}) differs from parts[0] ({first.dtype}, "
+                                 f"{first.device}, shape {tuple(first.shape)}) in more than "
+                                 f"its token count along dim {d}")
         index = self._on("unshard_parts", parts[0].device,
                          lambda: self._global_gather_index(None))
         return torch.cat(list(parts), dim=d).index_select(d, index)

@@ -16,9 +16,10 @@ and a divide one another). a2a_size == cp is plain ``a2a`` and a2a_size == 1 pla
 those run the simpler strategy directly. The Ulysses sub-groups are created once per (CP
 group, a2a_size) with ``dist.new_group(..., use_local_synchronization=True)`` on first use,
 so only the members of each sub-group take part (the CP group may be a subgroup of a larger
-job), and with the CP group's own timeout (a stalled member fails its peers after the time
-the user gave the CP group, not torch's 10-30 minute default). Limits: creating the
-sub-group is a blocking call on the first forward.
+job), and with the CP group's own timeout, which they keep following when it changes later
+(a stalled member fails its peers after the time the user gave the CP group, not torch's
+10-30 minute default). Limits: creating the sub-group is a blocking call on the first
+forward.
 """
 
 from __future__ import annotations
@@ -78,7 +79,24 @@ def ulysses_subgroup(cp_group: Any, size: int) -> tuple[Any, tuple[int, ...]]:
             raise RuntimeError(f"Ulysses sub-group ranks {order} are not in CP rank order "
                                f"{members}")
         _SUBGROUPS[key] = (sub, members, cp_group)
-    return _SUBGROUPS[key][:2]
+    sub, members, _ = _SUBGROUPS[key]
+    _follow_timeout(sub, cp_group)
+    return sub, members
+
+
+def _follow_timeout(sub: Any, cp_group: Any) -> None:
+    """Give ``sub`` the CP group's CURRENT timeout. Frameworks change a group's timeout
+    after creating it (torchtitan's ``set_pg_timeouts`` shortens every mesh group from
+    ``comm.init_timeout_seconds`` to ``train_timeout_seconds`` after the first step, i.e.
+    after our first forward created the sub-groups), so it is re-read at every call: two
+    option reads, ~2 us; ``set_timeout`` is local (no collective) and runs only on a
+    change."""
+    want = group_timeout(cp_group)
+    if want is None or group_timeout(sub) == want:
+        return
+    setter = getattr(dist, "set_timeout", None) or getattr(dist, "_set_pg_timeout", None)
+    if setter is not None:
+        setter(want, sub)
 
 
 # --------------------------------------------------------------------------------- spec
