@@ -403,6 +403,24 @@ def experts_in_fp32() -> None:
         cls.forward = fp32(cls.forward)
 
 
+def reuse_parallel_dims() -> None:
+    """Every trainer of this process gets the first one's ``ParallelDims`` (and device
+    mesh), as in one torchtitan run: a new mesh per trainer trips FSDP's "same mesh" check,
+    through torch's global mesh caches. The cases of one launch share their parallelism."""
+    from torchtitan.trainer import Trainer
+
+    from varlen_cp.integrations.torchtitan.trainer import VarlenCPTrainer
+
+    dims = []
+
+    def init_distributed(trainer):
+        if not dims:
+            dims.append(Trainer.init_distributed(trainer))
+        return dims[0]
+
+    VarlenCPTrainer.init_distributed = init_distributed
+
+
 def train_worker(rank: int, world: int, cases: dict, tmp: str) -> dict:
     """Train each case with the real trainer (``train_step``, as ``Trainer.train`` calls
     it, minus checkpointing and the final 2 s sleep) on a tiny model; rank 0 returns each
@@ -418,21 +436,8 @@ def train_worker(rank: int, world: int, cases: dict, tmp: str) -> dict:
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     logging.getLogger().setLevel(logging.WARNING)
     from varlen_cp.integrations.torchtitan.config import load_config
-    from varlen_cp.integrations.torchtitan.trainer import VarlenCPTrainer
 
-    # Every case of a launch has the same parallelism: one ParallelDims (and device mesh)
-    # for all of them, as in one torchtitan run (a new mesh per trainer trips FSDP's
-    # "same mesh" check, through torch's global mesh caches).
-    dims = []
-
-    def init_distributed(trainer):
-        if not dims:
-            dims.append(Trainer.init_distributed(trainer))
-        return dims[0]
-
-    from torchtitan.trainer import Trainer
-
-    VarlenCPTrainer.init_distributed = init_distributed
+    reuse_parallel_dims()
 
     toml = Path(tmp) / "job.toml"
     if rank == 0:
