@@ -9,9 +9,10 @@
   CUDA; Flex has no CPU backward), and the logits and every parameter gradient of a dense
   reference attention (tests/reference.py), for each model scaled down for CPU.
 - Training: CP=2 (gloo, 2 processes) and CP=1 give the same losses and grad norms (relative
-  1e-4, fp32) for p2p, dispatch and a2a (and dispatch on the balanced layout, which
+  1e-4, fp32, 3 steps) for p2p, dispatch and a2a (and dispatch on the balanced layout, which
   balances gpt_oss's window and global layers at once), through the real trainer
-  (prefetched plans, sharding, FSDP over CP). One launch per world size runs every case.
+  (prefetched plans, sharding, FSDP over CP); FSDP x CP (4 processes) matches FSDP (qwen3).
+  One launch per parallelism runs its cases one after the other; the launches run at once.
 """
 
 from __future__ import annotations
@@ -142,12 +143,12 @@ def _spec(model_config):
 
 
 def fp32(model_config):
-    """gpt_oss's experts with their output cast back to fp32, as the trainer does in fp32
-    runs (torchtitan's own combine fails on their bf16 output otherwise)."""
-    from varlen_cp.integrations.torchtitan.stock import fp32_expert_outputs
+    """Routed experts in fp32, as the trainer runs them on CPU (torchtitan's own gpt_oss
+    experts return bf16, which its combine step refuses in an fp32 model)."""
+    from varlen_cp.integrations.torchtitan.stock import fp32_experts_for
 
     holder = _spec(model_config)
-    fp32_expert_outputs(holder)
+    fp32_experts_for(holder, compute=True)
     return holder.model
 
 
@@ -360,49 +361,6 @@ LAUNCHES = {  # name: (processes, cases); all launched at once
 }
 
 
-def fp32_grouped_mm(self, *, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor
-                    ) -> torch.Tensor:
-    """Routed experts' grouped GEMM in fp32, one expert at a time (rows past the last
-    offset, gpt_oss's padding, are 0): torch's fp32 grouped GEMM has no CPU backward."""
-    rows, start = [], 0
-    for e, end in enumerate(offs.tolist()):
-        rows.append(A[start:end].float() @ B_t[e].float())
-        start = end
-    rows.append(A.new_zeros(A.shape[0] - start, B_t.shape[-1], dtype=torch.float32))
-    return torch.cat(rows)
-
-
-def experts_in_fp32() -> None:
-    """Run torchtitan's routed experts in fp32 (this process only).
-
-    torchtitan casts expert inputs and weights to bf16 even with fp32 parameters, so each
-    rank's expert weight gradient is rounded to bf16 before FSDP sums the ranks: at CP=2
-    two bf16 partial sums, at CP=1 one (measured on tiny gpt_oss: 5e-3 apart; Adam then
-    flips the update of near-zero entries and the losses drift apart by 2e-4 at step 2).
-    Inside the experts' forward the bf16 casts become no-ops (a TorchFunctionMode) and the
-    grouped GEMM (torchtitan's seam for other precisions) runs in fp32, so the test
-    measures the attention and the sharding alone."""
-    from torch.overrides import TorchFunctionMode
-    from torchtitan.models.common.moe import GroupedExperts
-    from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
-
-    class NoBf16(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func is torch.Tensor.bfloat16:
-                return args[0]
-            return func(*args, **(kwargs or {}))
-
-    def fp32(forward):
-        def run(self, *args, **kwargs):
-            with NoBf16():
-                return forward(self, *args, **kwargs)
-        return run
-
-    GroupedExperts._grouped_mm = fp32_grouped_mm
-    for cls in (GroupedExperts, GptOssGroupedExperts):
-        cls.forward = fp32(cls.forward)
-
-
 def reuse_parallel_dims() -> None:
     """Every trainer of this process gets the first one's ``ParallelDims`` (and device
     mesh), as in one torchtitan run: a new mesh per trainer trips FSDP's "same mesh" check,
@@ -424,15 +382,12 @@ def reuse_parallel_dims() -> None:
 def train_worker(rank: int, world: int, cases: dict, tmp: str) -> dict:
     """Train each case with the real trainer (``train_step``, as ``Trainer.train`` calls
     it, minus checkpointing and the final 2 s sleep) on a tiny model; rank 0 returns each
-    case's logged {loss, grad_norm} per step.
-
-    torchtitan's routed experts run in fp32 here (``experts_in_fp32``)."""
+    case's logged {loss, grad_norm} per step."""
     import logging
 
     from varlen_cp.integrations.torchtitan import cpu_mode
 
     cpu_mode.enable_cpu_mode()
-    experts_in_fp32()
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     logging.getLogger().setLevel(logging.WARNING)
     from varlen_cp.integrations.torchtitan.config import load_config

@@ -49,6 +49,7 @@ from torchtitan.config.override import derive, override
 from torchtitan.models.common.attention import VarlenAttention
 from torchtitan.models.common.decoder_sharding import (dense_activation_placement,
                                                        dense_param_placement)
+from torchtitan.models.gpt_oss.model import Attention as GptOssAttention
 from torchtitan.protocols.module import Module
 from torchtitan.protocols.sharding import LocalMapConfig, ShardingConfig
 
@@ -160,19 +161,17 @@ class VarlenCPInnerAttention(Module, ContextParallelVarlenAttention):
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    """This rank's part of a (possibly DTensor) per-head parameter; its gradient keeps the
+    parameter's placements (as gpt_oss's own sink code does)."""
+    return t.to_local(grad_placements=t.placements) if isinstance(t, DTensor) else t
 
 
 def _gpt_oss_sinks(out_transform: Any) -> torch.Tensor | None:
     """gpt_oss's sink parameter when ``out_transform`` is its ``Attention._apply_sinks``
     (read at call time: FSDP swaps the registered parameter around forward)."""
-    func = getattr(out_transform, "__func__", None)
-    if func is None or func.__name__ != "_apply_sinks":
+    if getattr(out_transform, "__func__", None) is not GptOssAttention._apply_sinks:
         return None
-    from torchtitan.models.gpt_oss.model import Attention as GptOssAttention
-
-    owner = out_transform.__self__
-    return owner.sinks if func is GptOssAttention._apply_sinks else None
+    return out_transform.__self__.sinks
 
 
 def inner_attention_sharding() -> ShardingConfig:

@@ -13,11 +13,15 @@ a Shard(0) trunc_normal_ over 2 ranks differs from the 1-rank draw), so without 
 run would start from other weights than CP=1. On CUDA torch's offset-based RNG already does
 this, and materialising full expert tensors per rank would cost memory, so it stays off.
 
-With fp32 parameters (all CPU runs) gpt_oss's routed experts return bf16 into the fp32
-residual stream and torchtitan's own combine step then fails ("scatter(): Expected
-self.dtype to be equal to src.dtype"; its generic ``GroupedExperts`` casts back, gpt_oss's
-does not): ``fp32_expert_outputs`` overrides them with a subclass that casts the output back
-to the input dtype (a no-op with bf16 parameters; same parameters, same math).
+Routed experts in fp32 runs (``fp32_experts_for``, torchtitan ``@override``s of the experts'
+configs with subclasses: same parameters, same math). torchtitan computes them in bf16 even
+with fp32 parameters, and gpt_oss's return bf16 into the fp32 residual stream, where
+torchtitan's own combine step then fails ("scatter(): Expected self.dtype to be equal to
+src.dtype"); their output is cast back. On CPU (fp32 end to end) they also compute in fp32:
+in bf16 each rank's expert weight gradient is rounded to bf16 before FSDP sums the ranks, so
+CP=2 (two rounded partial sums) drifts from CP=1 (one): the gpt_oss debug model's losses
+were 7e-3 apart after 10 steps (Adam flips the sign of near-zero updates, the router
+follows); in fp32 they agree to 1e-5.
 
 Limits (each raises ``UnsupportedModel`` naming the model and the reason, before anything
 is built): qwen3_5 (its Gated DeltaNet linear-attention layers and vision tower need the
@@ -33,8 +37,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torchtitan.config.override import OverrideConfig, apply_overrides, derive, override
 from torchtitan.models.common.attention import BaseAttention
+from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.common.param_init import skip_param_init
 from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
 from torchtitan.protocols.module import Module
@@ -130,30 +136,87 @@ def attention_shape(layers: list[AttentionLayer], *, tp: int, dtype: str) -> Att
                      dtype=DTYPES.get(dtype, torch.float32))
 
 
-# ------------------------------------------------------------------------ fp32 gpt_oss
-class Fp32OutGptOssGroupedExperts(GptOssGroupedExperts):
-    """gpt_oss's routed experts with the output cast back to the input dtype (fp32 runs)."""
+# ------------------------------------------------------------------------ fp32 experts
+class _NoBf16(TorchFunctionMode):
+    """``Tensor.bfloat16()`` returns the tensor itself (inside fp32 experts only)."""
 
-    @dataclass(kw_only=True, slots=True)
-    class Config(GptOssGroupedExperts.Config):
-        pass
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.bfloat16:
+            return args[0]
+        return func(*args, **(kwargs or {}))
 
-    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor
-                ) -> torch.Tensor:
-        return GptOssGroupedExperts.forward(self, x_RD, num_tokens_per_expert_E).type_as(x_RD)
+
+def _fp32_grouped_mm(A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` in fp32, one expert at a time (torch's fp32 grouped GEMM has no
+    CPU backward); rows past the last offset (gpt_oss's padding) are 0. CPU only: reads
+    the offsets on the host."""
+    rows, start = [], 0
+    for e, end in enumerate(offs.tolist()):
+        rows.append(A[start:end].float() @ B_t[e].float())
+        start = end
+    rows.append(A.new_zeros(A.shape[0] - start, B_t.shape[-1], dtype=torch.float32))
+    return torch.cat(rows)
+
+
+def _fp32_experts(parent: type) -> type:
+    """``parent`` (torchtitan's routed experts) with its output cast back to the input
+    dtype, and with ``fp32_compute`` the whole computation in fp32 (its bf16 casts become
+    no-ops and the grouped GEMM runs in fp32)."""
+
+    class Fp32Experts(parent):
+        @dataclass(kw_only=True, slots=True)
+        class Config(parent.Config):
+            fp32_compute: bool = False
+
+        def __init__(self, config: Any) -> None:
+            parent.__init__(self, config)
+            self.fp32_compute = config.fp32_compute
+
+        def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor
+                    ) -> torch.Tensor:
+            if not self.fp32_compute:
+                return parent.forward(self, x_RD, num_tokens_per_expert_E).type_as(x_RD)
+            with _NoBf16():
+                return parent.forward(self, x_RD, num_tokens_per_expert_E).type_as(x_RD)
+
+        def _grouped_mm(self, *, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor
+                        ) -> torch.Tensor:
+            if self.fp32_compute:
+                return _fp32_grouped_mm(A, B_t, offs)
+            return parent._grouped_mm(self, A=A, B_t=B_t, offs=offs)
+
+    Fp32Experts.__name__ = Fp32Experts.__qualname__ = f"Fp32{parent.__name__}"
+    return Fp32Experts
+
+
+Fp32GroupedExperts = _fp32_experts(GroupedExperts)
+Fp32GptOssGroupedExperts = _fp32_experts(GptOssGroupedExperts)
+
+
+@override(target=GroupedExperts.Config, exact=True,
+          description="routed experts computed in fp32 (CPU fp32 runs)")
+def fp32_experts(cfg: Any, *, fp32_compute: bool = True) -> Any:
+    return derive(cfg, Fp32GroupedExperts.Config, fp32_compute=fp32_compute)
 
 
 @override(target=GptOssGroupedExperts.Config, exact=True,
-          description="gpt_oss experts: bf16 output cast back to the fp32 residual stream")
-def gpt_oss_fp32_experts(cfg: GptOssGroupedExperts.Config) -> Fp32OutGptOssGroupedExperts.Config:
-    return derive(cfg, Fp32OutGptOssGroupedExperts.Config)
+          description="gpt_oss experts: output in the input dtype, optionally fp32 compute")
+def fp32_gpt_oss_experts(cfg: Any, *, fp32_compute: bool = False) -> Any:
+    return derive(cfg, Fp32GptOssGroupedExperts.Config, fp32_compute=fp32_compute)
 
 
-def fp32_expert_outputs(root: Any) -> None:
-    """Apply ``gpt_oss_fp32_experts`` to a config tree (a ``Trainer.Config`` or a
-    ``ModelSpec``) if it has gpt_oss experts."""
-    if any(root.traverse(GptOssGroupedExperts.Config)):
-        apply_overrides(OverrideConfig(imports=[f"{__name__}.gpt_oss_fp32_experts"]), root)
+def fp32_experts_for(root: Any, *, compute: bool) -> None:
+    """In an fp32 run: gpt_oss's experts return fp32 (``compute`` False), or every routed
+    expert computes in fp32 (``compute`` True, CPU). ``root``: a ``Trainer.Config`` or a
+    ``ModelSpec``."""
+    found = {type(cfg) for _, cfg, _, _ in root.traverse(GroupedExperts.Config)}
+    imports: list[Any] = []
+    if GptOssGroupedExperts.Config in found:
+        imports.append((f"{__name__}.fp32_gpt_oss_experts", {"fp32_compute": compute}))
+    if compute and GroupedExperts.Config in found:
+        imports.append(f"{__name__}.fp32_experts")
+    if imports:
+        apply_overrides(OverrideConfig(imports=imports), root)
 
 
 # ------------------------------------------------------------------------ CPU init

@@ -58,7 +58,7 @@ from .attention import (OVERRIDE_TARGET, PackedBatch, VarlenCPInnerAttention, bi
                         layer_max_logits)
 from .options import ModelSection, VarlenCPSection
 from .stock import (attention_layers, attention_shape, check_supported,
-                    cpu_sharding_agnostic_init, fp32_expert_outputs, layer_masks)
+                    cpu_sharding_agnostic_init, fp32_experts_for, layer_masks)
 
 PLAN_KEY = "varlen_cp_plan"
 REGISTRY_TO_MODULE = {"kimi_k2_5": "kimi_k2_7"}  # ModelSpec.name -> torchtitan.models module
@@ -130,9 +130,11 @@ class VarlenCPMetrics(MetricsProcessor):
 
 def install_varlen_cp(config: Any) -> None:
     """Swap every ``VarlenAttention`` inner attention of ``config.model_spec`` for
-    varlen-cp's (torchtitan's ``apply_overrides`` with ``varlen_cp_attention``), and on CPU
-    make parameter init independent of the sharding and FSDP's reductions gloo-friendly.
-    Idempotent. Raises ValueError if a layer keeps another attention (Flex, SDPA)."""
+    varlen-cp's (torchtitan's ``apply_overrides`` with ``varlen_cp_attention``); in fp32
+    runs keep routed experts' outputs fp32 (and on CPU compute them in fp32), and on CPU
+    make parameter init independent of the sharding and FSDP's reductions gloo-friendly
+    (see ``stock``). Idempotent. Raises ValueError if a layer keeps another attention
+    (Flex, SDPA)."""
     spec, vc = config.model_spec, config.varlen_cp
     model_config = spec.model
     if any(model_config.traverse(VarlenAttention.Config)):
@@ -146,7 +148,7 @@ def install_varlen_cp(config: Any) -> None:
         raise ValueError(f"varlen_cp: every attention layer must be varlen attention (build "
                          f"the model with attn_backend='varlen'); found {', '.join(others)}")
     if config.training.mixed_precision_param == "float32":
-        fp32_expert_outputs(config)
+        fp32_experts_for(config, compute=cpu_mode.is_cpu_mode())
     if cpu_mode.is_cpu_mode():
         cpu_sharding_agnostic_init(model_config)
         if not getattr(spec.parallelize_fn, "varlen_cp_cpu", False):
