@@ -416,6 +416,9 @@ def train_worker(rank: int, world: int, cases: dict, tmp: str) -> dict:
             trainer.close()
         if rank == 0:
             out[name] = [json.loads(line) for line in loss_file.read_text().splitlines()]
+            # what the plans were built for: the model's masks, balanced by "balanced"
+            plan = trainer.make_plan(*trainer.dataloader.batch(0))
+            out[f"{name}:masks"] = (repr(trainer.layer_masks), repr(plan.masks))
     return out
 
 
@@ -458,6 +461,16 @@ def assert_same(ref: list[dict], rows: list[dict], what: str) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cp2_matches_cp1(trained, case):
     assert_same(trained["cp1"][CASES[case][0]], trained["cp2"][case], case)
+
+
+def test_plans_balance_gpt_oss_window_and_global_layers(trained):
+    from varlen_cp import AttnMask
+
+    window, glob = AttnMask(causal=True, window_size=(WINDOW - 1, 0)), AttnMask(causal=True)
+    layer_masks, plan_masks = trained["cp2"]["gpt_oss/dispatch/balanced:masks"]
+    assert layer_masks == repr([(window, 1), (glob, 1)])
+    assert plan_masks == repr(((window, 1.0), (glob, 1.0)))
+    assert trained["cp2"]["gpt_oss/p2p:masks"][1] == "()"  # dual_chunk needs no masks
 
 
 def test_fsdp_x_cp_matches_fsdp(trained):
