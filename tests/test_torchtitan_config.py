@@ -375,3 +375,10 @@ def test_console_script_and_test_extra():
     module, func = project["scripts"]["varlen-cp-train"].split(":")
     assert callable(getattr(importlib.import_module(module), func))
     assert any(req.startswith("numpy") for req in project["optional-dependencies"]["test"])
+
+
+def test_enable_false_runs_at_cp1(tmp_path):
+    """[varlen_cp] enable = false: CP is refused, cp=1 loads (the Llama 4 style model keeps
+    varlen-cp's attention; torchtitan's models keep torchtitan's)."""
+    cfg = build(tmp_path, "[varlen_cp]\nenable = false\n")
+    assert not cfg.varlen_cp.enable and cfg.parallelism.context_parallel_degree == 1

@@ -34,10 +34,6 @@ class VarlenCPSection(CPConfig):
         if not isinstance(self.enable, bool):
             raise ValueError(f"enable must be a bool, got {self.enable!r}")
 
-    def cp_config(self) -> CPConfig:
-        """The core options alone (what ``build_plan`` / ``prepare_plan`` take)."""
-        return CPConfig(**{f.name: getattr(self, f.name) for f in fields(CPConfig)})
-
 
 @dataclass(kw_only=True)
 class ModelSection(Llama4Args):

@@ -172,10 +172,10 @@ class VarlenCPTrainer(Trainer):
                              "enable = true (torchtitan refuses varlen attention with CP)")
         name = config.model_spec.name
         check_supported(REGISTRY_TO_MODULE.get(name, name), par.context_parallel_degree)
-        self.attn_layers = []
         if vc.enable:
             install_varlen_cp(config)
-            self.attn_layers = attention_layers(config.model_spec.model)
+        # The Llama 4 style model always has varlen-cp's attention (cp=1 with enable=false).
+        self.attn_layers = attention_layers(config.model_spec.model)
         self.layer_masks = layer_masks(self.attn_layers)
         self.attn_shape = None
         if self.attn_layers:
