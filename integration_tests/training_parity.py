@@ -1,6 +1,6 @@
 """A short Llama 4 style training at CP = world size whose losses must match a CP=1 run.
 
-Rank 0 first runs the CP=1 reference in a child process (``python -m varlen_cp.train``,
+Rank 0 first runs the CP=1 reference in a child process (``python -m varlen_cp.integrations.torchtitan.train``,
 one process, same config, same data); the other ranks wait. Then every rank trains the
 same steps in-process with ``context_parallel_degree = world`` (torchtitan reuses the
 suite's process group), and rank 0 compares the per-step losses that both runs appended to
@@ -64,7 +64,7 @@ def _reference(work: Path) -> tuple[bool, str]:
     """CP=1 run in a child process (rank 0): (ok, message)."""
     env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
     log = work / "reference.log"
-    cmd = [sys.executable, "-m", "varlen_cp.train",
+    cmd = [sys.executable, "-m", "varlen_cp.integrations.torchtitan.train",
            *_train_args(1, work / "loss_cp1.jsonl", work / "dump_cp1")]
     try:
         with open(log, "w") as f:

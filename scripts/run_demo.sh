@@ -3,6 +3,8 @@
 # parallelism 2 (two processes, gloo), then the same steps with CP=1, and compare the losses.
 #
 #   bash scripts/run_demo.sh [--section.key value ...]      (overrides go to both runs)
+#   CONFIG=configs/qwen3_debug_cp2.toml bash scripts/run_demo.sh   (torchtitan's own models:
+#       llama3, qwen3, gpt_oss, deepseek_v3 _debug_cp2.toml)
 #
 # On a fresh machine it creates the project's virtualenv (.venv, or $VENV; see
 # scripts/setup_env.sh) with torch 2.14.1 and torchtitan 0.3.0, so the system Python is
@@ -18,7 +20,8 @@ cd "$ROOT"
 if [[ -z "${PYTHON:-}" ]]; then  # the project's .venv (created on the first run)
   PYTHON="$(bash scripts/setup_env.sh | tail -n 1)"
 fi
-"$PYTHON" -c "import torchtitan, varlen_cp.train" 2>/dev/null \
+LAUNCHER=varlen_cp.integrations.torchtitan.train
+"$PYTHON" -c "import torchtitan, $LAUNCHER" 2>/dev/null \
   || { echo "error: $PYTHON cannot import torchtitan and varlen_cp" >&2; exit 1; }
 
 rm -rf "$OUT"
@@ -53,9 +56,9 @@ OVERRIDES=("$@")
 START=$(date +%s)
 run "CP=2" "$OUT/cp2.jsonl" "$OUT/cp2.log" \
   "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 --local-ranks-filter 0 \
-  -m varlen_cp.train --parallelism.context_parallel_degree 2
+  -m "$LAUNCHER" --parallelism.context_parallel_degree 2
 run "CP=1" "$OUT/cp1.jsonl" "$OUT/cp1.log" \
-  "$PYTHON" -m varlen_cp.train --parallelism.context_parallel_degree 1
+  "$PYTHON" -m "$LAUNCHER" --parallelism.context_parallel_degree 1
 
 "$PYTHON" - "$OUT/cp2.jsonl" "$OUT/cp1.jsonl" "$(( $(date +%s) - START ))" <<'EOF'
 import json

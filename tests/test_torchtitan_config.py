@@ -210,6 +210,14 @@ def test_cli_list_and_none_values(tmp_path):
     assert cfg.debug.seed is None and cfg.lr_scheduler.decay_ratio == 0.5
 
 
+def test_override_section_uses_torchtitans_parser(tmp_path):
+    target = "varlen_cp.integrations.torchtitan.stock.fp32_experts"
+    cfg = build(tmp_path, f'[override]\nimports = ["{target}"]\n')
+    assert cfg.override.imports == [target]
+    cfg = build(tmp_path, "", "--override.imports", f"{target},{target}2")
+    assert cfg.override.imports == [target, f"{target}2"]
+
+
 def test_hf_dataset_selects_torchtitan_dataloader(tmp_path):
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
@@ -247,3 +255,130 @@ def test_softmax_type_and_track_max_logit_keys(tmp_path):
     inner = cfg.model_spec.model.layers[0].attention.inner_attention
     assert (inner.softmax_type, inner.track_max_logit) == ("learnable", True)
     assert inner.n_heads == cfg.model.n_heads
+
+
+# ---------------------------------------------------------------- [varlen_cp] = CPConfig
+def test_varlen_cp_section_is_cpconfig_plus_enable(tmp_path):
+    from dataclasses import fields
+
+    from varlen_cp.config import CPConfig
+    from varlen_cp.integrations.torchtitan.options import VarlenCPSection
+
+    assert issubclass(VarlenCPSection, CPConfig)
+    assert [f.name for f in fields(VarlenCPSection)] == \
+        [f.name for f in fields(CPConfig)] + ["enable"]
+    cfg = build(tmp_path, '[varlen_cp]\nstrategy = "a2a+p2p"\na2a_size = 1\n'
+                'layout = "balanced"\nchunk_tokens = 128\nprefetch = false\nvalidate = false\n')
+    vc = cfg.varlen_cp
+    assert (vc.strategy, vc.a2a_size, vc.layout, vc.chunk_tokens, vc.prefetch, vc.validate) \
+        == ("a2a+p2p", 1, "balanced", 128, False, False)
+    inner = cfg.model_spec.model.layers[0].attention.inner_attention
+    assert (inner.strategy, inner.a2a_size, inner.validate) == ("a2a+p2p", 1, False)
+    # CPConfig's own cross-field checks, named with the section
+    expect_error(tmp_path, "[varlen_cp]\nchunk_tokens = 128\n",
+                 match=["[varlen_cp]", "job.toml", "varlen_cp.chunk_tokens", "balanced"])
+    expect_error(tmp_path, "[varlen_cp]\nmin_chunk_tokens = 0\n",
+                 match=["varlen_cp.min_chunk_tokens", ">= 1"])
+    expect_error(tmp_path, "[varlen_cp]\nprefetch = 1\n",
+                 match=["varlen_cp.prefetch", "bool", "job.toml"])
+
+
+# ---------------------------------------------------------------- torchtitan's own models
+STOCK = "[model]\nname = \"{name}\"\n{extra}[training]\nseq_len = 512\n"
+
+
+def test_stock_model_selection(tmp_path):
+    from torchtitan.models.common.attention import VarlenAttention
+
+    cfg = build(tmp_path, STOCK.format(name="gpt_oss", extra=""),
+                "--parallelism.context_parallel_degree", "2")
+    assert (cfg.model_spec.name, cfg.model_spec.flavor) == ("gpt_oss", "debugmodel")
+    assert cfg.model.flavor == "debugmodel"
+    # built with varlen attention: its windows are the layers' masks; the trainer swaps it
+    inner = [layer.attention.inner_attention for layer in cfg.model_spec.model.layers]
+    assert all(isinstance(i, VarlenAttention.Config) for i in inner)
+    assert [i.window_size for i in inner] == [(127, 0), (-1, 0)] * 2
+    assert cfg.tokenizer.vocab_size == 2048 and cfg.loss.global_vocab_size == 2048
+    cfg = build(tmp_path, STOCK.format(name="llama3", extra='flavor = "debugmodel"\n'),
+                "--varlen_cp.strategy", "a2a", "--parallelism.context_parallel_degree", "2")
+    assert cfg.model_spec.name == "llama3"
+
+
+def test_stock_model_errors(tmp_path):
+    expect_error(tmp_path, STOCK.format(name="llama3", extra="dim = 64\n"),
+                 match=["[model] dim in", "job.toml", "llama4_style", "model.flavor"])
+    expect_error(tmp_path, STOCK.format(name="llama3", extra='flavor = "tiny"\n'),
+                 match=["model.flavor 'tiny'", "llama3", "debugmodel", "8B"])
+    expect_error(tmp_path, '[model]\nflavor = "debugmodel"\n',
+                 match=["[model]", "model.flavor applies to torchtitan's models"])
+    expect_error(tmp_path, '[model]\nname = "llama2"\n',
+                 match=["[model]", "model.name", "'llama2'", "'qwen3'"])
+    expect_error(tmp_path, STOCK.format(name="qwen3_5", extra=""),
+                 match=["job.toml", "'qwen3_5' is not supported", "DeltaNet"])
+    expect_error(tmp_path, STOCK.format(name="kimi_k2_7", extra=""),
+                 "--parallelism.context_parallel_degree", "2",
+                 match=["'kimi_k2_7'", "vision", "context_parallel_degree = 1"])
+    expect_error(tmp_path, STOCK.format(name="qwen3", extra="").replace("512", "8192"),
+                 match=["training.seq_len (8192)", "max_seq_len (4096)"])
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "gpt_oss", "deepseek_v3"])
+def test_stock_configs_load(name):
+    cfg = load_config(["--config", str(REPO / "configs" / f"{name}_debug_cp2.toml")], cpu=True)
+    assert cfg.model_spec.name == name and cfg.varlen_cp.enable
+    assert cfg.parallelism.context_parallel_degree == 2
+
+
+# ---------------------------------------------------------------- launcher
+HIDE_TORCHTITAN = """
+import importlib.abc, runpy, sys
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "torchtitan":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Hide())
+sys.argv = ["train", "--config", "job.toml"]
+runpy.run_module("%s", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("module", ["varlen_cp.integrations.torchtitan.train",
+                                    "varlen_cp.train"])
+def test_launcher_without_torchtitan_names_the_extra(tmp_path, module):
+    proc = subprocess.run([sys.executable, "-c", HIDE_TORCHTITAN % module],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert 'pip install "varlen-cp[torchtitan]"' in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_new_launcher_path_exits_2_with_one_line_error(tmp_path):
+    path = write(tmp_path, "[training]\nstepz = 1\n")
+    proc = subprocess.run([sys.executable, "-m", "varlen_cp.integrations.torchtitan.train",
+                           "--config", path], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "stepz" in proc.stderr and "job.toml" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_console_script_and_test_extra():
+    """``varlen-cp-train`` points at the launcher; the test extra brings numpy (Triton's
+    CPU interpreter imports it)."""
+    import importlib
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    module, func = project["scripts"]["varlen-cp-train"].split(":")
+    assert callable(getattr(importlib.import_module(module), func))
+    assert any(req.startswith("numpy") for req in project["optional-dependencies"]["test"])
+
+
+def test_enable_false_runs_at_cp1(tmp_path):
+    """[varlen_cp] enable = false: CP is refused, cp=1 loads (the Llama 4 style model keeps
+    varlen-cp's attention; torchtitan's models keep torchtitan's)."""
+    cfg = build(tmp_path, "[varlen_cp]\nenable = false\n")
+    assert not cfg.varlen_cp.enable and cfg.parallelism.context_parallel_degree == 1

@@ -218,3 +218,18 @@ def test_learnable_sink_trains_and_max_logits_are_reported():
     q, k, scale = captured["qk"]
     ref = _dense_max_logit(q, k, [13, 27], scale if scale is not None else 8 ** -0.5)
     torch.testing.assert_close(got[0].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_layer_masks_and_shape_for_the_plan():
+    """What the trainer builds each batch's plan with: Llama 4's chunked (RoPE) and global
+    (NoPE) layers with their counts, and the attention shape on the rank."""
+    from varlen_cp.integrations.torchtitan.stock import (attention_layers, attention_shape,
+                                                         layer_masks)
+
+    args = Llama4Args(**TINY, n_layers=8, attention_chunk_size=16, nope_layer_interval=4)
+    layers = attention_layers(build_llama4_config(args))
+    assert layer_masks(layers) == [(AttnMask(causal=True, chunk_size=16), 6),
+                                   (AttnMask(causal=True), 2)]
+    shape = attention_shape(layers, tp=2, dtype="float32")
+    assert (shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.value_dim) == (2, 1, 8, 8)
+    assert shape.dtype == torch.float32

@@ -1,6 +1,7 @@
 """End to end: the launcher trains a few steps with CP=2 (torchrun, gloo, CPU) and with CP=1,
 and the per-step losses and gradient norms agree to fp32 rounding, for two CP strategies;
-FSDP x CP (4 processes) matches FSDP alone. Each run is the real ``varlen_cp.train`` command."""
+FSDP x CP (4 processes) matches FSDP alone. Each run is the real launcher command
+(``python -m varlen_cp.integrations.torchtitan.train``)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ deterministic = true
 """
 
 
+LAUNCHER = "varlen_cp.integrations.torchtitan.train"
 SINK = ["--model.softmax_type", "learnable", "--model.track_max_logit", "true"]
 RUNS = {  # name: (processes, overrides)
     "cp1": (1, []),
@@ -80,10 +82,10 @@ def start(root: Path, name: str, nproc: int, overrides: list[str]):
     cfg = out / "job.toml"
     cfg.write_text(TOML.format(dump=out / "dump"))
     loss_file = out / "loss.jsonl"
-    launcher = [sys.executable, "-m", "varlen_cp.train"]
+    launcher = [sys.executable, "-m", LAUNCHER]
     if nproc > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc_per_node={nproc}", "-m", "varlen_cp.train"]
+                    f"--nproc_per_node={nproc}", "-m", LAUNCHER]
     cmd = launcher + ["--config", str(cfg), "--metrics.loss_file", str(loss_file), *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = open(out / "log.txt", "w")

@@ -1,25 +1,42 @@
-"""torchtitan inner-attention adapter: ``GQAttention`` -> ``ContextParallelVarlenAttention``.
+"""torchtitan inner-attention adapter: ``VarlenCPInnerAttention`` and its ``@override``.
 
-torchtitan's ``GQAttention`` projects q/k/v, applies RoPE with the batch's positions and calls
-``inner_attention(q_BLNH, k_BLNH, v_BLNH, attention_masks=..., scale=..., enable_gqa=...)``.
-``VarlenCPInnerAttention`` is that inner module: its config carries the layer's mask
-(causal / window / chunk, so Llama 4's chunked and global layers differ only here), the CP
-strategy and the kernel backend; ``attention_masks`` carries a ``PackedBatch`` that holds the
-batch's ``CPPlan``, built once per step on the host and shared by every layer.
+torchtitan's attention modules (``GQAttention``, gpt_oss's and DeepSeek's ``Attention``)
+project q/k/v, apply RoPE with the batch's positions and call
+``inner_attention(q_BLNH, k_BLNH, v_BLNH, attention_masks=..., scale=..., [enable_gqa=...,
+out_transform=...])``. ``VarlenCPInnerAttention`` is that inner module: its config carries
+the layer's mask (causal / window / chunk: Llama 4's chunked and global layers, or gpt_oss's
+window and global layers, differ only here), the CP strategy and the kernel backend;
+``attention_masks`` carries a ``PackedBatch`` holding the batch's ``CPPlan``, built once per
+step on the host and shared by every layer.
+
+``varlen_cp_attention`` is a torchtitan ``@override`` of ``VarlenAttention.Config``: it turns
+each layer's ``window_size`` into that layer's ``AttnMask`` and the CP options (``CPConfig``)
+into the replacement config. The trainer applies it before the model config's own
+``update_from_config``, whose "Varlen attention is not supported with CP" check then sees
+varlen-cp's attention (a different class) and passes: only this attention bypasses it.
+The module always declares its own sharding (q/k/v stay sequence-sharded on CP, head-sharded
+on TP; the strategy moves K/V itself), whatever sharding a model's setter gave the config
+(torchtitan's would all-gather K/V along CP at the module boundary).
 
 Inputs arrive as [B=1, T_local, H, D] (the packed batch, this rank's tokens in the plan's
-local order); the output is [1, T_local, Hq, Dv]. The CP process group is bound once after
-the model is built (``bind_cp_group``); with a cp=1 plan the call is the local varlen op.
-Softmax extras (config fields): ``softmax_type`` "vanilla" | "off-by-one" | "learnable"
-(the learnable sink is ``self.sink``, one fp32 logit per query head, a parameter of this
-module, replicated on CP/DP and head-sharded on TP like the heads), and ``track_max_logit``:
-every forward stores the layer's max attention logit over the global batch in
-``self.max_logit`` (detached fp32 [Hq], the same on every CP rank) for metrics and QK-clip.
+local order), v may have its own head dim (MLA: q/k 192, v 128); the output is
+[1, T_local, Hq, Dv]. The CP process group is bound once after the model is built
+(``bind_cp_group``); with a cp=1 plan the call is the local varlen op.
+Softmax extras: ``softmax_type`` "vanilla" | "off-by-one" | "learnable" (the Llama 4 style
+model's learnable sink is ``self.sink``, one fp32 logit per query head, replicated on CP/DP
+and head-sharded on TP like the heads); gpt_oss's sinks stay the parameter
+``attention.sinks`` of its own module (same name and shape, so checkpoints load both ways)
+and become varlen-cp's learnable sink of that layer: its ``out_transform`` is recognised and
+the parameter passed as ``sink``. Any other ``out_transform(out, lse)`` gets the exact
+global LSE of each local query. ``track_max_logit``: every forward stores the layer's max
+attention logit over the global batch in ``self.max_logit`` (detached fp32 [Hq], the same
+on every CP rank) for metrics and QK-clip.
 Limits: B must be 1 (the trainer packs the batch's rows into one sequence).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +45,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan.config.override import derive, override
+from torchtitan.models.common.attention import VarlenAttention
 from torchtitan.models.common.decoder_sharding import (dense_activation_placement,
                                                        dense_param_placement)
+from torchtitan.models.gpt_oss.model import Attention as GptOssAttention
 from torchtitan.protocols.module import Module
 from torchtitan.protocols.sharding import LocalMapConfig, ShardingConfig
 
@@ -58,7 +78,8 @@ class VarlenCPInnerAttention(Module, ContextParallelVarlenAttention):
         """Llama 4 chunked attention: keys in the same chunk of this size (0 = off)."""
         strategy: str = "p2p"
         backend: str = "auto"
-        validate: bool = False
+        validate: bool = True
+        a2a_size: int | None = None
         softmax_type: str = "vanilla"
         """"vanilla", "off-by-one" (a zero sink logit) or "learnable" (``sink`` parameter)."""
         n_heads: int = 0
@@ -66,18 +87,24 @@ class VarlenCPInnerAttention(Module, ContextParallelVarlenAttention):
         track_max_logit: bool = False
         """Keep the last forward's max logit per head in ``max_logit``."""
 
+        def mask(self) -> AttnMask:
+            return AttnMask(causal=self.causal, window_size=(self.window_left, self.window_right),
+                            chunk_size=self.chunk_size or None)
+
+        def build(self, **kwargs: Any) -> "VarlenCPInnerAttention":
+            # The sharding is a property of this attention, not of the model: always ours.
+            module = Module.Config.build(self, **kwargs)
+            module._sharding_config = inner_attention_sharding()
+            return module
+
     def __init__(self, config: Config) -> None:
-        mask = AttnMask(causal=config.causal,
-                        window_size=(config.window_left, config.window_right),
-                        chunk_size=config.chunk_size or None)
         # nn.Module.__init__ runs once, through ContextParallelVarlenAttention's super() chain.
         # "auto" is resolved per (plan, mask) inside cp_varlen_attn, from the plan's costs.
         ContextParallelVarlenAttention.__init__(
-            self, mask, strategy=config.strategy, group=None, backend=config.backend,
-            softmax_type=config.softmax_type, n_heads=config.n_heads or None,
-            track_max_logit=config.track_max_logit)
+            self, config.mask(), strategy=config.strategy, group=None, backend=config.backend,
+            a2a_size=config.a2a_size, softmax_type=config.softmax_type,
+            n_heads=config.n_heads or None, track_max_logit=config.track_max_logit)
         self.validate = config.validate
-        self._validated = False
 
     def forward(  # pyrefly: ignore[bad-override]
         self,
@@ -88,6 +115,7 @@ class VarlenCPInnerAttention(Module, ContextParallelVarlenAttention):
         attention_masks: Any,
         scale: float | None = None,
         enable_gqa: bool = False,
+        out_transform: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
         if not isinstance(attention_masks, PackedBatch):
@@ -96,21 +124,25 @@ class VarlenCPInnerAttention(Module, ContextParallelVarlenAttention):
         if q_BLNH.shape[0] != 1:
             raise ValueError(f"VarlenCPInnerAttention expects the packed batch as B=1, got "
                              f"q of shape {tuple(q_BLNH.shape)}")
-        plan = attention_masks.plan
         q, k, v = q_BLNH[0], k_BLNH[0], v_BLNH[0]
-        # The fingerprint check costs an all-reduce and a host sync: once per module.
-        check = self.validate and not self._validated and plan.cp_size > 1
-        track = self.track_max_logit
+        softmax_type, sink = self.softmax_type, self._sink_arg()
+        owner_sinks = _gpt_oss_sinks(out_transform)
+        if owner_sinks is not None:  # gpt_oss: its sinks are this layer's learnable sink
+            softmax_type, sink, out_transform = "learnable", _local(owner_sinks).float(), None
+        want_lse, track = out_transform is not None, self.track_max_logit
         with spmd.no_typecheck():
-            res = cp_varlen_attn(q, k, v, plan, self.mask, self.group, self.strategy,
-                                 scale, backend=self.backend, validate=check,
-                                 return_max_logit=track, softmax_type=self.softmax_type,
-                                 sink=self._sink_arg())
-        self._validated = self._validated or check
-        out = res[0] if track else res
-        if track:
-            self.max_logit = res[1].detach()
-        return out.unsqueeze(0)
+            res = cp_varlen_attn(q, k, v, attention_masks.plan, self.mask, self.group,
+                                 self.strategy, scale, return_lse=want_lse,
+                                 backend=self.backend, validate=self.validate,
+                                 a2a_size=self.a2a_size, return_max_logit=track,
+                                 softmax_type=softmax_type, sink=sink)
+            res = res if isinstance(res, tuple) else (res,)
+            out = res[0].unsqueeze(0)
+            if track:
+                self.max_logit = res[-1].detach()
+            if want_lse:  # the exact global LSE of each local query, as [1, T_local, Hq]
+                out = out_transform(out, res[1].transpose(0, 1).unsqueeze(0))
+        return out
 
     def reset_parameters(self) -> None:
         """torchtitan's ``init_states`` hook (models are built on the meta device): the
@@ -125,10 +157,21 @@ class VarlenCPInnerAttention(Module, ContextParallelVarlenAttention):
         parameter may be a DTensor; its local value is this rank's heads, and the op's
         gradient flows back through ``to_local``."""
         sink = getattr(self, "sink", None)
-        if sink is None:
-            return None
-        local = sink.to_local() if isinstance(sink, DTensor) else sink
-        return local.float()
+        return None if sink is None else _local(sink).float()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly DTensor) per-head parameter; its gradient keeps the
+    parameter's placements (as gpt_oss's own sink code does)."""
+    return t.to_local(grad_placements=t.placements) if isinstance(t, DTensor) else t
+
+
+def _gpt_oss_sinks(out_transform: Any) -> torch.Tensor | None:
+    """gpt_oss's sink parameter when ``out_transform`` is its ``Attention._apply_sinks``
+    (read at call time: FSDP swaps the registered parameter around forward)."""
+    if getattr(out_transform, "__func__", None) is not GptOssAttention._apply_sinks:
+        return None
+    return out_transform.__self__.sinks
 
 
 def inner_attention_sharding() -> ShardingConfig:
@@ -170,3 +213,29 @@ def layer_max_logits(model: nn.Module) -> dict[int, torch.Tensor]:
         if "layers" in parts and parts.index("layers") + 1 < len(parts):
             out[int(parts[parts.index("layers") + 1])] = value
     return out
+
+
+def window_to_mask(window_size: tuple[int, int]) -> AttnMask:
+    """torchtitan's ``VarlenAttention`` window (flash-attn convention: (-1, 0) causal,
+    (W, 0) causal sliding window, (-1, -1) full) as varlen-cp's mask."""
+    left, right = window_size
+    if right == 0:
+        return AttnMask(causal=True, window_size=(left, -1 if left < 0 else 0))
+    return AttnMask(causal=False, window_size=(left, right))
+
+
+@override(target=VarlenAttention.Config,
+          description="varlen-cp: context-parallel varlen attention for packed documents")
+def varlen_cp_attention(cfg: VarlenAttention.Config, *, strategy: str = "p2p",
+                        backend: str = "auto", validate: bool = True,
+                        a2a_size: int | None = None) -> VarlenCPInnerAttention.Config:
+    """torchtitan ``@override``: a layer's ``VarlenAttention.Config`` -> varlen-cp's, with
+    the layer's mask from its ``window_size`` and the CP options (``CPConfig`` fields)."""
+    mask = window_to_mask(tuple(cfg.window_size))
+    return derive(cfg, VarlenCPInnerAttention.Config, causal=mask.causal,
+                  window_left=mask.window_size[0], window_right=mask.window_size[1],
+                  strategy=strategy, backend=backend, validate=validate, a2a_size=a2a_size)
+
+
+OVERRIDE_TARGET = f"{__name__}.varlen_cp_attention"
+"""The ``override.imports`` entry that names ``varlen_cp_attention``."""

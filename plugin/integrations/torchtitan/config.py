@@ -4,8 +4,8 @@ torchtitan 0.3.0 configures jobs with Python functions; this module brings back 
 with torchtitan's own section and field names. A section maps onto the ``Trainer.Config``
 field of the same name (``[training]`` -> ``config.training``, ``[parallelism]``,
 ``[lr_scheduler]``, ``[checkpoint]``, ``[metrics]``, ``[profiler]``, ``[compile]``,
-``[comm]``, ``[debug]``, ``[activation_checkpoint]``, ``[dataloader]``), and each key onto a
-field of that dataclass, type-checked against its annotation. A few sections are mapped:
+``[comm]``, ``[debug]``, ``[override]``, ``[activation_checkpoint]``, ``[dataloader]``), and
+each key onto a field of that dataclass. A few sections are mapped:
 
 - ``[job]``: ``dump_folder``, ``hf_assets_path`` (top-level fields), ``description``.
 - ``[optimizer]``: ``name`` (Adam | AdamW), ``lr``, ``eps``, ``weight_decay``, ``beta1``,
@@ -14,14 +14,22 @@ field of that dataclass, type-checked against its annotation. A few sections are
 - ``[dataloader]``: ``dataset = "synthetic"`` (default) is the plugin's packed synthetic
   dataset; any other name is torchtitan's HF text dataloader (``dataset``, ``dataset_path``)
   with the HF tokenizer from ``[job] hf_assets_path``.
-- ``[model]`` (``Llama4Args``) and ``[varlen_cp]`` (``VarlenCPConfig``: ``enable``,
-  ``strategy`` = auto | p2p | all_gather | a2a | a2a+p2p | dispatch, ``layout`` =
-  dual_chunk | te | contiguous, ``backend`` = auto | triton | torch, ``min_chunk_tokens``,
-  ``validate``): the plugin's.
+- ``[model]`` (``options.ModelSection``): ``name = "llama4_style"`` (default) is the
+  project's Llama 4 style model with its own keys (``dim``, ``n_layers``, ...); ``name`` =
+  one of torchtitan's models (``llama3``, ``qwen3``, ``gpt_oss``, ``deepseek_v3``, ...) with
+  ``flavor`` (torchtitan's registry flavor, default "debugmodel") picks that model unchanged.
+- ``[varlen_cp]`` (``options.VarlenCPSection``: ``varlen_cp.CPConfig`` + ``enable``).
 
-Command-line ``--section.key value`` (or ``--section.key=value``) overrides the file. An
-unknown section or key, or a value of the wrong type, raises ``ConfigError`` naming it and
-where it came from (the file, or the command line), before anything is built.
+Values are parsed and type-checked by tyro (torchtitan's own CLI library, with torchtitan's
+rules, e.g. comma-separated lists): a command-line string with the field type's tyro
+constructor, a TOML value with its ``is_instance`` check (plus: a bool is never a number)
+and normalised through it (an int given for a float field becomes a float). Each section is
+then built with ``dataclasses.replace``, so its own ``__post_init__`` checks run.
+
+Command-line ``--section.key value`` (or ``--section.key=value``; a bare ``--section.key``
+means true) overrides the file. An unknown section or key, or a value of the wrong type,
+raises ``ConfigError`` naming it and where it came from (the file, or the command line),
+before anything is built.
 Limits: list-of-dataclass fields (e.g. optimizer param groups) are not settable from TOML;
 use the ``[optimizer]`` keys above.
 """
@@ -30,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -41,134 +48,8 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 
-def _strategies() -> tuple[str, ...]:
-    """"auto" plus every strategy varlen_cp ships (p2p, all_gather, a2a, a2a+p2p, dispatch)."""
-    from ...strategies import STRATEGIES as NAMES
-
-    return ("auto", *NAMES)
-
-from ...plan import LAYOUTS  # noqa: E402  (every layout the plan knows, balanced included)
-
-BACKENDS = ("auto", "triton", "torch")
-
-
 class ConfigError(ValueError):
     """A TOML or command-line setting that cannot be applied."""
-
-
-@dataclasses.dataclass(kw_only=True)
-class VarlenCPConfig:
-    """The ``[varlen_cp]`` section: context parallelism for packed documents."""
-
-    enable: bool = True
-    """Use varlen-cp's attention and sharding (False: refuse CP > 1, run cp=1 varlen)."""
-    strategy: str = "p2p"
-    """CP communication strategy: p2p, all_gather, a2a (n_heads % cp == 0), a2a+p2p,
-    dispatch, or auto (chosen per plan and mask from the plan's cost estimates)."""
-    layout: Literal["dual_chunk", "te", "contiguous", "balanced"] = "dual_chunk"
-    """Which tokens each CP rank holds (see varlen_cp.CPPlan)."""
-    backend: Literal["auto", "triton", "torch"] = "auto"
-    """Attention kernels: auto = triton on CUDA, torch on CPU."""
-    min_chunk_tokens: int = 64
-    """dual_chunk: documents shorter than 2*cp*min_chunk_tokens are kept whole."""
-    validate: bool = False
-    """Check once that every CP rank built the same plan (one small all-reduce)."""
-
-    def __post_init__(self) -> None:
-        if self.strategy not in _strategies():
-            raise ValueError(f"varlen_cp.strategy must be one of {_strategies()}, got "
-                             f"{self.strategy!r}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"varlen_cp.layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"varlen_cp.backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.min_chunk_tokens < 1:
-            raise ValueError(f"varlen_cp.min_chunk_tokens must be >= 1, got {self.min_chunk_tokens}")
-
-
-# ------------------------------------------------------------------------ type checking
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is typing.Annotated:
-        return _type_name(typing.get_args(tp)[0])
-    if origin is not None:
-        args = ", ".join(_type_name(a) for a in typing.get_args(tp))
-        return f"{getattr(origin, '__name__', origin)}[{args}]"
-    if tp is type(None):
-        return "none"
-    return getattr(tp, "__name__", str(tp))
-
-
-_NO = object()
-
-
-def _coerce(value: Any, tp: Any) -> Any:
-    """``value`` as type ``tp`` (int -> float, list -> tuple), or ``_NO`` if it does not fit."""
-    if tp is Any:
-        return value
-    origin = typing.get_origin(tp)
-    if origin is typing.Annotated:
-        return _coerce(value, typing.get_args(tp)[0])
-    if origin is Literal:
-        return value if any(value == a and type(value) is type(a)
-                            for a in typing.get_args(tp)) else _NO
-    if origin in (typing.Union, types.UnionType):
-        # Exact types first so that "float | int" keeps an int an int.
-        args = typing.get_args(tp)
-        for a in args:
-            if isinstance(a, type) and type(value) is a:
-                return value
-        for a in args:
-            out = _coerce(value, a)
-            if out is not _NO:
-                return out
-        return _NO
-    if tp is type(None) or tp is None:
-        return None if value is None else _NO
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            return _NO
-        args = typing.get_args(tp)
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(args) != len(value):
-                return _NO
-            items = [_coerce(v, a) for v, a in zip(value, args)]
-        else:
-            item_tp = args[0] if args else Any
-            items = [_coerce(v, item_tp) for v in value]
-        if any(i is _NO for i in items):
-            return _NO
-        return list(items) if origin is list else tuple(items)
-    if origin is dict:
-        return dict(value) if isinstance(value, dict) else _NO
-    if tp is bool:
-        return value if isinstance(value, bool) else _NO
-    if tp is int:
-        return value if isinstance(value, int) and not isinstance(value, bool) else _NO
-    if tp is float:
-        if isinstance(value, bool):
-            return _NO
-        return float(value) if isinstance(value, (int, float)) else _NO
-    if tp is str:
-        return value if isinstance(value, str) else _NO
-    return _NO
-
-
-def _parse_cli_value(raw: str, tp: Any) -> Any:
-    """A command-line string as a TOML literal (numbers, booleans, arrays), else the string."""
-    if raw.lower() in ("none", "null"):
-        return None
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        pass
-    if typing.get_origin(tp) is list or tp is list or "list[" in str(tp):
-        return [s for s in raw.split(",") if s]
-    return raw
 
 
 # ------------------------------------------------------------------------ sources
@@ -254,62 +135,116 @@ def _is_number(s: str) -> bool:
         return False
 
 
-# ------------------------------------------------------------------------ application
-def _fields(obj: Any) -> dict[str, Any]:
-    """Field name -> resolved annotation for a dataclass instance."""
+# ------------------------------------------------------------------------ values (tyro)
+def _describe(tp: Any) -> str:
+    """A type as a user reads it: int, float | int, 'p2p' | 'te', list[str]."""
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_args(tp):
+        return str(tp).replace("typing.", "")
+    return getattr(tp, "__name__", str(tp))
+
+
+def _constructor(tp: Any) -> Any:
+    """tyro's constructor for values of type ``tp``, with torchtitan's tyro rules."""
+    from torchtitan.config.manager import ConfigManager, custom_registry
+    from tyro.constructors import ConstructorRegistry, PrimitiveTypeInfo
+
+    if not getattr(_constructor, "rules", False):
+        ConfigManager()  # registers torchtitan's rules (comma-separated lists, ...) once
+        _constructor.rules = True  # type: ignore[attr-defined]
+    with custom_registry:
+        return ConstructorRegistry.get_primitive_spec(PrimitiveTypeInfo.make(tp, set()))
+
+
+def convert(s: Setting, tp: Any) -> Any:
+    """The value of ``s`` as type ``tp``; ConfigError naming the setting otherwise."""
+    spec = _constructor(tp)
+    name = ".".join(s.path)
+    if not hasattr(spec, "instance_from_str"):
+        raise ConfigError(f"{s.where()}: {name} (type {_describe(tp)}) cannot be set from a "
+                          "TOML file or the command line")
+    value = s.value
     try:
-        hints = typing.get_type_hints(type(obj), include_extras=True)
+        if s.raw:  # a command-line string, parsed as tyro parses --flag values
+            raw = {"true": "True", "false": "False", "none": "None", "null": "None"}.get(
+                value.lower(), value)
+            tokens = [raw] if spec.nargs == 1 else [t for t in raw.split(",") if t]
+            if spec.choices is None or all(t in spec.choices for t in tokens):
+                return spec.instance_from_str(tokens)
+        else:  # a TOML value: checked, then normalised through tyro's string form
+            if isinstance(value, list) and typing.get_origin(tp) is tuple:
+                value = tuple(value)
+            bool_ok = not isinstance(value, bool) or bool in (tp, *typing.get_args(tp))
+            if bool_ok and spec.is_instance(value):  # tyro takes True for an int; we do not
+                return spec.instance_from_str(spec.str_from_instance(value))
+    except (ValueError, TypeError):
+        pass
+    raise ConfigError(f"{s.where()}: wrong type for {name}: expected {_describe(tp)}, got "
+                      f"{value!r} ({type(value).__name__})")
+
+
+# ------------------------------------------------------------------------ sections
+def _fields(obj: Any) -> dict[str, Any]:
+    """Settable field name -> resolved annotation of a dataclass instance."""
+    try:
+        hints = typing.get_type_hints(type(obj))
     except Exception:  # unresolvable forward refs: fall back to the raw annotations
         hints = {}
     return {f.name: hints.get(f.name, f.type) for f in dataclasses.fields(obj)
-            if not f.name.startswith("_")}
+            if f.init and not f.name.startswith("_")}
 
 
-def set_field(obj: Any, s: Setting, depth: int) -> None:
-    """Apply ``s.path[depth:]`` to dataclass ``obj``, checking key and type."""
-    key = s.path[depth]
+def _rebuild(obj: Any, values: dict[str, Any], section: str, settings: list[Setting]) -> Any:
+    """``obj`` with ``values``, its ``__post_init__`` checks run; errors name the section,
+    the field (``section.field``) and where the settings came from."""
+    try:
+        return dataclasses.replace(obj, **values)
+    except (ValueError, TypeError, AssertionError) as e:
+        msg = str(e)
+        field_names = {f.name for f in dataclasses.fields(obj)}
+        if msg.split(" ", 1)[0] in field_names:  # "strategy must be ..." -> "varlen_cp.strat..."
+            msg = f"{section}.{msg}"
+        sources = sorted({s.source for s in settings}) or ["defaults"]
+        raise ConfigError(f"[{section}] ({', '.join(sources)}): {msg}") from e
+
+
+def apply_section(obj: Any, settings: list[Setting], depth: int = 1) -> Any:
+    """Dataclass ``obj`` with ``settings`` (their ``path[depth:]``) applied, in order (the
+    command line comes last, so it wins)."""
     known = _fields(obj)
-    if key not in known:
-        section = ".".join(s.path[:depth]) or "top level"
-        raise ConfigError(f"unknown key {key!r} in [{section}] ({s.where()}); known keys: "
-                          f"{', '.join(sorted(known))}")
-    tp = known[key]
-    if depth + 1 < len(s.path):
-        child = getattr(obj, key)
-        if not dataclasses.is_dataclass(child):
-            raise ConfigError(f"{s.where()}: {'.'.join(s.path[:depth + 1])} is a value of type "
-                              f"{_type_name(tp)}, not a section")
-        set_field(child, s, depth + 1)
-        return
-    if dataclasses.is_dataclass(getattr(obj, key)):
-        raise ConfigError(f"{s.where()}: {'.'.join(s.path)} is a section; set its keys instead")
-    value = _parse_cli_value(s.value, tp) if s.raw else s.value
-    coerced = _coerce(value, tp)
-    if coerced is _NO:
-        raise ConfigError(f"{s.where()}: wrong type for {'.'.join(s.path)}: expected "
-                          f"{_type_name(tp)}, got {value!r} ({type(value).__name__})")
-    setattr(obj, key, coerced)
-
-
-def coerce_setting(s: Setting, tp: Any) -> Any:
-    """The value of ``s`` checked against ``tp`` (for the mapped sections)."""
-    value = _parse_cli_value(s.value, tp) if s.raw else s.value
-    out = _coerce(value, tp)
-    if out is _NO:
-        raise ConfigError(f"{s.where()}: wrong type for {'.'.join(s.path)}: expected "
-                          f"{_type_name(tp)}, got {value!r} ({type(value).__name__})")
-    return out
+    section = ".".join(settings[0].path[:depth]) if settings else "?"
+    values: dict[str, Any] = {}
+    nested: dict[str, list[Setting]] = {}
+    for s in settings:
+        key = s.path[depth]
+        if key not in known:
+            raise ConfigError(f"unknown key {key!r} in [{section}] ({s.where()}); known keys: "
+                              f"{', '.join(sorted(known))}")
+        child_is_section = dataclasses.is_dataclass(getattr(obj, key))
+        if depth + 1 < len(s.path):
+            if not child_is_section:
+                raise ConfigError(f"{s.where()}: {'.'.join(s.path[:depth + 1])} is a value of "
+                                  f"type {_describe(known[key])}, not a section")
+            nested.setdefault(key, []).append(s)
+        elif child_is_section:
+            raise ConfigError(f"{s.where()}: {'.'.join(s.path)} is a section; set its keys "
+                              "instead")
+        else:
+            values[key] = convert(s, known[key])
+    for key, sub in nested.items():
+        values[key] = apply_section(getattr(obj, key), sub, depth + 1)
+    return _rebuild(obj, values, section, settings)
 
 
 # ------------------------------------------------------------------------ mapping
 GENERIC_SECTIONS = ("training", "parallelism", "lr_scheduler", "checkpoint", "metrics",
-                    "profiler", "compile", "comm", "debug", "model", "varlen_cp")
+                    "profiler", "compile", "comm", "debug", "override", "model", "varlen_cp")
 MAPPED_SECTIONS = ("job", "optimizer", "activation_checkpoint", "dataloader")
 JOB_KEYS = {"dump_folder": str, "hf_assets_path": str, "description": str}
 OPTIMIZER_KEYS = {"name": Literal["Adam", "AdamW"], "lr": float, "eps": float,
                   "weight_decay": float, "beta1": float, "beta2": float,
                   "implementation": Literal["for-loop", "foreach", "fused"]}
-AC_MODES = ("none", "selective", "full")
 
 
 def _by_section(settings: list[Setting]) -> dict[str, list[Setting]]:
@@ -317,9 +252,8 @@ def _by_section(settings: list[Setting]) -> dict[str, list[Setting]]:
     known = GENERIC_SECTIONS + MAPPED_SECTIONS
     for s in settings:
         if s.path[0] not in known:
-            where = ("command line" if s.source == "command line" else s.source)
-            raise ConfigError(f"unknown section [{s.path[0]}] ({'.'.join(s.path)} in {where}); "
-                              f"known sections: {', '.join(known)}")
+            raise ConfigError(f"unknown section [{s.path[0]}] ({'.'.join(s.path)} in "
+                              f"{s.source}); known sections: {', '.join(known)}")
         out.setdefault(s.path[0], []).append(s)
     return out
 
@@ -332,7 +266,7 @@ def _flat_keys(section: str, settings: list[Setting], allowed: dict[str, Any]
         if len(s.path) != 2 or s.path[1] not in allowed:
             raise ConfigError(f"unknown key {'.'.join(s.path[1:])!r} in [{section}] "
                               f"({s.where()}); known keys: {', '.join(allowed)}")
-        out[s.path[1]] = coerce_setting(s, allowed[s.path[1]])
+        out[s.path[1]] = convert(s, allowed[s.path[1]])
     return out
 
 
@@ -341,15 +275,6 @@ def _pick(settings: list[Setting], key: str) -> tuple[Setting | None, list[Setti
     picked = [s for s in settings if len(s.path) == 2 and s.path[1] == key]
     rest = [s for s in settings if not (len(s.path) == 2 and s.path[1] == key)]
     return (picked[-1] if picked else None), rest
-
-
-def _revalidate(obj: Any, section: str, settings: list[Setting]) -> Any:
-    """Re-run a dataclass's ``__post_init__`` checks after its fields were set."""
-    try:
-        return dataclasses.replace(obj)
-    except (ValueError, TypeError) as e:
-        sources = sorted({s.source for s in settings}) or ["defaults"]
-        raise ConfigError(f"[{section}] ({', '.join(sources)}): {e}") from e
 
 
 def default_trainer_config() -> Any:
@@ -406,14 +331,14 @@ def _apply_activation_checkpoint(config: Any, settings: list[Setting]) -> None:
 
     mode_setting, rest = _pick(settings, "mode")
     if mode_setting is not None:
-        mode = coerce_setting(mode_setting, Literal["none", "selective", "full"])
+        mode = convert(mode_setting, Literal["none", "selective", "full"])
         config.activation_checkpoint = {"none": None, "selective": SelectiveAC.Config(),
                                         "full": FullAC.Config()}[mode]
     if rest and config.activation_checkpoint is None:
         raise ConfigError(f"{rest[0].where()}: activation_checkpoint.mode is 'none'; set "
                           "mode = 'selective' or 'full' before other keys")
-    for s in rest:
-        set_field(config.activation_checkpoint, s, 1)
+    if rest:
+        config.activation_checkpoint = apply_section(config.activation_checkpoint, rest)
 
 
 def _apply_dataloader(config: Any, settings: list[Setting]) -> None:
@@ -423,12 +348,34 @@ def _apply_dataloader(config: Any, settings: list[Setting]) -> None:
 
     ds_setting, rest = _pick(settings, "dataset")
     if ds_setting is not None:
-        name = coerce_setting(ds_setting, str)
+        name = convert(ds_setting, str)
         cls = SyntheticPackedDataLoader if name == "synthetic" else HuggingFaceTextDataLoader
         config.dataloader = cls.Config(dataset=name)
-    for s in rest:
-        set_field(config.dataloader, s, 1)
-    config.dataloader = _revalidate(config.dataloader, "dataloader", settings)
+    config.dataloader = apply_section(config.dataloader, rest) if rest else \
+        _rebuild(config.dataloader, {}, "dataloader", settings)
+
+
+def _model_spec(config: Any, settings: list[Setting], src: str) -> Any:
+    """The ``ModelSpec`` the ``[model]`` section picks (the Llama 4 style model, or one of
+    torchtitan's models unchanged)."""
+    from .model import llama4_model_spec
+    from .options import LLAMA4_ONLY_KEYS
+    from .stock import UnsupportedModel, check_supported, stock_model_spec
+
+    args, vc = config.model, config.varlen_cp
+    if not args.is_stock:
+        return llama4_model_spec(args, strategy=vc.strategy, backend=vc.backend,
+                                 validate=vc.validate, a2a_size=vc.a2a_size)
+    for s in settings:
+        if s.path[1] in LLAMA4_ONLY_KEYS:
+            raise ConfigError(f"{s.where()}: model.{s.path[1]} applies to the llama4_style "
+                              f"model only; model.name = {args.name!r} is torchtitan's own "
+                              "model: choose its size with model.flavor")
+    try:
+        check_supported(args.name, config.parallelism.context_parallel_degree)
+        return stock_model_spec(args.name, args.flavor)
+    except (UnsupportedModel, ValueError) as e:
+        raise ConfigError(f"{src}: {e}") from e
 
 
 def _finish(config: Any, by_section: dict[str, list[Setting]]) -> Any:
@@ -437,11 +384,9 @@ def _finish(config: Any, by_section: dict[str, list[Setting]]) -> Any:
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
     from .data import SyntheticPackedDataLoader, SyntheticTokenizer
-    from .model import llama4_model_spec
+    from .stock import _shape_of
 
-    config.model = _revalidate(config.model, "model", by_section.get("model", []))
-    config.varlen_cp = _revalidate(config.varlen_cp, "varlen_cp", by_section.get("varlen_cp", []))
-    vc, par, args = config.varlen_cp, config.parallelism, config.model
+    vc, par = config.varlen_cp, config.parallelism
     cp = par.context_parallel_degree
     where = sorted({s.source for ss in by_section.values() for s in ss}) or ["defaults"]
     src = ", ".join(where)
@@ -451,28 +396,31 @@ def _finish(config: Any, by_section: dict[str, list[Setting]]) -> Any:
     if cp > 1 and par.spmd_backend != "spmd_types":
         raise ConfigError(f"{src}: varlen_cp context parallelism needs parallelism.spmd_backend"
                           f" = 'spmd_types', got {par.spmd_backend!r}")
-    if cp > 1 and vc.strategy in ("a2a",) and args.n_heads % cp:
-        raise ConfigError(f"{src}: varlen_cp.strategy 'a2a' needs model.n_heads "
-                          f"({args.n_heads}) divisible by context_parallel_degree ({cp})")
     if par.pipeline_parallel_degree > 1:
         raise ConfigError(f"{src}: pipeline parallelism is not supported by varlen_cp")
-    if config.training.seq_len > args.max_seq_len:
-        raise ConfigError(f"{src}: training.seq_len ({config.training.seq_len}) exceeds "
-                          f"model.max_seq_len ({args.max_seq_len})")
-    if cp > 1 and config.training.seq_len % (2 * cp):
-        raise ConfigError(f"{src}: torchtitan requires training.seq_len "
-                          f"({config.training.seq_len}) divisible by 2 * context_parallel_degree")
-    synthetic = isinstance(config.dataloader, SyntheticPackedDataLoader.Config)
-    if synthetic:
-        if config.dataloader.alphabet > args.vocab_size:
+    spec = _model_spec(config, by_section.get("model", []), src)
+    model = spec.model
+    n_heads = _shape_of(model.first_attention)[0]
+    if cp > 1 and vc.strategy == "a2a" and n_heads % cp:
+        raise ConfigError(f"{src}: varlen_cp.strategy 'a2a' needs the model's n_heads "
+                          f"({n_heads}) divisible by context_parallel_degree ({cp})")
+    seq_len = config.training.seq_len
+    if seq_len > model.max_seq_len:
+        raise ConfigError(f"{src}: training.seq_len ({seq_len}) exceeds the model's "
+                          f"max_seq_len ({model.max_seq_len})")
+    if cp > 1 and seq_len % (2 * cp):
+        raise ConfigError(f"{src}: torchtitan requires training.seq_len ({seq_len}) divisible "
+                          "by 2 * context_parallel_degree")
+    vocab = model.vocab_size
+    if isinstance(config.dataloader, SyntheticPackedDataLoader.Config):
+        if config.dataloader.alphabet > vocab:
             raise ConfigError(f"{src}: dataloader.alphabet ({config.dataloader.alphabet}) must "
-                              f"be <= model.vocab_size ({args.vocab_size})")
-        config.tokenizer = SyntheticTokenizer.Config(vocab_size=args.vocab_size)
+                              f"be <= the model's vocab_size ({vocab})")
+        config.tokenizer = SyntheticTokenizer.Config(vocab_size=vocab)
     else:
         config.tokenizer = HuggingFaceTokenizer.Config()
-    config.model_spec = llama4_model_spec(args, strategy=vc.strategy, backend=vc.backend,
-                                          validate=vc.validate)
-    config.loss = CrossEntropyLoss.Config(global_vocab_size=args.vocab_size)
+    config.model_spec = spec
+    config.loss = CrossEntropyLoss.Config(global_vocab_size=vocab)
     try:
         return dataclasses.replace(config)  # torchtitan's own Trainer.Config checks
     except (ValueError, AssertionError) as e:
@@ -494,13 +442,9 @@ def build_trainer_config(settings: list[Setting], *, cpu: bool = False) -> Any:
     _apply_activation_checkpoint(config, by_section.get("activation_checkpoint", []))
     _apply_dataloader(config, by_section.get("dataloader", []))
     for section in GENERIC_SECTIONS:
-        for s in by_section.get(section, []):
-            set_field(config, s, 0)
-    for section in ("training", "parallelism", "lr_scheduler", "checkpoint", "metrics",
-                    "profiler", "compile", "comm", "debug"):
         if section in by_section:
-            setattr(config, section, _revalidate(getattr(config, section), section,
-                                                 by_section[section]))
+            setattr(config, section, apply_section(getattr(config, section),
+                                                   by_section[section]))
     return _finish(config, by_section)
 
 

@@ -3,17 +3,19 @@
 torchtitan picks its device once, at import of ``torchtitan.tools.utils`` (``device_type``
 defaults to "cuda" when no accelerator is found), and several modules copy that value at
 their own import. So ``enable_cpu_mode()`` must run before any other torchtitan import; the
-launcher (``varlen_cp.train``) calls it first. Everything this module changes:
+launcher (``varlen_cp.integrations.torchtitan.train``) calls it first. Everything this module
+changes:
 
 - ``torchtitan.tools.utils.device_type`` -> "cpu" (so ``init_distributed`` picks gloo,
   torch's default backend for cpu) and ``device_module`` -> ``CpuDeviceModule``: torch.cpu
   plus the few ``torch.cuda``-style calls torchtitan makes (device name, properties,
   memory stats), answered with the host's values.
-- single-process launches (``python -m varlen_cp.train``) get the rendezvous variables
-  torchrun would set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+- single-process launches (no torchrun) get the rendezvous variables torchrun would set
+  (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 - ``force_sum_reduction(model)``: FSDP reduces gradients with PREMUL_SUM, which gloo
   rejects; asking FSDP for plain SUM reductions fixes it (gradient division is already off
-  in torchtitan: the loss is normalised by the global token count).
+  in torchtitan: the loss is normalised by the global token count). ``with_sum_reduction``
+  appends it to a torchtitan model's own parallelize function.
 - ``cpu_overrides()``: config values CPU runs need: fp32 parameters (bf16 was ~3x slower on
   an AVX2-only CPU and the fp32 CP=1 vs CP=N comparison needs fp32), no CUDA graphs, no
   compile.
@@ -119,6 +121,19 @@ def cpu_overrides() -> dict[str, dict[str, Any]]:
         "training": {"mixed_precision_param": "float32", "disable_cuda_graphs": True},
         "compile": {"enable": False},
     }
+
+
+def with_sum_reduction(parallelize_fn: Any) -> Any:
+    """A model's parallelize function followed by ``force_sum_reduction`` (for torchtitan's
+    own models, whose parallelize functions apply FSDP themselves)."""
+
+    def parallelize(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
+        model = parallelize_fn(model, **kwargs)
+        force_sum_reduction(model)
+        return model
+
+    parallelize.varlen_cp_cpu = True  # type: ignore[attr-defined]
+    return parallelize
 
 
 def force_sum_reduction(model: torch.nn.Module) -> None:

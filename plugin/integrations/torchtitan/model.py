@@ -54,11 +54,11 @@ from torchtitan.models.utils import (get_dense_model_nparams_and_flops,
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.protocols.sharding import ShardingConfig
 
+from ...config import SOFTMAX_TYPES
 from ...masks import AttnMask
 from .attention import VarlenCPInnerAttention, inner_attention_sharding, layer_max_logits
 
 
-SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
 @dataclass(kw_only=True)
@@ -101,7 +101,7 @@ class Llama4Args:
     score_func: Literal["sigmoid", "softmax"] = "sigmoid"
     load_balance_coeff: float = 1e-3
     enable_weight_tying: bool = False
-    softmax_type: Literal["vanilla", "off-by-one", "learnable"] = "vanilla"
+    softmax_type: str = "vanilla"
     """Attention sink: "off-by-one" adds 1 to the softmax denominator (a zero logit),
     "learnable" one trained logit per query head and layer (gpt-oss style)."""
     track_max_logit: bool = False
@@ -291,6 +291,7 @@ def sharding_agnostic(fn: Callable) -> Callable:
         with torch.no_grad():
             t.to_local().copy_(shard.to_local())
 
+    init.sharding_agnostic = True  # type: ignore[attr-defined]
     return init
 
 
@@ -320,13 +321,12 @@ def _rope_config(args: Llama4Args, nope: bool) -> RoPE.Config:
                       original_max_position_embeddings=args.rope_original_max_position)
 
 
-def _inner_attention(mask: AttnMask, strategy: str, backend: str, validate: bool,
-                     args: Llama4Args) -> VarlenCPInnerAttention.Config:
+def _inner_attention(mask: AttnMask, args: Llama4Args, **cp: object
+                     ) -> VarlenCPInnerAttention.Config:
     return VarlenCPInnerAttention.Config(
         causal=mask.causal, window_left=mask.window_size[0], window_right=mask.window_size[1],
-        chunk_size=mask.chunk_size or 0, strategy=strategy, backend=backend, validate=validate,
-        softmax_type=args.softmax_type, n_heads=args.n_heads,
-        track_max_logit=args.track_max_logit)
+        chunk_size=mask.chunk_size or 0, softmax_type=args.softmax_type, n_heads=args.n_heads,
+        track_max_logit=args.track_max_logit, **cp)
 
 
 def _moe_config(args: Llama4Args, layer_id: int) -> object:
@@ -351,8 +351,11 @@ def _moe_config(args: Llama4Args, layer_id: int) -> object:
 
 
 def build_llama4_config(args: Llama4Args, *, strategy: str = "p2p", backend: str = "auto",
-                        validate: bool = False) -> Llama4Model.Config:
-    """The torchtitan model config for ``args``, with varlen-cp attention in every layer."""
+                        validate: bool = True, a2a_size: int | None = None
+                        ) -> Llama4Model.Config:
+    """The torchtitan model config for ``args``, with varlen-cp attention in every layer
+    (``strategy``, ``backend``, ``validate``, ``a2a_size``: the ``CPConfig`` options)."""
+    cp = {"strategy": strategy, "backend": backend, "validate": validate, "a2a_size": a2a_size}
     layers = []
     for i in range(args.n_layers):
         nope = args.is_nope_layer(i)
@@ -364,8 +367,7 @@ def build_llama4_config(args: Llama4Args, *, strategy: str = "p2p", backend: str
             dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
             head_dim=args.head_dim or None, wqkv_param_init=_linear_init(),
             wo_param_init=_linear_init(_depth_std(i)),
-            inner_attention=_inner_attention(args.layer_mask(i), strategy, backend, validate,
-                                             args),
+            inner_attention=_inner_attention(args.layer_mask(i), args, **cp),
             fuse_qkv=True, rope=_rope_config(args, nope), qk_norm=qk_norm)
         wqkv = attention.qkv_linear.wqkv
         wqkv.param_init = _agnostic(wqkv.param_init)  # torchtitan's fused init, unsharded
@@ -398,15 +400,15 @@ def build_llama4_config(args: Llama4Args, *, strategy: str = "p2p", backend: str
     )
 
 
-def llama4_model_spec(args: Llama4Args, *, strategy: str = "p2p", backend: str = "auto",
-                      validate: bool = False) -> ModelSpec:
-    """The torchtitan ``ModelSpec`` ("registration") of the Llama 4 style model."""
+def llama4_model_spec(args: Llama4Args, **cp: object) -> ModelSpec:
+    """The torchtitan ``ModelSpec`` ("registration") of the Llama 4 style model (``cp``: the
+    CP options of ``build_llama4_config``)."""
     from .parallelize import parallelize_llama4
 
     return ModelSpec(
         name=args.name,
         flavor=f"{args.n_layers}L-{args.dim}d",
-        model=build_llama4_config(args, strategy=strategy, backend=backend, validate=validate),
+        model=build_llama4_config(args, **cp),
         parallelize_fn=parallelize_llama4,
         pipelining_fn=None,
         post_optimizer_build_fn=register_moe_load_balancing_hook if args.num_experts else None,
@@ -416,13 +418,7 @@ def llama4_model_spec(args: Llama4Args, *, strategy: str = "p2p", backend: str =
 
 def layer_masks(model_config: Llama4Model.Config) -> list[AttnMask]:
     """The AttnMask of each layer of a built config (for tests and logging)."""
-    out = []
-    for layer in model_config.layers:
-        inner = layer.attention.inner_attention
-        out.append(AttnMask(causal=inner.causal,
-                            window_size=(inner.window_left, inner.window_right),
-                            chunk_size=inner.chunk_size or None))
-    return out
+    return [layer.attention.inner_attention.mask() for layer in model_config.layers]
 
 
 def uses_rope(model_config: Llama4Model.Config) -> list[bool]:

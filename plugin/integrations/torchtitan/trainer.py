@@ -1,18 +1,33 @@
-"""torchtitan ``Trainer`` subclass: the ``[varlen_cp]`` / ``[model]`` sections and the per-step
-sharding hook.
+"""torchtitan ``Trainer`` subclass: varlen-cp attention, the per-batch plan (built ahead of
+the step), and the sharding hook.
 
-Per step, on the host, before the batch reaches the device (``batch_generator``): the
-document boundaries of the packed batch (rows concatenated into one sequence, a document
-starting where positions == 0 and at every row start) give the global ``cu_seqlens``.
-Then (``post_dataloading_process``) one ``CPPlan`` is built for this CP rank, and input,
-labels and positions are sharded with ``varlen_cp.sharding.shard_packed_batch``; RoPE gets
-the sharded per-document positions and every attention layer the plan (``PackedBatch``).
+Before torchtitan builds anything (``__init__``), every ``VarlenAttention`` inner attention
+of the model config (any of torchtitan's models built with ``attn_backend = "varlen"``) is
+replaced by varlen-cp's through torchtitan's own override mechanism
+(``attention.varlen_cp_attention``), ahead of ``update_from_config`` so that the model's
+"no varlen with CP" check sees varlen-cp's attention. The model's layer masks with their
+layer counts (``layer_masks``, e.g. Llama 4 debug: chunked x3, global x1; gpt_oss: window
+x2, global x2) and its attention shape (``AttnShape``: heads on this rank, q/k and v head
+dims, compute dtype) are read back from that config.
+
+Per batch, on the host and off the critical path: a ``PlanPrefetcher`` wraps the data
+iterator; its thread takes the next batch, finds its documents (rows concatenated into one
+sequence; a document starts where positions == 0 and at every row start, as torchtitan's
+``create_varlen_metadata_for_document`` does), builds the batch's plan with the layer masks
+(``varlen_cp.prepare.build_plan``) and every table each mask's attention will need, with
+their device copies (``prepare_plan``), while the current step runs. The step
+(``post_dataloading_process``) only shards input, labels and positions with the ready plan
+(``shard_packed_batch``); RoPE gets the sharded per-document positions and every attention
+layer the plan (``PackedBatch``). ``[varlen_cp] prefetch = false`` builds it inline instead.
 
 Loss normalisation: torchtitan counts the valid labels of the *unsharded* batch of each
 data-parallel rank (all CP ranks of a group see the same batch) and sums that over the
 data-parallel ranks, so every CP rank divides its local loss sum by the global token count;
 FSDP (over dp_shard x cp) sums the gradients without dividing. CP=N therefore trains exactly
-like CP=1. Limits: no pipeline parallelism; the validator is not supported with CP.
+like CP=1. Limits: no pipeline parallelism; the validator is not supported with CP; batches
+with inputs other than tokens and positions (images) are refused; with prefetch the data
+iterator runs ``depth`` + 1 batches ahead, so a checkpoint's dataloader state is that far
+ahead too (resuming skips those batches; set ``prefetch = false`` for exact resumes).
 """
 
 from __future__ import annotations
@@ -26,24 +41,35 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchtitan.components.dataloader import DataloaderExhaustedError
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.config.override import OverrideConfig, apply_overrides
 from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+from torchtitan.models.common.attention import BaseAttention, VarlenAttention
 from torchtitan.trainer import Trainer
 
 from ...plan import CPPlan
+from ...prepare import PlanPrefetcher, build_plan, prepare_plan
 from ...sharding import cu_seqlens_from_positions, shard_packed_batch
-from .attention import PackedBatch, bind_cp_group, layer_max_logits
-from .config import VarlenCPConfig
-from .model import Llama4Args
+from ...strategies import get_strategy
+from . import cpu_mode
+from .attention import (OVERRIDE_TARGET, PackedBatch, VarlenCPInnerAttention, bind_cp_group,
+                        layer_max_logits)
+from .options import ModelSection, VarlenCPSection
+from .stock import (attention_layers, attention_shape, check_supported,
+                    cpu_sharding_agnostic_init, fp32_experts_for, layer_masks)
+
+PLAN_KEY = "varlen_cp_plan"
+REGISTRY_TO_MODULE = {"kimi_k2_5": "kimi_k2_7"}  # ModelSpec.name -> torchtitan.models module
 
 
 @dataclass(frozen=True)
-class HostBatchMeta:
-    """Host-side facts about a batch, computed before it moves to the device (not a tensor,
-    so torchtitan's device copy leaves it alone)."""
+class PlannedBatch:
+    """The batch's plan, riding in the input dict (not a tensor, so torchtitan's device copy
+    leaves it alone)."""
 
-    cu_seqlens: torch.Tensor  # int32, CPU: documents of the batch packed into one sequence
+    plan: CPPlan
 
 
 def packed_cu_seqlens(positions: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
@@ -102,17 +128,65 @@ class VarlenCPMetrics(MetricsProcessor):
         return {f"max_logit/layer_{i}": float(v) for i, v in zip(layers, values.tolist())}
 
 
+def install_varlen_cp(config: Any) -> None:
+    """Swap every ``VarlenAttention`` inner attention of ``config.model_spec`` for
+    varlen-cp's (torchtitan's ``apply_overrides`` with ``varlen_cp_attention``); in fp32
+    runs keep routed experts' outputs fp32 (and on CPU compute them in fp32), and on CPU
+    make parameter init independent of the sharding and FSDP's reductions gloo-friendly
+    (see ``stock``). Idempotent. Raises ValueError if a layer keeps another attention
+    (Flex, SDPA)."""
+    spec, vc = config.model_spec, config.varlen_cp
+    model_config = spec.model
+    if any(model_config.traverse(VarlenAttention.Config)):
+        kwargs = {"strategy": vc.strategy, "backend": vc.backend, "validate": vc.validate,
+                  "a2a_size": vc.a2a_size}
+        apply_overrides(OverrideConfig(imports=[(OVERRIDE_TARGET, kwargs)]), config)
+    others = [f"{fqn}.inner_attention ({type(a.inner_attention).__qualname__})"
+              for fqn, a, _, _ in model_config.traverse(BaseAttention.Config)
+              if not isinstance(a.inner_attention, VarlenCPInnerAttention.Config)]
+    if others:
+        raise ValueError(f"varlen_cp: every attention layer must be varlen attention (build "
+                         f"the model with attn_backend='varlen'); found {', '.join(others)}")
+    if config.training.mixed_precision_param == "float32":
+        fp32_experts_for(config, compute=cpu_mode.is_cpu_mode())
+    if cpu_mode.is_cpu_mode():
+        cpu_sharding_agnostic_init(model_config)
+        if not getattr(spec.parallelize_fn, "varlen_cp_cpu", False):
+            spec.parallelize_fn = cpu_mode.with_sum_reduction(spec.parallelize_fn)
+
+
 class VarlenCPTrainer(Trainer):
     """Trainer with varlen-cp context parallelism for packed documents."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
-        model: Llama4Args = field(default_factory=Llama4Args)
-        varlen_cp: VarlenCPConfig = field(default_factory=VarlenCPConfig)
+        model: ModelSection = field(default_factory=ModelSection)
+        varlen_cp: VarlenCPSection = field(default_factory=VarlenCPSection)
 
     def __init__(self, config: Config) -> None:
-        if config.parallelism.pipeline_parallel_degree > 1:
+        par, vc = config.parallelism, config.varlen_cp
+        if par.pipeline_parallel_degree > 1:
             raise ValueError("varlen_cp: pipeline parallelism is not supported")
+        if par.context_parallel_degree > 1 and not vc.enable:
+            raise ValueError("varlen_cp: context_parallel_degree > 1 needs [varlen_cp] "
+                             "enable = true (torchtitan refuses varlen attention with CP)")
+        name = config.model_spec.name
+        check_supported(REGISTRY_TO_MODULE.get(name, name), par.context_parallel_degree)
+        if vc.enable:
+            install_varlen_cp(config)
+        # The Llama 4 style model always has varlen-cp's attention (cp=1 with enable=false).
+        self.attn_layers = attention_layers(config.model_spec.model)
+        self.layer_masks = layer_masks(self.attn_layers)
+        self.attn_shape = None
+        if self.attn_layers:
+            self.attn_shape = attention_shape(self.attn_layers, tp=par.tensor_parallel_degree,
+                                              dtype=config.training.mixed_precision_param)
+            strategy = get_strategy(vc.strategy) if vc.strategy != "auto" else None
+            if strategy is not None and par.context_parallel_degree > 1:
+                opts = {} if vc.a2a_size is None else {"a2a_size": vc.a2a_size}
+                strategy.check_heads(self.attn_shape.n_heads, self.attn_shape.n_kv_heads,
+                                     par.context_parallel_degree, **opts)
+        self._prefetcher: PlanPrefetcher | None = None
         super().__init__(config)
         pd = self.parallel_dims
         self.cp_group: Any = None
@@ -126,26 +200,51 @@ class VarlenCPTrainer(Trainer):
         if isinstance(self.metrics_processor, VarlenCPMetrics):
             self.metrics_processor.model_parts = list(self.model_parts)
 
-    def batch_generator(self, data_iterable):
-        for input_dict, labels in super().batch_generator(data_iterable):
-            inputs = input_dict["input"]
-            input_dict["host_meta"] = HostBatchMeta(
-                packed_cu_seqlens(input_dict.get("positions"), tuple(inputs.shape)))
-            yield input_dict, labels
-
-    def build_plan(self, cu_seqlens: torch.Tensor) -> CPPlan:
+    # ------------------------------------------------------------------ the batch's plan
+    def make_plan(self, input_dict: dict[str, Any], labels: torch.Tensor) -> CPPlan:
+        """This batch's plan for this CP rank, with every table the model's masks need
+        built and copied to the training device (host work; no collective)."""
         vc = self.config.varlen_cp
-        return CPPlan.build(cu_seqlens, cp_size=self.cp_size, cp_rank=self.cp_rank,
-                            layout=vc.layout, min_chunk_tokens=vc.min_chunk_tokens)
+        inputs = input_dict["input"]
+        cu = packed_cu_seqlens(input_dict.get("positions"), tuple(inputs.shape))
+        plan = build_plan(cu, vc, cp_size=self.cp_size, cp_rank=self.cp_rank,
+                          layer_masks=self.layer_masks)
+        return prepare_plan(plan, vc, self.layer_masks, self.attn_shape, self.device)
+
+    def batch_generator(self, data_iterable):
+        """torchtitan's batch generator (token and data-time accounting on this thread),
+        with each batch's plan built one batch ahead by a ``PlanPrefetcher``."""
+        if not self.attn_layers:
+            yield from super().batch_generator(data_iterable)
+            return
+        prefetcher = PlanPrefetcher(data_iterable, lambda b: self.make_plan(*b), depth=1,
+                                    enabled=self.config.varlen_cp.prefetch)
+        self._prefetcher = prefetcher
+        planned = iter(prefetcher)
+        while True:
+            start = time.perf_counter()
+            try:
+                (input_dict, labels), plan = next(planned)
+            except StopIteration as ex:
+                raise DataloaderExhaustedError() from ex
+            self.metrics_processor.ntokens_since_last_log += labels.numel()
+            self.metrics_processor.data_loading_times.append(time.perf_counter() - start)
+            input_dict[PLAN_KEY] = PlannedBatch(plan)
+            yield input_dict, labels
 
     def post_dataloading_process(self, input_dict: dict[str, Any], labels: torch.Tensor
                                  ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        if not self.attn_layers:
+            return super().post_dataloading_process(input_dict, labels)
+        extra = sorted(set(input_dict) - {"input", "positions", PLAN_KEY})
+        if extra:
+            raise ValueError(f"varlen_cp: batches with inputs other than tokens and positions "
+                             f"are not supported (got {extra})")
         inputs = input_dict["input"]
-        meta = input_dict.get("host_meta")
-        if not isinstance(meta, HostBatchMeta):  # e.g. a caller that bypassed batch_generator
-            meta = HostBatchMeta(packed_cu_seqlens(input_dict.get("positions"),
-                                                   tuple(inputs.shape)))
-        plan = self.build_plan(meta.cu_seqlens)
+        planned = input_dict.get(PLAN_KEY)
+        # A caller that bypassed batch_generator (e.g. a validator) plans here, inline.
+        plan = planned.plan if isinstance(planned, PlannedBatch) else \
+            self.make_plan(input_dict, labels)
         n = inputs.numel()
         batch = {"input": inputs.reshape(1, n), "labels": labels.reshape(1, n),
                  "positions": torch.zeros(1, n, dtype=torch.int64, device=inputs.device)}
@@ -161,3 +260,8 @@ class VarlenCPTrainer(Trainer):
             inputs, labels, extra_kwargs = annotate_input_spmd_types(
                 self.parallel_dims, inputs, labels, extra_kwargs)
         return inputs, labels, extra_kwargs
+
+    def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+        super().close()
