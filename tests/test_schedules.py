@@ -2,7 +2,8 @@
 
 - ``pair_work`` (closed form) against ``AttnMask.count_visible`` and tests/reference.py's
   dense mask;
-- the rank-pair visibility matrix against a dense count per pair of ranks;
+- which ranks' keys each rank's queries see (and how many) against a dense count per
+  pair of ranks;
 - tile schedules computed from block ends and sorted keys (one call, and every call of a
   ring at once) against the kernels' per-token ``build_block_schedule`` (identical, except
   that trailing padding keys are left out of a range: they are masked anyway);
@@ -78,7 +79,7 @@ def test_visibility_and_fetch_counts_match_per_rank_counts(layout):
                             m = mask.visible(qp, kp)
                             pairs += int(m.sum())
                             keys += int(m.any(0).sum())
-                    assert int(vis[s, j]) == pairs, (layout, cp, mask, s, j)
+                    assert (int(vis[s, j]) > 0) == (pairs > 0), (layout, cp, mask, s, j)
                     assert int(fetch[s, j]) == keys, (layout, cp, mask, s, j)
             # the ring stops after the last step anyone needs
             t_needed = [t for t in range(1, cp) if any(int(vis[s, (s - t) % cp])

@@ -7,10 +7,10 @@ import torch
 
 from ..masks import AttnMask
 from ..plan import CPPlan
-from ..plan.runs import Runs
 from .holders import HolderSet
 from .keys import host_table, table_key
-from .ring import RingTables, ring_tables, visible_matrix
+from .ring import RingTables, ring_tables
+from .selected import fetch_counts
 from .ulysses import ulysses_tables
 
 
@@ -40,12 +40,10 @@ def group_holders(plan: CPPlan, size: int) -> HolderSet:
 
 
 def group_visibility(plan: CPPlan, mask: AttnMask, size: int) -> torch.Tensor:
-    """int64 [G, G]: visible pairs of group s's queries with group j's keys (cached)."""
+    """int64 [G, G]: how many of group j's keys group s's queries see (cached)."""
     def build() -> torch.Tensor:
-        r = plan.runs
-        runs = Runs(torch.div(r.holder, size, rounding_mode="floor"), r.doc, r.start,
-                    r.length, r.row)
-        return visible_matrix(runs, plan.cp_size // size, plan.doc_lengths, mask)
+        g = plan.cp_size // size
+        return fetch_counts(plan, mask).view(g, size, g, size).sum((1, 3))
     return host_table(plan, table_key("group_visibility", mask, None, size), build)
 
 

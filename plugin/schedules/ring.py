@@ -1,9 +1,9 @@
 """Ring tables: which ring steps compute, how long the ring runs, what each step sends.
 
-Holder s at step t holds the K/V of holder (s - t) % H. The exact number of visible pairs
-between every pair of holders comes from the runs in closed form (``plan.runs``: a query
-run's keys form one span; the span is cut by the key holders' runs; each piece is counted
-with ``pair_work``), so no Python loop over holder pairs and no per-token pass. Steps
+Holder s at step t holds the K/V of holder (s - t) % H. Which holder's keys another
+holder's queries see comes from the runs (``selected.fetch_counts``: a query run's keys form
+one span, cut by the key holders' runs), so no Python loop over holder pairs and no
+per-token pass. Steps
 with nothing visible are skipped, and the ring stops after the last step at which ANY
 holder still needs K/V: the decision is the same on every rank, so no rank waits on a
 message that is never sent.
@@ -19,21 +19,9 @@ import torch
 
 from ..masks import AttnMask
 from ..plan import CPPlan
-from ..plan.runs import Runs, key_spans, pair_work, span_pieces
 from .holders import HolderSet, KernelCall, rank_set, set_calls
 from .keys import host_table, table_key
-
-
-def visible_matrix(runs: Runs, n_holders: int, doc_len: torch.Tensor, mask: AttnMask
-                   ) -> torch.Tensor:
-    """int64 [H, H]: visible pairs of holder s's queries with holder j's keys."""
-    lo, hi = key_spans(runs, mask, doc_len)
-    by_doc = runs.by_document()
-    span, run, first, length = span_pieces(runs.doc, lo, hi, by_doc)
-    pairs = pair_work(runs.start[span], runs.stop[span], first, first + length, mask)
-    cell = runs.holder[span] * n_holders + by_doc.holder[run]
-    out = torch.zeros(n_holders * n_holders, dtype=torch.int64)
-    return out.scatter_add_(0, cell, pairs).view(n_holders, n_holders)
+from .selected import fetch_counts
 
 
 def ring_length(vis: torch.Tensor) -> int:
@@ -95,9 +83,9 @@ def ring_send_rows(sizes: tuple[int, ...], vis: torch.Tensor, index: int) -> tup
 
 # ---- p2p: ranks as holders ----------------------------------------------------------------
 def rank_visibility(plan: CPPlan, mask: AttnMask) -> torch.Tensor:
-    """int64 [cp, cp]: visible pairs of rank s's queries with rank j's keys (cached)."""
-    return host_table(plan, table_key("rank_visibility", mask),
-                      lambda: visible_matrix(plan.runs, plan.cp_size, plan.doc_lengths, mask))
+    """int64 [cp, cp]: how many of rank j's keys rank s's queries see (> 0: the ring step
+    that brings j's K/V to s computes something)."""
+    return fetch_counts(plan, mask)
 
 
 def p2p_tables(plan: CPPlan, mask: AttnMask, block: tuple[int, int], rank: int
