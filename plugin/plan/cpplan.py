@@ -356,6 +356,10 @@ class CPPlan:
 
         return self.cached(("plan_work", mask), compute)
 
+    def work_per_rank(self, mask: AttnMask) -> list[int]:
+        """Visible (query, key) pairs of every rank's queries against all keys."""
+        return list(self._work_per_rank(mask))
+
     def work_of(self, rank: int, mask: AttnMask) -> int:
         """Visible (query, key) pairs of ``rank``'s queries against all keys of the batch."""
         self._rows(rank)

@@ -102,7 +102,8 @@ def bytes_sent(name: str, plan: CPPlan, mask: AttnMask, shape: Shape,
                a2a_size: int | None = None) -> dict[str, list[int]]:
     """Bytes each rank sends per layer: {"fwd": [...], "bwd": [...]} (input dtype)."""
     cp, row = plan.cp_size, shape.kv_row
-    sizes = torch.tensor([plan.num_tokens_of(r) for r in range(cp)])
+    offsets = plan.rank_offsets()
+    sizes = offsets[1:] - offsets[:-1]
     if name == "p2p":
         kv, grads = ring_rows(sizes, rank_visibility(plan, mask))
         return {"fwd": (kv * row).tolist(), "bwd": ((kv + grads) * row).tolist()}
@@ -115,31 +116,38 @@ def bytes_sent(name: str, plan: CPPlan, mask: AttnMask, shape: Shape,
         sent = counts.sum(0) - counts.diagonal()   # what the others fetch from each rank
         return {"fwd": (sent * row).tolist(), "bwd": [f * row for f in fetched_tokens(plan, mask)]}
     size = cp if name == "a2a" else hybrid_size(plan, shape, a2a_size)
-    fwd, bwd = [], []
-    if size > 1:
-        for r in range(cp):
-            members = group_members(r, size)
-            f, b = ulysses_bytes(tuple(sizes[list(members)].tolist()), r % size, shape)
-            fwd.append(f)
-            bwd.append(b)
-    else:
-        fwd, bwd = [0] * cp, [0] * cp
+    fwd, bwd = ulysses_rank_bytes(sizes, size, shape)
     if size < cp:  # a ring across the groups, on this rank's head slice
         hk, _ = kv_heads_per_rank(shape.n_kv_heads, size)
         ring_row = hk * (shape.head_dim + shape.head_dim_v) * shape.dtype_bytes
         group_sizes = sizes.view(-1, size).sum(1)
         kv, grads = ring_rows(group_sizes, group_visibility(plan, mask, size))
-        for r in range(cp):
-            fwd[r] += int(kv[r // size]) * ring_row
-            bwd[r] += int(kv[r // size] + grads[r // size]) * ring_row
-    return {"fwd": fwd, "bwd": bwd}
+        fwd = fwd + (kv * ring_row).repeat_interleave(size)
+        bwd = bwd + ((kv + grads) * ring_row).repeat_interleave(size)
+    return {"fwd": fwd.tolist(), "bwd": bwd.tolist()}
+
+
+def ulysses_rank_bytes(sizes: torch.Tensor, size: int, shape: Shape
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ulysses_bytes` of every rank at once (groups of ``size`` consecutive ranks;
+    int64 [cp] each; zeros for size 1)."""
+    if size == 1:
+        return torch.zeros_like(sizes), torch.zeros_like(sizes)
+    hk, _ = kv_heads_per_rank(shape.n_kv_heads, size)
+    hq = shape.n_heads // size
+    qkv_row = (hq * shape.head_dim + hk * (shape.head_dim + shape.head_dim_v)) \
+        * shape.dtype_bytes
+    out_row = hq * shape.head_dim_v * shape.dtype_bytes
+    others = sizes.view(-1, size).sum(1).repeat_interleave(size) - sizes
+    return ((size - 1) * sizes * qkv_row + others * out_row,
+            (size - 1) * sizes * out_row + others * qkv_row)
 
 
 # ---- compute ----------------------------------------------------------------------------
 def visible_pairs(name: str, plan: CPPlan, mask: AttnMask, shape: Shape,
                   a2a_size: int | None = None) -> list[float]:
     """Per rank, per query head of the model: the visible pairs its kernels compute."""
-    work = [plan.work_of(r, mask) for r in range(plan.cp_size)]
+    work = plan.work_per_rank(mask)
     if name in ("p2p", "all_gather", "dispatch"):
         return [float(w) for w in work]
     size = plan.cp_size if name == "a2a" else hybrid_size(plan, shape, a2a_size)
