@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .checks import check_bool
+from .config import check_overlap_stages
 from .kernels import SOFTMAX_TYPES, apply_softmax_sink, block_sizes_for, check_softmax_args
 from .kernels import resolve_backend
 from .masks import AttnMask
@@ -155,7 +156,7 @@ def _strategy_for(plan: CPPlan, strategy: str) -> Strategy:
 # -------------------------------------------------------------------------- ahead of time
 def prepare_attention(plan: CPPlan, mask: AttnMask, strategy: str, shape: Any,
                       device: torch.device, *, backend: str = "auto",
-                      a2a_size: int | None = None) -> str:
+                      a2a_size: int | None = None, overlap_stages: int | None = None) -> str:
     """Build and cache in ``plan`` every table ``cp_varlen_attn(..., mask, strategy=...)``
     will need for inputs of ``shape`` (``varlen_cp.prepare.AttnShape``) on ``device``;
     returns the strategy that will run (``auto`` resolved). Host work and non-blocking
@@ -174,7 +175,9 @@ def prepare_attention(plan: CPPlan, mask: AttnMask, strategy: str, shape: Any,
                                    n_kv_heads=shape.n_kv_heads, head_dim=shape.head_dim,
                                    head_dim_v=shape.value_dim,
                                    dtype_bytes=shape.dtype.itemsize)
-    _strategy_for(plan, strategy).prepare(plan, mask, block, device, cost_shape, a2a_size)
+    chosen = _strategy_for(plan, strategy)
+    staged = {"overlap_stages": overlap_stages} if chosen.staged else {}
+    chosen.prepare(plan, mask, block, device, cost_shape, a2a_size, **staged)
     return "p2p" if strategy == "auto" else strategy
 
 
@@ -184,7 +187,8 @@ def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPl
                    softmax_scale: float | None = None, return_lse: bool = False,
                    backend: str = "auto", validate: bool = True, *,
                    a2a_size: int | None = None, return_max_logit: bool = False,
-                   softmax_type: str = "vanilla", sink: torch.Tensor | None = None):
+                   softmax_type: str = "vanilla", sink: torch.Tensor | None = None,
+                   overlap_stages: int | None = None):
     """Context-parallel varlen attention of this rank's local tokens.
 
     q [T_local, Hq, D], k [T_local, Hkv, D], v [T_local, Hkv, Dv]: this rank's tokens in
@@ -195,7 +199,11 @@ def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPl
     "dispatch" or "auto" (chosen per (plan, mask) from closed-form costs on the plan, see
     ``varlen_cp.schedules.auto``; the same on every rank)
     (``a2a_size``: Ulysses group size for "a2a+p2p"; default the largest divisor of cp
-    that divides Hq). ``validate`` (default True): on the first call with this plan, check
+    that divides Hq). ``overlap_stages``: "dispatch" / "all_gather" (or "auto" when it
+    picks one of them): how many stages the remote K/V travel in, each overlapped with the
+    previous stage's compute (None: the cost model's choice, cached in the plan per mask
+    and head shape; see ``varlen_cp.schedules.staged``). ``validate`` (default True): on
+    the first call with this plan, check
     that all ranks built the same plan (one 16-byte all-reduce and a host read, cached in
     the plan); False skips it.
     ``softmax_type``: "vanilla", "off-by-one" (a zero sink logit per head) or "learnable"
@@ -219,6 +227,7 @@ def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPl
     if a2a_size is not None and strategy != "a2a+p2p":
         raise ValueError(f"a2a_size applies to strategy 'a2a+p2p' only, got "
                          f"a2a_size={a2a_size!r} with strategy={strategy!r}")
+    check_overlap_stages(overlap_stages, strategy)
     backend = resolve_backend(backend, q.device)
     block = tuple(block_sizes_for(backend, q.device, q.shape[2], v.shape[2], dtype=q.dtype))
     group = resolve_group(group, plan)
@@ -235,7 +244,7 @@ def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPl
     # The sink rescales by the merged LSE, so the strategy must hand it back.
     need_lse = return_lse or softmax_type != "vanilla"
     spec = CallSpec(plan, Attn(mask, scale, backend), group, block, need_lse,
-                    return_max_logit, a2a_size)
+                    return_max_logit, a2a_size, overlap_stages)
     out, lse, max_part = _strategy_for(plan, strategy).attention(q, k, v, spec)
     out, lse = apply_softmax_sink(out, lse, softmax_type, sink)
     max_logit = None
@@ -274,7 +283,7 @@ class ContextParallelVarlenAttention(nn.Module):
                  backend: str = "auto", softmax_scale: float | None = None, *,
                  a2a_size: int | None = None, softmax_type: str = "vanilla",
                  n_heads: int | None = None, track_max_logit: bool = False,
-                 validate: bool = True) -> None:
+                 validate: bool = True, overlap_stages: int | None = None) -> None:
         super().__init__()
         if not isinstance(mask, AttnMask):
             raise ValueError(f"mask must be a varlen_cp.AttnMask, got {type(mask).__name__}")
@@ -283,6 +292,7 @@ class ContextParallelVarlenAttention(nn.Module):
         _check_scale(softmax_scale)
         check_bool("track_max_logit", track_max_logit)
         check_bool("validate", validate)
+        check_overlap_stages(overlap_stages, strategy)
         if softmax_type not in SOFTMAX_TYPES:
             raise ValueError(f"softmax_type must be one of {SOFTMAX_TYPES}, got "
                              f"{softmax_type!r}")
@@ -299,6 +309,7 @@ class ContextParallelVarlenAttention(nn.Module):
         self.backend = backend
         self.softmax_scale = softmax_scale
         self.a2a_size = a2a_size
+        self.overlap_stages = overlap_stages
         self.softmax_type = softmax_type
         self.track_max_logit = track_max_logit
         self.validate = validate
@@ -312,7 +323,7 @@ class ContextParallelVarlenAttention(nn.Module):
         sink = None if self.sink is None else self.sink.float()
         res = cp_varlen_attn(q, k, v, plan, self.mask, self.group, self.strategy,
                              self.softmax_scale, backend=self.backend, validate=self.validate,
-                             a2a_size=self.a2a_size,
+                             a2a_size=self.a2a_size, overlap_stages=self.overlap_stages,
                              return_max_logit=self.track_max_logit,
                              softmax_type=self.softmax_type, sink=sink)
         if not self.track_max_logit:
