@@ -200,10 +200,11 @@ def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPl
     ``varlen_cp.schedules.auto``; the same on every rank)
     (``a2a_size``: Ulysses group size for "a2a+p2p"; default the largest divisor of cp
     that divides Hq). ``overlap_stages``: "dispatch" / "all_gather" (or "auto" when it
-    picks one of them): how many stages the remote K/V travel in, each overlapped with the
-    previous stage's compute (None: the cost model's choice, cached in the plan per mask
-    and head shape; see ``varlen_cp.schedules.staged``). ``validate`` (default True): on
-    the first call with this plan, check
+    picks one of them): S kernel stages, the local keys first and the remote K/V in S - 1
+    transfers, each in flight while the previous stage computes (1: one transfer, then one
+    call; None: the cost model's choice, cached in the plan per mask and head shape; see
+    ``varlen_cp.schedules.staged``). ``validate`` (default True): on the first call with
+    this plan, check
     that all ranks built the same plan (one 16-byte all-reduce and a host read, cached in
     the plan); False skips it.
     ``softmax_type``: "vanilla", "off-by-one" (a zero sink logit per head) or "learnable"

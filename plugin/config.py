@@ -52,9 +52,11 @@ class CPConfig:
                "torch".
     a2a_size:  "a2a+p2p" only: Ulysses group size (None: the largest divisor of cp that the
                head counts allow).
-    overlap_stages: "dispatch" / "all_gather" (and "auto" when it picks one of them): the
-               stages the remote K/V travel in, each overlapped with the previous stage's
-               compute (None: the cost model's choice per plan and mask).
+    overlap_stages: "dispatch" / "all_gather" (and "auto" when it picks one of them): S
+               kernel stages; S >= 2: the local keys first, the remote K/V in S - 1
+               transfers, each in flight while the previous stage computes; 1: one
+               transfer, then one call (no overlap). None: the cost model's choice per plan
+               and mask (``varlen_cp.schedules.staged.default_stages``).
     validate:  check once per plan, with one small all-reduce, that every rank built the
                same plan (ranks that disagree would otherwise compute silently wrong
                results); False skips it.

@@ -64,15 +64,16 @@ def _key_ids(call, cu):
 
 def _simulate(plan, mask, name, stages):
     """Run every rank's staged tables through an exchange of global token ids; check each
-    stage's keys, the backward return and the union of the stages."""
+    call's keys, the backward return and the union of the transfers."""
     cp, cu = plan.cp_size, plan.cu_seqlens.long()
     ids = [plan.token_indices_of(r).long() for r in range(cp)]     # -1: padding
     tabs = [staged.staged_tables(name, plan, mask, r, (16, 16), stages) for r in range(cp)]
-    n_stages = len(tabs[0].stages)
-    assert all(len(t.stages) == n_stages for t in tabs) and n_stages <= stages
+    n_parts = len(tabs[0].stages)
+    assert all(len(t.stages) == n_parts for t in tabs)
+    assert n_parts <= staged.transfers(stages)
     got = [[] for _ in range(cp)]
-    for s in range(n_stages):
-        st = [t.stages[s] for t in tabs]
+    for p in range(n_parts):
+        st = [t.stages[p] for t in tabs]
         for d in range(cp):
             if name == "dispatch":  # owner o sends ids[o][in_rows] grouped by destination
                 parts = []
@@ -85,13 +86,20 @@ def _simulate(plan, mask, name, stages):
                 lo, hi = st[d].lo, st[d].hi
                 recv = torch.cat([torch.cat([ids[o], torch.full((hi,), -2)])[lo:hi]
                                   for o in range(cp)])
-            keys = recv[st[d].gather]
-            assert (keys >= 0).all()
+            fetched = recv[st[d].gather]
+            assert (fetched >= 0).all()
+            got[d].append(fetched)
+            if st[d].local_slots is None:
+                keys = fetched
+            else:                   # S = 1: the local keys share the call
+                keys = torch.full((st[d].n_keys,), -3, dtype=torch.long)
+                keys[st[d].remote_slots] = fetched
+                keys[st[d].local_slots] = ids[d][st[d].local_rows]
+            assert keys.numel() == st[d].n_keys
             if st[d].call is None:
                 assert keys.numel() == 0
             else:
-                assert torch.equal(keys, _key_ids(st[d].call, cu)), (name, s, d)
-            got[d].append(keys)
+                assert torch.equal(keys, _key_ids(st[d].call, cu)), (name, p, d)
             # backward: d sends keys[back_order] to the owners; each maps them to its rows
             back = keys[st[d].back_order]
             at = 0
@@ -100,7 +108,7 @@ def _simulate(plan, mask, name, stages):
                 at += st[d].back_splits[o]
                 start = sum(st[o].in_splits[:d])
                 rows = st[o].in_rows[start:start + st[o].in_splits[d]]
-                assert torch.equal(ids[o][rows], block), (name, s, d, o)
+                assert torch.equal(ids[o][rows], block), (name, p, d, o)
     for d in range(cp):
         sel = selected.select_keys(plan, mask, d)
         remote = sel.owner != d
@@ -109,7 +117,9 @@ def _simulate(plan, mask, name, stages):
         mine = torch.cat(got[d]) if got[d] else torch.zeros(0, dtype=torch.long)
         assert torch.equal(mine.sort().values, want.sort().values), (name, d)
         local = tabs[d].local
-        if local is not None:
+        if stages == 1 and n_parts:
+            assert local is None
+        elif local is not None:
             assert torch.equal(local.k_pos, plan.positions_of(d))
 
 
@@ -122,11 +132,18 @@ def test_stage_tables_deliver_exactly_the_keys(one_thread):
                 for name in STRATS:
                     for stages in (1, 2, 3, 5):
                         _simulate(plan, mask, name, stages)
+    # one document per rank: dispatch moves nothing, the local call is the whole attention
+    # (all_gather still gathers: the collective is what it is)
+    plan = CPPlan.build(_cu([50, 50]), cp_size=2, cp_rank=0, layout="contiguous")
+    for stages in (1, 2):
+        tab = staged.staged_tables("dispatch", plan, MASKS["causal"], 0, (16, 16), stages)
+        assert tab.stages == () and tab.local is not None
+        _simulate(plan, MASKS["causal"], "all_gather", stages)
 
 
 def test_stage_counts(one_thread):
-    """Summed over stages: the fetch counts; dispatch cuts each rank's list evenly, nearest
-    owners first; all_gather's slices are equal and each key in its owner row's slice."""
+    """Summed over transfers: the fetch counts; dispatch cuts every (rank, owner) list
+    evenly; all_gather's slices are equal."""
     plan = _plan([300, 17, 1, 90, 0, 5, 411], 4, 0, "dual_chunk")
     mask = MASKS["causal"]
     fetch = selected.fetch_counts(plan, mask).clone()
@@ -135,12 +152,10 @@ def test_stage_counts(one_thread):
         for name in STRATS:
             c = staged.stage_counts(name, plan, mask, stages)
             assert torch.equal(c.sum(0), fetch), (name, stages)
-        per_rank = staged.dispatch_stage_counts(plan, mask, stages).sum(2)   # [S, d]
-        assert (per_rank.max(0).values - per_rank.min(0).values <= 1).all()
+        pieces = staged.dispatch_stage_counts(plan, mask, stages)          # [P, d, o]
+        assert (pieces.max(0).values - pieces.min(0).values <= 1).all()
         sizes = [hi - lo for lo, hi in staged.gather_stage_rows(plan, stages)]
         assert max(sizes) - min(sizes) <= 1
-    order = staged.owner_order(8)
-    assert order[3].tolist() == [3, 4, 2, 5, 1, 6, 0, 7]
     # 1000 rows over 7 stages that no one fills: empty stages are dropped everywhere
     tiny = CPPlan.build(_cu([6]), cp_size=2, cp_rank=0, layout="contiguous")
     assert staged.dispatch_stage_counts(tiny, mask, 7).shape[0] == 3
@@ -148,7 +163,8 @@ def test_stage_counts(one_thread):
 
 def test_staged_time_by_hand(one_thread):
     """One 400-token document, contiguous over 4 ranks, causal window 7: ranks 1..3 fetch
-    the 7 keys before their slice (28 visible pairs with them), rank 0 nothing."""
+    the 7 keys before their slice (28 visible pairs with them), rank 0 nothing. S = 1 is
+    transfer + compute; S = 2 overlaps the transfer with the local call."""
     plan = CPPlan.build(_cu([400]), cp_size=4, cp_rank=0, layout="contiguous")
     mask = AttnMask(causal=True, window_size=(7, 0))
     shape = make_shape(8, 2, 64, 64, 2)
@@ -156,30 +172,34 @@ def test_staged_time_by_hand(one_thread):
                       memory_bytes_per_s=1e11)
     row = shape.kv_row
     f_fwd, f_bwd = 2 * 128 * 8, (6 * 64 + 4 * 64) * 8
-    local = max(plan.work_of(r, mask) for r in range(4)) - 28   # rank 1..3: 100 queries
-    fold_f = 100 * 8 * 64 * (16 + 2) / 1e11
-    fold_b = 100 * 8 * 64 * (8 + 2) / 1e11
+    local = plan.work_of(1, mask) - 28          # ranks 1..3: 100 queries, 28 remote pairs
+    elems = 100 * 8 * 64
     for name in STRATS:
-        t = staged.staged_time(name, plan, mask, shape, model, 1)
-        assert t.stages == 1
-        x = (7 if name == "dispatch" else 3 * 100) * row / 1e9     # all_gather: whole slices
-        c0, c1 = local * f_fwd / 1e12, 28 * f_fwd / 1e12 + fold_f + 1e-6
-        b0, b1 = local * f_bwd / 1e12, 28 * f_bwd / 1e12 + fold_b + 1e-6
-        r1 = 7 * row / 1e9
-        assert t.forward_s == pytest.approx(max(c0, x) + c1)
-        assert t.backward_s == pytest.approx(b1 + max(b0, r1))
-        assert t.sequential_forward_s == pytest.approx(x + (local + 28) * f_fwd / 1e12)
-    # Slow links: more stages hide more (the first transfer shrinks); fast links: one.
+        x = (7 if name == "dispatch" else 3 * 100) * row / 1e9     # all_gather: all rows
+        y = 7 * row / 1e9                                           # dK/dV returns
+        one = staged.staged_time(name, plan, mask, shape, model, 1)
+        assert one.stages == 1
+        assert one.forward_s == pytest.approx(x + (local + 28) * f_fwd / 1e12)
+        assert one.backward_s == pytest.approx((local + 28) * f_bwd / 1e12 + y)
+        two = staged.staged_time(name, plan, mask, shape, model, 2)
+        assert two.stages == 2
+        c0 = local * f_fwd / 1e12 + 2 * 6 * elems / 1e11     # + out to fp32 and back
+        c1 = 28 * f_fwd / 1e12 + 18 * elems / 1e11 + 1e-6     # + fold + latency
+        b0 = local * f_bwd / 1e12 + 2 * 6 * elems / 1e11
+        b1 = 28 * f_bwd / 1e12 + 10 * elems / 1e11 + 1e-6
+        assert two.forward_s == pytest.approx(max(c0, x) + c1)
+        assert two.backward_s == pytest.approx(b1 + max(b0, y))
+    # Slow links: stages hide the transfer; fast links: one call, no fold.
     plan = CPPlan.build(_cu([4096] * 4), cp_size=4, cp_rank=0, layout="dual_chunk")
     big = make_shape(32, 8, 128, 128, 2)
     causal = AttnMask(causal=True)
     slow = CostModel(flops_per_s=4e14, bytes_per_s=1e10)
-    assert staged.default_stages(plan, causal, "dispatch", big, slow) > 1
+    s = staged.default_stages(plan, causal, "dispatch", big, slow)
+    assert s > 1
+    assert staged.staged_time("dispatch", plan, causal, big, slow, s).seconds < \
+        staged.staged_time("dispatch", plan, causal, big, slow, 1).seconds
     fast = CostModel(flops_per_s=4e14, bytes_per_s=1e14)
     assert staged.default_stages(plan, causal, "dispatch", big, fast) == 1
-    for model in (slow, fast):
-        t = staged.staged_time("dispatch", plan, causal, big, model, 2)
-        assert t.seconds <= t.sequential_s + 2 * (4e-5 + 1e-3)
 
 
 def test_overlap_stages_is_validated():
@@ -221,9 +241,9 @@ def test_prepare_plan_builds_what_attention_reads(one_thread):
 
 # ----------------------------------------------------------------- multi-process: numbers
 def _run(rank, world, layout, mask, strategy, stages, inputs, dtype=torch.float32,
-         backend="torch", no_host_reads=True):
+         backend="torch", no_host_reads=True, docs=DOCS):
     q, k, v, dout = inputs
-    plan = _plan(DOCS if q.shape[0] == sum(DOCS) else DOCS16, world, rank, layout)
+    plan = _plan(docs, world, rank, layout)
     ql, kl, vl = (plan.shard(t).to(dtype).requires_grad_() for t in (q, k, v))
     def guard():
         return forbid_host_reads() if no_host_reads else contextlib.nullcontext()
@@ -284,6 +304,23 @@ def cases_worker(rank, world):
         for j, stages in enumerate(STAGES):
             errors += _extras_case(rank, world, strategy, stages, 3 * si + j + world)
             n += 1
+        # one document per rank: nothing to fetch anywhere (the local call is all)
+        for stages in (1, 2):
+            docs = [48] * world
+            inputs = _global_inputs(docs, *HEADS[world][0], seed=700 + stages)
+            ref = _single_device(*inputs, docs, MASKS["causal"])
+            plan, local, sent = _run(rank, world, "contiguous", MASKS["causal"], strategy,
+                                     stages, inputs, docs=docs)
+            want = get_strategy(strategy).bytes_sent_per_rank(
+                plan, MASKS["causal"], head_dim=D, head_dim_v=DV, n_heads=HEADS[world][0][0],
+                n_kv_heads=HEADS[world][0][1], dtype_bytes=4)
+            if sent != (want["fwd"][rank], want["bwd"][rank]):
+                errors.append(f"[{strategy} S={stages} nothing remote] sent {sent}")
+            errors += _compare_fp32(_gather(plan, local), ref, f"[{strategy} S={stages} "
+                                    f"nothing remote]")
+            if strategy == "dispatch" and sent != (0, 0):
+                errors.append(f"[{strategy} S={stages} nothing remote] sent {sent}")
+            n += 1
     if world == 2:
         errors += _triton_case(rank, world)
         errors += _order_case(rank, world)
@@ -294,7 +331,7 @@ def cases_worker(rank, world):
 @pytest.mark.parametrize("cp", [2, 3, 4])
 def test_matches_single_device(cp, tmp_path):
     n = run_distributed(cases_worker, cp, tmp_path, timeout_s=400)
-    assert n == [len(STRATS) * (len(LAYOUTS) * len(MASKS) + len(STAGES))] * cp
+    assert n == [len(STRATS) * (len(LAYOUTS) * len(MASKS) + len(STAGES) + 2)] * cp
 
 
 DOCS16 = [1, 37, 9, 70, 5]                      # interpreter tiles are slow: fewer tokens
@@ -312,7 +349,7 @@ def _triton_case(rank, world):
     plain = _dense(inputs, DOCS16, mask, torch.float16, torch.float16)
     plan, local, _ = _run(rank, world, "dual_chunk", mask, "dispatch", 2,
                           [t.half() for t in inputs], torch.float16, "triton",
-                          no_host_reads=False)
+                          no_host_reads=False, docs=DOCS16)
     errors = []
     for name, g, r, p in zip(NAMES, _gather(plan, local), ref64, plain):
         factor, floor = (2, 1e-3) if name in ("out", "lse") else (3, 2e-3)
@@ -419,7 +456,7 @@ def _order_case(rank, world):
                 out.backward(plan.shard(dout))
             tab = staged.staged_tables(strategy, plan, mask, rank, (64, 64), stages)
             n = len(tab.stages)
-            assert n == stages and all(s.call is not None for s in tab.stages)
+            assert n == stages - 1 and all(s.call is not None for s in tab.stages)
             what = f"[order {strategy} S={stages} rank {rank}]"
             errors += _check_order(fwd.events, "fwd", n, what + " forward")
             errors += _check_order(bwd.events, "bwd", n, what + " backward")

@@ -14,9 +14,10 @@ The rule (per (plan, mask, head shape, dtype); cached in the plan):
    ``flops_per_s``; comm = bytes sent (exactly what the collectives post) / ``bytes_per_s``.
    The ring (p2p) overlaps its transfers with compute: max(compute, comm) per pass;
    dispatch and all_gather overlap theirs in stages (local keys first, remote K/V in the
-   default number of stages: ``staged.staged_time``, the per-stage max(compute, transfer)
-   plus the first transfer, with a latency and the fold's memory traffic per stage); a2a
-   and a2a+p2p wait for their collectives: compute + comm.
+   cost model's number of stages, ``staged.default_stages``; time ``staged.staged_time``:
+   the per-stage max(compute, transfer) plus the first transfer, with a latency and the
+   fold's memory traffic per stage, every rank simulated); a2a and a2a+p2p wait for their
+   collectives: compute + comm.
 4. Among the candidates within ``tolerance`` (5%) of the fastest, the one that sends the
    fewest bytes (max over ranks): when compute dominates, all take about the same time, and
    transfers still contend with compute for SMs and memory bandwidth and with other

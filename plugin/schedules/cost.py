@@ -19,7 +19,8 @@ from ..masks import AttnMask
 from ..plan import CPPlan
 from .hybrid import default_a2a_size, group_members, group_visibility, hybrid_ring_tables
 from .ring import p2p_tables, rank_visibility, ring_length
-from .selected import dispatch_tables, fetch_counts, fetched_tokens, gather_tables
+from .selected import dispatch_tables, fetch_counts, fetched_tokens, gather_tables, \
+    selected_tokens
 from .ulysses import group_call, ulysses_tables
 
 STRATEGIES = ("p2p", "all_gather", "a2a", "a2a+p2p", "dispatch")
@@ -175,8 +176,8 @@ def saved_bytes(name: str, plan: CPPlan, mask: AttnMask, shape: Shape,
     """Max over ranks of what ``name`` keeps for the backward beyond q, k, v, out, lse."""
     if name == "p2p":
         return 0
-    if name in ("dispatch", "all_gather"):  # the remote K/V the local queries see (the
-        return max(fetched_tokens(plan, mask)) * shape.kv_row  # local ones are inputs)
+    if name in ("dispatch", "all_gather"):  # the K/V the local queries see
+        return max(selected_tokens(plan, mask)) * shape.kv_row
     size = plan.cp_size if name == "a2a" else hybrid_size(plan, shape, a2a_size)
     if size == 1:
         return 0

@@ -2,9 +2,9 @@
 compute, and attend to the keys the local queries see.
 
 Each rank's local K/V (packed per token in one [T, Hkv*(D+Dv)] row, padded to the largest
-local count) is gathered in ``overlap_stages`` slices of equal size
-(``varlen_cp.schedules.staged``), one ``all_gather_into_tensor`` (``async_op=True``) each.
-Forward (``selected_keys``' engine): the first slice is posted, the local keys' call runs
+local count) is gathered in slices of equal size (``varlen_cp.schedules.staged``), one
+``all_gather_into_tensor`` (``async_op=True``) each. ``overlap_stages`` = S >= 2
+(``selected_keys``' engine): S - 1 slices; the first is posted, the local keys' call runs
 on the local K/V in place, and each later slice is posted before the previous one's keys
 are computed. A host-planned index picks, per slice, exactly the remote keys the queries
 see (ordered per document by position): one varlen call with explicit positions each; the
@@ -12,12 +12,13 @@ partials fold by their LSE. Backward: the dK/dV rows of each slice's picked keys
 straight back to their owners in one ``all_to_all_single`` per slice (each rank sends only
 the rows it picked from that owner: a reduce-scatter without the zeros), posted while the
 next slice computes, and are summed there in fp32; the local call runs last. Each call
-uses the FINAL out/lse and the same LSE gradient.
+uses the FINAL out/lse and the same LSE gradient. S = 1: one all-gather, one call over the
+local and picked keys, one all-to-all back (no overlap).
 
 Limits: the all-gather itself ships every rank's K/V whatever the mask (the collective is
 what it is; a strategy that fetches only the visible K/V is ``dispatch``, not this one).
-The picked remote K/V are kept for the backward pass (memory: the remote keys this rank's
-queries can see).
+The picked K/V are kept for the backward pass (memory: the remote keys this rank's queries
+see; with S = 1 the local ones too).
 """
 
 from __future__ import annotations

@@ -6,27 +6,30 @@ see are, per document, the union of the query tokens' key intervals. The interva
 never decrease with the position, so the union is a few disjoint ranges of positions, found
 with one shifted running maximum; keys held locally are used in place, the others are
 fetched from their owners. Every rank computes every rank's needs, so each also knows what
-to send in each stage and in which order, with no metadata exchange
-(``varlen_cp.schedules.staged``: each rank's fetch list, owners nearest first, cut into
-``overlap_stages`` equal parts).
+to send in each transfer and in which order, with no metadata exchange
+(``varlen_cp.schedules.staged``: what a rank fetches from each owner, cut into equal
+pieces, one per transfer).
 
-Forward (``selected_keys``' engine): the first stage's ``all_to_all_single`` (uneven
-splits, K and V packed per token into one row, nothing sent to oneself, ``async_op=True``)
-is posted, then the local keys' call runs; each later stage is posted before the previous
-one's keys are computed, so every transfer but none runs alone: stage s computes while
-stage s+1 is in flight. Each stage's keys, listed per document by position (padding never
-included), make one varlen call with explicit positions and its own tile schedule; the
-partials fold by their LSE. Backward: each fetched stage's dK/dV (in the input dtype, as the
-kernel returns them) goes back to its owners in one ``all_to_all_single`` posted while the
-next stage computes, and is summed there with the local ones in fp32; the local call runs
-last. Each call uses the FINAL out/lse and the same LSE gradient.
+``overlap_stages`` = S (default: the cost model's, ``staged.default_stages``). S >= 2
+(``selected_keys``' engine): the first ``all_to_all_single`` (uneven splits, K and V packed
+per token into one row, nothing sent to oneself, ``async_op=True``) is posted, then the
+local keys' call runs on the local K/V in place; each later transfer is posted before the
+previous one's keys are computed, so stage s computes while stage s+1 is in flight. Each
+stage's keys, listed per document by position (padding never included), make one varlen
+call with explicit positions and its own tile schedule; the partials fold by their LSE.
+Backward: each fetched stage's dK/dV (in the input dtype, as the kernel returns them) goes
+back to its owners in one ``all_to_all_single`` posted while the next stage computes, and
+is summed there with the local ones in fp32; the local call runs last. Each call uses the
+FINAL out/lse and the same LSE gradient. S = 1: one all-to-all, then one call over the
+local and fetched keys (no overlap; what the cost model picks when the transfer is small
+next to the extra folds).
 
 Bytes: forward, each rank sends the K/V rows others need from it; backward, the dK/dV rows
 of the keys it fetched: the same totals in any number of stages, and the lower bound of any
 scheme that moves K/V to the queries (the other ranks' keys that a rank's queries see).
 
 Limits: the fetched K/V are kept for the backward pass (memory: the remote keys this
-rank's queries see; the local ones are the inputs). Every rank builds every rank's needs
+rank's queries see; with S = 1 the local ones too). Every rank builds every rank's needs
 (O(sum of the needed keys), at most cp x tokens): measured 30-50 ms of one CPU core for
 128K tokens, 1K documents, cp 8..32.
 """

@@ -1,22 +1,31 @@
 """What all_gather and dispatch share: attention over the keys the local queries see, the
 remote ones brought in stages that overlap with compute.
 
-Both strategies run on ``varlen_cp.schedules.staged`` tables: stage 0 is the local keys,
-read in place; stages 1..S are the remote keys, one collective each. They differ only in
-how a stage's K/V travel (``dispatch``: an ``all_to_all_single`` of exactly the needed
-rows; ``all_gather``: an all-gather of a slice of every rank's padded K/V), which each
-supplies as an *exchange*; this module holds the engine and the one autograd.Function.
+Both strategies run on ``varlen_cp.schedules.staged`` tables (S = ``overlap_stages``):
+with S >= 2, stage 0 is the local keys, read in place, and stages 1..S-1 the remote keys,
+one collective each; with S = 1, one collective brings every remote key and one call
+covers them and the local ones (no overlap, no partial results). The strategies differ
+only in how a transfer's K/V travel (``dispatch``: an ``all_to_all_single`` of exactly the
+needed rows; ``all_gather``: an all-gather of a slice of every rank's padded K/V), which
+each supplies as an *exchange*; this module holds the engine and the autograd.Function.
 
-Forward: post stage 1's collective (``async_op=True``), compute the local call, then for
-each stage s: post stage s+1, wait for stage s, pick its keys (``gather``), compute, fold
-the partial (out, lse) into an fp32 accumulator in place (``fold_``: the math of
-``varlen_cp.kernels.merge_attn_partials`` without its out-sized temporaries). The picked
-K/V of every stage are kept for the backward (the remote keys the queries see; the local
-ones are the inputs). Backward, with the FINAL out/lse and the same dlse in every call
-(ring-attention rule): each fetched stage's dK/dV is computed and posted home while the
-next stage computes (its arrivals folded one stage later), the local call runs last, under
-the last return; dQ and the local dK/dV accumulate in fp32. No host sync anywhere: every
-size comes from the host tables.
+Forward: post transfer 1 (``async_op=True``), compute the local call, then for each
+transfer s: post s+1, wait for s, pick its keys (``gather``), compute, fold the partial
+(out, lse) into the accumulator (``fold_``: the math of
+``varlen_cp.kernels.merge_attn_partials``, in place, without its four out-sized fp32
+temporaries; fp32 from the first fold on). The picked K/V are kept for the backward (the
+remote keys the queries see; with S = 1 the local ones too, as one call needs them in one
+tensor). Backward, with the FINAL out/lse and the same dlse in every call (ring-attention
+rule): each fetched stage's dK/dV is computed and posted home while the next stage
+computes (its arrivals folded one stage later, which bounds the returns in flight to two),
+the local call runs last, under the last return; dQ (fp32 when the rank makes more than one
+call) and the local dK/dV (fp32) accumulate here. No host sync anywhere: every size comes
+from the host tables.
+
+Limits: with short remote stages the backward's earlier returns are waited on before the
+next fetched stage computes, so only the last return hides under the local call (folding
+all of them at the end would hide them all, holding every return at once); each fold is an
+unfused pass over the fp32 output (the cost model counts its memory traffic).
 """
 
 from __future__ import annotations
@@ -44,15 +53,17 @@ def unpack_key_grads(acc: torch.Tensor, k_shape: torch.Size, k_dtype: torch.dtyp
 
 def fold_(acc: torch.Tensor | None, lse: torch.Tensor | None, out_i: torch.Tensor,
           lse_i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fold the partial (out_i, lse_i) into the fp32 accumulator (acc, lse), acc updated in
-    place: ``merge_attn_partials``' math (an empty part adds nothing, two empty parts stay
-    0 / -inf), with [H, T] temporaries only, where the merge allocates four [T, H, Dv] fp32
-    ones. The first partial becomes the accumulator."""
+    """Fold the partial (out_i, lse_i) into the accumulator (acc, lse) with
+    ``merge_attn_partials``' math (an empty part adds nothing, two empty parts stay 0 /
+    -inf), in place and with [H, T] temporaries only, where the merge allocates four
+    [T, H, Dv] fp32 ones. The first partial becomes the accumulator as it is (``out_i``
+    must be fresh: a kernel output); the first fold makes it fp32 (acc * w promotes)."""
     if acc is None:
-        return (out_i if out_i.dtype == torch.float32 else out_i.float()), lse_i
+        return out_i, lse_i
     new_lse = torch.logaddexp(lse, lse_i)
     base = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
-    acc.mul_(torch.exp(lse - base).t().unsqueeze(-1))
+    w = torch.exp(lse - base).t().unsqueeze(-1)
+    acc = acc.mul_(w) if acc.dtype == torch.float32 else acc * w
     acc.addcmul_(out_i, torch.exp(lse_i - base).t().unsqueeze(-1))
     return acc, new_lse
 
@@ -102,9 +113,8 @@ def staged_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tab: Stage
     for s, stage in enumerate(stages):
         nxt = exchange(kf, vf, stages[s + 1], group) if s + 1 < len(stages) else None
         recv = pending.result()
-        n = stage.n_keys
-        k_s = recv[:, :hkv * d].index_select(0, stage.gather).view(n, hkv, d)
-        v_s = recv[:, hkv * d:].index_select(0, stage.gather).view(n, hkv, dv)
+        k_s = _pick(recv[:, :hkv * d], kf, stage).view(stage.n_keys, hkv, d)
+        v_s = _pick(recv[:, hkv * d:], vf, stage).view(stage.n_keys, hkv, dv)
         del recv
         pending = nxt
         fetched += [k_s, v_s]
@@ -121,6 +131,19 @@ def staged_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tab: Stage
     return acc.to(q.dtype), lse, max_part, fetched
 
 
+def _pick(recv: torch.Tensor, local: torch.Tensor, stage: Any) -> torch.Tensor:
+    """A stage's keys in call order: fetched rows from the receive buffer and, with S = 1,
+    local rows in their slots."""
+    fetched = recv.index_select(0, stage.gather)
+    if stage.local_slots is None:
+        return fetched
+    out = recv.new_empty(stage.n_keys, recv.shape[1])
+    out.index_copy_(0, stage.remote_slots, fetched)
+    del fetched
+    out.index_copy_(0, stage.local_slots, local.index_select(0, stage.local_rows))
+    return out
+
+
 def staged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor, fetched: list[torch.Tensor],
                     tab: StagedTables, group: Any, attn: Attn,
@@ -128,44 +151,64 @@ def staged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in the input dtypes; ``fetched`` as ``staged_forward`` returned it."""
     hkv, d, dv = k.shape[1], k.shape[2], v.shape[2]
-    width = hkv * (d + dv)
-    acc = torch.zeros(k.shape[0], width, dtype=torch.float32, device=q.device)
-    dq = None
+    t, width = k.shape[0], hkv * (d + dv)
+    acc = None    # fp32 dK|dV of the local keys, made when first needed
+    dq, several = None, tab.n_calls > 1
     pending: Pending | None = None
     rows = None
+
+    def fold(acc, pending, rows):
+        acc = _zeros(acc, t, width, q.device)
+        acc.index_add_(0, rows, pending.result().float())
+        return acc
+
     for s, stage in enumerate(tab.stages):
         k_s, v_s = fetched[2 * s], fetched[2 * s + 1]
         if stage.call is None:  # no key of ours in this stage: nothing to return
             grads = k_s.new_zeros(stage.n_keys, width)
         else:
             dq_s, dk_s, dv_s = attn.bwd(dout, q, k_s, v_s, out, lse, stage.call, dlse)
-            dq = _add(dq, dq_s)
+            dq = _add(dq, dq_s, several)
+            del dq_s
             grads = torch.cat([dk_s.reshape(stage.n_keys, -1), dv_s.reshape(stage.n_keys, -1)],
                               dim=1)
-            del dq_s, dk_s, dv_s
+            del dk_s, dv_s
+        if stage.local_slots is not None:  # S = 1: the local keys' dK/dV stay here
+            acc = _zeros(acc, t, width, q.device)
+            acc.index_add_(0, stage.local_rows, grads.index_select(0, stage.local_slots).float())
         posted = _post_returns(grads, stage, group)
         del grads
         if pending is not None:  # the previous stage's returns travelled meanwhile
-            acc.index_add_(0, rows, pending.result().float())
+            acc = fold(acc, pending, rows)
         pending, rows = posted, stage.in_rows
     if tab.local is not None:
         dq_0, dk_0, dv_0 = attn.bwd(dout, q, k, v, out, lse, tab.local, dlse)
-        dq = _add(dq, dq_0)
+        dq = _add(dq, dq_0, several)
         del dq_0
-        acc[:, :hkv * d].add_(dk_0.reshape(k.shape[0], -1))
-        acc[:, hkv * d:].add_(dv_0.reshape(v.shape[0], -1))
+        acc = _zeros(acc, t, width, q.device)
+        acc[:, :hkv * d].add_(dk_0.reshape(t, -1))
+        acc[:, hkv * d:].add_(dv_0.reshape(t, -1))
         del dk_0, dv_0
     if pending is not None:
-        acc.index_add_(0, rows, pending.result().float())
+        acc = fold(acc, pending, rows)
+        del pending
     dq = torch.zeros_like(q) if dq is None else dq.to(q.dtype)
+    if acc is None:  # nothing visible anywhere
+        return dq, torch.zeros_like(k), torch.zeros_like(v)
     dk, dv_out = unpack_key_grads(acc, k.shape, k.dtype, v.dtype, dv)
     return dq, dk, dv_out
 
 
-def _add(acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    """fp32 accumulation of ``x`` (a fresh kernel output, so an fp32 one is taken as is)."""
+def _zeros(acc: torch.Tensor | None, t: int, width: int, device: torch.device
+           ) -> torch.Tensor:
+    return torch.zeros(t, width, dtype=torch.float32, device=device) if acc is None else acc
+
+
+def _add(acc: torch.Tensor | None, x: torch.Tensor, fp32: bool) -> torch.Tensor:
+    """Accumulate the fresh kernel output ``x``; the first one becomes the accumulator, in
+    fp32 when more will come (``fp32``; converted at once, while only it is alive)."""
     if acc is None:
-        return x if x.dtype == torch.float32 else x.float()
+        return x.float() if fp32 else x
     return acc.add_(x)
 
 
