@@ -20,10 +20,12 @@ real sizes, H100 model (400 TFLOP/s attention, 150 GB/s per rank inside a node a
 backward, slowest rank): ``dispatch`` and ``all_gather`` before (sequential: the whole
 exchange, then the whole compute) and after (staged, ``varlen_cp.schedules.staged``,
 the cost model's stage count), ``p2p`` / ``a2a`` from ``strategy="auto"``'s estimate; the
-efficiency = mean compute over ranks / that time; and the peak memory per rank, a host
-count of the buffers each strategy's code allocates at its peak beyond q, k, v, dout
-(``staged.staged_memory`` for the staged strategies; :func:`old_selected_memory` for the
-one-shot code they replaced; approximate main-buffer counts for p2p and a2a).
+efficiency = mean compute over ranks / that time (and the bound: every transfer hidden
+under its phase's compute at no cost); and the peak memory per rank, a host count of the
+buffers each strategy's code holds at its peak (forward: beyond q, k, v; backward: beyond
+q and dout, what the forward kept included), walked through its allocations in program
+order (``staged.staged_memory`` for the staged strategies; :func:`old_selected_memory` for
+the one-shot code they replaced; approximate main-buffer counts for p2p and a2a).
 
 Usage: python bench/cp.py [--quick] [--tokens N] [--layout dual_chunk] [--overlap-only]
 [--out PATH]. Prints tables and writes JSON (default bench/results/cp.json).

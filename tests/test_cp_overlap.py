@@ -196,6 +196,8 @@ def test_staged_time_by_hand(one_thread):
     slow = CostModel(flops_per_s=4e14, bytes_per_s=1e10)
     s = staged.default_stages(plan, causal, "dispatch", big, slow)
     assert s > 1
+    assert max(staged.staged_memory("dispatch", plan, causal, big, s).peak) <= \
+        max(staged.staged_memory("dispatch", plan, causal, big, 1).peak)
     assert staged.staged_time("dispatch", plan, causal, big, slow, s).seconds < \
         staged.staged_time("dispatch", plan, causal, big, slow, 1).seconds
     fast = CostModel(flops_per_s=4e14, bytes_per_s=1e14)
@@ -324,6 +326,16 @@ def cases_worker(rank, world):
     if world == 2:
         errors += _triton_case(rank, world)
         errors += _order_case(rank, world)
+        plan = _plan(DOCS, world, rank, "dual_chunk")
+        q = plan.shard(_global_inputs(DOCS, 2, 1, seed=0)[0])
+        with extras._no_communication():   # rejected before any collective
+            for bad in (0, 1.5):
+                with pytest.raises(ValueError, match="overlap_stages"):
+                    cp_varlen_attn(q, q[:, :1], q[:, :1], plan, MASKS["causal"], None,
+                                   "dispatch", overlap_stages=bad)
+            with pytest.raises(ValueError, match="overlap_stages applies"):
+                cp_varlen_attn(q, q[:, :1], q[:, :1], plan, MASKS["causal"], None, "p2p",
+                               overlap_stages=2)
     assert not errors, "\n".join(errors)
     return n
 

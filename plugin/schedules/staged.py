@@ -411,12 +411,18 @@ def default_stages(plan: CPPlan, mask: AttnMask, name: str, shape: Shape,
         model = CostModel()
 
     def choose() -> int:
+        times = {s: staged_time(name, plan, mask, shape, model, s).seconds
+                 for s in range(1, MAX_STAGES + 1)}
         limit = max(staged_memory(name, plan, mask, shape, 1).peak)
-        fits = [s for s in range(1, MAX_STAGES + 1)
-                if s == 1 or max(staged_memory(name, plan, mask, shape, s).peak) <= limit]
-        times = {s: staged_time(name, plan, mask, shape, model, s).seconds for s in fits}
-        best = min(times.values())
-        return next(s for s in fits if times[s] <= best * 1.01)
+
+        seen: dict[int, bool] = {1: True}
+
+        def fits(s: int) -> bool:   # memory walks only for the candidates that matter
+            if s not in seen:
+                seen[s] = max(staged_memory(name, plan, mask, shape, s).peak) <= limit
+            return seen[s]
+        best = next(times[s] for s in sorted(times, key=times.get) if fits(s))
+        return next(s for s in sorted(times) if times[s] <= best * 1.01 and fits(s))
     return host_table(plan, table_key("overlap_stages", mask, None, name, shape, model),
                       choose)
 
@@ -430,9 +436,10 @@ def resolve_stages(plan: CPPlan, mask: AttnMask, name: str, shape: Shape,
 # ---- memory -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StagedMemory:
-    """Per rank, bytes the call holds beyond its inputs (q, k, v, dout): its ``forward``
-    and ``backward`` peaks (the backward's includes ``kept``), and ``kept``, what the
-    forward keeps for the backward (the picked K/V)."""
+    """Per rank, bytes the call holds at its ``forward`` peak beyond its inputs (q, k, v)
+    and at its ``backward`` peak beyond q and dout (``kept`` included), and ``kept``: what
+    the forward keeps for the backward beyond q, out and lse (the picked K/V, and the local
+    k, v when a local call needs them)."""
 
     forward: list[int]
     backward: list[int]
@@ -530,6 +537,8 @@ def staged_memory(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, stages:
         if acc != t * o and acc:                           # out in q.dtype
             live.alloc(t * o)
         fwd.append(live.peak)
+        if not one and local_pairs[r] > 0:                  # k, v kept for the local call
+            have += t * kv
         kept.append(have)
         # ---- backward
         live = _Live(have)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ..schedules.cost import make_shape
 from ..schedules.keys import device_table, table_key
-from ..schedules.staged import StagedTables, resolve_stages, staged_tables
+from ..schedules.staged import Stage, StagedTables, resolve_stages, staged_tables
 from .base import CallSpec
 from .calls import Attn, dlse_or_none, head_max, maybe_max, no_max
 
@@ -80,7 +80,7 @@ class Pending:
         return self.recv
 
 
-def _post_returns(grads: torch.Tensor, stage, group: Any) -> Pending:
+def _post_returns(grads: torch.Tensor, stage: Stage, group: Any) -> Pending:
     """Post the dK/dV rows of a stage's keys to their owners; receive ours."""
     send = grads.index_select(0, stage.back_order)
     recv = grads.new_empty(sum(stage.in_splits), grads.shape[1])
@@ -94,9 +94,8 @@ def staged_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tab: Stage
                    need_max: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """(out in q.dtype, lse, max_part [Hq] (the empty stand-in unless ``need_max``),
-    fetched K/V: k_1,
-    v_1, ..., k_S, v_S in the stages' call order, kept for the backward).
-    ``exchange(kf, vf, stage, group)`` posts one stage's collective."""
+    the picked K/V k_1, v_1, k_2, v_2, ... of each transfer in call order, kept for the
+    backward). ``exchange(kf, vf, stage, group)`` posts one transfer."""
     hq, hkv, d, dv = q.shape[1], k.shape[1], k.shape[2], v.shape[2]
     kf, vf = k.reshape(k.shape[0], hkv * d), v.reshape(v.shape[0], hkv * dv)
     stages = tab.stages
@@ -131,7 +130,7 @@ def staged_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tab: Stage
     return acc.to(q.dtype), lse, max_part, fetched
 
 
-def _pick(recv: torch.Tensor, local: torch.Tensor, stage: Any) -> torch.Tensor:
+def _pick(recv: torch.Tensor, local: torch.Tensor, stage: Stage) -> torch.Tensor:
     """A stage's keys in call order: fetched rows from the receive buffer and, with S = 1,
     local rows in their slots."""
     fetched = recv.index_select(0, stage.gather)
@@ -144,14 +143,16 @@ def _pick(recv: torch.Tensor, local: torch.Tensor, stage: Any) -> torch.Tensor:
     return out
 
 
-def staged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    out: torch.Tensor, lse: torch.Tensor, fetched: list[torch.Tensor],
-                    tab: StagedTables, group: Any, attn: Attn,
-                    dlse: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) in the input dtypes; ``fetched`` as ``staged_forward`` returned it."""
-    hkv, d, dv = k.shape[1], k.shape[2], v.shape[2]
-    t, width = k.shape[0], hkv * (d + dv)
+def staged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
+                    v: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
+                    fetched: list[torch.Tensor], tab: StagedTables, group: Any, attn: Attn,
+                    dlse: torch.Tensor | None, kv: tuple) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) in the input dtypes; ``fetched`` as ``staged_forward`` returned it;
+    ``k``, ``v`` (None unless ``tab.local``) and ``kv`` = (k.shape, k.dtype, Dv, v.dtype)
+    of the local K/V."""
+    k_shape, k_dtype, dv, v_dtype = kv
+    t, hkv, d = k_shape
+    width = hkv * (d + dv)
     acc = None    # fp32 dK|dV of the local keys, made when first needed
     dq, several = None, tab.n_calls > 1
     pending: Pending | None = None
@@ -193,9 +194,8 @@ def staged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         acc = fold(acc, pending, rows)
         del pending
     dq = torch.zeros_like(q) if dq is None else dq.to(q.dtype)
-    if acc is None:  # nothing visible anywhere
-        return dq, torch.zeros_like(k), torch.zeros_like(v)
-    dk, dv_out = unpack_key_grads(acc, k.shape, k.dtype, v.dtype, dv)
+    acc = _zeros(acc, t, width, q.device)   # (nothing visible anywhere: zeros)
+    dk, dv_out = unpack_key_grads(acc, k_shape, k_dtype, v_dtype, dv)
     return dq, dk, dv_out
 
 
@@ -222,8 +222,12 @@ class StagedKeysAttention(torch.autograd.Function):
         tab = tables(spec, engine.name, stages, q.device)
         out, lse, max_part, fetched = staged_forward(q, k, v, tab, engine.exchange,
                                                      spec.group, spec.attn, spec.need_max)
-        ctx.save_for_backward(q, k, v, out, lse, *fetched)
+        # k, v are kept only for the local call (S = 1 keeps its own copy of the local keys)
+        local = tab.local is not None
+        ctx.save_for_backward(q, k if local else None, v if local else None, out, lse,
+                              *fetched)
         ctx.spec, ctx.name, ctx.stages = spec, engine.name, stages
+        ctx.kv = (k.shape, k.dtype, v.shape[2], v.dtype)
         ctx.mark_non_differentiable(max_part)
         ctx.set_materialize_grads(False)  # an unused lse gets no zero gradient
         return out, lse, max_part
@@ -235,7 +239,7 @@ class StagedKeysAttention(torch.autograd.Function):
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dq, dk, dv = staged_backward(dout, q, k, v, out, lse, fetched,
                                      tables(spec, ctx.name, ctx.stages, q.device),
-                                     spec.group, spec.attn, dlse_or_none(dlse))
+                                     spec.group, spec.attn, dlse_or_none(dlse), ctx.kv)
         return dq, dk, dv, None, None, None
 
 
