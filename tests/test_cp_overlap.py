@@ -1,21 +1,26 @@
-"""Staged dispatch and all_gather: transfers in ``overlap_stages`` stages under compute.
+"""Staged dispatch and all_gather: ``overlap_stages`` = S (1: one transfer, one call;
+S >= 2: the local keys first, the remote K/V in S - 1 transfers under compute).
 
 Host (no processes): every rank's stage tables, run through a simulated exchange of global
-token ids, deliver exactly the keys of each stage's kernel call, the union of the stages is
-the remote keys the queries see, and the backward returns land on the owners' rows of those
-very keys; the stage counts add up to the fetch counts; the cost model's staged time is the
-per-stage max(compute, transfer) formula (by hand on a toy batch) and the default stage
-count reacts to the transfer/compute ratio; ``overlap_stages`` is validated everywhere.
+token ids, deliver exactly the keys of each call, the union of the transfers is the remote
+keys the queries see, and the backward returns land on the owners' rows of those very
+keys (also with nothing to fetch anywhere); the transfer counts add up to the fetch counts
+in even pieces; the cost model's staged time is the per-stage max(compute, transfer)
+formula (by hand on a toy batch), its default S reacts to the transfer/compute ratio and
+never exceeds S = 1's peak memory; ``overlap_stages`` is validated everywhere;
+``prepare_plan`` builds the tables the call reads.
 
 Multi-process (gloo, one launch per cp 2, 3, 4 running every case): forward out / LSE and
-dq / dk / dv vs the single-device op for both strategies, every layout (balanced,
-dual_chunk, te) x mask, ``overlap_stages`` cycling 1, 2, 4, the bytes each collective
-really posts equal to ``bytes_sent_per_rank`` in every case, and every CP call after the
-first under ``forbid_host_reads``; then the softmax extras (LSE gradient, sinks, max logit)
-per strategy x stage count. The cp-2 launch adds the order of events (collectives posted /
-waited and kernel calls, recorded by wrappers): the first kernel call comes before the last
-stage's transfer is waited on, and stage s+1 is posted before stage s computes, forward and
-backward; and one fp16 case on the Triton interpreter.
+dq / dk / dv vs the single-device op for both strategies x every layout (balanced,
+dual_chunk, te) x mask, S cycling 1, 2, 4 so that each (strategy, layout, mask) meets every
+S over the three launches; the bytes each collective really posts equal to
+``bytes_sent_per_rank`` in every case; every CP call (the first included) under
+``forbid_host_reads``; then the softmax extras (LSE gradient, sinks, max logit) per
+strategy x S, and one document per rank (nothing to fetch). The cp-2 launch adds the order
+of events (collectives posted / waited and kernel calls, recorded by wrappers): the first
+kernel call comes before the last transfer is waited on, and transfer s+1 is in flight
+while stage s computes, forward and backward; one fp16 case on the Triton interpreter; and
+bad ``overlap_stages`` rejected with every collective patched to raise.
 """
 
 from __future__ import annotations
