@@ -478,3 +478,26 @@ def _order_case(rank, world):
             errors += _check_order(fwd.events, "fwd", n, what + " forward")
             errors += _check_order(bwd.events, "bwd", n, what + " backward")
     return errors
+
+
+def test_fold_is_merge_attn_partials():
+    """The in-place fold equals merge_attn_partials, empty rows (-inf) included, for an
+    fp32 accumulator and for a first partial in half precision (promoted to fp32)."""
+    from varlen_cp.kernels import merge_attn_partials
+    from varlen_cp.strategies.selected_keys import fold_
+    g = torch.Generator().manual_seed(0)
+    t, h, dv = 7, 3, 5
+    parts = [(torch.randn(t, h, dv, generator=g), torch.randn(h, t, generator=g))
+             for _ in range(3)]
+    for lse in (parts[0][1], parts[1][1]):
+        lse[0, 1] = float("-inf")            # row 1, head 0: empty in the first two parts
+    parts[2][1][:, 4] = float("-inf")        # row 4: empty in the last part
+    for first_dtype in (torch.float32, torch.float16):
+        acc, lse = fold_(None, None, parts[0][0].to(first_dtype), parts[0][1])
+        ref, ref_lse = parts[0][0].to(first_dtype).float(), parts[0][1]
+        for out_i, lse_i in parts[1:]:
+            acc, lse = fold_(acc, lse, out_i.half(), lse_i)
+            ref, ref_lse = merge_attn_partials(ref, ref_lse, out_i.half(), lse_i)
+        assert acc.dtype == torch.float32 and not torch.isnan(acc).any()
+        torch.testing.assert_close(acc, ref, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(lse, ref_lse)
