@@ -493,7 +493,8 @@ def test_fold_is_merge_attn_partials():
         lse[0, 1] = float("-inf")            # row 1, head 0: empty in the first two parts
     parts[2][1][:, 4] = float("-inf")        # row 4: empty in the last part
     for first_dtype in (torch.float32, torch.float16):
-        acc, lse = fold_(None, None, parts[0][0].to(first_dtype), parts[0][1])
+        # fold_ takes fresh tensors (kernel outputs) and updates them in place: copies
+        acc, lse = fold_(None, None, parts[0][0].to(first_dtype, copy=True), parts[0][1])
         ref, ref_lse = parts[0][0].to(first_dtype).float(), parts[0][1]
         for out_i, lse_i in parts[1:]:
             acc, lse = fold_(acc, lse, out_i.half(), lse_i)
