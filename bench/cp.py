@@ -13,8 +13,22 @@ same host tables the strategy runs on:
 Masks: causal, sliding window (4096, 0) and chunked 8192 (Llama 4), both scaled by
 tokens / 128K so that they keep their proportion to the mix.
 
-Usage: python bench/cp.py [--quick] [--tokens N] [--layout dual_chunk] [--out PATH]
-Prints a table and writes JSON (default bench/results/cp.json).
+Overlap section (``overlap`` in the JSON; ``--overlap-only`` runs just it): 8K tokens per
+GPU, cp 8..64, layout ``balanced``, masks causal / SWA (4096, 0) / chunked 8192 at their
+real sizes, H100 model (400 TFLOP/s attention, 150 GB/s per rank inside a node at cp <= 8,
+45 GB/s across nodes above). Per strategy, the modelled time of one layer (forward +
+backward, slowest rank): ``dispatch`` and ``all_gather`` before (sequential: the whole
+exchange, then the whole compute) and after (staged, ``varlen_cp.schedules.staged``,
+the cost model's stage count), ``p2p`` / ``a2a`` from ``strategy="auto"``'s estimate; the
+efficiency = mean compute over ranks / that time (and the bound: every transfer hidden
+under its phase's compute at no cost); and the peak memory per rank, a host count of the
+buffers each strategy's code holds at its peak (forward: beyond q, k, v; backward: beyond
+q and dout, what the forward kept included), walked through its allocations in program
+order (``staged.staged_memory`` for the staged strategies; :func:`old_selected_memory` for
+the one-shot code they replaced; approximate main-buffer counts for p2p and a2a).
+
+Usage: python bench/cp.py [--quick] [--tokens N] [--layout dual_chunk] [--overlap-only]
+[--out PATH]. Prints tables and writes JSON (default bench/results/cp.json).
 """
 
 from __future__ import annotations
@@ -35,6 +49,10 @@ from varlen_cp.plan import CPPlan  # noqa: E402
 from varlen_cp.schedules.hybrid import default_a2a_size, heads_fit  # noqa: E402
 from varlen_cp.schedules.selected import fetched_tokens  # noqa: E402
 from varlen_cp.strategies import STRATEGIES, get_strategy  # noqa: E402
+from varlen_cp.schedules import auto, staged  # noqa: E402
+from varlen_cp.schedules.cost import Shape, make_shape  # noqa: E402
+from varlen_cp.schedules.hybrid import group_members  # noqa: E402
+from varlen_cp.schedules.selected import fetch_counts  # noqa: E402
 
 # Llama-3-8B-like attention: 32 query heads, 8 K/V heads, head dim 128, bf16.
 MODEL = {"n_heads": 32, "n_kv_heads": 8, "head_dim": 128, "head_dim_v": 128, "dtype_bytes": 2}
@@ -129,11 +147,171 @@ def print_table(mix: str, mname: str, rows: list[tuple[int, dict]]) -> None:
         print(f"{cp:>3} {max(row['needed_fwd']) / MIB:>10.1f} " + " ".join(cells))
 
 
+# ---- overlap: modelled time and peak memory ------------------------------------------------
+TOKENS_PER_GPU = 8192
+OVERLAP_CPS = (8, 16, 32, 64)
+
+
+def h100(cp: int) -> auto.CostModel:
+    """400 TFLOP/s attention; 150 GB/s per rank in one node (cp <= 8), 45 GB/s across."""
+    return auto.CostModel(flops_per_s=4e14, bytes_per_s=1.5e11 if cp <= 8 else 4.5e10)
+
+
+def old_selected_memory(name: str, plan: CPPlan, mask: AttnMask, shape: Shape
+                        ) -> dict[str, list[int]]:
+    """Per rank, the peak bytes of the one-shot dispatch / all_gather code that staging
+    replaced (commit 9644a3b), walked in its program order like ``staged.staged_memory``:
+    forward: packed K|V, send, receive, the concatenation and the index_select it feeds,
+    the picked K/V (kept), the output; backward: the kept K/V, dq, dK|dV, their packed
+    copy, the exchange buffers and the fp32 accumulator with its inputs."""
+    cp, b = plan.cp_size, shape.dtype_bytes
+    counts = fetch_counts(plan, mask)
+    kv, kv4 = shape.kv_row, shape.kv_row * 4 // b
+    out = shape.n_heads * shape.head_dim_v * b
+    dq = shape.n_heads * shape.head_dim * b
+    stride = max(plan.num_tokens_of(r) for r in range(cp))
+    fwd, bwd, kept = [], [], []
+    for r in range(cp):
+        t = plan.num_tokens_of(r)
+        own = int(counts[r, r])
+        n = int(counts[r].sum()) - own            # fetched
+        m = int(counts[:, r].sum()) - own         # others take from r
+        sel = n + own
+        if name == "dispatch":
+            base = t + m + n
+            f = [base + t + n + sel, base + 2 * sel, base + sel]
+            f = [x * kv for x in f]
+            f[-1] += t * out
+            g = [2 * sel * kv, (sel + m + n) * kv, (sel + m + own) * kv + t * kv4 + own * kv4,
+                 (sel + m) * kv + t * kv4 + m * kv4, (sel + m) * kv + t * kv4 + t * kv]
+        else:
+            base = (1 + cp) * stride
+            f = [(base + 2 * sel) * kv, (base + sel) * kv + t * out]
+            back = own + m                        # dK/dV rows arriving, own included
+            g = [2 * sel * kv, (2 * sel + back) * kv + t * kv4 + back * kv4,
+                 (2 * sel + back) * kv + t * kv4 + t * kv]
+        fwd.append(max(f))
+        bwd.append(sel * kv + t * dq + max(g))
+        kept.append(sel * kv)
+    return {"forward": fwd, "backward": bwd, "kept": kept}
+
+
+def ring_memory(plan: CPPlan, shape: Shape) -> int:
+    """p2p, approximate: K/V in hand and in flight, the fp32 out accumulator, one step's
+    output and merge_attn_partials' three fp32 temporaries; backward: K/V in hand and in
+    flight, fp32 dQ and dK|dV accumulators, one step's gradients, two partials out and two
+    in. Max over ranks and phases."""
+    b = shape.dtype_bytes
+    t = max(plan.num_tokens_of(r) for r in range(plan.cp_size))
+    kv, out, out4 = shape.kv_row, shape.n_heads * shape.head_dim_v * b, \
+        shape.n_heads * shape.head_dim_v * 4
+    dq, dq4 = shape.n_heads * shape.head_dim * b, shape.n_heads * shape.head_dim * 4
+    fwd = t * (2 * kv + 4 * out4 + out)
+    bwd = t * (2 * kv + dq4 + kv * 4 // b + dq + kv + 4 * kv)
+    return max(fwd, bwd)
+
+
+def ulysses_memory(plan: CPPlan, shape: Shape, size: int) -> int:
+    """a2a, approximate: the group's tokens for this rank's heads (packed, then split; out,
+    then picked), this rank's output; backward: the kept q/k/v/out slices, dout in and
+    picked, the gradients, packed and picked, and the tokens they go back to. Max over
+    groups and phases."""
+    b = shape.dtype_bytes
+    hk = max(1, shape.n_kv_heads // size)
+    w = (shape.n_heads // size * shape.head_dim + hk * (shape.head_dim + shape.head_dim_v)) * b
+    wo = shape.n_heads // size * shape.head_dim_v * b
+    t = max(plan.num_tokens_of(r) for r in range(plan.cp_size))
+    n = max(sum(plan.num_tokens_of(m) for m in group_members(g, size))
+            for g in range(0, plan.cp_size, size))
+    full = (shape.n_heads * shape.head_dim + shape.n_kv_heads
+            * (shape.head_dim + shape.head_dim_v)) * b
+    fwd = n * (2 * w + 2 * wo) + t * shape.n_heads * shape.head_dim_v * b
+    bwd = n * (w + wo) + n * (2 * wo + 3 * w) + t * full
+    return max(fwd, bwd)
+
+
+def overlap_row(docs: list[int], cp: int, mname: str, mask: AttnMask, shape: Shape) -> dict:
+    cu = torch.tensor([0] + docs).cumsum(0)
+    plan = CPPlan.build(cu, cp_size=cp, cp_rank=0, layout="balanced", masks=mask)
+    model = h100(cp)
+    pairs = [plan.work_of(r, mask) for r in range(cp)]
+    flops = (2 * (shape.head_dim + shape.head_dim_v) + 6 * shape.head_dim
+             + 4 * shape.head_dim_v) * shape.n_heads
+    ideal = sum(pairs) / cp * flops / model.flops_per_s
+    row = {"cp": cp, "mask": mname, "n_docs": len(docs), "ideal_ms": ideal * 1e3,
+           "strategies": {}}
+    for name in staged.STAGED:
+        stages = staged.default_stages(plan, mask, name, shape, model)
+        t = staged.staged_time(name, plan, mask, shape, model, stages)
+        seq = staged.staged_time(name, plan, mask, shape, model, 1)   # today's: no overlap
+        old, new = old_selected_memory(name, plan, mask, shape), \
+            staged.staged_memory(name, plan, mask, shape, stages)
+        row["strategies"][name] = {
+            "stages": stages, "effective_stages": t.stages,
+            "bound_eff": ideal / t.bound_s,     # every transfer hidden at no cost
+            "before_ms": seq.seconds * 1e3, "after_ms": t.seconds * 1e3,
+            "before_eff": ideal / seq.seconds, "after_eff": ideal / t.seconds,
+            "before_peak_mib": max(max(f, b) for f, b in zip(old["forward"], old["backward"]))
+            / MIB,
+            "after_peak_mib": max(new.peak) / MIB,
+            "before_fwd_mib": max(old["forward"]) / MIB, "after_fwd_mib": max(new.forward) / MIB,
+            "before_kept_mib": max(old["kept"]) / MIB, "after_kept_mib": max(new.kept) / MIB}
+    for name in ("p2p", "a2a"):
+        opts = auto.candidate_options(name, shape, cp)
+        if opts is None:
+            continue
+        e = auto.estimate(plan, mask, name, shape, model)
+        peak = ring_memory(plan, shape) if name == "p2p" else ulysses_memory(plan, shape, cp)
+        row["strategies"][name] = {"after_ms": e.seconds * 1e3, "after_eff": ideal / e.seconds,
+                                   "after_peak_mib": peak / MIB}
+    return row
+
+
+def run_overlap(cps: tuple[int, ...]) -> list[dict]:
+    shape = make_shape(MODEL["n_heads"], MODEL["n_kv_heads"], MODEL["head_dim"],
+                       MODEL["head_dim_v"], MODEL["dtype_bytes"])
+    rows = []
+    for cp in cps:
+        tokens = TOKENS_PER_GPU * cp
+        for mix, docs in document_mixes(tokens).items():
+            for mname, mask in masks(131072).items():   # the masks' real sizes
+                row = overlap_row(docs, cp, mname, mask, shape)
+                row["mix"] = mix
+                rows.append(row)
+    return rows
+
+
+def print_overlap(rows: list[dict]) -> None:
+    print(f"\nOverlap: {TOKENS_PER_GPU} tokens per GPU, balanced layout, H100 model; "
+          f"modelled ms per layer (fwd+bwd, slowest rank) before -> after staging "
+          f"(efficiency = mean compute / time), S = stages; peak MiB per rank")
+    print("(bound: the efficiency if every transfer hid under compute at no cost)")
+    print(f"{'mix':>10} {'mask':>7} {'cp':>3} {'ideal':>6} | {'dispatch':>27} "
+          f"{'S':>2} {'bound':>5} {'peak MiB':>11} | {'all_gather':>27} {'S':>2} "
+          f"{'bound':>5} {'peak MiB':>11} | {'p2p':>12} {'MiB':>5} | {'a2a':>12} {'MiB':>5}")
+    for r in rows:
+        cells = []
+        for name in staged.STAGED:
+            e = r["strategies"][name]
+            cells.append(f"{e['before_ms']:6.2f} ({e['before_eff']:.2f}) -> "
+                         f"{e['after_ms']:6.2f} ({e['after_eff']:.2f}) {e['stages']:>2} "
+                         f"{e['bound_eff']:5.2f} "
+                         f"{e['before_peak_mib']:5.0f}->{e['after_peak_mib']:<5.0f}")
+        for name in ("p2p", "a2a"):
+            e = r["strategies"].get(name)
+            cells.append("n/a".rjust(18) if e is None else
+                         f"{e['after_ms']:6.2f} ({e['after_eff']:.2f}) {e['after_peak_mib']:5.0f}")
+        print(f"{r['mix']:>10} {r['mask']:>7} {r['cp']:>3} {r['ideal_ms']:6.2f} | "
+              + " | ".join(cells))
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="32K tokens, cp 2, 4, 8")
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--layout", default="dual_chunk")
+    p.add_argument("--overlap-only", action="store_true",
+                   help="only the overlap section (modelled time and peak memory)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                  "results", "cp.json"))
     args = p.parse_args(argv)
@@ -148,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
     for mname, mask in masks(tokens).items():
         result["masks"][mname] = {"causal": mask.causal, "window_size": list(mask.window_size),
                                   "chunk_size": mask.chunk_size}
-    for mix, docs in document_mixes(tokens).items():
+    for mix, docs in ({} if args.overlap_only else document_mixes(tokens)).items():
         result["mixes"][mix] = {"n_docs": len(docs), "max_doc": max(docs)}
         for mname, mask in masks(tokens).items():
             rows = []
@@ -157,6 +335,8 @@ def main(argv: list[str] | None = None) -> dict:
                 rows.append((cp, row))
                 result["rows"].append({"mix": mix, "mask": mname, "cp": cp, **row})
             print_table(mix, mname, rows)
+    result["overlap"] = run_overlap((8, 16) if args.quick else OVERLAP_CPS)
+    print_overlap(result["overlap"])
     result["seconds"] = round(time.time() - t0, 1)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .checks import check_bool, check_choice, check_int
-from .config import AttnShape
+from .config import AttnShape, check_overlap_stages
 from .kernels import SOFTMAX_TYPES, apply_softmax_sink, block_sizes_for, check_softmax_args
 from .kernels import resolve_backend
 from .kernels.validation import BACKENDS
@@ -190,7 +190,7 @@ def _check_device(device: Any) -> torch.device:
 
 def prepare_attention(plan: CPPlan, mask: AttnMask, strategy: str, shape: Any,
                       device: torch.device, *, backend: str = "auto",
-                      a2a_size: int | None = None) -> str:
+                      a2a_size: int | None = None, overlap_stages: int | None = None) -> str:
     """Build and cache in ``plan`` every table ``cp_varlen_attn(..., mask, strategy=...)``
     will need for inputs of ``shape`` (``varlen_cp.config.AttnShape``) on ``device``;
     returns the strategy that will run (``auto`` resolved). Host work and non-blocking
@@ -207,6 +207,7 @@ def prepare_attention(plan: CPPlan, mask: AttnMask, strategy: str, shape: Any,
     device = _check_device(device)
     check_choice("backend", backend, BACKENDS)
     _check_a2a_size(strategy, a2a_size)
+    check_overlap_stages(overlap_stages, strategy)
     if strategy != "auto":  # the call's own rule, so a bad option fails ahead of the step
         get_strategy(strategy).check_heads(shape.n_heads, shape.n_kv_heads, plan.cp_size,
                                            a2a_size)
@@ -219,7 +220,9 @@ def prepare_attention(plan: CPPlan, mask: AttnMask, strategy: str, shape: Any,
                                    n_kv_heads=shape.n_kv_heads, head_dim=shape.head_dim,
                                    head_dim_v=shape.value_dim,
                                    dtype_bytes=shape.dtype.itemsize)
-    _strategy_for(plan, strategy).prepare(plan, mask, block, device, cost_shape, a2a_size)
+    chosen = _strategy_for(plan, strategy)
+    chosen.prepare(plan, mask, block, device, cost_shape, a2a_size,
+                   overlap_stages if chosen.staged else None)
     return "p2p" if strategy == "auto" else strategy
 
 
@@ -229,7 +232,8 @@ def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPl
                    softmax_scale: float | None = None, return_lse: bool = False,
                    backend: str = "auto", validate: bool = True, *,
                    a2a_size: int | None = None, return_max_logit: bool = False,
-                   softmax_type: str = "vanilla", sink: torch.Tensor | None = None):
+                   softmax_type: str = "vanilla", sink: torch.Tensor | None = None,
+                   overlap_stages: int | None = None):
     """Context-parallel varlen attention of this rank's local tokens.
 
     q [T_local, Hq, D], k [T_local, Hkv, D], v [T_local, Hkv, Dv]: this rank's tokens in
@@ -240,9 +244,13 @@ def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPl
     "dispatch" or "auto" (chosen per (plan, mask) from closed-form costs on the plan, see
     ``varlen_cp.schedules.auto``; the same on every rank)
     (``a2a_size``: Ulysses group size for "a2a+p2p"; default the largest divisor of cp
-    that divides Hq). ``validate`` (default True): on the first call with this plan, check
-    that all ranks built the same plan (one 16-byte all-reduce and a host read, remembered
-    for the plan); False skips it.
+    that divides Hq). ``overlap_stages``: "dispatch" / "all_gather" (or "auto" when it
+    picks one of them): S kernel stages, the local keys first and the remote K/V in S - 1
+    transfers, each in flight while the previous stage computes (1: one transfer, then one
+    call; None: the cost model's choice, cached in the plan per mask and head shape; see
+    ``varlen_cp.schedules.staged``). ``validate`` (default True): on the first call with
+    this plan, check that all ranks built the same plan (one 16-byte all-reduce and a
+    host read, remembered for the plan); False skips it.
     ``softmax_type``: "vanilla", "off-by-one" (a zero sink logit per head) or "learnable"
     (``sink``: fp32 [Hq] logits on q's device, usually an ``nn.Parameter``; it gets this
     rank's share of the gradient).
@@ -262,6 +270,7 @@ def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPl
         check_bool(name, flag)
     check_softmax_args(softmax_type, sink, q.shape[1], q.device)
     _check_a2a_size(strategy, a2a_size)
+    check_overlap_stages(overlap_stages, strategy)
     backend = resolve_backend(backend, q.device)
     block = tuple(block_sizes_for(backend, q.device, q.shape[2], v.shape[2], dtype=q.dtype))
     group = resolve_group(group, plan)
@@ -278,7 +287,7 @@ def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPl
     # The sink rescales by the merged LSE, so the strategy must hand it back.
     need_lse = return_lse or softmax_type != "vanilla"
     spec = CallSpec(plan, Attn(mask, scale, backend), group, block, need_lse,
-                    return_max_logit, a2a_size)
+                    return_max_logit, a2a_size, overlap_stages)
     out, lse, max_part = _strategy_for(plan, strategy).attention(q, k, v, spec)
     out, lse = apply_softmax_sink(out, lse, softmax_type, sink)
     max_logit = None
@@ -317,7 +326,7 @@ class ContextParallelVarlenAttention(nn.Module):
                  backend: str = "auto", softmax_scale: float | None = None, *,
                  a2a_size: int | None = None, softmax_type: str = "vanilla",
                  n_heads: int | None = None, track_max_logit: bool = False,
-                 validate: bool = True) -> None:
+                 validate: bool = True, overlap_stages: int | None = None) -> None:
         super().__init__()
         if not isinstance(mask, AttnMask):
             raise ValueError(f"mask must be a varlen_cp.AttnMask, got {type(mask).__name__}")
@@ -331,6 +340,7 @@ class ContextParallelVarlenAttention(nn.Module):
         _check_a2a_size(strategy, a2a_size)
         check_bool("track_max_logit", track_max_logit)
         check_bool("validate", validate)
+        check_overlap_stages(overlap_stages, strategy)
         if softmax_type not in SOFTMAX_TYPES:
             raise ValueError(f"softmax_type must be one of {SOFTMAX_TYPES}, got "
                              f"{softmax_type!r}")
@@ -347,6 +357,7 @@ class ContextParallelVarlenAttention(nn.Module):
         self.backend = backend
         self.softmax_scale = softmax_scale
         self.a2a_size = a2a_size
+        self.overlap_stages = overlap_stages
         self.softmax_type = softmax_type
         self.track_max_logit = track_max_logit
         self.validate = validate
@@ -360,7 +371,7 @@ class ContextParallelVarlenAttention(nn.Module):
         sink = None if self.sink is None else self.sink.float()
         res = cp_varlen_attn(q, k, v, plan, self.mask, self.group, self.strategy,
                              self.softmax_scale, backend=self.backend, validate=self.validate,
-                             a2a_size=self.a2a_size,
+                             a2a_size=self.a2a_size, overlap_stages=self.overlap_stages,
                              return_max_logit=self.track_max_logit,
                              softmax_type=self.softmax_type, sink=sink)
         if not self.track_max_logit:

@@ -27,6 +27,18 @@ STRATEGY_NAMES: tuple[str, ...] = (*STRATEGIES, "auto")
 
 __all__ = ["CPConfig", "AttnShape", "LAYOUTS", "STRATEGY_NAMES", "BACKENDS", "SOFTMAX_TYPES"]
 
+# Strategies that take ``overlap_stages`` ("auto" passes it on when it picks one of them).
+STAGED_STRATEGIES: tuple[str, ...] = (*(n for n, s in STRATEGIES.items() if s.staged), "auto")
+
+
+def check_overlap_stages(value: Any, strategy: Any) -> Any:
+    """``overlap_stages``: None or an int >= 1, with a strategy that stages its transfers."""
+    check_int("overlap_stages", value, 1, optional=True)
+    if value is not None and strategy not in STAGED_STRATEGIES:
+        raise ValueError(f"overlap_stages applies to strategies {STAGED_STRATEGIES} only, "
+                         f"got overlap_stages={value!r} with strategy={strategy!r}")
+    return value
+
 
 @dataclass(frozen=True, kw_only=True)
 class CPConfig:
@@ -42,6 +54,11 @@ class CPConfig:
                "torch".
     a2a_size:  "a2a+p2p" only: Ulysses group size (None: the largest divisor of cp that the
                head counts allow).
+    overlap_stages: "dispatch" / "all_gather" (and "auto" when it picks one of them): S
+               kernel stages; S >= 2: the local keys first, the remote K/V in S - 1
+               transfers, each in flight while the previous stage computes; 1: one
+               transfer, then one call (no overlap). None: the cost model's choice per plan
+               and mask (``varlen_cp.schedules.staged.default_stages``).
     validate:  check once per plan, with one small all-reduce, that every rank built the
                same plan (ranks that disagree would otherwise compute silently wrong
                results); False skips it.
@@ -58,6 +75,7 @@ class CPConfig:
     layout: str = "dual_chunk"
     backend: str = "auto"
     a2a_size: int | None = None
+    overlap_stages: int | None = None
     validate: bool = True
     min_chunk_tokens: int = 64
     chunk_tokens: int | None = None
@@ -72,6 +90,7 @@ class CPConfig:
         if self.a2a_size is not None and self.strategy != "a2a+p2p":
             raise ValueError(f"a2a_size applies to strategy 'a2a+p2p' only, got "
                              f"a2a_size={self.a2a_size!r} with strategy={self.strategy!r}")
+        check_overlap_stages(self.overlap_stages, self.strategy)
         check_bool("validate", self.validate)
         check_int("min_chunk_tokens", self.min_chunk_tokens, 1)
         check_int("chunk_tokens", self.chunk_tokens, 1, optional=True)

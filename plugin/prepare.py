@@ -62,7 +62,8 @@ def prepare_plan(plan: CPPlan, config: CPConfig, layer_masks: LayerMasks, shape:
     for i, mask in enumerate(masks):
         name = config.strategy if strategies is None else strategies[i]
         prepare_attention(plan, mask, name, shape, device,
-                          backend=config.backend, a2a_size=config.a2a_size)
+                          backend=config.backend, a2a_size=config.a2a_size,
+                          overlap_stages=config.overlap_stages)
     return plan
 
 

@@ -26,7 +26,7 @@ from varlen_cp.prepare import AttnShape, prepare_plan
 from varlen_cp.schedules.holders import block_schedule, rank_holders
 from varlen_cp.schedules.hybrid import group_holders, hybrid_ring_tables
 from varlen_cp.schedules.ring import p2p_tables, rank_visibility, ring_length
-from varlen_cp.schedules.selected import fetch_counts, select_keys
+from varlen_cp.schedules.selected import fetch_counts, pair_counts, select_keys
 
 MASKS = [AttnMask(), AttnMask(causal=False), AttnMask(window_size=(7, 0)),
          AttnMask(causal=False, window_size=(3, 5)), AttnMask(causal=False, window_size=(0, 4)),
@@ -66,6 +66,7 @@ def test_visibility_and_fetch_counts_match_per_rank_counts(layout):
         for mask in MASKS[:6] + MASKS[8:10]:
             vis = rank_visibility(plan, mask)
             fetch = fetch_counts(plan, mask)
+            exact = pair_counts(plan, mask)
             for s in range(cp):
                 q_pos, q_cu = plan.positions_of(s), plan.local_cu_seqlens_of(s)
                 for j in range(cp):
@@ -80,6 +81,7 @@ def test_visibility_and_fetch_counts_match_per_rank_counts(layout):
                             pairs += int(m.sum())
                             keys += int(m.any(0).sum())
                     assert (int(vis[s, j]) > 0) == (pairs > 0), (layout, cp, mask, s, j)
+                    assert int(exact[s, j]) == pairs, (layout, cp, mask, s, j)
                     assert int(fetch[s, j]) == keys, (layout, cp, mask, s, j)
             # the ring stops after the last step anyone needs
             t_needed = [t for t in range(1, cp) if any(int(vis[s, (s - t) % cp])

@@ -12,8 +12,12 @@ The rule (per (plan, mask, head shape, dtype); cached in the plan):
 3. Time per layer (forward + backward), slowest rank: compute = visible pairs x Hq x
    flops per pair (2(D+Dv) forward, 6D+4Dv backward: FA2's five matmuls) /
    ``flops_per_s``; comm = bytes sent (exactly what the collectives post) / ``bytes_per_s``.
-   The ring (p2p) overlaps its transfers with compute: max(compute, comm) per pass; the
-   others wait for their collectives: compute + comm.
+   The ring (p2p) overlaps its transfers with compute: max(compute, comm) per pass;
+   dispatch and all_gather overlap theirs in stages (local keys first, remote K/V in the
+   cost model's number of stages, ``staged.default_stages``; time ``staged.staged_time``:
+   the per-stage max(compute, transfer) plus the first transfer, with a latency and the
+   fold's memory traffic per stage, every rank simulated); a2a and a2a+p2p wait for their
+   collectives: compute + comm.
 4. Among the candidates within ``tolerance`` (5%) of the fastest, the one that sends the
    fewest bytes (max over ranks): when compute dominates, all take about the same time, and
    transfers still contend with compute for SMs and memory bandwidth and with other
@@ -25,14 +29,14 @@ candidate's runtime tables are built, so choosing costs a few milliseconds per p
 few percent at the edges of windows and chunks, the same for every strategy).
 
 What that gives (README "which strategy when"): long documents with full or causal masks
-are compute-bound, so the least traffic wins: a2a when the heads allow, else p2p, whose
-transfers hide behind compute; sliding windows, chunked attention and many short documents
+are compute-bound, so the least traffic wins among the near-equal times: a2a, p2p or
+(staged, fewer bytes than the ring) dispatch; sliding windows, chunked attention and many short documents
 make dispatch's traffic a small fraction of anyone else's (it fetches only visible K/V); p2p
 when memory is tight; all_gather is never better than dispatch (same compute, more bytes).
 
 Limits: the defaults of :class:`CostModel` are one H100 node's order of magnitude (NVLink);
-pass your own for other machines. Latency per collective is not modelled, so for tiny
-batches the pick is arbitrary (all are fast).
+pass your own for other machines. Latency per collective is modelled only for the extra
+stages of dispatch / all_gather, so for tiny batches the pick is arbitrary (all are fast).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from typing import Any
 from ..checks import check_int
 from ..masks import AttnMask
 from ..plan import CPPlan
-from . import cost
+from . import cost, staged
 from .cost import Shape, make_shape
 from .hybrid import default_a2a_size, heads_fit
 from .keys import host_table, table_key
@@ -69,15 +73,27 @@ class CostModel:
     bytes_per_s: bytes one rank sends per second in a collective (default 1.5e11: NCCL
     all-to-all / P2P inside an NVLink node; ~2.5e10-4.5e10 across InfiniBand nodes).
     tolerance: estimates within this fraction of the best count as equal (default 0.05).
+    stage_latency_s: fixed cost of one overlap stage of dispatch / all_gather (a collective
+    and a kernel launch; default 2e-5).
+    memory_bytes_per_s: device memory bandwidth, for the per-stage fold of partial results
+    (default 3e12: H100 HBM3).
     """
 
     flops_per_s: float = 3e14
     bytes_per_s: float = 1.5e11
     tolerance: float = 0.05
+    stage_latency_s: float = 2e-5
+    memory_bytes_per_s: float = 3e12
 
     def __post_init__(self) -> None:
         _positive("CostModel.flops_per_s", self.flops_per_s)
         _positive("CostModel.bytes_per_s", self.bytes_per_s)
+        _positive("CostModel.memory_bytes_per_s", self.memory_bytes_per_s)
+        if isinstance(self.stage_latency_s, bool) \
+                or not isinstance(self.stage_latency_s, (int, float)) \
+                or not math.isfinite(self.stage_latency_s) or self.stage_latency_s < 0:
+            raise ValueError(f"CostModel.stage_latency_s must be a finite number >= 0, got "
+                             f"{self.stage_latency_s!r}")
         if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, (int, float)) \
                 or not 0 <= self.tolerance < 1:
             raise ValueError(f"CostModel.tolerance must be in [0, 1), got {self.tolerance!r}")
@@ -114,7 +130,11 @@ def estimate(plan: CPPlan, mask: AttnMask, name: str, shape: Shape, model: CostM
     c_bwd = pairs * (6 * d + 4 * dv) / model.flops_per_s
     x_fwd = max(sent["fwd"]) / model.bytes_per_s
     x_bwd = max(sent["bwd"]) / model.bytes_per_s
-    if name in OVERLAPPED:
+    if name in staged.STAGED:
+        t = staged.staged_time(name, plan, mask, shape, model,
+                               staged.default_stages(plan, mask, name, shape, model))
+        seconds = t.seconds
+    elif name in OVERLAPPED:
         seconds = max(c_fwd, x_fwd) + max(c_bwd, x_bwd)
     else:
         seconds = c_fwd + x_fwd + c_bwd + x_bwd

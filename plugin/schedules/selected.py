@@ -18,7 +18,7 @@ import torch
 
 from ..masks import AttnMask
 from ..plan import CPPlan
-from ..plan.runs import Runs, key_spans, merge_spans, span_pieces
+from ..plan.runs import Runs, key_spans, merge_spans, pair_work, span_pieces
 from .holders import Holder, KernelCall, holder_from_counts, kernel_call, rank_holder
 from .keys import host_table, table_key
 
@@ -96,6 +96,22 @@ def fetch_counts(plan: CPPlan, mask: AttnMask) -> torch.Tensor:
         out = torch.zeros(cp * cp, dtype=torch.int64)
         return out.scatter_add_(0, holder[span] * cp + part.holder[run], length).view(cp, cp)
     return host_table(plan, table_key("fetch_counts", mask), build)
+
+
+def pair_counts(plan: CPPlan, mask: AttnMask) -> torch.Tensor:
+    """int64 [cp, cp]: visible pairs of rank s's queries with rank o's keys (exact, in
+    closed form: each query run's key span is cut by the ranks' runs and every piece is
+    counted with ``pair_work``; cached)."""
+    def build() -> torch.Tensor:
+        runs = plan.runs
+        lo, hi = key_spans(runs, mask, plan.doc_lengths)
+        part = runs_by_document(plan)
+        span, run, first, length = span_pieces(runs.doc, lo, hi, part)
+        pairs = pair_work(runs.start[span], runs.stop[span], first, first + length, mask)
+        cp = plan.cp_size
+        out = torch.zeros(cp * cp, dtype=torch.int64)
+        return out.scatter_add_(0, runs.holder[span] * cp + part.holder[run], pairs).view(cp, cp)
+    return host_table(plan, table_key("pair_counts", mask), build)
 
 
 def fetched_tokens(plan: CPPlan, mask: AttnMask) -> list[int]:

@@ -227,7 +227,8 @@ class A2A(Strategy):
         check_head_split(n_heads, n_kv_heads, cp_size, "strategy 'a2a'")
 
     def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
-                device: torch.device, shape: Shape, a2a_size: int | None = None) -> None:
+                device: torch.device, shape: Shape, a2a_size: int | None = None,
+                overlap_stages: int | None = None) -> None:
         spec = LocalSpec(CallSpec(plan, None, None, block), None, plan.cp_size,
                          tuple(range(plan.cp_size)))
         spec.tables(device)

@@ -150,7 +150,8 @@ class A2AP2P(Strategy):
             else a2a_size
 
     def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
-                device: torch.device, shape: Shape, a2a_size: int | None = None) -> None:
+                device: torch.device, shape: Shape, a2a_size: int | None = None,
+                overlap_stages: int | None = None) -> None:
         size = self._size(plan, shape.n_heads, shape.n_kv_heads, a2a_size)
         if size == 1:
             return P2P().prepare(plan, mask, block, device, shape)

@@ -7,7 +7,8 @@ with:
   communication;
 - ``prepare(plan, mask, block, device, shape, a2a_size)``: build and cache in the plan every
   host table its ``attention`` will read, and their device copies (``varlen_cp.prepare``
-  calls it ahead of the step);
+  calls it ahead of the step); strategies with ``staged = True`` (dispatch, all_gather)
+  also take ``overlap_stages`` there and read ``spec.overlap_stages``;
 - ``attention(q, k, v, spec) -> (out, lse, max_part)``: differentiable in q, k, v through
   out AND lse (attention sinks compose on the merged lse); inputs already validated.
   ``max_part`` (``spec.need_max``; else None): fp32 [Hq], the max scaled visible score over
@@ -44,12 +45,14 @@ class CallSpec:
     need_lse: bool = True
     need_max: bool = False
     a2a_size: int | None = None
+    overlap_stages: int | None = None  # dispatch / all_gather: None = the cost model's
 
 
 class Strategy(ABC):
     """One CP strategy (see the module docstring)."""
 
     name: ClassVar[str]
+    staged: ClassVar[bool] = False   # overlaps its transfers in ``overlap_stages`` stages
 
     def check_heads(self, n_heads: int, n_kv_heads: int, cp_size: int,
                     a2a_size: int | None = None) -> None:
@@ -57,7 +60,8 @@ class Strategy(ABC):
 
     @abstractmethod
     def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
-                device: torch.device, shape: Shape, a2a_size: int | None = None) -> None:
+                device: torch.device, shape: Shape, a2a_size: int | None = None,
+                overlap_stages: int | None = None) -> None:
         """Build and cache this rank's host tables and their ``device`` copies."""
 
     @abstractmethod

@@ -32,7 +32,8 @@ class Local(Strategy):
     name = "local"
 
     def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
-                device: torch.device, shape: Shape, a2a_size: int | None = None) -> None:
+                device: torch.device, shape: Shape, a2a_size: int | None = None,
+                overlap_stages: int | None = None) -> None:
         _local_call(plan, mask, block, device)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec

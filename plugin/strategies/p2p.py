@@ -206,7 +206,8 @@ class P2P(Strategy):
     name = "p2p"
 
     def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
-                device: torch.device, shape: Shape, a2a_size: int | None = None) -> None:
+                device: torch.device, shape: Shape, a2a_size: int | None = None,
+                overlap_stages: int | None = None) -> None:
         rank = plan.cp_rank
         device_table(plan, table_key("p2p", mask, block, rank), device,
                      lambda: p2p_tables(plan, mask, block, rank))

@@ -1,11 +1,31 @@
-"""What all_gather and dispatch share: attention over a selection of keys brought to the
-queries.
+"""What all_gather and dispatch share: attention over the keys the local queries see, the
+remote ones brought in stages that overlap with compute.
 
-Both strategies make one local kernel call over the keys this rank's queries can see and
-send those keys' dK/dV back to their owners; they differ only in how the keys travel (one
-padded all-gather vs one all_to_all_single of exactly the needed ranges). Each supplies its
-tables (``varlen_cp.schedules.selected``) and a forward (exchange + call) and backward
-(call + return) engine; this module holds the one autograd.Function around them.
+Both strategies run on ``varlen_cp.schedules.staged`` tables (S = ``overlap_stages``):
+with S >= 2, stage 0 is the local keys, read in place, and stages 1..S-1 the remote keys,
+one collective each; with S = 1, one collective brings every remote key and one call
+covers them and the local ones (no overlap, no partial results). The strategies differ
+only in how a transfer's K/V travel (``dispatch``: an ``all_to_all_single`` of exactly the
+needed rows; ``all_gather``: an all-gather of a slice of every rank's padded K/V), which
+each supplies as an *exchange*; this module holds the engine and the autograd.Function.
+
+Forward: post transfer 1 (``async_op=True``), compute the local call, then for each
+transfer s: post s+1, wait for s, pick its keys (``gather``), compute, fold the partial
+(out, lse) into the accumulator (``fold_``: the math of
+``varlen_cp.kernels.merge_attn_partials``, in place, without its four out-sized fp32
+temporaries; fp32 from the first fold on). The picked K/V are kept for the backward (the
+remote keys the queries see; with S = 1 the local ones too, as one call needs them in one
+tensor). Backward, with the FINAL out/lse and the same dlse in every call (ring-attention
+rule): each fetched stage's dK/dV is computed and posted home while the next stage
+computes (its arrivals folded one stage later, which bounds the returns in flight to two),
+the local call runs last, under the last return; dQ (fp32 when the rank makes more than one
+call) and the local dK/dV (fp32) accumulate here. No host sync anywhere: every size comes
+from the host tables.
+
+Limits: with short remote stages the backward's earlier returns are waited on before the
+next fetched stage computes, so only the last return hides under the local call (folding
+all of them at the end would hide them all, holding every return at once); each fold is an
+unfused pass over the fp32 output (the cost model counts its memory traffic).
 """
 
 from __future__ import annotations
@@ -13,21 +33,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
+from ..schedules.cost import make_shape
 from ..schedules.keys import device_table, table_key
+from ..schedules.staged import Stage, StagedTables, resolve_stages, staged_tables
 from .base import CallSpec
 from .calls import Attn, dlse_or_none, head_max, maybe_max, no_max
-
-
-def local_key_grads(dout, q, k_sel, v_sel, out, lse, call, attn: Attn, dlse
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dq, grads): this rank's dQ and the selected keys' dK|dV packed as rows
-    [n_selected, Hkv * (D + Dv)] in the input dtype, ready for the exchange back."""
-    if call is None:  # nothing visible: nothing to differentiate
-        width = k_sel.shape[1] * (k_sel.shape[2] + v_sel.shape[2])
-        return torch.zeros_like(q), k_sel.new_zeros(k_sel.shape[0], width)
-    dq, dk_sel, dv_sel = attn.bwd(dout, q, k_sel, v_sel, out, lse, call, dlse)
-    return dq, torch.cat([dk_sel.flatten(1), dv_sel.flatten(1)], dim=1)
 
 
 def unpack_key_grads(acc: torch.Tensor, k_shape: torch.Size, k_dtype: torch.dtype,
@@ -39,56 +51,220 @@ def unpack_key_grads(acc: torch.Tensor, k_shape: torch.Size, k_dtype: torch.dtyp
     return dk, dv
 
 
-class SelectedKeysAttention(torch.autograd.Function):
-    """(out, lse, max_part) of the local queries vs the selected keys; lse is
-    differentiable, max_part (or its empty stand-in) is not.
+def fold_(acc: torch.Tensor | None, lse: torch.Tensor | None, out_i: torch.Tensor,
+          lse_i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold the partial (out_i, lse_i) into the accumulator (acc, lse) with
+    ``merge_attn_partials``' math (an empty part adds nothing, two empty parts stay 0 /
+    -inf), in place and with [H, T] temporaries only, where the merge allocates four
+    [T, H, Dv] fp32 ones. The first partial becomes the accumulator as it is (``out_i``
+    must be fresh: a kernel output); the first fold makes it fp32 (acc * w promotes)."""
+    if acc is None:
+        return out_i, lse_i
+    new_lse = torch.logaddexp(lse, lse_i)
+    base = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    w = torch.exp(lse - base).t().unsqueeze(-1)
+    acc = acc.mul_(w) if acc.dtype == torch.float32 else acc * w
+    acc.addcmul_(out_i, torch.exp(lse_i - base).t().unsqueeze(-1))
+    return acc, new_lse
 
-    ``engine`` supplies ``kind`` (the table key), ``build(plan, mask, block, rank)`` (host
-    tables), ``forward(q, k, v, tables, group, attn, need_max) -> (out, lse, row_max,
-    k_sel, v_sel)`` and ``backward(dout, q, k_sel, v_sel, out, lse, tables, group, attn,
-    k_shape, dlse) -> (dq, dk, dv)``.
-    """
+
+class Pending:
+    """One posted collective: its receive buffer and what must live until it completes."""
+
+    def __init__(self, recv: torch.Tensor, work: Any, *keep: torch.Tensor) -> None:
+        self.recv, self.work, self.keep = recv, work, keep
+
+    def result(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.recv
+
+
+def _post_returns(grads: torch.Tensor, stage: Stage, group: Any) -> Pending:
+    """Post the dK/dV rows of a stage's keys to their owners; receive ours."""
+    send = grads.index_select(0, stage.back_order)
+    recv = grads.new_empty(sum(stage.in_splits), grads.shape[1])
+    work = dist.all_to_all_single(recv, send, list(stage.in_splits), list(stage.back_splits),
+                                  group=group, async_op=True)
+    return Pending(recv, work, send)
+
+
+def staged_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tab: StagedTables,
+                   exchange: Callable[..., Pending], group: Any, attn: Attn,
+                   need_max: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(out in q.dtype, lse, max_part [Hq] (the empty stand-in unless ``need_max``),
+    the picked K/V k_1, v_1, k_2, v_2, ... of each transfer in call order, kept for the
+    backward). ``exchange(kf, vf, stage, group)`` posts one transfer."""
+    hq, hkv, d, dv = q.shape[1], k.shape[1], k.shape[2], v.shape[2]
+    kf, vf = k.reshape(k.shape[0], hkv * d), v.reshape(v.shape[0], hkv * dv)
+    stages = tab.stages
+    pending = exchange(kf, vf, stages[0], group) if stages else None
+    acc = lse = None
+    max_part = head_max(None, hq, q.device) if need_max else no_max(q.device)
+    if tab.local is not None:
+        o, l, m = attn.fwd(q, k, v, tab.local, need_max)
+        acc, lse = fold_(None, None, o, l)
+        if need_max:
+            max_part = torch.maximum(max_part, head_max(m, hq, q.device))
+        del o
+    fetched: list[torch.Tensor] = []
+    for s, stage in enumerate(stages):
+        nxt = exchange(kf, vf, stages[s + 1], group) if s + 1 < len(stages) else None
+        recv = pending.result()
+        k_s = _pick(recv[:, :hkv * d], kf, stage).view(stage.n_keys, hkv, d)
+        v_s = _pick(recv[:, hkv * d:], vf, stage).view(stage.n_keys, hkv, dv)
+        del recv
+        pending = nxt
+        fetched += [k_s, v_s]
+        if stage.call is None:
+            continue
+        o, l, m = attn.fwd(q, k_s, v_s, stage.call, need_max)
+        acc, lse = fold_(acc, lse, o, l)
+        if need_max:
+            max_part = torch.maximum(max_part, head_max(m, hq, q.device))
+        del o
+    if acc is None:  # nothing visible: empty rows
+        acc = q.new_zeros(q.shape[0], hq, dv)
+        lse = torch.full((hq, q.shape[0]), float("-inf"), device=q.device)
+    return acc.to(q.dtype), lse, max_part, fetched
+
+
+def _pick(recv: torch.Tensor, local: torch.Tensor, stage: Stage) -> torch.Tensor:
+    """A stage's keys in call order: fetched rows from the receive buffer and, with S = 1,
+    local rows in their slots."""
+    fetched = recv.index_select(0, stage.gather)
+    if stage.local_slots is None:
+        return fetched
+    out = recv.new_empty(stage.n_keys, recv.shape[1])
+    out.index_copy_(0, stage.remote_slots, fetched)
+    del fetched
+    out.index_copy_(0, stage.local_slots, local.index_select(0, stage.local_rows))
+    return out
+
+
+def staged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
+                    v: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
+                    fetched: list[torch.Tensor], tab: StagedTables, group: Any, attn: Attn,
+                    dlse: torch.Tensor | None, kv: tuple) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) in the input dtypes; ``fetched`` as ``staged_forward`` returned it;
+    ``k``, ``v`` (None unless ``tab.local``) and ``kv`` = (k.shape, k.dtype, Dv, v.dtype)
+    of the local K/V."""
+    k_shape, k_dtype, dv, v_dtype = kv
+    t, hkv, d = k_shape
+    width = hkv * (d + dv)
+    acc = None    # fp32 dK|dV of the local keys, made when first needed
+    dq, several = None, tab.n_calls > 1
+    pending: Pending | None = None
+    rows = None
+
+    def fold(acc, pending, rows):
+        acc = _zeros(acc, t, width, q.device)
+        acc.index_add_(0, rows, pending.result().float())
+        return acc
+
+    for s, stage in enumerate(tab.stages):
+        k_s, v_s = fetched[2 * s], fetched[2 * s + 1]
+        if stage.call is None:  # no key of ours in this stage: nothing to return
+            grads = k_s.new_zeros(stage.n_keys, width)
+        else:
+            dq_s, dk_s, dv_s = attn.bwd(dout, q, k_s, v_s, out, lse, stage.call, dlse)
+            dq = _add(dq, dq_s, several)
+            del dq_s
+            grads = torch.cat([dk_s.reshape(stage.n_keys, -1), dv_s.reshape(stage.n_keys, -1)],
+                              dim=1)
+            del dk_s, dv_s
+        if stage.local_slots is not None:  # S = 1: the local keys' dK/dV stay here
+            acc = _zeros(acc, t, width, q.device)
+            acc.index_add_(0, stage.local_rows, grads.index_select(0, stage.local_slots).float())
+        posted = _post_returns(grads, stage, group)
+        del grads
+        if pending is not None:  # the previous stage's returns travelled meanwhile
+            acc = fold(acc, pending, rows)
+        pending, rows = posted, stage.in_rows
+    if tab.local is not None:
+        dq_0, dk_0, dv_0 = attn.bwd(dout, q, k, v, out, lse, tab.local, dlse)
+        dq = _add(dq, dq_0, several)
+        del dq_0
+        acc = _zeros(acc, t, width, q.device)
+        acc[:, :hkv * d].add_(dk_0.reshape(t, -1))
+        acc[:, hkv * d:].add_(dv_0.reshape(t, -1))
+        del dk_0, dv_0
+    if pending is not None:
+        acc = fold(acc, pending, rows)
+        del pending
+    dq = torch.zeros_like(q) if dq is None else dq.to(q.dtype)
+    acc = _zeros(acc, t, width, q.device)   # (nothing visible anywhere: zeros)
+    dk, dv_out = unpack_key_grads(acc, k_shape, k_dtype, v_dtype, dv)
+    return dq, dk, dv_out
+
+
+def _zeros(acc: torch.Tensor | None, t: int, width: int, device: torch.device
+           ) -> torch.Tensor:
+    return torch.zeros(t, width, dtype=torch.float32, device=device) if acc is None else acc
+
+
+def _add(acc: torch.Tensor | None, x: torch.Tensor, fp32: bool) -> torch.Tensor:
+    """Accumulate the fresh kernel output ``x``; the first one becomes the accumulator, in
+    fp32 when more will come (``fp32``; converted at once, while only it is alive)."""
+    if acc is None:
+        return x.float() if fp32 else x
+    return acc.add_(x)
+
+
+class StagedKeysAttention(torch.autograd.Function):
+    """(out, lse, max_part) of the local queries vs the keys they see; lse is
+    differentiable, max_part (or its empty stand-in) is not. ``engine``: the strategy
+    (``name`` and ``exchange``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec: CallSpec, engine: Any):
-        tables = _tables(spec, engine, q.device)
-        out, lse, row_max, k_sel, v_sel = engine.forward(q, k, v, tables, spec.group,
-                                                         spec.attn, spec.need_max)
-        max_part = head_max(row_max, q.shape[1], q.device) if spec.need_max \
-            else no_max(q.device)
-        ctx.save_for_backward(q, k_sel, v_sel, out, lse)
-        ctx.spec, ctx.engine, ctx.k_shape = spec, engine, k.shape
+    def forward(ctx, q, k, v, spec: CallSpec, engine: Any, stages: int):
+        tab = tables(spec, engine.name, stages, q.device)
+        out, lse, max_part, fetched = staged_forward(q, k, v, tab, engine.exchange,
+                                                     spec.group, spec.attn, spec.need_max)
+        # k, v are kept only for the local call (S = 1 keeps its own copy of the local keys)
+        local = tab.local is not None
+        ctx.save_for_backward(q, k if local else None, v if local else None, out, lse,
+                              *fetched)
+        ctx.spec, ctx.name, ctx.stages = spec, engine.name, stages
+        ctx.kv = (k.shape, k.dtype, v.shape[2], v.dtype)
         ctx.mark_non_differentiable(max_part)
         ctx.set_materialize_grads(False)  # an unused lse gets no zero gradient
         return out, lse, max_part
 
     @staticmethod
     def backward(ctx, dout, dlse, _dmax):
-        q, k_sel, v_sel, out, lse = ctx.saved_tensors
-        spec, engine = ctx.spec, ctx.engine
+        q, k, v, out, lse, *fetched = ctx.saved_tensors
+        spec = ctx.spec
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        dq, dk, dv = engine.backward(dout, q, k_sel, v_sel, out, lse,
-                                     _tables(spec, engine, q.device), spec.group, spec.attn,
-                                     ctx.k_shape, dlse_or_none(dlse))
-        return dq, dk, dv, None, None
+        dq, dk, dv = staged_backward(dout, q, k, v, out, lse, fetched,
+                                     tables(spec, ctx.name, ctx.stages, q.device),
+                                     spec.group, spec.attn, dlse_or_none(dlse), ctx.kv)
+        return dq, dk, dv, None, None, None
 
 
-def _tables(spec: CallSpec, engine: Any, device: torch.device) -> Any:
+def tables(spec: CallSpec, name: str, stages: int, device: torch.device) -> StagedTables:
     plan, mask, rank = spec.plan, spec.attn.mask, spec.plan.cp_rank
-    return device_table(plan, table_key(engine.kind, mask, spec.block, rank), device,
-                        lambda: engine.build(plan, mask, rank, spec.block))
+    return device_table(plan, table_key(f"{name}_staged", mask, spec.block, rank, stages),
+                        device, lambda: staged_tables(name, plan, mask, rank, spec.block,
+                                                      stages))
 
 
-def prepare_tables(kind: str, build: Callable[..., Any], plan, mask, block, device) -> None:
-    """Build and cache one rank's tables of ``kind`` and their ``device`` copy."""
+def prepare_staged(name: str, plan, mask, block, device, shape, overlap_stages) -> None:
+    """Build and cache one rank's staged tables and their ``device`` copy (the stage count
+    resolved as ``attention`` will resolve it)."""
+    stages = resolve_stages(plan, mask, name, shape, overlap_stages)
     rank = plan.cp_rank
-    device_table(plan, table_key(kind, mask, block, rank), device,
-                 lambda: build(plan, mask, rank, block))
+    device_table(plan, table_key(f"{name}_staged", mask, block, rank, stages), device,
+                 lambda: staged_tables(name, plan, mask, rank, block, stages))
 
 
-def selected_keys_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            spec: CallSpec, engine: Any
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def staged_keys_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          spec: CallSpec, engine: Any
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Differentiable (out, lse, per-head max or None)."""
-    out, lse, max_part = SelectedKeysAttention.apply(q, k, v, spec, engine)
+    shape = make_shape(q.shape[1], k.shape[1], q.shape[2], v.shape[2], q.element_size())
+    stages = resolve_stages(spec.plan, spec.attn.mask, engine.name, shape,
+                            spec.overlap_stages)
+    out, lse, max_part = StagedKeysAttention.apply(q, k, v, spec, engine, stages)
     return out, lse, maybe_max(max_part)

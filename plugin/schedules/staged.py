@@ -1,0 +1,600 @@
+"""Staged host tables of ``dispatch`` and ``all_gather``, and the cost model of staging.
+
+``overlap_stages`` = S kernel stages. S = 1: one exchange of the remote keys the queries
+see, then one call over all of them, local and fetched (no overlap, no partial results).
+S >= 2: stage 0 is the keys the rank holds, read in place (local queries x local K/V, the
+local tile schedule, no copy); stages 1..S-1 are the remote keys, fetched in S-1
+collectives (``dispatch``: an ``all_to_all_single`` each, of exactly the needed rows;
+``all_gather``: an all-gather each, of a slice of every rank's padded local K/V), each in
+flight while the previous stage computes. Each stage's keys are listed per document by
+position (segment i is document i), so each stage is one varlen call with explicit
+positions and its own tile schedule; the partial (out, lse) fold by their LSE.
+
+Which remote key travels in which of the P transfers (P = S - 1, or 1 when S = 1):
+- ``dispatch``: what rank d fetches from rank o (listed in (document, position) order) is
+  cut into P contiguous pieces of equal size, one per transfer, so every rank sends and
+  receives 1/P of its rows in each (a collective lasts as long as its busiest rank; cutting
+  each rank's own list instead, nearest owners first, made the sum of the per-transfer
+  maxima up to 1.6x the total at cp 64). The owner knows what to send in each transfer
+  from the [P, cp, cp] count table alone (no metadata exchange).
+- ``all_gather``: transfer p gathers rows [lo_p, hi_p) of every rank's padded local K/V
+  (equal slices of the padded length); a remote key travels with its owner's row.
+Transfers empty on every rank are dropped (the same decision on every rank).
+
+Time (``staged_time``; per layer, forward + backward, every rank simulated, since a
+collective ends for all when its last rank has posted it and its bytes have moved):
+c_s is the compute of stage s on a rank (visible pairs x FLOPs per pair / flops_per_s; a
+fetched stage's pairs are the rank's pairs with each owner's keys in proportion to that
+owner's keys in it, plus ``stage_latency_s`` and the fold's memory traffic), t_s the
+transfer of stage s (the most K/V rows a rank sends or receives in it / bytes_per_s;
+t_0 = 0: the local keys need none). The forward posts stage s+1 when stage s-1 has
+computed, so with equal ranks
+
+    forward  = t_0 + sum_{s=0..S-1} max(c_s, t_{s+1})       (t_S = 0)
+
+the per-stage max(compute, transfer) plus the first transfer; the backward computes the
+fetched stages first, posting each one's dK/dV return r_s while the next one computes, and
+the local stage last, under the last return: b_1 + sum_{s=1..S-1} max(b_{s+1}, r_s) with
+b_S the local stage (a return is folded before the stage after next computes, which the
+simulation follows). S = 1 is the sequential t + c (forward) and c + r (backward).
+
+``default_stages`` picks the S in 1..``MAX_STAGES`` with the least time (the fewest among
+those within 1%) among those whose peak memory per rank (``staged_memory``, a host walk of
+the engine's allocations) is no more than S = 1's: enough stages to hide the transfer, no
+more, since each adds a latency and an unfused fold (T x Hq x Dv x (16 + dtype bytes) of
+memory traffic, 0.2 ms at 8K tokens, 32 heads, bf16 on an H100), and never more memory
+than the call without overlap.
+
+Limits: latency and fold traffic are two constants of the cost model, not measured; a
+stage's compute is proportional within an owner's keys; kernels are assumed not to slow
+down when a transfer runs beside them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from ..masks import AttnMask
+from ..plan import CPPlan
+from ..plan.runs import span_pieces
+from .cost import Shape
+from .holders import KernelCall, holder_from_counts, kernel_call, rank_holder, segment_ids
+from .keys import host_table, table_key
+from .selected import (fetch_counts, needed_spans, pair_counts, runs_by_document, select_keys,
+                       sent_keys)
+
+STAGED = ("dispatch", "all_gather")
+MAX_STAGES = 8          # the default search range; a user may ask for more
+_BIG = 1 << 40          # group * _BIG + index: sort keys of (group, index) pairs
+
+
+# ---- which remote keys travel in which stage -------------------------------------------------
+def _drop_empty(counts: torch.Tensor) -> torch.Tensor:
+    """Transfers (dim 0) in which no rank fetches anything are dropped."""
+    return counts[counts.flatten(1).sum(1) > 0]
+
+
+def dispatch_stage_counts(plan: CPPlan, mask: AttnMask, parts: int) -> torch.Tensor:
+    """int64 [P, cp, cp]: keys rank d fetches from rank o in transfer p: each (d, o) list
+    cut into ``parts`` equal pieces, so every rank sends and receives 1/P of its rows in
+    each (P <= ``parts``: transfers empty everywhere dropped); summed over p it is
+    ``fetch_counts`` off the diagonal (cached)."""
+    def build() -> torch.Tensor:
+        counts = fetch_counts(plan, mask).clone()
+        counts.fill_diagonal_(0)
+        cuts = counts.unsqueeze(0) * torch.arange(parts + 1).view(-1, 1, 1) // parts
+        return _drop_empty(cuts[1:] - cuts[:-1])
+    return host_table(plan, table_key("dispatch_stage_counts", mask, None, parts), build)
+
+
+def gather_stage_rows(plan: CPPlan, parts: int) -> tuple[tuple[int, int], ...]:
+    """(lo, hi) of each all_gather transfer: equal slices of the padded local length (the
+    largest local token count), empty slices dropped."""
+    stride = max(plan.num_tokens_of(r) for r in range(plan.cp_size))
+    cuts = [stride * s // parts for s in range(parts + 1)]
+    return tuple((a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a)
+
+
+def gather_stage_counts(plan: CPPlan, mask: AttnMask, parts: int) -> torch.Tensor:
+    """int64 [P, cp, cp]: keys rank d picks from rank o's rows of all_gather transfer p
+    (exact, from the needed spans cut by the owners' runs; one per non-empty slice of
+    ``gather_stage_rows``) (cached)."""
+    def build() -> torch.Tensor:
+        cp = plan.cp_size
+        rows = gather_stage_rows(plan, parts)
+        holder, doc, lo, hi = needed_spans(plan, mask)
+        part = runs_by_document(plan)
+        span, run, first, length = span_pieces(doc, lo, hi, part)
+        dest, owner = holder[span], part.holder[run]
+        keep = dest != owner
+        dest, owner = dest[keep], owner[keep]
+        row0 = (part.row[run] + first - part.start[run])[keep]
+        row1 = row0 + length[keep]
+        out = torch.zeros(len(rows), cp * cp, dtype=torch.int64)
+        for s, (a, b) in enumerate(rows):
+            n = (torch.minimum(row1, torch.tensor(b)) - torch.maximum(row0, torch.tensor(a)))
+            out[s].scatter_add_(0, dest * cp + owner, n.clamp(min=0))
+        return out.view(len(rows), cp, cp)
+    return host_table(plan, table_key("gather_stage_counts", mask, None, parts), build)
+
+
+def transfers(stages: int) -> int:
+    """Transfers of S stages: the remote keys in S - 1 stages, or all keys in one."""
+    return max(1, stages - 1)
+
+
+def stage_counts(name: str, plan: CPPlan, mask: AttnMask, stages: int) -> torch.Tensor:
+    """[P, cp, cp]: keys rank d takes from rank o in each transfer of ``name`` with
+    ``stages`` stages."""
+    if name == "dispatch":
+        return dispatch_stage_counts(plan, mask, transfers(stages))
+    return gather_stage_counts(plan, mask, transfers(stages))
+
+
+# ---- one rank's tables ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Stage:
+    """One transfer and the call on its keys, for one rank (host tensors, or their device
+    copies).
+
+    Forward: ``dispatch`` sends its local rows ``in_rows`` (``in_splits`` to each rank) and
+    receives ``back_splits`` rows from each; ``all_gather`` gathers rows [lo, hi) of every
+    rank. ``gather`` picks the fetched keys from the receive buffer, in call order; with
+    local keys in the call too (S = 1), the fetched ones go to call slots
+    ``remote_slots`` and local rows ``local_rows`` to ``local_slots``. Backward: the
+    fetched keys' dK/dV go to their owners in ``back_order`` (call slots, ``back_splits``
+    to each), and the rows others return to this rank land on local rows ``in_rows``."""
+
+    call: KernelCall | None        # local queries x this stage's keys; None: no key here
+    n_keys: int
+    gather: torch.Tensor           # int64 [n_fetched]: receive-buffer row of each fetched key
+    back_order: torch.Tensor       # int64 [n_fetched]: call slots grouped by owner
+    back_splits: tuple[int, ...]   # keys fetched from (dK/dV returned to) each rank
+    in_rows: torch.Tensor          # int64 [m]: our rows the others take, grouped by rank
+    in_splits: tuple[int, ...]     # rows each rank takes from us in this transfer
+    lo: int = 0                    # all_gather: slice of every rank's padded local K/V
+    hi: int = 0
+    remote_slots: torch.Tensor | None = None   # S = 1: call slots of the fetched keys
+    local_slots: torch.Tensor | None = None    # S = 1: call slots of the local keys
+    local_rows: torch.Tensor | None = None     # S = 1: their local rows
+
+    def to(self, device: torch.device) -> "Stage":
+        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+        return replace(self, gather=mv(self.gather), back_order=mv(self.back_order),
+                       in_rows=mv(self.in_rows), remote_slots=mv(self.remote_slots),
+                       local_slots=mv(self.local_slots), local_rows=mv(self.local_rows),
+                       call=None if self.call is None else self.call.to(device))
+
+
+@dataclass(frozen=True)
+class StagedTables:
+    """Everything one rank's staged call needs: the local call (S >= 2; None: S = 1, or no
+    local pair is visible), then the transfers and their calls in order."""
+
+    local: KernelCall | None
+    stages: tuple[Stage, ...]
+
+    @property
+    def n_calls(self) -> int:
+        """Kernel calls this rank makes (more than one: fp32 accumulators)."""
+        return (self.local is not None) + sum(s.call is not None for s in self.stages)
+
+    def to(self, device: torch.device) -> "StagedTables":
+        return StagedTables(None if self.local is None else self.local.to(device),
+                            tuple(s.to(device) for s in self.stages))
+
+
+def _rank_within(group: torch.Tensor) -> torch.Tensor:
+    """int64: index of each element among the elements of its group, in list order."""
+    order = torch.argsort(group, stable=True)
+    ordered = group[order]
+    out = torch.empty_like(group)
+    out[order] = torch.arange(group.numel()) - torch.searchsorted(ordered, ordered)
+    return out
+
+
+def _stage_of(group: torch.Tensor, index: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Transfer of the ``index``-th element of ``group``: ends [n_groups, P] are each
+    group's cumulative ends (the first transfer whose end exceeds the index)."""
+    n_groups, n_parts = ends.shape
+    flat = (torch.arange(n_groups).unsqueeze(1) * _BIG + ends).flatten()
+    return torch.searchsorted(flat, group * _BIG + index, right=True) - group * n_parts
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(perm)
+    out[perm] = torch.arange(perm.numel())
+    return out
+
+
+def _build(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int], stages: int,
+           stage_of: torch.Tensor, buffer_row: torch.Tensor, back_key: torch.Tensor,
+           out_stage: torch.Tensor, out_dest: torch.Tensor, out_rows: torch.Tensor,
+           counts: torch.Tensor, slices: tuple[tuple[int, int], ...]) -> StagedTables:
+    """Tables from the per-key facts both strategies share. Remote keys (in selection
+    order): their transfer ``stage_of``, receive-buffer row ``buffer_row`` in it and the
+    sort key ``back_key`` that groups them by owner in their owners' order; rows this rank
+    gives (``out_*``, grouped by destination); ``counts`` [P, cp, cp]."""
+    sel = select_keys(plan, mask, rank)
+    doc = segment_ids(sel.holder.cu, sel.owner.numel())
+    remote = torch.nonzero(sel.owner != rank).flatten()
+    cp = plan.cp_size
+    me = rank_holder(plan, rank)
+
+    def call(slots: torch.Tensor) -> KernelCall | None:
+        if slots.numel() == 0:
+            return None
+        return kernel_call(me, holder_from_counts(doc[slots], sel.holder.pos[slots],
+                                                  plan.n_docs), mask, block)
+
+    built = []
+    for p in range(counts.shape[0]):
+        here = stage_of == p
+        lo, hi = slices[p] if slices else (0, 0)
+        give = out_stage == p
+        common = dict(back_splits=tuple(counts[p, rank].tolist()), in_rows=out_rows[give],
+                      in_splits=tuple(torch.bincount(out_dest[give], minlength=cp).tolist()),
+                      lo=lo, hi=hi)
+        if stages == 1:   # one call over every key: local ones too, in their call slots
+            local = torch.nonzero(sel.owner == rank).flatten()
+            order = torch.argsort(back_key[here], stable=True)
+            built.append(Stage(call(torch.arange(sel.owner.numel())), sel.owner.numel(),
+                               buffer_row[here], remote[here][order], remote_slots=remote[here],
+                               local_slots=local, local_rows=sel.row[local], **common))
+        else:
+            slots = remote[here]
+            order = torch.argsort(back_key[here], stable=True)
+            built.append(Stage(call(slots), int(slots.numel()), buffer_row[here], order,
+                               **common))
+    local_call = None
+    if stages > 1 or not built:   # (with nothing to fetch anywhere, the local call is all)
+        local_call = kernel_call(me, me, mask, block)
+        local_call = local_call if local_call.visited_pairs > 0 else None
+    return StagedTables(local_call, tuple(built))
+
+
+def dispatch_staged_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int],
+                           stages: int) -> StagedTables:
+    """Host tables of ``rank``'s dispatch call with ``stages`` stages (cached)."""
+    def build() -> StagedTables:
+        counts = dispatch_stage_counts(plan, mask, transfers(stages))   # [P, d, o]
+        ends = torch.cumsum(counts, 0)                  # inclusive, per (d, o)
+        sel = select_keys(plan, mask, rank)
+        remote = torch.nonzero(sel.owner != rank).flatten()
+        owner = sel.owner[remote]
+        index = _rank_within(owner)       # place in the owner's list (its send order)
+        stage = _stage_of(owner, index, ends[:, rank, :].t())
+        mine = counts[:, rank, :]                                       # [P, o]
+        buf_start = torch.cumsum(mine, 1) - mine        # owner's block in the buffer
+        row = buf_start[stage, owner] + index - (ends - counts)[stage, rank, owner]
+        dest, rows = sent_keys(plan, mask, rank)
+        out = dest != rank
+        dest, rows = dest[out], rows[out]
+        out_stage = _stage_of(dest, _rank_within(dest), ends[:, :, rank].t())
+        # the buffer is grouped by owner in the owner's order: its row is the back key
+        return _build(plan, mask, rank, block, stages, stage, row, row, out_stage, dest,
+                      rows, counts, ())
+    return host_table(plan, table_key("dispatch_staged", mask, block, rank, stages), build)
+
+
+def gather_staged_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int],
+                         stages: int) -> StagedTables:
+    """Host tables of ``rank``'s all_gather call with ``stages`` stages (cached)."""
+    def build() -> StagedTables:
+        slices = gather_stage_rows(plan, transfers(stages))
+        his = torch.tensor([hi for _, hi in slices], dtype=torch.int64)
+        los = torch.tensor([lo for lo, _ in slices], dtype=torch.int64)
+        sel = select_keys(plan, mask, rank)
+        remote = torch.nonzero(sel.owner != rank).flatten()
+        owner, row = sel.owner[remote], sel.row[remote]
+        stage = torch.searchsorted(his, row, right=True)
+        buffer_row = owner * (his - los)[stage] + row - los[stage]
+        dest, rows = sent_keys(plan, mask, rank)
+        out = dest != rank
+        dest, rows = dest[out], rows[out]
+        counts = gather_stage_counts(plan, mask, transfers(stages))
+        # owners list a destination's keys in its selection order: group by owner only
+        return _build(plan, mask, rank, block, stages, stage, buffer_row, owner,
+                      torch.searchsorted(his, rows, right=True), dest, rows, counts, slices)
+    return host_table(plan, table_key("all_gather_staged", mask, block, rank, stages), build)
+
+
+def staged_tables(name: str, plan: CPPlan, mask: AttnMask, rank: int,
+                  block: tuple[int, int], stages: int) -> StagedTables:
+    build = dispatch_staged_tables if name == "dispatch" else gather_staged_tables
+    return build(plan, mask, rank, block, stages)
+
+
+# ---- time ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StagedTime:
+    """Estimated seconds of one layer with S stages (module docstring)."""
+
+    stages: int                    # stages that run (empty transfers dropped)
+    forward_s: float
+    backward_s: float
+    compute_s: float               # forward + backward compute, slowest rank, no overheads
+    comm_s: float                  # forward + backward transfer time, summed
+    bound_s: float                 # every transfer hidden at no cost: per phase
+                                   # max(compute, transfer)
+
+    @property
+    def seconds(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+def _flops_per_pair(shape: Shape) -> tuple[float, float]:
+    """(forward, backward) FLOPs per visible pair, all query heads (as ``auto``)."""
+    d, dv = shape.head_dim, shape.head_dim_v
+    return 2.0 * (d + dv) * shape.n_heads, (6.0 * d + 4.0 * dv) * shape.n_heads
+
+
+def staged_time(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: Any,
+                stages: int) -> StagedTime:
+    """Estimate of ``name`` with ``stages`` stages (module docstring); ``model``: a
+    ``varlen_cp.schedules.auto.CostModel``. Integer tables, then Python floats per rank
+    (no floating tensor is read: the hot path may call this)."""
+    cp = plan.cp_size
+    counts = stage_counts(name, plan, mask, stages)                 # [P, d, o]
+    n_parts = counts.shape[0]
+    vis = pair_counts(plan, mask)                               # [d, o] visible pairs
+    fetch = fetch_counts(plan, mask)
+    pairs = ((counts * vis) // fetch.clamp(min=1)).sum(2).tolist()  # [P][d], proportional
+    local = vis.diagonal().tolist()
+    rows = torch.maximum(counts.sum(2), counts.sum(1)).tolist()     # [P][r] sent or received
+    f_fwd, f_bwd = _flops_per_pair(shape)
+    rate, bw, mem = model.flops_per_s, model.bytes_per_s, model.memory_bytes_per_s
+    row, b, lat = shape.kv_row, shape.dtype_bytes, model.stage_latency_s
+    back = [max(x) * row / bw for x in rows]                        # dK/dV returns
+    if name == "dispatch":
+        send = back
+    else:   # every rank sends (cp - 1) copies of its slice
+        send = [(cp - 1) * (hi - lo) * row / bw
+                for lo, hi in gather_stage_rows(plan, transfers(stages))]
+    work = [lo + sum(pairs[p][r] for p in range(n_parts)) for r, lo in enumerate(local)]
+    compute = max(work) * (f_fwd + f_bwd) / rate
+    comm = sum(send) + sum(back)
+    bound = max(max(work) * f_fwd / rate, sum(send)) + max(max(work) * f_bwd / rate, sum(back))
+    if stages == 1 or n_parts == 0:   # one exchange, one call: nothing overlaps
+        fwd = sum(send) + max(work) * f_fwd / rate
+        bwd = max(work) * f_bwd / rate + sum(back)
+        return StagedTime(1, fwd, bwd, compute, comm, bound)
+    tokens = [plan.num_tokens_of(r) for r in range(cp)]
+    elems_o = [t * shape.n_heads * shape.head_dim_v for t in tokens]
+    elems_q = [t * shape.n_heads * shape.head_dim for t in tokens]
+    up = (b + 4) if b != 4 else 0          # a conversion to fp32 and back, per element
+    # forward: the local call (+ out to fp32 and back), then each fetched stage (+ fold:
+    # acc *= w, acc += o * w_i: 16 + b bytes per element)
+    folds = [any(pairs[p][r] for p in range(n_parts)) for r in range(cp)]  # 2+ partials
+    c0 = [lo * f_fwd / rate + (2 * up * e / mem if f else 0.0)
+          for lo, e, f in zip(local, elems_o, folds)]
+    c = [[(pairs[p][r] * f_fwd / rate + (16 + b) * elems_o[r] / mem + lat) if pairs[p][r]
+          else 0.0 for r in range(cp)] for p in range(n_parts)]
+    done = [0.0] * cp                      # end of the last computed stage, per rank
+    ends = c0[:]                           # end of the local call
+    last, posted = 0.0, [0.0] * cp         # the previous transfer's end; this one's post
+    for p in range(n_parts):
+        last = max(last, max(posted)) + send[p]      # a collective ends for all at once
+        posted = ends[:]                             # the next one goes out after this call
+        done = [max(e, last) + c[p][r] for r, e in enumerate(ends)]
+        ends = done
+    fwd = max(done)
+    # backward: fetched stages (dq += dq_s: 8 + b bytes per element; dq to fp32 and back
+    # counted with the local call), posting each return; the
+    # returns of stage p folded before stage p + 2 computes; the local call last
+    b0 = [lo * f_bwd / rate + (2 * up * e / mem if f else 0.0)
+          for lo, e, f in zip(local, elems_q, folds)]
+    bb = [[(pairs[p][r] * f_bwd / rate + (8 + b) * elems_q[r] / mem + lat) if pairs[p][r]
+           else 0.0 for r in range(cp)] for p in range(n_parts)]
+    ends, returned = [0.0] * cp, [0.0]               # returned[p]: return p-1 has landed
+    for p in range(n_parts):
+        start = [max(e, returned[p - 1] if p >= 1 else 0.0) for e in ends]
+        ends = [s + bb[p][r] for r, s in enumerate(start)]
+        returned.append(max(returned[-1], max(ends)) + back[p])
+    start = [max(e, returned[n_parts - 1] if n_parts >= 2 else 0.0) for e in ends]
+    bwd = max(max(s + b0[r] for r, s in enumerate(start)), returned[-1])
+    return StagedTime(n_parts + 1, fwd, bwd, compute, comm, bound)
+
+
+def default_stages(plan: CPPlan, mask: AttnMask, name: str, shape: Shape,
+                   model: Any = None) -> int:
+    """The S in 1..MAX_STAGES with the least ``staged_time`` (the fewest among those
+    within 1% of it) among those whose peak memory (``staged_memory``, max over ranks) is
+    no more than S = 1's, the call without overlap; cached in the plan per (mask,
+    strategy, shape, model)."""
+    if model is None:
+        from .auto import CostModel  # auto imports this module
+        model = CostModel()
+
+    def choose() -> int:
+        times = {s: staged_time(name, plan, mask, shape, model, s).seconds
+                 for s in range(1, MAX_STAGES + 1)}
+        limit = max(staged_memory(name, plan, mask, shape, 1).peak)
+
+        seen: dict[int, bool] = {1: True}
+
+        def fits(s: int) -> bool:   # memory walks only for the candidates that matter
+            if s not in seen:
+                seen[s] = max(staged_memory(name, plan, mask, shape, s).peak) <= limit
+            return seen[s]
+        best = next(times[s] for s in sorted(times, key=times.get) if fits(s))
+        return next(s for s in sorted(times) if times[s] <= best * 1.01 and fits(s))
+    return host_table(plan, table_key("overlap_stages", mask, None, name, shape, model),
+                      choose)
+
+
+def resolve_stages(plan: CPPlan, mask: AttnMask, name: str, shape: Shape,
+                   stages: int | None) -> int:
+    """``stages`` when given, else the cost model's default."""
+    return default_stages(plan, mask, name, shape) if stages is None else stages
+
+
+# ---- memory -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StagedMemory:
+    """Per rank, bytes the call holds at its ``forward`` peak beyond its inputs (q, k, v)
+    and at its ``backward`` peak beyond q and dout (``kept`` included), and ``kept``: what
+    the forward keeps for the backward beyond q, out and lse (the picked K/V, and the local
+    k, v when a local call needs them)."""
+
+    forward: list[int]
+    backward: list[int]
+    kept: list[int]
+
+    @property
+    def peak(self) -> list[int]:
+        return [max(f, b) for f, b in zip(self.forward, self.backward)]
+
+
+class _Live:
+    """Bytes alive, and their peak, as a walk allocates and frees."""
+
+    def __init__(self, base: int = 0) -> None:
+        self.now = self.peak = base
+
+    def alloc(self, n: int) -> None:
+        self.now += n
+        self.peak = max(self.peak, self.now)
+
+    def free(self, n: int) -> None:
+        self.now -= n
+
+
+def staged_memory(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, stages: int
+                  ) -> StagedMemory:
+    """Host count of the buffers ``selected_keys``' engine allocates, walked in its program
+    order per rank (its allocations and frees, mirrored one by one): exchange buffers (the
+    transfer in flight and the next), picked K/V, the output and its fp32 accumulator, dQ
+    (fp32 when the rank makes several calls), the fp32 dK|dV accumulator, one call's
+    gradients, the returns in flight. Not counted: the kernels' own workspaces, [H, T]
+    tensors (LSE, fold weights), index tables."""
+    cp, b = plan.cp_size, shape.dtype_bytes
+    counts = stage_counts(name, plan, mask, stages)
+    n_parts = counts.shape[0]
+    fetched, given = counts.sum(2).tolist(), counts.sum(1).tolist()     # [P][r]
+    own = fetch_counts(plan, mask).diagonal().tolist()
+    local_pairs = pair_counts(plan, mask).diagonal().tolist()
+    kv, kv4 = shape.kv_row, shape.kv_row * 4 // b
+    o, o4 = shape.n_heads * shape.head_dim_v * b, shape.n_heads * shape.head_dim_v * 4
+    g, g4 = shape.n_heads * shape.head_dim * b, shape.n_heads * shape.head_dim * 4
+    slices = gather_stage_rows(plan, transfers(stages)) if name == "all_gather" else ()
+    one = stages == 1 and n_parts > 0      # one call over local and fetched keys
+    fwd, bwd, kept = [], [], []
+    for r in range(cp):
+        t = plan.num_tokens_of(r)
+        n = [fetched[p][r] for p in range(n_parts)]
+        m = [given[p][r] for p in range(n_parts)]
+        keys = [n[p] + (own[r] if one else 0) for p in range(n_parts)]   # per call
+
+        def post(live: _Live, p: int) -> int:
+            """A transfer posted: its buffers (returned), built with their temporaries."""
+            if name == "dispatch":   # two halves, cat into the send buffer; the receive one
+                live.alloc(m[p] * kv)
+                live.alloc(m[p] * kv)
+                live.free(m[p] * kv)
+                live.alloc(n[p] * kv)
+                return (m[p] + n[p]) * kv
+            lo, hi = slices[p]        # the zero-padded slice; the gathered slices
+            live.alloc((1 + cp) * (hi - lo) * kv)
+            return (1 + cp) * (hi - lo) * kv
+
+        # ---- forward
+        live, have = _Live(), 0
+        calls = (not one and local_pairs[r] > 0) + sum(x > 0 for x in keys)
+        xchg = post(live, 0) if n_parts else 0
+        acc = 0
+        if not one and local_pairs[r] > 0:
+            live.alloc(t * o)                               # the local call's output
+            acc = t * o
+        for p in range(n_parts):
+            nxt = post(live, p + 1) if p + 1 < n_parts else 0
+            if one:   # every key: fetched ones picked, local ones copied, per K and V half
+                for _ in range(2):
+                    live.alloc(keys[p] * kv // 2)
+                    live.alloc(n[p] * kv // 2)
+                    live.free(n[p] * kv // 2)
+                    live.alloc(own[r] * kv // 2)
+                    live.free(own[r] * kv // 2)
+            else:
+                live.alloc(keys[p] * kv)
+            have += keys[p] * kv
+            live.free(xchg)
+            xchg = nxt
+            if keys[p]:
+                live.alloc(t * o)                           # the call's output
+                if acc == 0:
+                    acc = t * o
+                else:
+                    if acc == t * o and b != 4:             # the first fold: fp32
+                        live.alloc(t * o4)
+                        live.free(acc)
+                        acc = t * o4
+                    live.free(t * o)
+        if acc != t * o and acc:                           # out in q.dtype
+            live.alloc(t * o)
+        fwd.append(live.peak)
+        if not one and local_pairs[r] > 0:                  # k, v kept for the local call
+            have += t * kv
+        kept.append(have)
+        # ---- backward
+        live = _Live(have)
+        acc_kv = dq = 0
+        prev = 0
+
+        def call_out(first_dq: bool) -> None:
+            nonlocal dq
+            if dq == 0 and calls > 1 and b != 4:            # dq made fp32 at once
+                live.alloc(t * g4)
+                live.free(t * g)
+                dq = t * g4
+            elif dq == 0:
+                dq = t * g
+            else:
+                live.free(t * g)
+
+        for p in range(n_parts):
+            if keys[p]:
+                live.alloc(t * g + keys[p] * kv)            # dq, dk, dv of the call
+                call_out(True)
+                live.alloc(keys[p] * kv)                    # packed dK|dV
+                live.free(keys[p] * kv)
+            else:
+                live.alloc(keys[p] * kv)
+            if one:
+                if not acc_kv:
+                    acc_kv = t * kv4
+                    live.alloc(acc_kv)
+                live.alloc(own[r] * (kv + kv4))             # local rows picked, in fp32
+                live.free(own[r] * (kv + kv4))
+            live.alloc((n[p] + m[p]) * kv)                  # send (picked), receive
+            live.free(keys[p] * kv)
+            if p:                                           # the previous returns land
+                if not acc_kv:
+                    acc_kv = t * kv4
+                    live.alloc(acc_kv)
+                live.alloc(m[p - 1] * kv4)
+                live.free(m[p - 1] * kv4 + prev)
+            prev = (n[p] + m[p]) * kv
+        if not one and local_pairs[r] > 0:
+            live.alloc(t * g + t * kv)                      # the local call
+            call_out(True)
+            if not acc_kv:
+                acc_kv = t * kv4
+                live.alloc(acc_kv)
+            live.free(t * kv)
+        if n_parts:
+            if not acc_kv:
+                acc_kv = t * kv4
+                live.alloc(acc_kv)
+            live.alloc(m[-1] * kv4)
+            live.free(m[-1] * kv4 + prev)
+        if dq == t * g4 and b != 4:                         # dq in q.dtype
+            live.alloc(t * g)
+            live.free(t * g4)
+        live.alloc(t * kv)                                  # dk, dv
+        bwd.append(live.peak)
+    return StagedMemory(fwd, bwd, kept)
