@@ -145,8 +145,11 @@ class _Profile:
     split:    chunk size when every mask is chunked with it (chunks are then independent
               segments), else 0.
     head:     "chunk" (bodies folded by chunk pairs), "prefix" (bodies folded after a
-              short-like head), "none" (no heads: some mask looks right).
-    chunk / prefix: the chunk size of "chunk", the head length of "prefix".
+              short-like head), "ends" (a window looks right: head, middle and tail
+              items), "none" (no windows or chunks).
+    chunk / prefix / suffix: the chunk size of "chunk", the head length of "prefix" and
+              "ends", the right window of "ends" (its tail starts on the tile grid at or
+              before L - suffix).
     coef:     [M, 2] work of a short segment = coef[m, 0] * L + coef[m, 1] * L^2.
     excess:   [E, 1+M] functionals of (tokens, work per mask) that vanish on short segments
               (E = M - 1): what short documents cannot balance.
@@ -162,6 +165,7 @@ class _Profile:
     head: str
     chunk: int
     prefix: int
+    suffix: int
     coef: torch.Tensor
     excess: torch.Tensor
 
@@ -176,8 +180,15 @@ def _profile(masks: MaskWeights, tile: int) -> _Profile:
     loc = [_locality(m, with_chunk=not split) for m in ms]
     theta = min(t for t, _ in loc)
     left = all(lf for _, lf in loc)
-    head, chunk, prefix = "none", 0, 0
-    if theta < _INF and left:
+    head, chunk, prefix, suffix = "none", 0, 0, 0
+    if theta < _INF and not left:
+        # Windows that look right: the ends of a long document (where a window is clipped)
+        # become items of their own, so that the middle is uniform.
+        wl = max([m.window_size[0] for m in ms if m.window_size[0] >= 0] or [0])
+        wr = max([m.window_size[1] for m in ms if m.window_size[1] >= 0 and not m.causal]
+                 or [0])
+        head, prefix, suffix = "ends", -(-wl // tile) * tile, wr
+    elif theta < _INF and left:
         windows = any(m.window_size[0] >= 0 for m in ms)
         c = {m.chunk_size for m in ms if m.chunk_size}
         if not split and not windows and len(c) == 1 and next(iter(c)) % tile == 0:
@@ -195,7 +206,7 @@ def _profile(masks: MaskWeights, tile: int) -> _Profile:
         r[0] = ratio * coef[0, 0] - coef[m, 0]
         rows.append(r)
     excess = torch.stack(rows) if rows else torch.zeros(0, 1 + len(ms), dtype=torch.float64)
-    return _Profile(ms, ws, tile, theta, split, head, chunk, prefix, coef, excess)
+    return _Profile(ms, ws, tile, theta, split, head, chunk, prefix, suffix, coef, excess)
 
 
 # ---- items and tiles ----------------------------------------------------------------------
@@ -257,25 +268,37 @@ def _items(lengths: torch.Tensor, prof: _Profile, cp: int, keep_small: bool) -> 
         r = size % prof.chunk
         t = prof.tile
         h = torch.where(r == 0, 0, prof.chunk - (r + t - 1) // t * t)
-    elif prof.head == "prefix":
+    elif prof.head in ("prefix", "ends"):
         h = torch.full_like(size, prof.prefix)
     else:
         h = torch.zeros_like(size)
-    h = torch.where(long, h, 0)
+    t = prof.tile
+    tail = torch.div(end - prof.suffix, t, rounding_mode="floor") * t  # "ends" only
+    ends = long & (prof.head == "ends") & (start + h < tail) & (prof.suffix > 0)
+    h = torch.where(long & ((prof.head != "ends") | (start + h < tail)), h, 0)
     has_head = long & (h > 0)
-    # Heads and short segments (filler), then bodies; each list is ordered later.
-    f_doc = torch.cat([doc[~long], doc[has_head]])
-    f_start = torch.cat([start[~long], start[has_head]])
-    f_end = torch.cat([end[~long], start[has_head] + h[has_head]])
-    b_doc, b_start, b_end = doc[long], start[long] + h[long], end[long]
-    kind = _CHUNKS if prof.head == "chunk" else _MIRROR
+    mid_end = torch.where(ends, tail, end)
+    # Filler: short segments and short-like heads; bodies (and the heads and tails of
+    # "ends") carry the excess. With one mask (no excess) everything is filler.
+    like = prof.head in ("chunk", "prefix")
+    f_sel = [(~long, start, end)] + ([(has_head, start, start + h)] if like else [])
+    b_sel = [(long, start + h, mid_end)] + ([] if like else [(has_head, start, start + h)])
+    b_sel.append((ends, tail, end))
+    f_doc = torch.cat([doc[m] for m, _, _ in f_sel])
+    f_start = torch.cat([a[m] for m, a, _ in f_sel])
+    f_end = torch.cat([b[m] for m, _, b in f_sel])
+    b_doc = torch.cat([doc[m] for m, _, _ in b_sel])
+    b_start = torch.cat([a[m] for m, a, _ in b_sel])
+    b_end = torch.cat([b[m] for m, _, b in b_sel])
     n_f, n_b = f_doc.numel(), b_doc.numel()
-    # With one mask (no excess) bodies are filler too, apart from their heads.
+    kind = torch.full((n_b,), _MIRROR)
+    if prof.head == "chunk":
+        kind[:int(long.sum())] = _CHUNKS
     excess = prof.excess.shape[0] > 0
     return _Items(
         doc=torch.cat([f_doc, b_doc]), start=torch.cat([f_start, b_start]),
         end=torch.cat([f_end, b_end]),
-        kind=torch.cat([torch.full((n_f,), _MIRROR), torch.full((n_b,), kind)]),
+        kind=torch.cat([torch.full((n_f,), _MIRROR), kind]),
         body=torch.cat([torch.zeros(n_f, dtype=torch.bool),
                         torch.full((n_b,), excess, dtype=torch.bool)]))
 
@@ -687,7 +710,7 @@ def _spread_key(density: torch.Tensor, tokens: torch.Tensor, groups: int = 8
 
 
 def _untangle(dense: _List, sparse: _List, y: torch.Tensor, n_tok: torch.Tensor,
-              target: torch.Tensor, col: Any, rounds: int = 12) -> torch.Tensor:
+              target: torch.Tensor, col: Any, rounds: int = 16) -> torch.Tensor:
     """Exact dense cuts ``y`` that go backwards (in the dense or the sparse list) made
     monotone, and the errors that leaves diffused to the neighbouring ranks.
 
