@@ -315,6 +315,12 @@ def _sel(rows: list[dict], **match) -> list[dict]:
     return [r for r in rows if all(r[k] == v for k, v in match.items())]
 
 
+def _short(v: float) -> str:
+    """0.93 -> '.93', 1.0 -> '1.0' (three characters)."""
+    t = f"{v:.2f}"
+    return t[1:] if t.startswith("0") else t[:3]
+
+
 def print_tables(rows: list[dict]) -> None:
     bal = _sel(rows, part="balance")
     cps = sorted({r["cp"] for r in bal})
@@ -353,7 +359,7 @@ def print_tables(rows: list[dict]) -> None:
             for mix in mixes:
                 vals = [_sel(eff, masks=mname, layout=layout, mix=mix, cp=cp)[0]["eff"]
                         for cp in ecps]
-                cells.append("/".join(f"{v:.2f}"[1:] if v < 1 else "1.0" for v in vals))
+                cells.append("/".join(_short(v) for v in vals))
             print(f"{mname:<12}{layout:<11}" + "".join(f"{c:>16}" for c in cells))
         print()
     print("Balanced, per layer type (min over cp " + "/".join(map(str, ecps)) + "):")
