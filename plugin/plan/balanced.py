@@ -850,7 +850,13 @@ def _solve(units: _Units, prof: _Profile, cp: int, pair_bodies: bool) -> _Layout
             cuts += [xd, xs]
             b_val = dense.at(xd) + sparse.at(xs)
         else:
-            body = _new_list(units, _order(units, is_body, doc_order), tok_budget)
+            # Bodies spread by excess per token, so that the excess cut gives no rank
+            # a stretch of only sparse bodies (too many tokens for the filler to offset).
+            item_phi = _item_sums(units, n_items, phi)
+            b_items = torch.zeros(n_items, dtype=torch.bool)
+            b_items[units.item[is_body]] = True
+            key = _spread_key(item_phi / item_t.clamp(min=1), item_t * b_items)
+            body = _new_list(units, _order(units, is_body, key), tok_budget)
             target = k.to(torch.float64) * float(body.pv[-1] @ phi) / cp
             x = _cut_excess(body, phi, target, budget)
             x[0], x[-1] = 0, body.total
