@@ -1,4 +1,87 @@
-"""The ``balanced`` layout (docstring completed below, see ``__doc__`` at the end)."""
+"""The ``balanced`` layout: tokens AND the work of EACH of the model's masks equal on every
+rank, documents cut on the kernels' tile grid, little K/V left to fetch.
+
+Every layer type waits for its own slowest rank, so a Llama 4 model (chunked 8192 x3 :
+global causal x1) or a Gemma-style one (window (4096, 0) x5 : causal x1) needs every mask
+balanced by one token layout, not a weighted sum. Targets: each mask's work (visible
+query-key pairs of a rank's queries) within 3% of its mean over ranks, tokens within 2%,
+no padding. Layer counts (the masks' weights) only set priorities: a snap error goes to
+the masks of fewer layers first. Host (CPU) tensors, vectorized, deterministic.
+
+How (M distinct masks):
+1. Short segments are filler. A document of at most ``theta`` tokens (the shortest window
+   or chunk; unbounded for causal and full) costs L(L+1)/2 (causal-like) or L^2
+   (full-like) under every mask, so tokens and ONE work column balance every mask on
+   filler. The M-1 "excess" functionals of (tokens, work per mask) that vanish on short
+   documents (Llama 4: causal - chunked work) measure what filler cannot balance.
+2. A long document becomes a short-like head (filler) and a body (carries the excess),
+   folded so that every run of the fold holds the body's own work per token under every
+   mask: chunked + causal: head [0, C - ceil(r/64)*64) (r = L mod C), body walked by chunk
+   pairs (i, K-i), tile a of one with the mirror tile of the other (equal position sums:
+   causal work; equal in-chunk position sums: chunked work); causal window (W, 0): head
+   [0, W) on the tile grid, body mirrored (W+1 keys per query there); windows that look
+   right: head, middle and tail items, each mirrored; one mask: the same items, all filler;
+   every mask chunked with one C: chunks are segments. A long document whose excess is
+   negligible (< 0.75% of a rank's mean work) stays filler, so that its body is not spread
+   over every rank (one 4242-token document in a 4096 window at cp 16: SWA-layer
+   efficiency 0.26 spread, 0.46 kept).
+3. Units are two tiles (64 tokens, on the document's grid) at places 2u, 2u+1 of a fold. A
+   cut inside a unit takes a's first and b's last tokens alternately, then the rest of the
+   longer tile mirrored: the work of the first o tokens is linear in o on both stretches
+   (the break point is computed exactly), so cuts land where the targets are.
+4. Phase 1, bodies: one list (bodies spread by excess per token) cut so that every rank
+   gets 1/cp of the excess: an exact 1-D prefix cut; a rank's bodies are then one or two
+   documents, and phase 2 absorbs the token differences.
+5. Phase 2, filler: the exact dense / sparse cut (items denser than the filler's mean vs
+   the others; rank k gets D[x_k, x_k+1) and S[y_k, y_k+1), x_k + y_k and the work of
+   both prefixes set by boundary k's targets, found by a k-ary search) with per-rank
+   targets: tokens and the least-work mask, minus what phase 1 gave. Both lists are in an
+   order that spreads densities evenly (8 equal-token density groups merged by phase), so
+   every stretch of a list holds about its mean density; exact cuts that still go
+   backwards are made monotone and their error diffused to the neighbouring ranks.
+6. Snapping: every cut moves to the cheapest nearby boundary - an item (document, head,
+   body) boundary, then a unit boundary, else a finer cut off the tile grid - that keeps
+   the boundary's errors within budget (tokens 0.9% of T/cp; excess 0.5%, each mask 0.6%
+   of its mean work; a rank's error is the difference of its two boundaries'). Cuts are
+   therefore on the tile grid except at most one finer cut per list per rank boundary (4
+   lists, 2 positions each: <= 8 (cp-1) positions). Those are needed for WORK balance once
+   a rank holds few tokens (a 0.6% budget is a few tokens of a dense document): measured
+   off-grid positions per rank boundary, median over the mixes, at 8K tokens per rank
+   ~1 (max 3); at 128K tokens and cp 64 (2K per rank) 3-6.
+7. Variants, tried in order until one meets the targets: (a) the one-list bodies of 4;
+   (b) bodies split into dense / sparse lists cut to equal tokens and excess (more
+   documents per rank, always feasible for phase 2); (c) (b) with every long segment
+   split. A variant whose filler targets are out of reach is dropped before its phase 2.
+
+Measured (bench/plan.py; 128K-token mixes of bench/balance.py: 1000 log-normal documents,
+a heavy tail, TE-style 24K-32K buckets, one 128K document, 5000 short ones, a few long
+among 3000 short; cp 8..128): every mask of causal, SWA 4096, chunked 8192, Llama 4 3:1
+and SWA 5:1 within 1.016 of its mean, tokens within 1.018 (dual_chunk: chunked layers
+1.31-1.47, te 1.46-3.4 with padding). Simulated per-layer efficiency at 8K tokens per GPU
+(bench/plan.py's model, cp 8/16/32/64, layer-weighted): heavy tail causal .99/.98/.84/.83,
+Llama 4 1.0/.72/.68/.49, SWA 5:1 .99/.60/.52/.59 (dual_chunk .86-.90 at cp 8, .12-.26
+beyond); TE buckets, one long document and short documents .85-1.0 (Llama 4 .91/.88/.85
+at cp 16..64); 1000 log-normal documents fall to .47/.37/.28 at cp 16..64 (SWA 5:1
+.47/.22/.17), a few long among short ones to .58/.26 at cp 32/64 (Llama 4 .56/.36/.25 at
+cp 16..64): there one document holds several ranks' work and any rank holding its end
+fetches most of it
+(bench/plan.py's efficiency_bound caps several of these cases below 0.9 for any layout).
+Host time (thread CPU, one core of a shared machine): 3-6 ms at cp 64 for 1000 documents,
+up to ~10 ms when variant (b) is needed (heavy tail, Llama 4, cp 64); the old single-sum
+layout took ~1 ms.
+
+Limits: exact balance rests on the folds of step 2; mask sets they do not fit are
+balanced as far as the filler allows (worst max/mean measured on the mixes above, cp
+2..128): chunked attention with a window inside chunks plus global causal layers 1.11 at
+cp 64-128 (<= 1.03 up to cp 32, except TE buckets: 1.05); a full or chunked non-causal
+mask with a causal one 1.31 at cp 64-128 (the tile pair holding a document's partial last
+tile is sparser under causal than under full, and at 2K tokens per rank that shows);
+a bidirectional window alone 1.10 at cp 64-128 on the heavy tail, with a causal mask 1.26;
+three distinct masks, or two local masks of different kinds (SWA + chunked): 1.3-1.8.
+The efficiency target (>= 0.90) is met on 13-17 of 24 (mix, cp) pairs per mask mix, not on
+heavy-tailed Llama 4 / SWA mixes beyond cp 8 (0.5-0.7: every rank must hold a slice of the
+long bodies, and a rank ends up with pieces of 2-6 documents).
+"""
 
 from __future__ import annotations
 
@@ -153,8 +236,6 @@ class _Profile:
     coef:     [M, 2] work of a short segment = coef[m, 0] * L + coef[m, 1] * L^2.
     excess:   [E, 1+M] functionals of (tokens, work per mask) that vanish on short segments
               (E = M - 1): what short documents cannot balance.
-    sigma:    the mask whose work the filler phase balances (the one with least work is
-              chosen later; index into masks).
     """
 
     masks: tuple[AttnMask, ...]
@@ -612,13 +693,15 @@ def _cut_fill(dense: _List, sparse: _List, n_tok: torch.Tensor, target: torch.Te
 
 
 def _snap_pair(dense: _List, sparse: _List, x: torch.Tensor, n_tok: torch.Tensor,
-               col: Any, limits: list[tuple[Any, float]]) -> tuple[torch.Tensor, torch.Tensor]:
+               col: Any, limits: list[tuple[Any, float, float]]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Move a dense / sparse cut pair (dense at x, sparse at N - x) to cheap boundaries.
 
-    A candidate is acceptable when, for each (column or functional, budget) of
+    A candidate is acceptable when, for each (column or functional, budget, priority) of
     ``limits``, the change it causes there relative to the exact cuts is within the
     budget; the cheapest acceptable one wins, else the one with the smallest changes
-    relative to the budgets. The sparse candidates are taken near two anchors per dense
+    relative to the budgets, weighted by priority (layer counts: errors go to the masks of
+    fewer layers first). The sparse candidates are taken near two anchors per dense
     candidate: the token-exact offset and the ``col``-exact one.
     """
     K = x.numel()
@@ -635,16 +718,16 @@ def _snap_pair(dense: _List, sparse: _List, x: torch.Tensor, n_tok: torch.Tensor
     scost = scost.repeat(A)
     ok = _between(dc, x).unsqueeze(2) & _between(sc, s).unsqueeze(1)
     rel = torch.zeros(ok.shape, dtype=torch.float64)
-    cols = [c for c, _ in limits]
+    cols = [c for c, _, _ in limits]
     refs = [a + b for a, b in zip(dense.at_cols(x, cols), sparse.at_cols(s, cols))]
-    for ref, dv, sv, (_, budget) in zip(refs, dense.at_cols(dc, cols),
-                                        sparse.at_cols(sc, cols), limits):
+    for ref, dv, sv, (_, budget, prio) in zip(refs, dense.at_cols(dc, cols),
+                                              sparse.at_cols(sc, cols), limits):
         err = (dv.unsqueeze(2) + sv.unsqueeze(1) - ref.view(K, 1, 1)).abs()
         ok &= err <= budget
-        rel += err / max(budget, 1e-9)
+        rel += err * (prio / max(budget, 1e-9))
     cost = dcost.view(1, -1, 1) + scost.view(1, 1, -1)
-    score = torch.where(ok, cost + 1e-3 * rel, 1e6 + rel)
-    best = score.view(K, -1).argmin(1)
+    score = torch.where(ok, cost + 1e-3 * rel, 1e6 + rel).view(K, -1)
+    best = score.argmin(1)
     bi, si = best // (A * n_c), best % (A * n_c)
     rows = torch.arange(K)
     return dc[rows, bi], sc[rows, si]
@@ -760,7 +843,7 @@ def _untangle(dense: _List, sparse: _List, y: torch.Tensor, n_tok: torch.Tensor,
 
 
 def _pair_cut(dense: _List, sparse: _List, n_tok: torch.Tensor, target: torch.Tensor,
-              col: Any, limits: list[tuple[Any, float]], give_up: bool = False
+              col: Any, limits: list[tuple[Any, float, float]], give_up: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Cuts [cp+1] of a dense / sparse list pair giving boundary k ``n_tok[k]`` tokens and
     ``target[k]`` in column ``col`` (exact, then snapped within the budgets of ``limits``,
@@ -845,7 +928,7 @@ def _solve(units: _Units, prof: _Profile, cp: int, pair_bodies: bool) -> _Layout
             b_tok = k * int(t_b) // cp
             b_phi = k.to(torch.float64) * p_b / cp
             xd, xs = _pair_cut(dense, sparse, b_tok, b_phi, phi,
-                               [(0, 2 * tok_budget), (phi, budget)])
+                               [(0, 2 * tok_budget, 1.0), (phi, budget, 1.0)])
             lists += [dense, sparse]
             cuts += [xd, xs]
             b_val = dense.at(xd) + sparse.at(xs)
@@ -882,8 +965,10 @@ def _solve(units: _Units, prof: _Profile, cp: int, pair_bodies: bool) -> _Layout
     if lists and not pair_bodies and not _reachable(dense, sparse, n_tok - b_val[:, 0],
                                                     f_target, col):
         return _Layout([], [], torch.full((cp, 1 + M), math.inf, dtype=torch.float64))
-    limits = [(0, tok_budget)] + [(1 + m, _FILL_BUDGET * float(share[1 + m]))
-                                  for m in range(M)]
+    prio = torch.tensor(prof.weights, dtype=torch.float64)
+    prio = prio / prio.max()
+    limits = [(0, tok_budget, 1.0)] + [(1 + m, _FILL_BUDGET * float(share[1 + m]),
+                                        float(prio[m])) for m in range(M)]
     cut = _pair_cut(dense, sparse, f_tok, f_target, col, limits,
                     give_up=bool(lists) and not pair_bodies)
     if cut is None:
