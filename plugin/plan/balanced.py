@@ -886,8 +886,9 @@ def _reachable(dense: _List, sparse: _List, f_tok: torch.Tensor, f_target: torch
 def _solve(units: _Units, prof: _Profile, cp: int, pair_bodies: bool) -> _Layout:
     """Phase 1 (bodies: the excess work) then phase 2 (filler: tokens and the rest).
 
-    pair_bodies: False cuts the bodies as one list in document order by excess alone (a
-    rank's bodies are then one or two documents; phase 2 absorbs the token differences);
+    pair_bodies: False cuts the bodies as one list (spread by excess per token) by excess
+    alone (a rank's bodies are then one or two documents; phase 2 absorbs the token
+    differences);
     True cuts dense / sparse bodies (in excess per token) to equal tokens and excess (more
     documents per rank, always feasible for phase 2).
     """
