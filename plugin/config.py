@@ -63,7 +63,7 @@ class CPConfig:
                same plan (ranks that disagree would otherwise compute silently wrong
                results); False skips it.
     min_chunk_tokens: "dual_chunk" only: documents shorter than 2*cp*this stay whole.
-    chunk_tokens: "balanced" only: the tile size documents are cut at (None: the layout's
+    tile_tokens: "balanced" only: the tile grid documents are cut on (None: the layout's
                default).
     pad_multiple: "te" only: pad each document to a multiple of it (None: 2*cp; 2*cp*tp
                with sequence parallelism).
@@ -78,7 +78,7 @@ class CPConfig:
     overlap_stages: int | None = None
     validate: bool = True
     min_chunk_tokens: int = 64
-    chunk_tokens: int | None = None
+    tile_tokens: int | None = None
     pad_multiple: int | None = None
     prefetch: bool = True
 
@@ -93,10 +93,10 @@ class CPConfig:
         check_overlap_stages(self.overlap_stages, self.strategy)
         check_bool("validate", self.validate)
         check_int("min_chunk_tokens", self.min_chunk_tokens, 1)
-        check_int("chunk_tokens", self.chunk_tokens, 1, optional=True)
+        check_int("tile_tokens", self.tile_tokens, 1, optional=True)
         check_int("pad_multiple", self.pad_multiple, 1, optional=True)
         check_bool("prefetch", self.prefetch)
-        for name, layout in (("chunk_tokens", "balanced"), ("pad_multiple", "te")):
+        for name, layout in (("tile_tokens", "balanced"), ("pad_multiple", "te")):
             if getattr(self, name) is not None and self.layout != layout:
                 raise ValueError(f"{name} applies to layout {layout!r} only, got "
                                  f"{name}={getattr(self, name)!r} with layout={self.layout!r}")
@@ -109,8 +109,8 @@ class CPConfig:
         kw: dict[str, Any] = {"layout": self.layout, "min_chunk_tokens": self.min_chunk_tokens}
         if self.layout == "balanced":
             kw["masks"] = masks
-            if self.chunk_tokens is not None:
-                kw["chunk_tokens"] = self.chunk_tokens
+            if self.tile_tokens is not None:
+                kw["tile_tokens"] = self.tile_tokens
         if self.layout == "te" and self.pad_multiple is not None:
             kw["pad_multiple"] = self.pad_multiple
         return kw

@@ -160,13 +160,14 @@ def check_contiguous(plans: list[CPPlan], lengths: list[int]) -> None:
 
 
 def check_balanced(plans: list[CPPlan], lengths: list[int]) -> None:
-    """No padding and token counts equal up to one token (cuts at floor(k*T/cp))."""
+    """No padding and token counts within 2% of the mean, plus one token (cuts move to
+    tile and document boundaries within a token budget; tiny batches cut exactly)."""
     p0 = plans[0]
     total = sum(lengths)
     assert p0.padded_total_tokens == total
     counts = [p0.num_tokens_of(r) for r in range(p0.cp_size)]
-    assert counts == [(r + 1) * total // p0.cp_size - r * total // p0.cp_size
-                      for r in range(p0.cp_size)]
+    mean = total / p0.cp_size
+    assert all(abs(c - mean) <= 0.02 * mean + 1 for c in counts), (counts, mean)
 
 
 def check_all(lengths: list[int], cp: int, layout: str, min_chunk: int) -> None:

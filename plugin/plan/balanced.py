@@ -1,53 +1,125 @@
-"""The ``balanced`` layout: equal tokens AND equal mask-weighted attention work per rank.
+"""The ``balanced`` layout: tokens AND the work of EACH of the model's masks equal on every
+rank, documents cut on the kernels' tile grid, little K/V left to fetch.
 
-Documents are cut into chunks of ``chunk_tokens`` positions (boundaries at multiples of it
-inside each document, so with the default 256 every full chunk is whole kernel tiles of 64;
-a document shorter than a chunk stays one item). Each item's work is its exact number of
-visible (query, key) pairs, summed over the model's masks with their layer weights (e.g.
-Llama 4: chunked x3, global x1), from closed forms of the mask intervals (no per-token pass).
+Every layer type waits for its own slowest rank, so a Llama 4 model (chunked 8192 x3 :
+global causal x1) or a Gemma-style one (window (4096, 0) x5 : causal x1) needs every mask
+balanced by one token layout, not a weighted sum. Targets: each mask's work (visible
+query-key pairs of a rank's queries) within 3% of its mean over ranks, tokens within 2%,
+no padding. Layer counts (the masks' weights) only set priorities: a snap error goes to
+the masks of fewer layers first. Host (CPU) tensors, vectorized, deterministic.
 
-Assignment, with rho = total work / total tokens:
-- items denser than rho form the dense list D, the others the sparse list S, both kept in
-  (document, position) order so that a rank's share stays a few contiguous runs;
-- rank k gets the token ranges D[x_k, x_k+1) and S[y_k, y_k+1) with
-  x_k + y_k = N_k = floor(k * T / cp) (token counts equal up to one token) and x_k chosen
-  so that the work of D[0, x_k) + S[0, y_k) is rho * N_k (work equal). Inside an item the
-  work is taken as proportional to tokens, so the cut points are found by a vectorized
-  search over a monotone piecewise-linear function. Such x_k always exists and is
-  non-decreasing in k with y_k, because every range of D is at least rho-dense and every
-  range of S at most (proof sketch at ``_cut_points``). This replaces LPT + refinement: it
-  is exact up to one token per rank and the within-item linear approximation (at most
-  ~chunk_tokens^2 / 8 pairs per cut), whatever the mask mix.
+How (M distinct masks):
+1. Short segments are filler. A document of at most ``theta`` tokens (the shortest window
+   or chunk; unbounded for causal and full) costs L(L+1)/2 (causal-like) or L^2
+   (full-like) under every mask, so tokens and ONE work column balance every mask on
+   filler. The M-1 "excess" functionals of (tokens, work per mask) that vanish on short
+   documents (Llama 4: causal - chunked work) measure what filler cannot balance.
+2. A long document becomes a short-like head (filler) and a body (carries the excess),
+   folded so that every run of the fold holds the body's own work per token under every
+   mask: chunked + causal: head [0, C - ceil(r/64)*64) (r = L mod C), body walked by chunk
+   pairs (i, K-i), tile a of one with the mirror tile of the other (equal position sums:
+   causal work; equal in-chunk position sums: chunked work); causal window (W, 0): head
+   [0, W) on the tile grid, body mirrored (W+1 keys per query there); windows that look
+   right: head, middle and tail items, each mirrored; one mask: the same items, all filler;
+   every mask chunked with one C: chunks are segments. A long document whose excess is
+   negligible (< 0.75% of a rank's mean work) stays filler, so that its body is not spread
+   over every rank (one 4242-token document in a 4096 window at cp 16: SWA-layer
+   efficiency 0.26 spread, 0.46 kept).
+3. Units are two tiles (64 tokens, on the document's grid) at places 2u, 2u+1 of a fold. A
+   cut inside a unit takes a's first and b's last tokens alternately, then the rest of the
+   longer tile mirrored: the work of the first o tokens is linear in o on both stretches
+   (the break point is computed exactly), so cuts land where the targets are.
+4. Phase 1, bodies: one list (bodies spread by excess per token) cut so that every rank
+   gets 1/cp of the excess: an exact 1-D prefix cut; a rank's bodies are then one or two
+   documents, and phase 2 absorbs the token differences.
+5. Phase 2, filler: the exact dense / sparse cut (items denser than the filler's mean vs
+   the others; rank k gets D[x_k, x_k+1) and S[y_k, y_k+1), x_k + y_k and the work of
+   both prefixes set by boundary k's targets, found by a k-ary search) with per-rank
+   targets: tokens and the least-work mask, minus what phase 1 gave. Both lists are in an
+   order that spreads densities evenly (8 equal-token density groups merged by phase), so
+   every stretch of a list holds about its mean density; exact cuts that still go
+   backwards are made monotone and their error diffused to the neighbouring ranks.
+6. Snapping: every cut moves to the cheapest nearby boundary - an item (document, head,
+   body) boundary, then a unit boundary, else a finer cut off the tile grid - that keeps
+   the boundary's errors within budget (tokens 0.9% of T/cp; excess 0.5%, each mask 0.6%
+   of its mean work; a rank's error is the difference of its two boundaries'). Cuts are
+   therefore on the tile grid except at most one finer cut per list per rank boundary (4
+   lists, 2 positions each: <= 8 (cp-1) positions). Those are needed for WORK balance once
+   a rank holds few tokens (a 0.6% budget is a few tokens of a dense document): measured
+   off-grid positions per rank boundary, median over the mixes, at 8K tokens per rank
+   ~1 (max 3); at 128K tokens and cp 64 (2K per rank) 3-6.
+7. Variants, tried in order until one meets the targets: (a) the one-list bodies of 4;
+   (b) bodies split into dense / sparse lists cut to equal tokens and excess (more
+   documents per rank, always feasible for phase 2); (c) (b) with every long segment
+   split. A variant whose filler targets are out of reach is dropped before its phase 2.
 
-Each rank boundary cuts at most one item of each list, so the layout has at most
-``n_items + 2 * (cp - 1)`` runs; no padding. One layout serves every layer, so the balance
-is of the weighted SUM of the masks' work; each mask alone can be less balanced (see
-bench/balance.py for measured figures).
+Measured (bench/plan.py; 128K-token mixes of bench/balance.py: 1000 log-normal documents,
+a heavy tail, TE-style 24K-32K buckets, one 128K document, 5000 short ones, a few long
+among 3000 short; cp 8..128): every mask of causal, SWA 4096, chunked 8192, Llama 4 3:1
+and SWA 5:1 within 1.016 of its mean, tokens within 1.018 (dual_chunk: chunked layers
+1.31-1.47, te 1.46-3.4 with padding). Simulated per-layer efficiency at 8K tokens per GPU
+(bench/plan.py's model, cp 8/16/32/64, layer-weighted): heavy tail causal .99/.98/.84/.83,
+Llama 4 1.0/.72/.68/.49, SWA 5:1 .99/.60/.52/.59 (dual_chunk .86-.90 at cp 8, .12-.26
+beyond); TE buckets, one long document and short documents .85-1.0 (Llama 4 .91/.88/.85
+at cp 16..64); 1000 log-normal documents fall to .47/.37/.28 at cp 16..64 (SWA 5:1
+.47/.22/.17), a few long among short ones to .58/.26 at cp 32/64 (Llama 4 .56/.36/.25 at
+cp 16..64): there one document holds several ranks' work and any rank holding its end
+fetches most of it
+(bench/plan.py's efficiency_bound caps several of these cases below 0.9 for any layout).
+Host time (thread CPU, one core of a shared machine): 3-6 ms at cp 64 for 1000 documents,
+up to ~10 ms when variant (b) is needed (heavy tail, Llama 4, cp 64); the old single-sum
+layout took ~1 ms.
 
-Limits: work sums are float64 (weights are floats); every op is a deterministic elementwise
-op or a sequential cumsum, so all ranks compute the same plan. Host (CPU) tensors only.
+Limits: exact balance rests on the folds of step 2; mask sets they do not fit are
+balanced as far as the filler allows (worst max/mean measured on the mixes above, cp
+2..128): chunked attention with a window inside chunks plus global causal layers 1.11 at
+cp 64-128 (<= 1.03 up to cp 32, except TE buckets: 1.05); a full or chunked non-causal
+mask with a causal one 1.31 at cp 64-128 (the tile pair holding a document's partial last
+tile is sparser under causal than under full, and at 2K tokens per rank that shows);
+a bidirectional window alone 1.10 at cp 64-128 on the heavy tail, with a causal mask 1.26;
+three distinct masks, or two local masks of different kinds (SWA + chunked): 1.3-1.8.
+The efficiency target (>= 0.90) is met on 13-17 of 24 (mix, cp) pairs per mask mix, not on
+heavy-tailed Llama 4 / SWA mixes beyond cp 8 (0.5-0.7: every rank must hold a slice of the
+long bodies, and a rank ends up with pieces of 2-6 documents).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from ..masks import AttnMask
 
-DEFAULT_CHUNK_TOKENS = 256
-# Probes per round of the k-ary search for the cut points: 32 finds a cut among 128K tokens
-# in 4 rounds of a dozen small vectorized ops (a binary search needs 17).
+DEFAULT_TILE_TOKENS = 64  # the Triton kernels' query block (kernels/triton_common.py)
+DEFAULT_CHUNK_TOKENS = DEFAULT_TILE_TOKENS  # the old name of the same parameter
+_INF = 1 << 40
+
+# Targets (max / mean over ranks) and the share of them one rank boundary may use: a rank's
+# error is the difference of its two boundaries' errors.
+TOKEN_TOL = 0.02
+WORK_TOL = 0.03
+_TOKEN_BUDGET = 0.009  # of T / cp
+_EXCESS_BUDGET = 0.005  # of a mask's mean work per rank (phase 1, long bodies)
+_FILL_BUDGET = 0.006  # of a mask's mean work per rank (phase 2, filler)
+_KEEP_EXCESS = 0.0075  # long segments with less excess work than this stay filler
+# Probes per round of the k-ary search of the pair cuts (32: 2-3 rounds for 128K tokens).
 _PROBES = 32
+# Cost of a cut, by where it falls: an item (document, head, body) boundary, a unit (tile
+# pair) boundary inside a folded item, inside a unit (a "finer" cut, off the tile grid).
+_COST = (0, 1, 4)
 
 MaskWeights = tuple[tuple[AttnMask, float], ...]
 
 
+# ---- arguments ----------------------------------------------------------------------------
 def normalize_masks(masks: Any) -> MaskWeights:
     """``((AttnMask, weight), ...)`` from None (causal), an AttnMask, or a sequence of
-    AttnMask / (AttnMask, weight) entries; ValueError naming ``masks`` otherwise."""
+    AttnMask / (AttnMask, weight) entries; ValueError naming ``masks`` otherwise. Weights
+    are layer counts (any positive numbers): they break ties and set priorities, every
+    mask is balanced on its own."""
     if masks is None:
         return ((AttnMask(causal=True), 1.0),)
     if isinstance(masks, AttnMask):
@@ -69,13 +141,18 @@ def normalize_masks(masks: Any) -> MaskWeights:
     return tuple(out)
 
 
+def check_tile_tokens(tile_tokens: Any, name: str = "tile_tokens") -> int:
+    """The resolved tile size; ValueError naming ``name`` unless an int >= 1."""
+    if tile_tokens is None:
+        return DEFAULT_TILE_TOKENS
+    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {tile_tokens!r}")
+    return tile_tokens
+
+
 def check_chunk_tokens(chunk_tokens: Any) -> int:
-    """The resolved chunk size; ValueError naming ``chunk_tokens`` unless an int >= 1."""
-    if chunk_tokens is None:
-        return DEFAULT_CHUNK_TOKENS
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
-    return chunk_tokens
+    """Old name of :func:`check_tile_tokens` (``chunk_tokens`` is the tile size)."""
+    return check_tile_tokens(chunk_tokens, "chunk_tokens")
 
 
 # ---- exact work from the mask intervals ---------------------------------------------------
@@ -109,7 +186,7 @@ def _block_work(a: torch.Tensor, b: torch.Tensor, c_lo: torch.Tensor, c_hi: torc
 def prefix_work(doc_len: torch.Tensor, stop: torch.Tensor, mask: AttnMask) -> torch.Tensor:
     """int64: visible pairs of the queries at positions [0, stop) of documents of
     ``doc_len`` tokens (all keys of the document) under ``mask``; elementwise, 0 <= stop <=
-    doc_len. Closed form per mask, checked against ``AttnMask.count_visible`` in the tests."""
+    doc_len. Closed form per mask, checked against a dense count in the tests."""
     causal, wl, wr, chunk = mask.params
     offsets = [x for x in ((0 if causal else None), (wr if wr >= 0 else None)) if x is not None]
     e = min(offsets) if offsets else None
@@ -127,152 +204,845 @@ def prefix_work(doc_len: torch.Tensor, stop: torch.Tensor, mask: AttnMask) -> to
     return n_full * per_chunk + _block_work(first, stop, first, last, d, e)
 
 
-def chunk_work(doc_len: torch.Tensor, start: torch.Tensor, size: torch.Tensor,
-               masks: MaskWeights) -> torch.Tensor:
-    """float64: weighted visible pairs of the queries at positions [start, start+size) of
-    each chunk, for chunks in ``chunk_items`` order (a document's chunks consecutive, the
-    first at position 0), so one prefix per chunk end serves both of its ends."""
-    total = torch.zeros(start.shape, dtype=torch.float64)
-    first = start == 0
-    for mask, weight in masks:
-        upto = prefix_work(doc_len, start + size, mask)
-        before = torch.cat([upto.new_zeros(1), upto])[:-1].masked_fill_(first, 0)
-        total += weight * (upto - before).to(torch.float64)
-    return total
+# ---- how the masks shape the problem ------------------------------------------------------
+def _locality(mask: AttnMask, with_chunk: bool = True) -> tuple[int, bool]:
+    """(longest document in which every query sees every earlier key (causal-like) or
+    every key (full-like) of it, whether the mask looks only left (k <= p))."""
+    causal, wl, wr, chunk = mask.params
+    left = causal or wr == 0
+    if left:
+        w = wl + 1 if wl >= 0 else _INF
+    else:
+        sides = [x + 1 for x in (wl, wr) if x >= 0]
+        w = min(sides) if sides else _INF
+    return min(chunk if (chunk and with_chunk) else _INF, w), left
 
 
-# ---- items and cut points -----------------------------------------------------------------
-def chunk_items(lengths: torch.Tensor, chunk_tokens: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(doc, start, size) int64 of every chunk, in (document, position) order."""
-    n_items = (lengths + chunk_tokens - 1) // chunk_tokens
-    total = int(n_items.sum())
-    doc = torch.repeat_interleave(torch.arange(lengths.numel()), n_items, output_size=total)
-    first = torch.cumsum(n_items, 0) - n_items
-    start = (torch.arange(total) - first[doc]) * chunk_tokens
-    size = torch.minimum(lengths[doc] - start, torch.full_like(start, chunk_tokens))
-    return doc, start, size
+@dataclass(frozen=True)
+class _Profile:
+    """What the mask set implies for the layout (see the module docstring).
+
+    masks / weights: the distinct masks (duplicates merged, weights summed).
+    theta:    segments of at most theta tokens are "short": each mask's work on a whole
+              short segment is L(L+1)/2 (causal-like) or L^2 (full-like).
+    split:    chunk size when every mask is chunked with it (chunks are then independent
+              segments), else 0.
+    head:     "chunk" (bodies folded by chunk pairs), "prefix" (bodies folded after a
+              short-like head), "ends" (a window looks right: head, middle and tail
+              items), "none" (no windows or chunks).
+    chunk / prefix / suffix: the chunk size of "chunk", the head length of "prefix" and
+              "ends", the right window of "ends" (its tail starts on the tile grid at or
+              before L - suffix).
+    coef:     [M, 2] work of a short segment = coef[m, 0] * L + coef[m, 1] * L^2.
+    excess:   [E, 1+M] functionals of (tokens, work per mask) that vanish on short segments
+              (E = M - 1): what short documents cannot balance.
+    """
+
+    masks: tuple[AttnMask, ...]
+    weights: tuple[float, ...]
+    tile: int
+    theta: int
+    split: int
+    head: str
+    chunk: int
+    prefix: int
+    suffix: int
+    coef: torch.Tensor
+    excess: torch.Tensor
 
 
-class _Run:
-    """Items of one list, in order, as a cumulative (tokens, work) curve that is linear
-    inside each item: work of the first x tokens = base[i] + x * density[i] for x in
-    item i."""
+def _profile(masks: MaskWeights, tile: int) -> _Profile:
+    merged: dict[AttnMask, float] = {}
+    for m, w in masks:
+        merged[m] = merged.get(m, 0.0) + w
+    ms, ws = tuple(merged), tuple(merged.values())
+    chunks = {m.chunk_size or 0 for m in ms}
+    split = chunks.pop() if len(chunks) == 1 else 0
+    loc = [_locality(m, with_chunk=not split) for m in ms]
+    theta = min(t for t, _ in loc)
+    left = all(lf for _, lf in loc)
+    head, chunk, prefix, suffix = "none", 0, 0, 0
+    if theta < _INF and not left:
+        # Windows that look right: the ends of a long document (where a window is clipped)
+        # become items of their own, so that the middle is uniform.
+        wl = max([m.window_size[0] for m in ms if m.window_size[0] >= 0] or [0])
+        wr = max([m.window_size[1] for m in ms if m.window_size[1] >= 0 and not m.causal]
+                 or [0])
+        head, prefix, suffix = "ends", -(-wl // tile) * tile, wr
+    elif theta < _INF and left:
+        windows = any(m.window_size[0] >= 0 for m in ms)
+        c = {m.chunk_size for m in ms if m.chunk_size}
+        if not split and not windows and len(c) == 1 and next(iter(c)) % tile == 0:
+            head, chunk = "chunk", next(iter(c))
+        else:
+            head, prefix = "prefix", theta // tile * tile
+    coef = torch.tensor([[0.5, 0.5] if lf else [0.0, 1.0] for _, lf in loc],
+                        dtype=torch.float64)
+    # Annihilator of span{(1, coef[:, 0]), (0, coef[:, 1])} relative to mask 0.
+    rows = []
+    for m in range(1, len(ms)):
+        r = torch.zeros(1 + len(ms), dtype=torch.float64)
+        ratio = coef[m, 1] / coef[0, 1]
+        r[1 + m], r[1] = 1.0, -ratio
+        r[0] = ratio * coef[0, 0] - coef[m, 0]
+        rows.append(r)
+    excess = torch.stack(rows) if rows else torch.zeros(0, 1 + len(ms), dtype=torch.float64)
+    return _Profile(ms, ws, tile, theta, split, head, chunk, prefix, suffix, coef, excess)
 
-    def __init__(self, tokens: torch.Tensor, work: torch.Tensor) -> None:
-        if tokens.numel() == 0:  # one empty item keeps the lookups total
-            tokens, work = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.float64)
-        self.tok_start = torch.cumsum(tokens, 0) - tokens
-        self.density = work / tokens.clamp(min=1).to(torch.float64)
-        self.base = torch.cumsum(work, 0) - work - self.tok_start.to(torch.float64) * self.density
-        self.tokens = int(tokens.sum())
 
-    def work_at(self, x: torch.Tensor) -> torch.Tensor:
-        """Work of the list's first ``x`` tokens (x: int64, any shape, 0..tokens)."""
-        # tok_start[0] == 0 <= x, so the index is >= 0.
-        i = torch.searchsorted(self.tok_start, x, right=True) - 1
-        return torch.take(self.base, i) + x.to(torch.float64) * torch.take(self.density, i)
+# ---- items and tiles ----------------------------------------------------------------------
+# Item kinds: a mirrored run of positions [s, e) (tiles 0, n-1, 1, n-2, ...), or a long
+# document's body [s, e) folded by chunk pairs (see _chunk_fold).
+_MIRROR, _CHUNKS = 0, 1
 
 
-def _cut_points(dense: _Run, sparse: _Run, n_tokens: torch.Tensor, target: torch.Tensor
+@dataclass
+class _Items:
+    doc: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+    kind: torch.Tensor  # _MIRROR / _CHUNKS
+    body: torch.Tensor  # bool: carries excess work (phase 1) vs filler (phase 2)
+
+
+def _phi(prof: _Profile, total: torch.Tensor) -> torch.Tensor:
+    """The excess functional [1+M] the bodies are cut by: the excess rows oriented so
+    that their totals are >= 0 and scaled to equal totals, summed (M - 1 = 1: the row)."""
+    tot_ex = prof.excess @ total
+    sign = torch.where(tot_ex < 0, -1.0, 1.0)
+    scale = tot_ex.abs().max() / tot_ex.abs().clamp(min=1e-300)
+    return (prof.excess * (sign * scale).unsqueeze(1)).sum(0)
+
+
+def _items(lengths: torch.Tensor, prof: _Profile, cp: int, keep_small: bool) -> _Items:
+    """Cut the documents into filler items (short documents, heads) and bodies.
+
+    keep_small: long segments whose excess work is negligible (``_KEEP_EXCESS`` of a
+    rank's mean work) stay whole filler items, split like any dense filler: spreading their
+    body over every rank would fetch a whole window or chunk on each for nothing (one
+    4242-token document among 1000 short ones with a 4096 window at cp 16: SWA-layer
+    efficiency 0.26 spread, 0.46 as filler)."""
+    n_docs = lengths.numel()
+    doc, start, end = torch.arange(n_docs), torch.zeros_like(lengths), lengths.clone()
+    if prof.split:  # independent chunks: each is a segment of its own
+        n = (lengths + prof.split - 1) // prof.split
+        doc = torch.repeat_interleave(doc, n)
+        first = torch.cumsum(n, 0) - n
+        start = (torch.arange(doc.numel()) - first[doc]) * prof.split
+        end = torch.minimum(start + prof.split, lengths[doc])
+    keep = end > start
+    doc, start, end = doc[keep], start[keep], end[keep]
+    size = end - start
+    long = size > prof.theta
+    if keep_small and prof.excess.shape[0] and bool(long.any()):
+        vec = torch.empty(size.numel(), 1 + len(prof.masks), dtype=torch.float64)
+        vec[:, 0] = size.to(torch.float64)
+        ends, lens = torch.cat([end, start]), lengths[doc].repeat(2)
+        for k, mask in enumerate(prof.masks):
+            w = prefix_work(lens, ends, mask).view(2, -1)
+            vec[:, 1 + k] = (w[0] - w[1]).to(torch.float64)
+        total = vec.sum(0)
+        phi = _phi(prof, total)
+        tau = _KEEP_EXCESS * float(total[1:].min()) / cp
+        long &= (vec @ phi).abs() > tau
+    if prof.head == "chunk":
+        r = size % prof.chunk
+        t = prof.tile
+        h = torch.where(r == 0, 0, prof.chunk - (r + t - 1) // t * t)
+    elif prof.head in ("prefix", "ends"):
+        h = torch.full_like(size, prof.prefix)
+    else:
+        h = torch.zeros_like(size)
+    t = prof.tile
+    tail = torch.div(end - prof.suffix, t, rounding_mode="floor") * t  # "ends" only
+    ends = long & (prof.head == "ends") & (start + h < tail) & (prof.suffix > 0)
+    h = torch.where(long & ((prof.head != "ends") | (start + h < tail)), h, 0)
+    has_head = long & (h > 0)
+    mid_end = torch.where(ends, tail, end)
+    # Filler: short segments and short-like heads; bodies (and the heads and tails of
+    # "ends") carry the excess. With one mask (no excess) everything is filler.
+    like = prof.head in ("chunk", "prefix")
+    f_sel = [(~long, start, end)] + ([(has_head, start, start + h)] if like else [])
+    b_sel = [(long, start + h, mid_end)] + ([] if like else [(has_head, start, start + h)])
+    b_sel.append((ends, tail, end))
+    f_doc = torch.cat([doc[m] for m, _, _ in f_sel])
+    f_start = torch.cat([a[m] for m, a, _ in f_sel])
+    f_end = torch.cat([b[m] for m, _, b in f_sel])
+    b_doc = torch.cat([doc[m] for m, _, _ in b_sel])
+    b_start = torch.cat([a[m] for m, a, _ in b_sel])
+    b_end = torch.cat([b[m] for m, _, b in b_sel])
+    n_f, n_b = f_doc.numel(), b_doc.numel()
+    kind = torch.full((n_b,), _MIRROR)
+    if prof.head == "chunk":
+        kind[:int(long.sum())] = _CHUNKS
+    excess = prof.excess.shape[0] > 0
+    return _Items(
+        doc=torch.cat([f_doc, b_doc]), start=torch.cat([f_start, b_start]),
+        end=torch.cat([f_end, b_end]),
+        kind=torch.cat([torch.full((n_f,), _MIRROR), kind]),
+        body=torch.cat([torch.zeros(n_f, dtype=torch.bool),
+                        torch.full((n_b,), excess, dtype=torch.bool)]))
+
+
+def _mirror_index(j: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Place of tile j among m in the order 0, m-1, 1, m-2, ..."""
+    return torch.where(j < (m + 1) // 2, 2 * j, 2 * (m - 1 - j) + 1)
+
+
+def _chunk_fold(pos: torch.Tensor, head: torch.Tensor, doc_len: torch.Tensor, chunk: int,
+                tile: int) -> torch.Tensor:
+    """Place in the body's fold of the body tile at ``pos``.
+
+    A body of n full chunks and a partial chunk of r tokens starts at the head length
+    h = C - ceil(r/tile)*tile: segment 0 is [h, C) (r > 0) or chunk 0 (r = 0), segments
+    1.. are the chunks. Segment i is paired with segment K-i and the pair is walked tile i
+    of the first with the mirror tile of the second (tile a of segment i with tile m-1-a
+    of segment K-i; the middle segment with itself): every pair of tiles then has the same
+    position sum (causal work) and the same sum of positions inside their chunks (chunked
+    work), whatever the pair, so any run of the fold holds the body's per-token work under
+    both masks; pairs go outside in, so a rank's run is two position runs per document.
+    """
+    n = doc_len // chunk
+    r = doc_len - n * chunk
+    K = torch.where(r > 0, n, n - 1)
+    seg = torch.where(pos < chunk, 0, pos // chunk)
+    seg_start = torch.where(seg == 0, head, seg * chunk)
+    j = (pos - seg_start) // tile
+    ct = chunk // tile
+    t0 = (chunk - head) // tile  # tiles of segment 0 and of segment K when r > 0
+    m = torch.where((seg == 0) | ((seg == K) & (r > 0)), t0, ct)
+    i = torch.minimum(seg, K - seg)
+    base = torch.where(i == 0, 0, 2 * t0 + 2 * (i - 1) * ct)
+    first = seg < K - seg
+    middle = seg == K - seg
+    local = torch.where(middle, _mirror_index(j, m), torch.where(first, 2 * j, 2 * (m - 1 - j) + 1))
+    return base + local
+
+
+@dataclass
+class _Units:
+    """Pairs of tiles: places 2u and 2u+1 of an item's fold (tile a, then tile b, which
+    may be missing: b_len 0). A cut inside a unit takes tokens from the start of a and the
+    end of b alternately (see :func:`_split`), so a unit's work grows about linearly with
+    the tokens taken, and a unit is the smallest piece that keeps an item's work per token.
+    """
+
+    doc: torch.Tensor
+    item: torch.Tensor
+    ufold: torch.Tensor  # place of the unit in its item's fold
+    a_start: torch.Tensor
+    a_len: torch.Tensor
+    b_start: torch.Tensor
+    b_len: torch.Tensor
+    vec: torch.Tensor  # [n, 1+M] float64: tokens, work per mask
+    mid: torch.Tensor  # [n, 1+M]: the same for the unit's first 2*min(a_len, b_len) tokens
+    body: torch.Tensor  # bool: the unit belongs to a body (phase 1)
+
+
+def _units(items: _Items, lengths: torch.Tensor, prof: _Profile) -> _Units:
+    t = prof.tile
+    # Tiles are aligned to the document start (items start tile-aligned, except chunks of
+    # a chunk size that is no multiple of the tile).
+    first_tile = items.start // t
+    n = (items.end + t - 1) // t - first_tile
+    total = int(n.sum())
+    item = torch.repeat_interleave(torch.arange(n.numel()), n, output_size=total)
+    off = torch.cumsum(n, 0) - n
+    j = torch.arange(total) - off[item]
+    start = torch.maximum((first_tile[item] + j) * t, items.start[item])
+    stop = torch.minimum((first_tile[item] + j + 1) * t, items.end[item])
+    doc = items.doc[item]
+    doc_len = lengths[doc]
+    fold = _mirror_index(j, n[item])
+    if prof.head == "chunk":
+        sel = torch.nonzero(items.kind[item] == _CHUNKS).flatten()
+        if sel.numel():
+            fold[sel] = _chunk_fold(start[sel], items.start[item[sel]], doc_len[sel],
+                                    prof.chunk, t)
+    nu = (n + 1) // 2
+    uoff = torch.cumsum(nu, 0) - nu
+    unit = uoff[item] + fold // 2
+    n_units = int(nu.sum())
+    side_a = fold % 2 == 0
+    a, b = torch.nonzero(side_a).flatten(), torch.nonzero(~side_a).flatten()
+    u_item = torch.zeros(n_units, dtype=torch.int64)
+    u_item[unit[a]] = item[a]
+    a_start = torch.zeros(n_units, dtype=torch.int64)
+    a_start[unit[a]] = start[a]
+    a_len = torch.zeros(n_units, dtype=torch.int64)
+    a_len[unit[a]] = stop[a] - start[a]
+    b_start = a_start.clone()
+    b_start[unit[b]] = start[b]
+    b_len = torch.zeros(n_units, dtype=torch.int64)
+    b_len[unit[b]] = stop[b] - start[b]
+    # Up to its first 2*min(a_len, b_len) tokens a unit alternates a's first and b's last
+    # tokens: about linear; after that it takes the rest of the longer tile: about linear
+    # again. The work at that break point makes the interpolation inside a unit accurate.
+    m = torch.minimum(a_len, b_len)
+    u_doc = items.doc[u_item]
+    # One closed-form call per mask: the whole unit (both tiles) and its first 2m tokens.
+    a_end, b_end = a_start + a_len, b_start + b_len
+    ends = torch.cat([a_end, a_start, b_end, b_start, a_start + m, b_end - m])
+    lens = lengths[u_doc].repeat(6)
+    u_vec = torch.empty(n_units, 1 + len(prof.masks), dtype=torch.float64)
+    mid = torch.empty_like(u_vec)
+    u_vec[:, 0] = (a_len + b_len).to(torch.float64)
+    mid[:, 0] = (2 * m).to(torch.float64)
+    for k, mask in enumerate(prof.masks):
+        w = prefix_work(lens, ends, mask).view(6, n_units)
+        u_vec[:, 1 + k] = (w[0] - w[1] + w[2] - w[3]).to(torch.float64)
+        mid[:, 1 + k] = (w[4] - w[1] + w[2] - w[5]).to(torch.float64)
+    return _Units(u_doc, u_item, torch.arange(n_units) - uoff[u_item], a_start, a_len,
+                  b_start, b_len, u_vec, mid, items.body[u_item])
+
+
+def _split(u: _Units, unit: torch.Tensor, o1: torch.Tensor, o2: torch.Tensor
+           ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Position runs (start, length) of the tokens [o1, o2) of units ``unit`` in the
+    unit's own order: first a[0], b[-1], a[1], b[-2], ... while both tiles last (2m tokens,
+    m = min of their lengths), then the rest R of the longer tile mirrored (R[0], R[-1],
+    R[1], ...). Both stretches keep the work per token about constant, so the work of any
+    first o tokens is close to linear in o on each; four runs, some empty."""
+    la, lb = u.a_len[unit], u.b_len[unit]
+    m = torch.minimum(la, lb)
+    r = (la - lb).abs()
+    r_start = torch.where(la >= lb, u.a_start[unit] + m, u.b_start[unit])
+
+    def taken(o: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        p = torch.minimum(o, 2 * m)
+        q = o - p
+        return (p + 1) // 2, p // 2, (q + 1) // 2, q // 2
+
+    n1, n2 = taken(o1), taken(o2)
+    return [(u.a_start[unit] + n1[0], n2[0] - n1[0]),
+            (u.b_start[unit] + lb - n2[1], n2[1] - n1[1]),
+            (r_start + n1[2], n2[2] - n1[2]),
+            (r_start + r - n2[3], n2[3] - n1[3])]
+
+
+# ---- lists of units and cuts --------------------------------------------------------------
+class _List:
+    """Units in a fixed order, with cumulative (tokens, work...) at every unit boundary and
+    at every unit's break point (see :class:`_Units`); values in between are interpolated
+    linearly."""
+
+    def __init__(self, units: _Units, order: torch.Tensor) -> None:
+        self.order = order
+        n = self.n = order.numel()
+        vec, mid = units.vec[order], units.mid[order]
+        r = vec.shape[1]
+        cum = torch.cumsum(vec, 0)
+        # Merged points: unit start, its break point, ..., the end.
+        pv = torch.zeros(2 * n + 1, r, dtype=torch.float64)
+        pv[2::2] = cum
+        pv[1:-1:2] = pv[:-1:2] + mid
+        self.pv = pv
+        self.pt = pv[:, 0].round().to(torch.int64)
+        self.tok = self.pt[::2].contiguous()
+        self.total = int(self.pt[-1])
+        # Boundary classes: 0 where an item starts (and at the end), 1 between units.
+        cls = (units.ufold[order] != 0).to(torch.int64)
+        if n:
+            cls[0] = 0
+        self.cls = torch.cat([cls, torch.zeros(1, dtype=torch.int64)])
+        self._cols: dict[Any, torch.Tensor] = {}
+        self._bounds: list[torch.Tensor] = []
+        self.even_cuts = True
+
+    def column(self, col: Any) -> torch.Tensor:
+        """Cumulative column ``col`` (an index, or a [1+M] functional) at the merged
+        points; a functional is guarded to be non-decreasing (negative work in mixed mask
+        sets counts as flat)."""
+        key = col if isinstance(col, int) else tuple(col.tolist())
+        if key not in self._cols:
+            if isinstance(col, int):
+                c = self.pv[:, col].contiguous()
+            else:
+                c = torch.cummax((self.pv @ col).clamp(min=0), 0).values
+            self._cols[key] = c
+        return self._cols[key]
+
+    def _locate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        j = (torch.searchsorted(self.pt, x, right=True) - 1).clamp(0, 2 * self.n - 1)
+        x0 = self.pt[j]
+        frac = ((x - x0).to(torch.float64) / (self.pt[j + 1] - x0).clamp(min=1)).clamp(0, 1)
+        return j, frac
+
+    def at(self, x: torch.Tensor) -> torch.Tensor:
+        """Cumulative vectors at token offsets ``x`` (int64, any shape): [..., 1+M]."""
+        if self.n == 0:
+            return torch.zeros(*x.shape, self.pv.shape[1], dtype=torch.float64)
+        j, frac = self._locate(x)
+        v0 = self.pv[j]
+        return v0 + frac.unsqueeze(-1) * (self.pv[j + 1] - v0)
+
+    def at_col(self, x: torch.Tensor, col: Any) -> torch.Tensor:
+        """One column (or a functional, see :meth:`column`) of :meth:`at`."""
+        if self.n == 0:
+            return torch.zeros(x.shape, dtype=torch.float64)
+        c = self.column(col)
+        j, frac = self._locate(x)
+        v0 = c[j]
+        return v0 + frac * (c[j + 1] - v0)
+
+    def value_slope(self, x: torch.Tensor, col: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`at_col` and the column's increase per token there."""
+        c = self.column(col)
+        j, frac = self._locate(x)
+        v0, dv = c[j], c[j + 1] - c[j]
+        return v0 + frac * dv, dv / (self.pt[j + 1] - self.pt[j]).clamp(min=1)
+
+    def at_cols(self, x: torch.Tensor, cols: list) -> list[torch.Tensor]:
+        """:meth:`at_col` for several columns, locating ``x`` once."""
+        if self.n == 0:
+            return [torch.zeros(x.shape, dtype=torch.float64) for _ in cols]
+        j, frac = self._locate(x)
+        out = []
+        for col in cols:
+            c = self.column(col)
+            v0 = c[j]
+            out.append(v0 + frac * (c[j + 1] - v0))
+        return out
+
+    def inverse(self, col: Any, value: torch.Tensor) -> torch.Tensor:
+        """Smallest token offset where column ``col`` reaches ``value`` (any shape),
+        interpolated, clamped to [0, total]."""
+        if self.n == 0:
+            return torch.zeros(value.shape, dtype=torch.int64)
+        c = self.column(col)
+        flat = value.reshape(-1).contiguous()
+        j = torch.searchsorted(c, flat).clamp(1, 2 * self.n)
+        i = j - 1
+        frac = ((flat - c[i]) / (c[j] - c[i]).clamp(min=1e-300)).clamp(0, 1)
+        x = self.pt[i] + torch.round(frac * (self.pt[j] - self.pt[i]).to(torch.float64)
+                                     ).to(torch.int64)
+        return torch.where(flat <= 0, 0, x).view(value.shape)
+
+    def even(self, x: torch.Tensor) -> torch.Tensor:
+        """Cuts inside a unit moved down to an even offset in it (both stretches of a
+        unit's order alternate two ends, and its first stretch is even, so only even
+        offsets keep the work linear). Off for tiny batches (``even_cuts``), where one
+        token is more than the token budget."""
+        if self.n == 0 or not self.even_cuts:
+            return x
+        i = (torch.searchsorted(self.tok, x, right=True) - 1).clamp(0, self.n - 1)
+        odd = ((x - self.tok[i]) % 2 == 1) & (x < self.tok[i + 1])
+        return torch.where(odd, x - 1, x)
+
+    def snap_candidates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Offsets near ``x`` [K] a cut may move to, [K, 5], and their costs [5]: x itself
+        (a finer cut unless it is a boundary), the nearest item boundary below and above,
+        the nearest unit boundary below and above."""
+        cands = [x]
+        if not self._bounds:
+            self._bounds = [self.tok[self.cls <= c] for c in range(2)]
+        for b in self._bounds:
+            lo = (torch.searchsorted(b, x, right=True) - 1).clamp(min=0)
+            hi = torch.searchsorted(b, x).clamp(max=b.numel() - 1)
+            cands += [b[lo], b[hi]]
+        cost = torch.tensor([_COST[2], _COST[0], _COST[0], _COST[1], _COST[1]],
+                            dtype=torch.float64)
+        return torch.stack(cands, 1), cost
+
+
+def _cut_excess(lst: _List, phi: torch.Tensor, target: torch.Tensor, budget: float
                 ) -> torch.Tensor:
-    """Smallest x with f(x) = dense.work_at(x) + sparse.work_at(N - x) - target >= 0 per
-    boundary (x in [max(0, N - |S|), min(|D|, N)]).
+    """Token offsets [K] of the body list where its cumulative excess ``phi`` (a [1+M]
+    functional) reaches ``target`` [K], moved to a cheaper boundary within ``budget``."""
+    if lst.n == 0:
+        return torch.zeros(target.shape, dtype=torch.int64)
+    tok = lst.inverse(phi, target)
+    cands, cost = lst.snap_candidates(tok)
+    err = (lst.at_col(cands, phi) - target.unsqueeze(1)).abs()
+    ok = (err <= budget) & _between(cands, tok)
+    ok[:, 0] = True
+    score = torch.where(ok, cost, math.inf) + err / (budget + 1e-300) * 1e-3
+    best = score.argmin(1)
+    return torch.cummax(lst.even(cands.gather(1, best.unsqueeze(1)).squeeze(1)), 0).values
 
-    f is non-decreasing (a dense token adds >= rho, a sparse one <= rho) and is >= 0 at the
-    top of the range, <= 0 at the bottom; moving from boundary k to k+1 (n more tokens,
-    rho * n more target) lowers f pointwise and f_{k+1}(x + n) >= f_k(x), so the answers
-    x_k and N_k - x_k are both non-decreasing in k.
-    """
-    lo = (n_tokens - sparse.tokens).clamp(min=0)
-    hi = torch.minimum(n_tokens, torch.full_like(n_tokens, dense.tokens))
+
+def _cut_fill(dense: _List, sparse: _List, n_tok: torch.Tensor, target: torch.Tensor,
+              col: Any) -> torch.Tensor:
+    """x with f(x) = dense(x) + sparse(N - x) - target = 0 in column ``col``, per boundary
+    (x in [max(0, N - |S|), min(|D|, N)]); f is non-decreasing while the dense units are
+    denser than the sparse ones. A k-ary search brackets the root to 32 tokens (2-3 rounds
+    for 128K tokens; regula falsi needs ~10 on these piecewise linear f), then f is taken
+    as linear there (the snap evaluates its candidates exactly); ends clamp when the
+    target is out of reach."""
+    lo = (n_tok - sparse.total).clamp(min=0)
+    hi = torch.minimum(n_tok, torch.full_like(n_tok, dense.total)).clamp(min=0)
+    lo = torch.minimum(lo, hi)
     steps = torch.arange(1, _PROBES + 1)
-    rows = torch.arange(n_tokens.numel())
-    while bool((hi > lo).any()):
-        probe = lo.unsqueeze(1) + (hi - lo).unsqueeze(1) * steps // _PROBES  # last = hi
-        f = (dense.work_at(probe) + sparse.work_at(n_tokens.unsqueeze(1) - probe)
-             - target.unsqueeze(1))
-        ok = f >= 0
-        ok[:, -1] = True  # float rounding at the top: the range always ends at hi
-        j = ok.to(torch.int8).argmax(1)  # first probe that reaches the target
+    rows = torch.arange(n_tok.numel())
+
+    def f(x: torch.Tensor, n: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return dense.at_col(x, col) + sparse.at_col(n - x, col) - t
+
+    while bool((hi - lo > 32).any()):
+        probe = lo.unsqueeze(1) + (hi - lo).unsqueeze(1) * steps // _PROBES
+        ok = f(probe, n_tok.unsqueeze(1), target.unsqueeze(1)) >= 0
+        ok[:, -1] = True
+        j = ok.to(torch.int8).argmax(1)
         new_hi = probe[rows, j]
-        lo = torch.where(j > 0, probe[rows, (j - 1).clamp(min=0)] + 1, lo)
+        lo = torch.where(j > 0, probe[rows, (j - 1).clamp(min=0)], lo)
         hi = new_hi
-    # The first x reaching the target overshoots by up to one token's work; the step
-    # below may be nearer.
-    below = (hi - 1).clamp(min=0)
-    keep_below = (hi > 0) & (below >= (n_tokens - sparse.tokens).clamp(min=0))
-    f_hi = dense.work_at(hi) + sparse.work_at(n_tokens - hi) - target
-    f_below = dense.work_at(below) + sparse.work_at(n_tokens - below) - target
-    return torch.where(keep_below & (f_below.abs() < f_hi.abs()), below, hi)
+    f_lo, f_hi = f(lo, n_tok, target), f(hi, n_tok, target)
+    frac = (-f_lo / (f_hi - f_lo).clamp(min=1e-300)).clamp(0, 1)
+    x = lo + torch.round(frac * (hi - lo).to(torch.float64)).to(torch.int64)
+    return torch.where(f_lo >= 0, lo, torch.where(f_hi <= 0, hi, x))
 
 
-def _monotone(x: torch.Tensor, n_tokens: torch.Tensor) -> torch.Tensor:
-    """Guard against float ties: x and N - x non-decreasing (a no-op in exact math)."""
-    steps_ok = (x[1:] >= x[:-1]) & (n_tokens[1:] - x[1:] >= n_tokens[:-1] - x[:-1])
-    if bool(steps_ok.all()):
-        return x
-    out = x.tolist()
-    n = n_tokens.tolist()
-    for k in range(1, len(out)):
-        out[k] = min(max(out[k], out[k - 1]), out[k - 1] + n[k] - n[k - 1])
-    return torch.tensor(out, dtype=torch.int64)
+def _snap_pair(dense: _List, sparse: _List, x: torch.Tensor, n_tok: torch.Tensor,
+               col: Any, limits: list[tuple[Any, float, float]]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move a dense / sparse cut pair (dense at x, sparse at N - x) to cheap boundaries.
 
-
-def _split_runs(doc: torch.Tensor, start: torch.Tensor, size: torch.Tensor, cuts: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rank, doc, start, length) of a list's items cut at token offsets ``cuts`` [cp+1]:
-    rank k holds the list's tokens [cuts[k], cuts[k+1]).
-
-    Inside an item the list order is folded (first position, last, second, second to
-    last, ...), so a cut item gives each side a front run and a back run whose work is
-    its token share of the item's work whenever the work per position is linear across
-    the item (causal, window and chunk ramps), as the cut search assumes; a plain prefix
-    cut would be off by up to size^2 / 8 pairs per cut (2.6% work imbalance measured at
-    cp 64 on 1000 short documents).
+    A candidate is acceptable when, for each (column or functional, budget, priority) of
+    ``limits``, the change it causes there relative to the exact cuts is within the
+    budget; the cheapest acceptable one wins, else the one with the smallest changes
+    relative to the budgets, weighted by priority (layer counts: errors go to the masks of
+    fewer layers first). The sparse candidates are taken near two anchors per dense
+    candidate: the token-exact offset and the ``col``-exact one.
     """
-    bounds = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(size, 0)])
-    points = torch.unique(torch.cat([bounds, cuts]))
-    first, stop = points[:-1], points[1:]
-    item = torch.searchsorted(bounds, first, right=True) - 1
-    rank = torch.searchsorted(cuts, first, right=True) - 1
-    a, b = first - bounds[item], stop - bounds[item]
-    s, n = start[item], size[item]
-    whole = (a == 0) & (b == n)
-    # Whole items stay one run; a cut item's share is [ceil(a/2), ceil(b/2)) from the
-    # front and [n - b//2, n - a//2) from the back.
-    front_lo = torch.where(whole, 0, (a + 1) // 2)
-    front_hi = torch.where(whole, n, (b + 1) // 2)
-    back_lo, back_hi = n - b // 2, n - a // 2
-    back_hi = torch.where(whole, back_lo, back_hi)
-    d = doc[item]
-    return (torch.cat([rank, rank]), torch.cat([d, d]),
-            torch.cat([s + front_lo, s + back_lo]),
-            torch.cat([front_hi - front_lo, back_hi - back_lo]))
+    K = x.numel()
+    s = n_tok - x
+    dc, dcost = dense.snap_candidates(x)  # [K, C]
+    d_col = dense.at_col(dc, col)
+    s_col = sparse.inverse(col, (dense.at_col(x, col) + sparse.at_col(s, col)).unsqueeze(1)
+                           - d_col)
+    anchors = torch.cat([(n_tok.unsqueeze(1) - dc).clamp(0, sparse.total), s_col], 1)
+    A = anchors.shape[1]
+    sc, scost = sparse.snap_candidates(anchors.reshape(-1))  # [K*2C, C]
+    n_c = scost.numel()
+    sc = sc.reshape(K, A * n_c)
+    scost = scost.repeat(A)
+    ok = _between(dc, x).unsqueeze(2) & _between(sc, s).unsqueeze(1)
+    rel = torch.zeros(ok.shape, dtype=torch.float64)
+    cols = [c for c, _, _ in limits]
+    refs = [a + b for a, b in zip(dense.at_cols(x, cols), sparse.at_cols(s, cols))]
+    for ref, dv, sv, (_, budget, prio) in zip(refs, dense.at_cols(dc, cols),
+                                              sparse.at_cols(sc, cols), limits):
+        err = (dv.unsqueeze(2) + sv.unsqueeze(1) - ref.view(K, 1, 1)).abs()
+        ok &= err <= budget
+        rel += err * (prio / max(budget, 1e-9))
+    cost = dcost.view(1, -1, 1) + scost.view(1, 1, -1)
+    score = torch.where(ok, cost + 1e-3 * rel, 1e6 + rel).view(K, -1)
+    best = score.argmin(1)
+    bi, si = best // (A * n_c), best % (A * n_c)
+    rows = torch.arange(K)
+    return dc[rows, bi], sc[rows, si]
 
 
-def balanced_runs(lengths: torch.Tensor, cp_size: int, masks: MaskWeights, chunk_tokens: int
+def _between(cands: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """Candidates [K, C] of boundary k lying between the midpoints of the exact cuts [K]
+    of boundaries k-1, k and k, k+1, so that moving every cut keeps them in order."""
+    prev = torch.cat([exact[:1], exact[:-1]])
+    nxt = torch.cat([exact[1:], exact[-1:]])
+    lo = (prev + exact + 1) // 2
+    hi = (exact + nxt) // 2
+    return (cands >= lo.unsqueeze(1)) & (cands <= hi.unsqueeze(1))
+
+
+# ---- the layout ---------------------------------------------------------------------------
+@dataclass
+class _Layout:
+    lists: list[_List]
+    cuts: list[torch.Tensor]  # [cp+1] token offsets per list
+    per_rank: torch.Tensor  # [cp, 1+M] float64 estimate (interpolated inside cut tiles)
+
+
+def _rank_vectors(lists: list[_List], cuts: list[torch.Tensor]) -> torch.Tensor:
+    out = 0
+    for lst, c in zip(lists, cuts):
+        v = lst.at(c)
+        out = out + (v[1:] - v[:-1])
+    return out
+
+
+def _score(per_rank: torch.Tensor) -> float:
+    """Worst of max/mean - 1 over tokens and masks, relative to their tolerances (inf for
+    a variant given up early)."""
+    if not bool(torch.isfinite(per_rank).all()):
+        return math.inf
+    mean = per_rank.mean(0).clamp(min=1e-300)
+    imb = per_rank.max(0).values / mean - 1
+    tol = torch.full_like(imb, WORK_TOL)
+    tol[0] = TOKEN_TOL
+    return float((imb / tol).max())
+
+
+def _new_list(units: _Units, order: torch.Tensor, tok_budget: float) -> _List:
+    lst = _List(units, order)
+    lst.even_cuts = tok_budget >= 2
+    return lst
+
+
+def _order(units: _Units, sel: torch.Tensor, item_key: torch.Tensor) -> torch.Tensor:
+    """Indices of the selected units ordered by (item_key of their item, fold)."""
+    idx = torch.nonzero(sel).flatten()
+    span = int(units.ufold.max()) + 1 if units.ufold.numel() else 1
+    return idx[torch.argsort(item_key[units.item[idx]] * span + units.ufold[idx])]
+
+
+def _spread_key(density: torch.Tensor, tokens: torch.Tensor, groups: int = 8
+                ) -> torch.Tensor:
+    """Item sort key spreading densities evenly by tokens: items sorted by density are
+    cut into ``groups`` runs of equal tokens, then merged by phase (each item's middle
+    token's share of its run), so every stretch of a list holds each density range in
+    proportion to its tokens and per-rank targets near the mean stay reachable."""
+    order = torch.argsort(density, stable=True)
+    t = tokens[order]
+    cum = torch.cumsum(t, 0)
+    total = float(cum[-1]) if cum.numel() else 1.0
+    mid = cum - t / 2
+    g = torch.clamp((mid * groups / max(total, 1.0)).to(torch.int64), max=groups - 1)
+    g_start = torch.zeros(groups, dtype=torch.float64).scatter_reduce_(
+        0, g, cum - t, "amin", include_self=False)
+    g_tok = torch.zeros(groups, dtype=torch.float64).index_add_(0, g, t)
+    phase = (mid - g_start[g]) / g_tok[g].clamp(min=1)
+    key = torch.empty_like(order)
+    key[order[torch.argsort(phase, stable=True)]] = torch.arange(order.numel())
+    return key
+
+
+def _untangle(dense: _List, sparse: _List, y: torch.Tensor, n_tok: torch.Tensor,
+              target: torch.Tensor, col: Any, rounds: int = 16) -> torch.Tensor:
+    """Exact dense cuts ``y`` that go backwards (in the dense or the sparse list) made
+    monotone, and the errors that leaves diffused to the neighbouring ranks.
+
+    The exact cuts only go backwards where a stretch of a list is locally denser or
+    sparser than the rank targets allow (a unit of an item holding its partial last tile
+    is sparser than the item, the others denser): clamping then leaves one rank over and
+    its neighbour under. Each round moves every boundary (dense forward, sparse back by as
+    many tokens) half way to the error of its two neighbours, within its neighbours' cuts:
+    a few rounds spread the error over a few ranks (at cp 128 on 128K tokens: max/mean
+    1.049 -> measured below 1.03)."""
+    s = n_tok - y
+    if bool((y[1:] >= y[:-1]).all()) and bool((s[1:] >= s[:-1]).all()):
+        return y
+    for _ in range(3):
+        y = torch.cummax(y, 0).values
+        y = n_tok - torch.cummax(n_tok - y, 0).values
+    y = torch.minimum(torch.cummax(y, 0).values, n_tok)
+    y[0], y[-1] = 0, dense.total
+    if dense.n == 0 or sparse.n == 0:
+        return y
+    for _ in range(rounds):
+        s = n_tok - y
+        vd, dd = dense.value_slope(y, col)
+        vs, ds = sparse.value_slope(s, col)
+        err = vd + vs - target
+        want = (err[:-2] + err[2:]) / 2 - err[1:-1]
+        yi = y[1:-1]
+        step = torch.round(0.5 * want / (dd[1:-1] - ds[1:-1]).clamp(min=1e-9)).to(torch.int64)
+        lo = torch.maximum(y[:-2], n_tok[1:-1] - s[2:])
+        hi = torch.minimum(y[2:], n_tok[1:-1] - s[:-2])
+        new = torch.minimum(torch.maximum(yi + step, lo), hi)
+        y = torch.cat([y[:1], torch.where(lo <= hi, new, yi), y[-1:]])
+    return y
+
+
+def _pair_cut(dense: _List, sparse: _List, n_tok: torch.Tensor, target: torch.Tensor,
+              col: Any, limits: list[tuple[Any, float, float]], give_up: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Cuts [cp+1] of a dense / sparse list pair giving boundary k ``n_tok[k]`` tokens and
+    ``target[k]`` in column ``col`` (exact, then snapped within the budgets of ``limits``,
+    relative to what the exact cuts reach, see :func:`_snap_pair`). give_up: None
+    instead of untangling exact cuts that go backwards (a sign of targets out of reach)."""
+    n_tok = n_tok.clamp(0, dense.total + sparse.total)
+    n_tok[-1] = dense.total + sparse.total
+    y = _cut_fill(dense, sparse, n_tok, target, col)
+    if give_up and not (bool((y[1:] >= y[:-1]).all())
+                        and bool((n_tok[1:] - y[1:] >= n_tok[:-1] - y[:-1]).all())):
+        return None
+    y = _untangle(dense, sparse, y, n_tok, target, col)
+    yd, ys = _snap_pair(dense, sparse, y, n_tok, col, limits)
+    yd, ys = torch.cummax(dense.even(yd), 0).values, torch.cummax(sparse.even(ys), 0).values
+    yd[0], ys[0] = 0, 0
+    yd[-1], ys[-1] = dense.total, sparse.total
+    return yd, ys
+
+
+def _item_sums(units: _Units, n_items: int, col: Any) -> torch.Tensor:
+    v = units.vec[:, col] if isinstance(col, int) else units.vec @ col
+    return torch.zeros(n_items, dtype=torch.float64).index_add_(0, units.item, v)
+
+
+def _reachable(dense: _List, sparse: _List, f_tok: torch.Tensor, f_target: torch.Tensor,
+               col: int) -> bool:
+    """Whether every rank's filler share (tokens, column) lies between the sparse and the
+    dense list's mean densities: with the lists' densities spread evenly that is about
+    what a dense / sparse cut can reach. Checked before the filler cut, so that a variant
+    that cannot balance costs little (lognormal_long, Llama 4, cp 64: 8.5 -> ~1 ms)."""
+    if dense.n == 0 or sparse.n == 0:  # nothing to mix: the bodies must do it alone
+        return True
+    t = (f_tok[1:] - f_tok[:-1]).to(torch.float64)
+    w = f_target[1:] - f_target[:-1]
+    lo = float(sparse.pv[-1, col]) / max(sparse.total, 1)
+    hi = float(dense.pv[-1, col]) / max(dense.total, 1)
+    return bool((t >= 0).all()) and bool(((w >= lo * t) & (w <= hi * t)).all())
+
+
+def _solve(units: _Units, prof: _Profile, cp: int, pair_bodies: bool) -> _Layout:
+    """Phase 1 (bodies: the excess work) then phase 2 (filler: tokens and the rest).
+
+    pair_bodies: False cuts the bodies as one list (spread by excess per token) by excess
+    alone (a rank's bodies are then one or two documents; phase 2 absorbs the token
+    differences);
+    True cuts dense / sparse bodies (in excess per token) to equal tokens and excess (more
+    documents per rank, always feasible for phase 2).
+    """
+    n_items = int(units.item.max()) + 1 if units.item.numel() else 0
+    is_body = units.body & (prof.excess.shape[0] > 0)
+    M = len(prof.masks)
+    total = units.vec.sum(0)  # [1+M]
+    T = float(total[0])
+    share = total / cp
+    k = torch.arange(cp + 1, dtype=torch.int64)
+    n_tok = k * int(T) // cp  # token targets: floor(k T / cp)
+    tok_budget = _TOKEN_BUDGET * T / cp
+    # The filler column: the mask with least work (its relative errors are the largest).
+    col = 1 + int(torch.argmin(total[1:]))
+    # Items in document order (items are numbered filler first, bodies after).
+    first = torch.zeros(n_items, dtype=torch.int64).scatter_reduce_(
+        0, units.item, units.doc * (1 << 40) + units.a_start, "amin", include_self=False)
+    doc_order = torch.empty(n_items, dtype=torch.int64)
+    doc_order[torch.argsort(first)] = torch.arange(n_items)
+    item_t = _item_sums(units, n_items, 0)
+
+    # Phase 1: bodies, cut so that every rank gets 1/cp of the excess work.
+    lists, cuts = [], []
+    b_val = torch.zeros(cp + 1, 1 + M, dtype=torch.float64)
+    if prof.excess.shape[0] and bool(is_body.any()):
+        phi = _phi(prof, total)
+        others = [m for m in range(M) if 1 + m != col] or list(range(M))
+        budget = _EXCESS_BUDGET * float(min(share[1 + m] for m in others))
+        if pair_bodies:
+            item_phi = _item_sums(units, n_items, phi)
+            body_items = torch.zeros(n_items, dtype=torch.bool)
+            body_items[units.item[is_body]] = True
+            t_b = float(item_t[body_items].sum())
+            p_b = float(item_phi[body_items].sum())
+            hi = (item_phi * t_b > p_b * item_t)[units.item]
+            dense = _new_list(units, _order(units, is_body & hi, doc_order), tok_budget)
+            sparse = _new_list(units, _order(units, is_body & ~hi, doc_order), tok_budget)
+            b_tok = k * int(t_b) // cp
+            b_phi = k.to(torch.float64) * p_b / cp
+            xd, xs = _pair_cut(dense, sparse, b_tok, b_phi, phi,
+                               [(0, 2 * tok_budget, 1.0), (phi, budget, 1.0)])
+            lists += [dense, sparse]
+            cuts += [xd, xs]
+            b_val = dense.at(xd) + sparse.at(xs)
+        else:
+            # Bodies spread by excess per token, so that the excess cut gives no rank
+            # a stretch of only sparse bodies (too many tokens for the filler to offset).
+            item_phi = _item_sums(units, n_items, phi)
+            b_items = torch.zeros(n_items, dtype=torch.bool)
+            b_items[units.item[is_body]] = True
+            key = _spread_key(item_phi / item_t.clamp(min=1), item_t * b_items)
+            body = _new_list(units, _order(units, is_body, key), tok_budget)
+            target = k.to(torch.float64) * float(body.pv[-1] @ phi) / cp
+            x = _cut_excess(body, phi, target, budget)
+            x[0], x[-1] = 0, body.total
+            lists.append(body)
+            cuts.append(x)
+            b_val = body.at(x)
+
+    # Phase 2: filler (short documents and heads), dense / sparse in the filler column.
+    fill = ~is_body
+    f_tok = torch.cummax((n_tok - b_val[:, 0].round().to(torch.int64)).clamp(min=0), 0).values
+    f_target = k.to(torch.float64) * float(share[col]) - b_val[:, col]
+    item_w = _item_sums(units, n_items, col)
+    f_w = float(total[col] - b_val[-1, col])
+    f_t = float(T - b_val[-1, 0])
+    is_dense = (item_w * f_t > f_w * item_t)[units.item]
+    # Filler items in an order that spreads their densities evenly (any stretch of the
+    # list holds about its mean density), so per-rank targets stay reachable.
+    fill_items = torch.zeros(n_items, dtype=torch.bool)
+    fill_items[units.item[fill]] = True
+    spread = _spread_key(item_w / item_t.clamp(min=1), item_t * fill_items)
+    dense = _new_list(units, _order(units, fill & is_dense, spread), tok_budget)
+    sparse = _new_list(units, _order(units, fill & ~is_dense, spread), tok_budget)
+    if lists and not pair_bodies and not _reachable(dense, sparse, n_tok - b_val[:, 0],
+                                                    f_target, col):
+        return _Layout([], [], torch.full((cp, 1 + M), math.inf, dtype=torch.float64))
+    prio = torch.tensor(prof.weights, dtype=torch.float64)
+    prio = prio / prio.max()
+    limits = [(0, tok_budget, 1.0)] + [(1 + m, _FILL_BUDGET * float(share[1 + m]),
+                                        float(prio[m])) for m in range(M)]
+    cut = _pair_cut(dense, sparse, f_tok, f_target, col, limits,
+                    give_up=bool(lists) and not pair_bodies)
+    if cut is None:
+        return _Layout([], [], torch.full((cp, 1 + M), math.inf, dtype=torch.float64))
+    yd, ys = cut
+    lists += [dense, sparse]
+    cuts += [yd, ys]
+    return _Layout(lists, cuts, _rank_vectors(lists, cuts))
+
+
+def _runs(units: _Units, lay: _Layout) -> tuple[torch.Tensor, ...]:
+    """(rank, doc, start, length) of every run (not merged: the token tables sort them)."""
+    parts = []
+    for lst, cut in zip(lay.lists, lay.cuts):
+        if lst.n == 0:
+            continue
+        # Units no cut falls inside go whole to one rank: tiles a and b as they are.
+        rank_u = torch.searchsorted(cut, lst.tok[:-1], right=True) - 1
+        inner = cut[(cut > 0) & (cut < lst.total)]
+        hit = torch.searchsorted(lst.tok, inner, right=True) - 1
+        split_u = torch.zeros(lst.n, dtype=torch.bool)
+        split_u[hit[lst.tok[hit] != inner]] = True
+        whole = lst.order[~split_u]
+        r = rank_u[~split_u]
+        d = units.doc[whole]
+        parts.append((torch.cat([r, r]), torch.cat([d, d]),
+                      torch.cat([units.a_start[whole], units.b_start[whole]]),
+                      torch.cat([units.a_len[whole], units.b_len[whole]])))
+        if not bool(split_u.any()):
+            continue
+        # Units that cuts fall inside: one segment per (unit, rank), four runs each.
+        su = torch.nonzero(split_u).flatten()
+        points = torch.unique(torch.cat([lst.tok[su], lst.tok[su + 1], inner]))
+        first, stop = points[:-1], points[1:]
+        ui = torch.searchsorted(lst.tok, first, right=True) - 1
+        keep = split_u[ui.clamp(max=lst.n - 1)] & (ui < lst.n)
+        first, stop, ui = first[keep], stop[keep], ui[keep]
+        rank = torch.searchsorted(cut, first, right=True) - 1
+        u = lst.order[ui]
+        runs = _split(units, u, first - lst.tok[ui], stop - lst.tok[ui])
+        d = units.doc[u]
+        parts.append((rank.repeat(4), d.repeat(4), torch.cat([x for x, _ in runs]),
+                      torch.cat([n for _, n in runs])))
+    rank, doc, start, length = (torch.cat(x) for x in zip(*parts))
+    keep = length > 0
+    return rank[keep], doc[keep], start[keep], length[keep]
+
+
+def balanced_runs(lengths: torch.Tensor, cp_size: int, masks: MaskWeights, tile_tokens: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rank, doc, start, length) int64 runs of the balanced layout (see the module
     docstring) for documents of ``lengths`` (int64, CPU); inputs validated."""
-    doc, start, size = chunk_items(lengths, chunk_tokens)
-    work = chunk_work(lengths[doc], start, size, masks)
-    total_tokens = int(lengths.sum())
-    total_work = float(torch.cumsum(work, 0)[-1]) if work.numel() else 0.0
-    # Dense: work / size > rho, compared without division (float64, exact for < 2^53).
-    is_dense = work * total_tokens > total_work * size.to(torch.float64)
-    lists = [(doc[m], start[m], size[m], work[m]) for m in (is_dense, ~is_dense)]
-    dense, sparse = _Run(lists[0][2], lists[0][3]), _Run(lists[1][2], lists[1][3])
+    lengths = lengths.to(torch.int64)
+    if cp_size == 1 or int(lengths.sum()) == 0:
+        d = torch.nonzero(lengths > 0).flatten()
+        return torch.zeros_like(d), d, torch.zeros_like(d), lengths[d]
+    prof = _profile(masks, tile_tokens)
+    units = _units(_items(lengths, prof, cp_size, True), lengths, prof)
+    best = (_solve(units, prof, cp_size, pair_bodies=False), units)
+    if prof.excess.shape[0] and _score(best[0].per_rank) > 1.0:
+        # Fallbacks, each less communication-friendly: bodies cut dense / sparse, then
+        # every long segment split into head and body.
+        for keep_small in (True, False):
+            if not keep_small:
+                units = _units(_items(lengths, prof, cp_size, False), lengths, prof)
+            lay = _solve(units, prof, cp_size, pair_bodies=True)
+            if _score(lay.per_rank) < _score(best[0].per_rank):
+                best = (lay, units)
+            if _score(best[0].per_rank) <= 1.0:
+                break
+    return _runs(best[1], best[0])
 
-    n_tokens = torch.arange(cp_size + 1, dtype=torch.int64) * total_tokens // cp_size
-    target = n_tokens.to(torch.float64) * (total_work / max(total_tokens, 1))
-    x = _monotone(_cut_points(dense, sparse, n_tokens, target), n_tokens)
-    parts = [_split_runs(*lists[0][:3], x), _split_runs(*lists[1][:3], n_tokens - x)]
-    rank, pdoc, pstart, plen = (torch.cat([a, b]) for a, b in zip(*parts))
-    keep = plen > 0
-    return rank[keep], pdoc[keep], pstart[keep], plen[keep]
 
-
-def describe(masks: MaskWeights, chunk_tokens: int) -> Sequence[Any]:
+def describe(masks: MaskWeights, tile_tokens: int) -> Sequence[Any]:
     """Stable description of the layout's parameters (for the plan's fingerprint)."""
-    return (tuple((m.params, w) for m, w in masks), chunk_tokens)
+    return (tuple((m.params, w) for m, w in masks), tile_tokens)

@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from ..masks import AttnMask
 from ..checks import is_int
-from .balanced import MaskWeights, check_chunk_tokens, describe, normalize_masks
+from .balanced import (MaskWeights, check_chunk_tokens, check_tile_tokens, describe,
+                       normalize_masks)
 from .collective import check_group, gather_padded
 from .layouts import LAYOUTS, layout_pieces
 from .runs import Runs, pair_work
@@ -92,15 +93,23 @@ def _check_params(cp_size: Any, cp_rank: Any, layout: Any, min_chunk_tokens: Any
     return pad_multiple
 
 
-def _check_balance(layout: str, masks: Any, chunk_tokens: Any) -> tuple[MaskWeights, int]:
-    """Resolved (masks, chunk_tokens) of the ``balanced`` layout; ((), 0) for the others."""
+def _check_balance(layout: str, masks: Any, tile_tokens: Any, chunk_tokens: Any
+                   ) -> tuple[MaskWeights, int]:
+    """Resolved (masks, tile_tokens) of the ``balanced`` layout; ((), 0) for the others."""
     if layout != "balanced":
-        for name, value in (("masks", masks), ("chunk_tokens", chunk_tokens)):
+        for name, value in (("masks", masks), ("tile_tokens", tile_tokens),
+                            ("chunk_tokens", chunk_tokens)):
             if value is not None:
                 raise ValueError(f"{name} applies to layout 'balanced' only, got "
                                  f"{name}={value!r} with layout={layout!r}")
         return (), 0
-    return normalize_masks(masks), check_chunk_tokens(chunk_tokens)
+    if tile_tokens is not None and chunk_tokens is not None:
+        raise ValueError(f"tile_tokens and chunk_tokens (its old name) are the same "
+                         f"parameter, got both: tile_tokens={tile_tokens!r}, "
+                         f"chunk_tokens={chunk_tokens!r}")
+    tile = check_chunk_tokens(chunk_tokens) if chunk_tokens is not None else \
+        check_tile_tokens(tile_tokens)
+    return normalize_masks(masks), tile
 
 
 class CPPlan:
@@ -121,7 +130,8 @@ class CPPlan:
         self.min_chunk_tokens = min_chunk_tokens
         self.pad_multiple = pad_multiple
         self.masks = masks  # balanced only: ((AttnMask, weight), ...) it balances for
-        self.chunk_tokens = chunk_tokens  # balanced only
+        self.tile_tokens = chunk_tokens  # balanced only: documents are cut on this grid
+        self.chunk_tokens = chunk_tokens  # the old name of tile_tokens
         self.n_docs = cu_seqlens.numel() - 1
         self.doc_lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         self.total_tokens = int(cu_seqlens[-1])
@@ -138,20 +148,24 @@ class CPPlan:
     def build(cls, cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int,
               layout: str = "dual_chunk", min_chunk_tokens: int = 64,
               pad_multiple: int | None = None, masks: Any = None,
-              chunk_tokens: int | None = None) -> "CPPlan":
+              tile_tokens: int | None = None, chunk_tokens: int | None = None) -> "CPPlan":
         """Plan the layout of the global batch ``cu_seqlens`` (CPU int [n_docs+1]).
 
         min_chunk_tokens: ``dual_chunk`` cuts documents of >= 2*cp*min_chunk_tokens tokens.
         pad_multiple: ``te`` only; each document is padded to a multiple of it (a multiple
         of 2*cp_size; default 2*cp_size, e.g. 2*cp*tp for Megatron's sequence parallel).
-        masks: ``balanced`` only; the model's masks with layer weights, e.g.
-        ``[(AttnMask(chunk_size=8192), 3.0), (AttnMask(), 1.0)]`` (default causal); the
-        layout equalizes tokens and the weighted sum of their work.
-        chunk_tokens: ``balanced`` only; documents are cut at multiples of it (default 256).
+        masks: ``balanced`` only; the model's masks, each an AttnMask or (AttnMask, layer
+        count), e.g. Llama 4's ``[(AttnMask(chunk_size=8192), 3), (AttnMask(), 1)]``
+        (default causal). Every mask's work is balanced on its own (each layer type waits
+        for its own slowest rank); the layer counts only set priorities.
+        tile_tokens: ``balanced`` only; documents are cut at multiples of it (default 64,
+        the Triton kernels' query block) or at their ends, apart from at most a few finer
+        cuts per rank boundary where balance needs them (see plan/balanced.py).
+        chunk_tokens: the old name of ``tile_tokens`` (give one or neither).
         """
         cu = _check_cu_seqlens(cu_seqlens)
         pad = _check_params(cp_size, cp_rank, layout, min_chunk_tokens, pad_multiple)
-        masks, chunk = _check_balance(layout, masks, chunk_tokens)
+        masks, chunk = _check_balance(layout, masks, tile_tokens, chunk_tokens)
         lengths = cu[1:] - cu[:-1]
         pieces = layout_pieces(lengths, cp_size, layout, min_chunk_tokens=min_chunk_tokens,
                                pad_multiple=pad, masks=masks, chunk_tokens=chunk)

@@ -18,14 +18,16 @@ into per-token tables, so a layout only decides the runs and never touches singl
   2*cp-1-r (``thd_get_partitioned_indices``).
 - ``contiguous``: rank r holds the r-th of cp near-equal contiguous slices of the packed
   sequence (sizes differ by at most one); documents are cut at the slice boundaries.
-- ``balanced``: chunks of every document spread so that tokens and the mask-weighted work
-  of the model's masks are equal on every rank (``balanced.py``).
+- ``balanced``: documents cut on a 64-token tile grid into mirrored pieces so that tokens
+  and the work of EACH of the model's masks are equal on every rank (Llama 4's chunked and
+  global layers alike), short documents kept whole as filler (``balanced.py``).
 
 Measured balance (max/mean, 128K tokens, log-normal document mixes of 170-1000 documents):
 dual_chunk tokens 1.00-1.02, causal work 1.00-1.02 at cp 8..64, but up to 1.12 when few
 documents leave coarse items (43 documents of 3000 tokens at cp 64); te 1.04-1.32 causal
-work at cp 8..64 on the 1000-document mix; contiguous 1.6-7. Masks other than causal are
-not balanced for (chunked 8192 at cp 64: ~1.4-1.7), since one plan serves every layer.
+work at cp 8..64 on the 1000-document mix; contiguous 1.6-7. dual_chunk and te do not
+balance masks other than causal (chunked 8192 at cp 64: ~1.4-1.7); balanced keeps every
+mask of the model within 1.03 (bench/plan.py).
 
 Limits: the greedy is a Python loop over items x ranks (build of 128K tokens / 1000 documents:
 ~25 ms at cp 64, ~10 ms at cp 8 on one shared CPU core); everything else is vectorized.
@@ -217,16 +219,17 @@ def dual_chunk_pieces(lengths: torch.Tensor, cp_size: int, min_chunk_tokens: int
 
 
 def balanced_pieces(lengths: torch.Tensor, cp_size: int, masks: MaskWeights,
-                    chunk_tokens: int) -> Pieces:
+                    tile_tokens: int) -> Pieces:
     """The ``balanced`` layout's runs as pieces (no padding)."""
-    rank, doc, start, length = balanced_runs(lengths, cp_size, masks, chunk_tokens)
+    rank, doc, start, length = balanced_runs(lengths, cp_size, masks, tile_tokens)
     return Pieces(rank, doc, start, length, lengths.clone())
 
 
 def layout_pieces(lengths: torch.Tensor, cp_size: int, layout: str, *, min_chunk_tokens: int,
                   pad_multiple: int, masks: MaskWeights = (), chunk_tokens: int = 0) -> Pieces:
     """Pieces of ``layout`` for documents of ``lengths`` (int64, CPU); inputs validated.
-    ``masks`` and ``chunk_tokens`` are the (resolved) parameters of ``balanced``."""
+    ``masks`` and ``chunk_tokens`` (the tile size) are the resolved parameters of
+    ``balanced``."""
     if layout == "balanced":
         return balanced_pieces(lengths, cp_size, masks, chunk_tokens)
     if layout == "dual_chunk":
