@@ -103,6 +103,28 @@ def span_pieces(doc: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, runs: Run
     return span, run, a, b - a
 
 
+def per_token(length: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Pieces of ``length`` (>= 0) laid back to back, their tokens listed in order:
+    (offset of each token in its piece, then each of ``values`` [pieces] repeated over its
+    piece's tokens). A cumulative sum of steps at the pieces' first tokens: on CPU a few
+    times faster than ``repeat_interleave`` plus gathers (advanced indexing is ~10x slower
+    than a cumsum per element at 100K tokens)."""
+    keep = length > 0
+    if not bool(keep.all()):
+        length = length[keep]
+        values = tuple(v[keep] for v in values)
+    n = int(length.sum())
+    first = torch.cumsum(length, 0) - length
+
+    def spread(v: torch.Tensor) -> torch.Tensor:
+        steps = torch.zeros(n + 1, dtype=v.dtype)
+        if v.numel():
+            steps.index_add_(0, first, torch.cat([v[:1], v[1:] - v[:-1]]))
+        return torch.cumsum(steps[:-1], 0)
+
+    return (torch.arange(n) - spread(first), *(spread(v) for v in values))
+
+
 # ---- exact visible-pair counts --------------------------------------------------------------
 def _tri(x: torch.Tensor) -> torch.Tensor:
     """sum of q for q in [0, x)."""

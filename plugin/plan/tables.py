@@ -56,22 +56,49 @@ def _local_order(p: Pieces) -> torch.Tensor:
     return order[torch.argsort(p.rank[order], stable=True)]
 
 
+def _merge_adjacent(rank: torch.Tensor, doc: torch.Tensor, start: torch.Tensor,
+                    count: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Pieces sorted by (rank, doc, start) with every piece that continues the previous
+    one (same rank and document, next position) merged into it: a layout may emit a piece
+    per tile, and every table built from the runs later costs per run."""
+    if rank.numel() < 2:
+        return rank, doc, start, count
+    new = torch.ones(rank.numel(), dtype=torch.bool)
+    new[1:] = ~((rank[1:] == rank[:-1]) & (doc[1:] == doc[:-1])
+                & (start[1:] == start[:-1] + count[:-1]))
+    if bool(new.all()):
+        return rank, doc, start, count
+    first = torch.nonzero(new).flatten()
+    ends = torch.cat([first[1:], first.new_tensor([rank.numel()])])
+    total = torch.cat([count.new_zeros(1), torch.cumsum(count, 0)])
+    return rank[first], doc[first], start[first], total[ends] - total[first]
+
+
+def _per_token(values: torch.Tensor, first_row: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """Each piece's value repeated over its tokens (pieces non-empty and back to back): a
+    cumulative sum of the value steps at each piece's first row, a few times faster than
+    ``repeat_interleave`` + a gather at 128K tokens."""
+    steps = torch.zeros(n_tokens + 1, dtype=torch.int64)
+    if values.numel():
+        diff = torch.cat([values[:1], values[1:] - values[:-1]])
+        steps.index_add_(0, first_row, diff)
+    return torch.cumsum(steps[:-1], 0)
+
+
 def expand_pieces(p: Pieces, lengths: torch.Tensor, cp_size: int) -> TokenTables:
     """Token tables of pieces ``p`` over documents of ``lengths`` (int64 [n_docs])."""
     order = _local_order(p)
-    rank, doc, start, count = p.rank[order], p.doc[order], p.start[order], p.length[order]
+    order = order[p.length.index_select(0, order) > 0]
+    rank, doc, start, count = _merge_adjacent(p.rank[order], p.doc[order], p.start[order],
+                                              p.length[order])
     n_docs = lengths.numel()
     n_tokens = int(count.sum())
 
-    piece_of = torch.repeat_interleave(torch.arange(count.numel()), count,
-                                       output_size=n_tokens)
     first_row = torch.cumsum(count, 0) - count
-    padded_pos = start[piece_of] + torch.arange(n_tokens) - first_row[piece_of]
-    tok_doc = doc[piece_of]
-    real = padded_pos < lengths[tok_doc]
+    # position (padded) of every token: its piece's start + its offset in the piece
+    padded_pos = torch.arange(n_tokens) + _per_token(start - first_row, first_row, n_tokens)
+    tok_doc = _per_token(doc, first_row, n_tokens)
     cu = torch.cumsum(lengths, 0) - lengths
-    cu_padded = torch.cumsum(p.padded_lengths, 0) - p.padded_lengths
-
     per_rank = torch.zeros(cp_size, dtype=torch.int64).scatter_add_(0, rank, count)
     seg = torch.zeros(cp_size * n_docs, dtype=torch.int64).scatter_add_(
         0, rank * n_docs + doc, count).view(cp_size, n_docs)
@@ -83,11 +110,20 @@ def expand_pieces(p: Pieces, lengths: torch.Tensor, cp_size: int) -> TokenTables
     keep = real_len > 0
     runs = Runs(rank[keep], doc[keep], start[keep], real_len[keep],
                 (first_row - rank_offsets[rank])[keep])
+    if torch.equal(p.padded_lengths, lengths):   # no padding (every layout but te)
+        token_index = cu.index_select(0, tok_doc) + padded_pos
+        padded_index, position = token_index, padded_pos.to(torch.int32)
+    else:
+        real = padded_pos < lengths.index_select(0, tok_doc)
+        cu_padded = torch.cumsum(p.padded_lengths, 0) - p.padded_lengths
+        token_index = torch.where(real, cu.index_select(0, tok_doc) + padded_pos, -1)
+        padded_index = cu_padded.index_select(0, tok_doc) + padded_pos
+        position = torch.where(real, padded_pos, -1).to(torch.int32)
     return TokenTables(
         rank_offsets=rank_offsets,
-        token_index=torch.where(real, cu[tok_doc] + padded_pos, -1),
-        padded_index=cu_padded[tok_doc] + padded_pos,
-        position=torch.where(real, padded_pos, -1).to(torch.int32),
+        token_index=token_index,
+        padded_index=padded_index,
+        position=position,
         doc=tok_doc,
         local_cu=local_cu.to(torch.int32),
         runs=runs,

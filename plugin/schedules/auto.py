@@ -131,9 +131,12 @@ def estimate(plan: CPPlan, mask: AttnMask, name: str, shape: Shape, model: CostM
     x_fwd = max(sent["fwd"]) / model.bytes_per_s
     x_bwd = max(sent["bwd"]) / model.bytes_per_s
     if name in staged.STAGED:
-        t = staged.staged_time(name, plan, mask, shape, model,
-                               staged.default_stages(plan, mask, name, shape, model))
-        seconds = t.seconds
+        # all_gather is timed with dispatch's stage count (one simulation, not a second
+        # search): it moves at least dispatch's bytes with the same compute, so a search of
+        # its own could not change the pick.
+        searched = "dispatch" if name == "all_gather" else name
+        stages = staged.default_stages(plan, mask, searched, shape, model)
+        seconds = staged.staged_time(name, plan, mask, shape, model, stages).seconds
     elif name in OVERLAPPED:
         seconds = max(c_fwd, x_fwd) + max(c_bwd, x_bwd)
     else:

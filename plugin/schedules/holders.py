@@ -18,6 +18,7 @@ import torch
 from ..kernels import BlockSchedule
 from ..masks import AttnMask
 from ..plan import CPPlan
+from ..plan.runs import per_token
 from .keys import host_table, table_key
 
 
@@ -84,8 +85,7 @@ class HolderSet:
     def _cells(self) -> torch.Tensor:
         """int64 [N]: holder * n_seg + segment of every row."""
         lens = (self.cu[:, 1:] - self.cu[:, :-1]).flatten()
-        return torch.repeat_interleave(torch.arange(lens.numel()), lens,
-                                       output_size=self.pos.numel())
+        return per_token(lens, torch.arange(lens.numel()))[1]
 
     @cached_property
     def _padding(self) -> torch.Tensor | None:

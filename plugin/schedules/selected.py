@@ -18,7 +18,7 @@ import torch
 
 from ..masks import AttnMask
 from ..plan import CPPlan
-from ..plan.runs import Runs, key_spans, merge_spans, pair_work, span_pieces
+from ..plan.runs import Runs, key_spans, merge_spans, pair_work, per_token, span_pieces
 from .holders import Holder, KernelCall, holder_from_counts, kernel_call, rank_holder
 from .keys import host_table, table_key
 
@@ -38,14 +38,6 @@ def needed_spans(plan: CPPlan, mask: AttnMask) -> tuple[torch.Tensor, ...]:
     return host_table(plan, table_key("needed_spans", mask), build)
 
 
-def _expand(first: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(piece of each token, offset of the token in its piece) for pieces of ``length``."""
-    n = int(length.sum())
-    piece = torch.repeat_interleave(torch.arange(length.numel()), length, output_size=n)
-    offset = torch.arange(n) - (torch.cumsum(length, 0) - length)[piece]
-    return piece, offset
-
-
 @dataclass(frozen=True)
 class Selection:
     """Keys one rank's queries see, in (document, position) order (host tensors)."""
@@ -62,12 +54,11 @@ def select_keys(plan: CPPlan, mask: AttnMask, rank: int) -> Selection:
         mine = holder == rank
         part = runs_by_document(plan)
         _, run, first, length = span_pieces(doc[mine], lo[mine], hi[mine], part)
-        piece, offset = _expand(first, length)
-        run_of = run[piece]
-        pos = first[piece] + offset
-        row = part.row[run_of] + pos - part.start[run_of]
-        return Selection(part.holder[run_of], row,
-                         holder_from_counts(part.doc[run_of], pos, plan.n_docs))
+        offset, pos, row, owner, key_doc = per_token(
+            length, first, part.row[run] + first - part.start[run], part.holder[run],
+            part.doc[run])
+        pos = pos + offset
+        return Selection(owner, row + offset, holder_from_counts(key_doc, pos, plan.n_docs))
     return host_table(plan, table_key("select", mask, None, rank), build)
 
 
@@ -80,9 +71,9 @@ def sent_keys(plan: CPPlan, mask: AttnMask, rank: int) -> tuple[torch.Tensor, to
         runs = plan.runs
         mine = runs.select(runs.holder == rank)  # sorted by (doc, start) already
         span, run, first, length = span_pieces(doc, lo, hi, mine)
-        piece, offset = _expand(first, length)
-        rows = (mine.row[run] + first - mine.start[run])[piece] + offset
-        return holder[span][piece], rows
+        offset, rows, dest = per_token(length, mine.row[run] + first - mine.start[run],
+                                       holder[span])
+        return dest, rows + offset
     return host_table(plan, table_key("sent_keys", mask, None, rank), build)
 
 

@@ -38,7 +38,7 @@ the local stage last, under the last return: b_1 + sum_{s=1..S-1} max(b_{s+1}, r
 b_S the local stage (a return is folded before the stage after next computes, which the
 simulation follows). S = 1 is the sequential t + c (forward) and c + r (backward).
 
-``default_stages`` picks the S in 1..``MAX_STAGES`` with the least time (the fewest among
+``default_stages`` picks the S in ``CANDIDATE_STAGES`` (1..``MAX_STAGES``) with the least time (the fewest among
 those within 1%) among those whose peak memory per rank (``staged_memory``, a host walk of
 the engine's allocations) is no more than S = 1's: enough stages to hide the transfer, no
 more, since each adds a latency and an unfused fold (T x Hq x Dv x (16 + dtype bytes) of
@@ -68,6 +68,9 @@ from .selected import (fetch_counts, needed_spans, pair_counts, runs_by_document
 
 STAGED = ("dispatch", "all_gather")
 MAX_STAGES = 8          # the default search range; a user may ask for more
+# S values the default tries: each costs one pipeline simulation (~0.3 ms at cp 64), and
+# the times of neighbouring S differ by little once S passes 4.
+CANDIDATE_STAGES = (1, 2, 3, 4, 6, 8)
 _BIG = 1 << 40          # group * _BIG + index: sort keys of (group, index) pairs
 
 
@@ -98,6 +101,20 @@ def gather_stage_rows(plan: CPPlan, parts: int) -> tuple[tuple[int, int], ...]:
     return tuple((a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a)
 
 
+def _picked_rows(plan: CPPlan, mask: AttnMask) -> tuple[torch.Tensor, ...]:
+    """(destination, owner, first row, end row) of every piece of remote keys a rank picks
+    from an owner's local rows (the needed spans cut by the owners' runs; cached)."""
+    def build() -> tuple[torch.Tensor, ...]:
+        holder, doc, lo, hi = needed_spans(plan, mask)
+        part = runs_by_document(plan)
+        span, run, first, length = span_pieces(doc, lo, hi, part)
+        dest, owner = holder[span], part.holder[run]
+        keep = dest != owner
+        row0 = (part.row[run] + first - part.start[run])[keep]
+        return dest[keep], owner[keep], row0, row0 + length[keep]
+    return host_table(plan, table_key("picked_rows", mask), build)
+
+
 def gather_stage_counts(plan: CPPlan, mask: AttnMask, parts: int) -> torch.Tensor:
     """int64 [P, cp, cp]: keys rank d picks from rank o's rows of all_gather transfer p
     (exact, from the needed spans cut by the owners' runs; one per non-empty slice of
@@ -105,19 +122,13 @@ def gather_stage_counts(plan: CPPlan, mask: AttnMask, parts: int) -> torch.Tenso
     def build() -> torch.Tensor:
         cp = plan.cp_size
         rows = gather_stage_rows(plan, parts)
-        holder, doc, lo, hi = needed_spans(plan, mask)
-        part = runs_by_document(plan)
-        span, run, first, length = span_pieces(doc, lo, hi, part)
-        dest, owner = holder[span], part.holder[run]
-        keep = dest != owner
-        dest, owner = dest[keep], owner[keep]
-        row0 = (part.row[run] + first - part.start[run])[keep]
-        row1 = row0 + length[keep]
+        dest, owner, row0, row1 = _picked_rows(plan, mask)
+        lo = torch.tensor([a for a, _ in rows], dtype=torch.int64).unsqueeze(1)
+        hi = torch.tensor([b for _, b in rows], dtype=torch.int64).unsqueeze(1)
+        n = (torch.minimum(row1, hi) - torch.maximum(row0, lo)).clamp(min=0)   # [P, pieces]
         out = torch.zeros(len(rows), cp * cp, dtype=torch.int64)
-        for s, (a, b) in enumerate(rows):
-            n = (torch.minimum(row1, torch.tensor(b)) - torch.maximum(row0, torch.tensor(a)))
-            out[s].scatter_add_(0, dest * cp + owner, n.clamp(min=0))
-        return out.view(len(rows), cp, cp)
+        cell = (dest * cp + owner).expand_as(n)
+        return out.scatter_add_(1, cell, n).view(len(rows), cp, cp)
     return host_table(plan, table_key("gather_stage_counts", mask, None, parts), build)
 
 
@@ -228,7 +239,8 @@ def _build(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int], stag
     def call(slots: torch.Tensor) -> KernelCall | None:
         if slots.numel() == 0:
             return None
-        return kernel_call(me, holder_from_counts(doc[slots], sel.holder.pos[slots],
+        return kernel_call(me, holder_from_counts(doc.index_select(0, slots),
+                                                  sel.holder.pos.index_select(0, slots),
                                                   plan.n_docs), mask, block)
 
     built = []
@@ -333,76 +345,81 @@ def _flops_per_pair(shape: Shape) -> tuple[float, float]:
     return 2.0 * (d + dv) * shape.n_heads, (6.0 * d + 4.0 * dv) * shape.n_heads
 
 
+_FS = 1e15   # the pipeline simulation counts integer femtoseconds (exact int64 vectors)
+
+
+def _fs(seconds: float) -> int:
+    return round(seconds * _FS)
+
+
 def staged_time(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: Any,
                 stages: int) -> StagedTime:
     """Estimate of ``name`` with ``stages`` stages (module docstring); ``model``: a
-    ``varlen_cp.schedules.auto.CostModel``. Integer tables, then Python floats per rank
-    (no floating tensor is read: the hot path may call this)."""
+    ``varlen_cp.schedules.auto.CostModel``. Integer tables; the per-rank pipeline in
+    int64 femtoseconds, every rank at once (no floating tensor is read: the hot path may
+    call this)."""
     cp = plan.cp_size
     counts = stage_counts(name, plan, mask, stages)                 # [P, d, o]
     n_parts = counts.shape[0]
-    vis = pair_counts(plan, mask)                               # [d, o] visible pairs
+    vis = pair_counts(plan, mask)                                   # [d, o] visible pairs
     fetch = fetch_counts(plan, mask)
-    pairs = ((counts * vis) // fetch.clamp(min=1)).sum(2).tolist()  # [P][d], proportional
-    local = vis.diagonal().tolist()
-    rows = torch.maximum(counts.sum(2), counts.sum(1)).tolist()     # [P][r] sent or received
+    pairs = ((counts * vis) // fetch.clamp(min=1)).sum(2)           # [P, d], proportional
+    local = vis.diagonal()
+    rows = torch.maximum(counts.sum(2), counts.sum(1))              # [P, r] sent or received
     f_fwd, f_bwd = _flops_per_pair(shape)
     rate, bw, mem = model.flops_per_s, model.bytes_per_s, model.memory_bytes_per_s
     row, b, lat = shape.kv_row, shape.dtype_bytes, model.stage_latency_s
-    back = [max(x) * row / bw for x in rows]                        # dK/dV returns
+    back = [x * row / bw for x in rows.amax(1).tolist()] if n_parts else []  # dK/dV returns
     if name == "dispatch":
         send = back
     else:   # every rank sends (cp - 1) copies of its slice
         send = [(cp - 1) * (hi - lo) * row / bw
                 for lo, hi in gather_stage_rows(plan, transfers(stages))]
-    work = [lo + sum(pairs[p][r] for p in range(n_parts)) for r, lo in enumerate(local)]
-    compute = max(work) * (f_fwd + f_bwd) / rate
+    work = int((local + pairs.sum(0)).max())
+    compute = work * (f_fwd + f_bwd) / rate
     comm = sum(send) + sum(back)
-    bound = max(max(work) * f_fwd / rate, sum(send)) + max(max(work) * f_bwd / rate, sum(back))
+    bound = max(work * f_fwd / rate, sum(send)) + max(work * f_bwd / rate, sum(back))
     if stages == 1 or n_parts == 0:   # one exchange, one call: nothing overlaps
-        fwd = sum(send) + max(work) * f_fwd / rate
-        bwd = max(work) * f_bwd / rate + sum(back)
+        fwd = sum(send) + work * f_fwd / rate
+        bwd = work * f_bwd / rate + sum(back)
         return StagedTime(1, fwd, bwd, compute, comm, bound)
-    tokens = [plan.num_tokens_of(r) for r in range(cp)]
-    elems_o = [t * shape.n_heads * shape.head_dim_v for t in tokens]
-    elems_q = [t * shape.n_heads * shape.head_dim for t in tokens]
+    offsets = plan.rank_offsets()
+    tokens = offsets[1:] - offsets[:-1]
+    elems_o = tokens * (shape.n_heads * shape.head_dim_v)
+    elems_q = tokens * (shape.n_heads * shape.head_dim)
     up = (b + 4) if b != 4 else 0          # a conversion to fp32 and back, per element
+    folds = (pairs > 0).any(0)             # 2+ partials on this rank
+    live = pairs > 0
     # forward: the local call (+ out to fp32 and back), then each fetched stage (+ fold:
     # acc *= w, acc += o * w_i: 16 + b bytes per element)
-    folds = [any(pairs[p][r] for p in range(n_parts)) for r in range(cp)]  # 2+ partials
-    c0 = [lo * f_fwd / rate + (2 * up * e / mem if f else 0.0)
-          for lo, e, f in zip(local, elems_o, folds)]
-    c = [[(pairs[p][r] * f_fwd / rate + (16 + b) * elems_o[r] / mem + lat) if pairs[p][r]
-          else 0.0 for r in range(cp)] for p in range(n_parts)]
-    done = [0.0] * cp                      # end of the last computed stage, per rank
-    ends = c0[:]                           # end of the local call
-    last, posted = 0.0, [0.0] * cp         # the previous transfer's end; this one's post
+    c0 = local * _fs(f_fwd / rate) + torch.where(folds, elems_o * _fs(2 * up / mem), 0)
+    c = torch.where(live, pairs * _fs(f_fwd / rate) + elems_o * _fs((16 + b) / mem)
+                    + _fs(lat), 0)
+    ends = c0                              # end of the last computed stage, per rank
+    last, posted = 0, 0                    # the previous transfer's end; this one's post
     for p in range(n_parts):
-        last = max(last, max(posted)) + send[p]      # a collective ends for all at once
-        posted = ends[:]                             # the next one goes out after this call
-        done = [max(e, last) + c[p][r] for r, e in enumerate(ends)]
-        ends = done
-    fwd = max(done)
+        last = max(last, posted) + _fs(send[p])      # a collective ends for all at once
+        posted = int(ends.max())                     # the next one goes out after this call
+        ends = torch.clamp(ends, min=last) + c[p]
+    fwd = int(ends.max()) / _FS
     # backward: fetched stages (dq += dq_s: 8 + b bytes per element; dq to fp32 and back
-    # counted with the local call), posting each return; the
-    # returns of stage p folded before stage p + 2 computes; the local call last
-    b0 = [lo * f_bwd / rate + (2 * up * e / mem if f else 0.0)
-          for lo, e, f in zip(local, elems_q, folds)]
-    bb = [[(pairs[p][r] * f_bwd / rate + (8 + b) * elems_q[r] / mem + lat) if pairs[p][r]
-           else 0.0 for r in range(cp)] for p in range(n_parts)]
-    ends, returned = [0.0] * cp, [0.0]               # returned[p]: return p-1 has landed
+    # counted with the local call), posting each return; the returns of stage p folded
+    # before stage p + 2 computes; the local call last
+    b0 = local * _fs(f_bwd / rate) + torch.where(folds, elems_q * _fs(2 * up / mem), 0)
+    bb = torch.where(live, pairs * _fs(f_bwd / rate) + elems_q * _fs((8 + b) / mem)
+                     + _fs(lat), 0)
+    ends, returned = torch.zeros(cp, dtype=torch.int64), [0]   # returned[p]: return p-1 landed
     for p in range(n_parts):
-        start = [max(e, returned[p - 1] if p >= 1 else 0.0) for e in ends]
-        ends = [s + bb[p][r] for r, s in enumerate(start)]
-        returned.append(max(returned[-1], max(ends)) + back[p])
-    start = [max(e, returned[n_parts - 1] if n_parts >= 2 else 0.0) for e in ends]
-    bwd = max(max(s + b0[r] for r, s in enumerate(start)), returned[-1])
+        ends = torch.clamp(ends, min=returned[p - 1] if p >= 1 else 0) + bb[p]
+        returned.append(max(returned[-1], int(ends.max())) + _fs(back[p]))
+    start = torch.clamp(ends, min=returned[n_parts - 1] if n_parts >= 2 else 0)
+    bwd = max(int((start + b0).max()), returned[-1]) / _FS
     return StagedTime(n_parts + 1, fwd, bwd, compute, comm, bound)
 
 
 def default_stages(plan: CPPlan, mask: AttnMask, name: str, shape: Shape,
                    model: Any = None) -> int:
-    """The S in 1..MAX_STAGES with the least ``staged_time`` (the fewest among those
+    """The S in CANDIDATE_STAGES with the least ``staged_time`` (the fewest among those
     within 1% of it) among those whose peak memory (``staged_memory``, max over ranks) is
     no more than S = 1's, the call without overlap; cached in the plan per (mask,
     strategy, shape, model)."""
@@ -412,7 +429,7 @@ def default_stages(plan: CPPlan, mask: AttnMask, name: str, shape: Shape,
 
     def choose() -> int:
         times = {s: staged_time(name, plan, mask, shape, model, s).seconds
-                 for s in range(1, MAX_STAGES + 1)}
+                 for s in CANDIDATE_STAGES}
         limit = max(staged_memory(name, plan, mask, shape, 1).peak)
 
         seen: dict[int, bool] = {1: True}
@@ -451,150 +468,135 @@ class StagedMemory:
 
 
 class _Live:
-    """Bytes alive, and their peak, as a walk allocates and frees."""
+    """Bytes alive on every rank (int64 [cp]), and their peak, as a walk allocates and
+    frees; ``where`` limits a step to some ranks (the walk's branches, as masks)."""
 
-    def __init__(self, base: int = 0) -> None:
-        self.now = self.peak = base
+    def __init__(self, base: torch.Tensor) -> None:
+        self.now = base.clone()
+        self.peak = base.clone()
 
-    def alloc(self, n: int) -> None:
-        self.now += n
-        self.peak = max(self.peak, self.now)
+    def alloc(self, n: torch.Tensor | int, where: torch.Tensor | None = None) -> None:
+        self.now = self.now + (n if where is None else torch.where(where, n, 0))
+        self.peak = torch.maximum(self.peak, self.now)
 
-    def free(self, n: int) -> None:
-        self.now -= n
+    def free(self, n: torch.Tensor | int, where: torch.Tensor | None = None) -> None:
+        self.now = self.now - (n if where is None else torch.where(where, n, 0))
 
 
 def staged_memory(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, stages: int
                   ) -> StagedMemory:
     """Host count of the buffers ``selected_keys``' engine allocates, walked in its program
-    order per rank (its allocations and frees, mirrored one by one): exchange buffers (the
-    transfer in flight and the next), picked K/V, the output and its fp32 accumulator, dQ
-    (fp32 when the rank makes several calls), the fp32 dK|dV accumulator, one call's
-    gradients, the returns in flight. Not counted: the kernels' own workspaces, [H, T]
-    tensors (LSE, fold weights), index tables."""
+    order (its allocations and frees, mirrored one by one), every rank at once (int64
+    vectors; the engine's per-rank branches are masks): exchange buffers (the transfer in
+    flight and the next), picked K/V, the output and its fp32 accumulator, dQ (fp32 when
+    the rank makes several calls), the fp32 dK|dV accumulator, one call's gradients, the
+    returns in flight. Not counted: the kernels' own workspaces, [H, T] tensors (LSE, fold
+    weights), index tables."""
     cp, b = plan.cp_size, shape.dtype_bytes
     counts = stage_counts(name, plan, mask, stages)
     n_parts = counts.shape[0]
-    fetched, given = counts.sum(2).tolist(), counts.sum(1).tolist()     # [P][r]
-    own = fetch_counts(plan, mask).diagonal().tolist()
-    local_pairs = pair_counts(plan, mask).diagonal().tolist()
+    fetched, given = counts.sum(2), counts.sum(1)                        # [P, r]
+    own = fetch_counts(plan, mask).diagonal()
+    offsets = plan.rank_offsets()
+    t = offsets[1:] - offsets[:-1]
     kv, kv4 = shape.kv_row, shape.kv_row * 4 // b
     o, o4 = shape.n_heads * shape.head_dim_v * b, shape.n_heads * shape.head_dim_v * 4
     g, g4 = shape.n_heads * shape.head_dim * b, shape.n_heads * shape.head_dim * 4
     slices = gather_stage_rows(plan, transfers(stages)) if name == "all_gather" else ()
     one = stages == 1 and n_parts > 0      # one call over local and fetched keys
-    fwd, bwd, kept = [], [], []
-    for r in range(cp):
-        t = plan.num_tokens_of(r)
-        n = [fetched[p][r] for p in range(n_parts)]
-        m = [given[p][r] for p in range(n_parts)]
-        keys = [n[p] + (own[r] if one else 0) for p in range(n_parts)]   # per call
+    local = (pair_counts(plan, mask).diagonal() > 0) & (not one)        # a local call
+    keys = fetched + (own if one else 0)                                # [P, r] per call
+    zero = torch.zeros(cp, dtype=torch.int64)
 
-        def post(live: _Live, p: int) -> int:
-            """A transfer posted: its buffers (returned), built with their temporaries."""
-            if name == "dispatch":   # two halves, cat into the send buffer; the receive one
-                live.alloc(m[p] * kv)
-                live.alloc(m[p] * kv)
-                live.free(m[p] * kv)
-                live.alloc(n[p] * kv)
-                return (m[p] + n[p]) * kv
-            lo, hi = slices[p]        # the zero-padded slice; the gathered slices
-            live.alloc((1 + cp) * (hi - lo) * kv)
-            return (1 + cp) * (hi - lo) * kv
+    def post(live: _Live, p: int) -> torch.Tensor:
+        """A transfer posted: its buffers (returned), built with their temporaries."""
+        if name == "dispatch":   # two halves, cat into the send buffer; the receive one
+            live.alloc(given[p] * kv)
+            live.alloc(given[p] * kv)
+            live.free(given[p] * kv)
+            live.alloc(fetched[p] * kv)
+            return (given[p] + fetched[p]) * kv
+        lo, hi = slices[p]        # the zero-padded slice; the gathered slices
+        live.alloc((1 + cp) * (hi - lo) * kv)
+        return zero + (1 + cp) * (hi - lo) * kv
 
-        # ---- forward
-        live, have = _Live(), 0
-        calls = (not one and local_pairs[r] > 0) + sum(x > 0 for x in keys)
-        xchg = post(live, 0) if n_parts else 0
-        acc = 0
-        if not one and local_pairs[r] > 0:
-            live.alloc(t * o)                               # the local call's output
-            acc = t * o
-        for p in range(n_parts):
-            nxt = post(live, p + 1) if p + 1 < n_parts else 0
-            if one:   # every key: fetched ones picked, local ones copied, per K and V half
-                for _ in range(2):
-                    live.alloc(keys[p] * kv // 2)
-                    live.alloc(n[p] * kv // 2)
-                    live.free(n[p] * kv // 2)
-                    live.alloc(own[r] * kv // 2)
-                    live.free(own[r] * kv // 2)
-            else:
-                live.alloc(keys[p] * kv)
-            have += keys[p] * kv
-            live.free(xchg)
-            xchg = nxt
-            if keys[p]:
-                live.alloc(t * o)                           # the call's output
-                if acc == 0:
-                    acc = t * o
-                else:
-                    if acc == t * o and b != 4:             # the first fold: fp32
-                        live.alloc(t * o4)
-                        live.free(acc)
-                        acc = t * o4
-                    live.free(t * o)
-        if acc != t * o and acc:                           # out in q.dtype
-            live.alloc(t * o)
-        fwd.append(live.peak)
-        if not one and local_pairs[r] > 0:                  # k, v kept for the local call
-            have += t * kv
-        kept.append(have)
-        # ---- backward
-        live = _Live(have)
-        acc_kv = dq = 0
-        prev = 0
+    # ---- forward
+    live, have = _Live(zero), zero.clone()
+    calls = local.to(torch.int64) + (keys > 0).sum(0)
+    xchg = post(live, 0) if n_parts else zero
+    acc = torch.where(local, t * o, 0)
+    live.alloc(t * o, local)                                 # the local call's output
+    for p in range(n_parts):
+        nxt = post(live, p + 1) if p + 1 < n_parts else zero
+        if one:   # every key: fetched ones picked, local ones copied, per K and V half
+            for _ in range(2):
+                live.alloc(keys[p] * kv // 2)
+                live.alloc(fetched[p] * kv // 2)
+                live.free(fetched[p] * kv // 2)
+                live.alloc(own * kv // 2)
+                live.free(own * kv // 2)
+        else:
+            live.alloc(keys[p] * kv)
+        have = have + keys[p] * kv
+        live.free(xchg)
+        xchg = nxt
+        k = keys[p] > 0
+        live.alloc(t * o, k)                                 # the call's output
+        first, later = k & (acc == 0), k & (acc != 0)
+        to_fp32 = later & (acc == t * o) & (b != 4)          # the first fold: fp32
+        live.alloc(t * o4, to_fp32)
+        live.free(acc, to_fp32)
+        acc = torch.where(first, t * o, torch.where(to_fp32, t * o4, acc))
+        live.free(t * o, later)
+    live.alloc(t * o, (acc != t * o) & (acc != 0))           # out in q.dtype
+    fwd = live.peak
+    have = have + torch.where(local, t * kv, 0)              # k, v kept for the local call
+    # ---- backward
+    live = _Live(have)
+    acc_kv, dq, prev = zero.clone(), zero.clone(), zero.clone()
 
-        def call_out(first_dq: bool) -> None:
-            nonlocal dq
-            if dq == 0 and calls > 1 and b != 4:            # dq made fp32 at once
-                live.alloc(t * g4)
-                live.free(t * g)
-                dq = t * g4
-            elif dq == 0:
-                dq = t * g
-            else:
-                live.free(t * g)
+    def call_out(where: torch.Tensor) -> None:
+        nonlocal dq
+        fp32 = where & (dq == 0) & (calls > 1) & (b != 4)    # dq made fp32 at once
+        live.alloc(t * g4, fp32)
+        live.free(t * g, fp32)
+        live.free(t * g, where & (dq != 0))
+        dq = torch.where(fp32, t * g4, torch.where(where & (dq == 0), t * g, dq))
 
-        for p in range(n_parts):
-            if keys[p]:
-                live.alloc(t * g + keys[p] * kv)            # dq, dk, dv of the call
-                call_out(True)
-                live.alloc(keys[p] * kv)                    # packed dK|dV
-                live.free(keys[p] * kv)
-            else:
-                live.alloc(keys[p] * kv)
-            if one:
-                if not acc_kv:
-                    acc_kv = t * kv4
-                    live.alloc(acc_kv)
-                live.alloc(own[r] * (kv + kv4))             # local rows picked, in fp32
-                live.free(own[r] * (kv + kv4))
-            live.alloc((n[p] + m[p]) * kv)                  # send (picked), receive
-            live.free(keys[p] * kv)
-            if p:                                           # the previous returns land
-                if not acc_kv:
-                    acc_kv = t * kv4
-                    live.alloc(acc_kv)
-                live.alloc(m[p - 1] * kv4)
-                live.free(m[p - 1] * kv4 + prev)
-            prev = (n[p] + m[p]) * kv
-        if not one and local_pairs[r] > 0:
-            live.alloc(t * g + t * kv)                      # the local call
-            call_out(True)
-            if not acc_kv:
-                acc_kv = t * kv4
-                live.alloc(acc_kv)
-            live.free(t * kv)
-        if n_parts:
-            if not acc_kv:
-                acc_kv = t * kv4
-                live.alloc(acc_kv)
-            live.alloc(m[-1] * kv4)
-            live.free(m[-1] * kv4 + prev)
-        if dq == t * g4 and b != 4:                         # dq in q.dtype
-            live.alloc(t * g)
-            live.free(t * g4)
-        live.alloc(t * kv)                                  # dk, dv
-        bwd.append(live.peak)
-    return StagedMemory(fwd, bwd, kept)
+    def accumulator(where: torch.Tensor | None = None) -> None:
+        nonlocal acc_kv
+        new = acc_kv == 0 if where is None else where & (acc_kv == 0)
+        live.alloc(t * kv4, new)
+        acc_kv = torch.where(new, t * kv4, acc_kv)
+
+    for p in range(n_parts):
+        k = keys[p] > 0
+        live.alloc(t * g + keys[p] * kv, k)                 # dq, dk, dv of the call
+        call_out(k)
+        live.alloc(keys[p] * kv, k)                         # packed dK|dV
+        live.free(keys[p] * kv, k)
+        live.alloc(keys[p] * kv, ~k)
+        if one:
+            accumulator()
+            live.alloc(own * (kv + kv4))                    # local rows picked, in fp32
+            live.free(own * (kv + kv4))
+        live.alloc((fetched[p] + given[p]) * kv)            # send (picked), receive
+        live.free(keys[p] * kv)
+        if p:                                               # the previous returns land
+            accumulator()
+            live.alloc(given[p - 1] * kv4)
+            live.free(given[p - 1] * kv4 + prev)
+        prev = (fetched[p] + given[p]) * kv
+    live.alloc(t * g + t * kv, local)                       # the local call
+    call_out(local)
+    accumulator(local)
+    live.free(t * kv, local)
+    if n_parts:
+        accumulator()
+        live.alloc(given[-1] * kv4)
+        live.free(given[-1] * kv4 + prev)
+    back = (dq == t * g4) & (b != 4)                        # dq in q.dtype
+    live.alloc(t * g, back)
+    live.free(t * g4, back)
+    live.alloc(t * kv)                                      # dk, dv
+    return StagedMemory(fwd.tolist(), live.peak.tolist(), have.tolist())
