@@ -206,11 +206,14 @@ def efficiency_bound(lengths: list[int], mask: AttnMask, cp: int, total_work: in
 
 
 def strategy_table_ms(plan: CPPlan) -> dict[str, float]:
-    """HOOK (to be filled in by the strategies' owners): host time in ms of building each
-    CP strategy's tables for ``plan`` (e.g. {"p2p": 1.2, "dispatch": 3.4}), so that the
-    whole plan's host budget (<= 15 ms at cp 8, <= 50 ms at cp 64, layout included) can be
-    checked here. Empty until then."""
-    return {}
+    """Host time in ms of rebuilding ``plan`` (same batch, layout and rank) and each CP
+    strategy's tables for the plan's masks, plus ``auto``'s decision
+    (bench/host_tables.py; its own report covers issue 11's 40 / 1,000-document batches).
+    Only at cp 8 and 64 (the budget's points), else empty."""
+    if plan.cp_size not in (8, 64):
+        return {}
+    from host_tables import table_ms_for  # noqa: E402  (bench/ is on sys.path when run)
+    return table_ms_for(plan, repeats=2)
 
 
 def _timed(fn, repeats: int) -> tuple[object, float]:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Generic, Iterable, Iterator, Sequence, TypeVar
 import torch
 
 from .checks import check_bool, check_int
-from .config import AttnShape, CPConfig
+from .config import STAGED_STRATEGIES, AttnShape, CPConfig
 from .masks import AttnMask
 from .plan import CPPlan
 from .plan.balanced import normalize_masks
@@ -61,9 +61,10 @@ def prepare_plan(plan: CPPlan, config: CPConfig, layer_masks: LayerMasks, shape:
                          f"{len(strategies)}")
     for i, mask in enumerate(masks):
         name = config.strategy if strategies is None else strategies[i]
-        prepare_attention(plan, mask, name, shape, device,
-                          backend=config.backend, a2a_size=config.a2a_size,
-                          overlap_stages=config.overlap_stages)
+        staged = name in STAGED_STRATEGIES   # per-layer lists mix staged and other layers
+        prepare_attention(plan, mask, name, shape, device, backend=config.backend,
+                          a2a_size=config.a2a_size if name == "a2a+p2p" else None,
+                          overlap_stages=config.overlap_stages if staged else None)
     return plan
 
 

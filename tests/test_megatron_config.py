@@ -184,7 +184,7 @@ def test_swap_errors() -> None:
     ({"min_chunk_tokens": 0}, "min_chunk_tokens"),
     ({"pad_multiple": 0}, "pad_multiple"),
     ({"pad_multiple": 8, "layout": "dual_chunk"}, "pad_multiple applies"),
-    ({"chunk_tokens": 8, "layout": "te"}, "chunk_tokens applies"),
+    ({"tile_tokens": 8, "layout": "te"}, "tile_tokens applies"),
     ({"a2a_size": 2, "strategy": "p2p"}, "a2a_size applies"),
     ({"a2a_size": 2, "strategy": ["p2p", "a2a"]}, "a2a_size applies"),
     ({"prefetch": "yes"}, "prefetch must be a bool"),
@@ -204,13 +204,13 @@ def test_options_are_cp_config_plus_megatron_extras() -> None:
         (None, "balanced", 0, "rope")
     assert (opts.validate, opts.prefetch) == (CPConfig().validate, CPConfig().prefetch)
     per_layer = VarlenCPOptions(strategy=["a2a+p2p", "dispatch"], a2a_size=2,
-                                chunk_layers=[1, 0], layout="balanced", chunk_tokens=128)
+                                chunk_layers=[1, 0], layout="balanced", tile_tokens=128)
     assert per_layer.strategy == ("a2a+p2p", "dispatch")
     assert per_layer.chunk_layers == (True, False)
     assert hash(per_layer) == hash(VarlenCPOptions(strategy=("a2a+p2p", "dispatch"),
                                                    a2a_size=2, chunk_layers=(True, False),
-                                                   chunk_tokens=128))
-    assert per_layer.plan_kwargs(None)["chunk_tokens"] == 128
+                                                   tile_tokens=128))
+    assert per_layer.plan_kwargs(None)["tile_tokens"] == 128
     import varlen_cp.integrations.megatron.core_attention as core_mod
     import varlen_cp.integrations.megatron.options as opt_mod
     for mod in (opt_mod, core_mod):  # the name lists live in varlen_cp.config only

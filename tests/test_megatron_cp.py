@@ -47,7 +47,7 @@ CASES = [
      {"strategy": "p2p", "layout": "te", "chunk_size": 16}, "thd"),
     # balanced with small tiles, so that documents really are cut across the ranks
     ("balanced_llama4_dispatch", {"no_rope_freq": 2},
-     {"strategy": "dispatch", "chunk_size": 16, "chunk_tokens": 8}, "thd"),
+     {"strategy": "dispatch", "chunk_size": 16, "tile_tokens": 8}, "thd"),
     ("dual_chunk_swa_auto", {"window_size": (12, 0)},
      {"strategy": "auto", "layout": "dual_chunk", "min_chunk_tokens": 4}, "thd"),
 ]

@@ -268,15 +268,15 @@ def test_varlen_cp_section_is_cpconfig_plus_enable(tmp_path):
     assert [f.name for f in fields(VarlenCPSection)] == \
         [f.name for f in fields(CPConfig)] + ["enable"]
     cfg = build(tmp_path, '[varlen_cp]\nstrategy = "a2a+p2p"\na2a_size = 1\n'
-                'layout = "balanced"\nchunk_tokens = 128\nprefetch = false\nvalidate = false\n')
+                'layout = "balanced"\ntile_tokens = 128\nprefetch = false\nvalidate = false\n')
     vc = cfg.varlen_cp
-    assert (vc.strategy, vc.a2a_size, vc.layout, vc.chunk_tokens, vc.prefetch, vc.validate) \
+    assert (vc.strategy, vc.a2a_size, vc.layout, vc.tile_tokens, vc.prefetch, vc.validate) \
         == ("a2a+p2p", 1, "balanced", 128, False, False)
     inner = cfg.model_spec.model.layers[0].attention.inner_attention
     assert (inner.strategy, inner.a2a_size, inner.validate) == ("a2a+p2p", 1, False)
     # CPConfig's own cross-field checks, named with the section
-    expect_error(tmp_path, "[varlen_cp]\nchunk_tokens = 128\n",
-                 match=["[varlen_cp]", "job.toml", "varlen_cp.chunk_tokens", "balanced"])
+    expect_error(tmp_path, "[varlen_cp]\ntile_tokens = 128\n",
+                 match=["[varlen_cp]", "job.toml", "varlen_cp.tile_tokens", "balanced"])
     expect_error(tmp_path, "[varlen_cp]\nmin_chunk_tokens = 0\n",
                  match=["varlen_cp.min_chunk_tokens", ">= 1"])
     expect_error(tmp_path, "[varlen_cp]\nprefetch = 1\n",

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same call).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def check_group_type(group: object) -> None:
@@ -54,5 +54,5 @@ def gather_padded(x_local: torch.Tensor, max_local: int, cp_size: int,
     padded = x_local.new_zeros((max_local, *rest))
     padded[: x_local.shape[0]].copy_(x_local.detach())
     out = x_local.new_empty((cp_size * max_local, *rest))
-    _all_gather_single(out, padded, group=group)
+    all_gather_single(out, padded, group=group)
     return out

@@ -30,13 +30,14 @@ import torch.distributed as dist
 
 from ..masks import AttnMask
 from ..plan import CPPlan
+from ..plan.collective import all_gather_single
 from ..schedules.cost import Shape
 from ..schedules.staged import Stage
 from .base import CallSpec, Strategy
 from .selected_keys import Pending, prepare_staged, staged_keys_attention
 
-# torch 2.13 renames all_gather_into_tensor to all_gather_single (same call).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# The one shim (plan/collective.py); looked up here at call time, so tests can count it.
+_all_gather_single = all_gather_single
 
 
 def gather_exchange(kf: torch.Tensor, vf: torch.Tensor, stage: Stage, group: Any) -> Pending:

@@ -41,6 +41,7 @@ from ...checks import check_choice
 from ...config import SOFTMAX_TYPES
 from ...masks import AttnMask
 from ...plan import CPPlan
+from ...config import STAGED_STRATEGIES
 from .options import (CAUSAL_TYPES, VarlenCPOptions, layer_a2a_size, layer_mask,
                       layer_strategy)
 from .rope import apply_plan_rope
@@ -110,6 +111,9 @@ class VarlenCPCoreAttention(MegatronModule):
         self.mask = layer_mask(config, options, self.layer_number, attn_mask_type)
         self.strategy = layer_strategy(config, options, self.layer_number, cp_comm_type)
         self.a2a_size = layer_a2a_size(config, options, self.strategy)
+        # the option of a staged strategy; layers of other strategies in a per-layer list
+        self.overlap_stages = (options.overlap_stages if self.strategy in STAGED_STRATEGIES
+                               else None)
         scale = softmax_scale if softmax_scale is not None else config.softmax_scale
         # apply_query_key_layer_scaling divides the scale by the layer number and multiplies
         # it back inside megatron's fp16 softmax: no net effect, so it is ignored here.
@@ -154,6 +158,7 @@ class VarlenCPCoreAttention(MegatronModule):
         res = cp_varlen_attn(q, k, v, plan, mask, self.cp_group, self.strategy,
                              self.softmax_scale, backend=self.options.backend,
                              validate=self.options.validate, a2a_size=self.a2a_size,
+                             overlap_stages=self.overlap_stages,
                              return_max_logit=self.track_max_logit,
                              softmax_type=self.softmax_type, sink=sink)
         if not self.track_max_logit:

@@ -25,7 +25,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from ...checks import check_choice, check_int, is_int
-from ...config import STRATEGY_NAMES, CPConfig
+from ...config import STAGED_STRATEGIES, STRATEGY_NAMES, CPConfig
 from ...masks import AttnMask
 
 CHUNK_LAYER_MODES = ("rope", "all")
@@ -68,15 +68,30 @@ class VarlenCPOptions(CPConfig):
 
     def __post_init__(self) -> None:
         strategy = self._check_strategy()
-        # CPConfig validates every shared field; it knows one strategy name per model, so
-        # it checks a stand-in while this class owns the per-layer / None forms.
-        stand_in = "a2a+p2p" if self.a2a_size is not None else (
-            strategy if isinstance(strategy, str) else "p2p")
-        object.__setattr__(self, "strategy", stand_in)
-        try:
+        if isinstance(strategy, str):
             super().__post_init__()
-        finally:
-            object.__setattr__(self, "strategy", strategy)
+        else:
+            # CPConfig knows one strategy per model: it checks the shared fields with the
+            # strategy-bound options set aside; their rules against the layers' strategies
+            # (a list, or megatron's cp_comm_type when None) are checked here.
+            kept = {"strategy": strategy, "a2a_size": self.a2a_size,
+                    "overlap_stages": self.overlap_stages}
+            for name, value in (("strategy", "p2p"), ("a2a_size", None),
+                                ("overlap_stages", None)):
+                object.__setattr__(self, name, value)
+            try:
+                super().__post_init__()
+            finally:
+                for name, value in kept.items():
+                    object.__setattr__(self, name, value)
+            check_int("a2a_size", self.a2a_size, 1, optional=True)
+            check_int("overlap_stages", self.overlap_stages, 1, optional=True)
+            names = strategy or ()
+            if self.overlap_stages is not None and strategy is not None and not (
+                    set(names) & set(STAGED_STRATEGIES)):
+                raise ValueError(f"overlap_stages applies to strategies "
+                                 f"{STAGED_STRATEGIES} only, got overlap_stages="
+                                 f"{self.overlap_stages!r} with strategy={strategy!r}")
         check_int("chunk_size", self.chunk_size, 0)
         self._check_chunk_layers()
 

@@ -80,6 +80,8 @@ class VarlenCPInnerAttention(Module, ContextParallelVarlenAttention):
         backend: str = "auto"
         validate: bool = True
         a2a_size: int | None = None
+        overlap_stages: int | None = None
+        """dispatch / all_gather: stages of the K/V transfer (None: the cost model's)."""
         softmax_type: str = "vanilla"
         """"vanilla", "off-by-one" (a zero sink logit) or "learnable" (``sink`` parameter)."""
         n_heads: int = 0
@@ -102,7 +104,8 @@ class VarlenCPInnerAttention(Module, ContextParallelVarlenAttention):
         # "auto" is resolved per (plan, mask) inside cp_varlen_attn, from the plan's costs.
         ContextParallelVarlenAttention.__init__(
             self, config.mask(), strategy=config.strategy, group=None, backend=config.backend,
-            a2a_size=config.a2a_size, softmax_type=config.softmax_type,
+            a2a_size=config.a2a_size, overlap_stages=config.overlap_stages,
+            softmax_type=config.softmax_type,
             n_heads=config.n_heads or None, track_max_logit=config.track_max_logit)
         self.validate = config.validate
 
@@ -134,7 +137,8 @@ class VarlenCPInnerAttention(Module, ContextParallelVarlenAttention):
             res = cp_varlen_attn(q, k, v, attention_masks.plan, self.mask, self.group,
                                  self.strategy, scale, return_lse=want_lse,
                                  backend=self.backend, validate=self.validate,
-                                 a2a_size=self.a2a_size, return_max_logit=track,
+                                 a2a_size=self.a2a_size, overlap_stages=self.overlap_stages,
+                                 return_max_logit=track,
                                  softmax_type=softmax_type, sink=sink)
             res = res if isinstance(res, tuple) else (res,)
             out = res[0].unsqueeze(0)
@@ -228,13 +232,15 @@ def window_to_mask(window_size: tuple[int, int]) -> AttnMask:
           description="varlen-cp: context-parallel varlen attention for packed documents")
 def varlen_cp_attention(cfg: VarlenAttention.Config, *, strategy: str = "p2p",
                         backend: str = "auto", validate: bool = True,
-                        a2a_size: int | None = None) -> VarlenCPInnerAttention.Config:
+                        a2a_size: int | None = None, overlap_stages: int | None = None
+                        ) -> VarlenCPInnerAttention.Config:
     """torchtitan ``@override``: a layer's ``VarlenAttention.Config`` -> varlen-cp's, with
     the layer's mask from its ``window_size`` and the CP options (``CPConfig`` fields)."""
     mask = window_to_mask(tuple(cfg.window_size))
     return derive(cfg, VarlenCPInnerAttention.Config, causal=mask.causal,
                   window_left=mask.window_size[0], window_right=mask.window_size[1],
-                  strategy=strategy, backend=backend, validate=validate, a2a_size=a2a_size)
+                  strategy=strategy, backend=backend, validate=validate, a2a_size=a2a_size,
+                  overlap_stages=overlap_stages)
 
 
 OVERRIDE_TARGET = f"{__name__}.varlen_cp_attention"

@@ -365,7 +365,8 @@ def _model_spec(config: Any, settings: list[Setting], src: str) -> Any:
     args, vc = config.model, config.varlen_cp
     if not args.is_stock:
         return llama4_model_spec(args, strategy=vc.strategy, backend=vc.backend,
-                                 validate=vc.validate, a2a_size=vc.a2a_size)
+                                 validate=vc.validate, a2a_size=vc.a2a_size,
+                                 overlap_stages=vc.overlap_stages)
     for s in settings:
         if s.path[1] in LLAMA4_ONLY_KEYS:
             raise ConfigError(f"{s.where()}: model.{s.path[1]} applies to the llama4_style "

@@ -351,11 +351,13 @@ def _moe_config(args: Llama4Args, layer_id: int) -> object:
 
 
 def build_llama4_config(args: Llama4Args, *, strategy: str = "p2p", backend: str = "auto",
-                        validate: bool = True, a2a_size: int | None = None
-                        ) -> Llama4Model.Config:
+                        validate: bool = True, a2a_size: int | None = None,
+                        overlap_stages: int | None = None) -> Llama4Model.Config:
     """The torchtitan model config for ``args``, with varlen-cp attention in every layer
-    (``strategy``, ``backend``, ``validate``, ``a2a_size``: the ``CPConfig`` options)."""
-    cp = {"strategy": strategy, "backend": backend, "validate": validate, "a2a_size": a2a_size}
+    (``strategy``, ``backend``, ``validate``, ``a2a_size``, ``overlap_stages``: the
+    ``CPConfig`` options)."""
+    cp = {"strategy": strategy, "backend": backend, "validate": validate, "a2a_size": a2a_size,
+          "overlap_stages": overlap_stages}
     layers = []
     for i in range(args.n_layers):
         nope = args.is_nope_layer(i)

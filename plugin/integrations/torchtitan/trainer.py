@@ -139,7 +139,7 @@ def install_varlen_cp(config: Any) -> None:
     model_config = spec.model
     if any(model_config.traverse(VarlenAttention.Config)):
         kwargs = {"strategy": vc.strategy, "backend": vc.backend, "validate": vc.validate,
-                  "a2a_size": vc.a2a_size}
+                  "a2a_size": vc.a2a_size, "overlap_stages": vc.overlap_stages}
         apply_overrides(OverrideConfig(imports=[(OVERRIDE_TARGET, kwargs)]), config)
     others = [f"{fqn}.inner_attention ({type(a.inner_attention).__qualname__})"
               for fqn, a, _, _ in model_config.traverse(BaseAttention.Config)
