@@ -72,7 +72,7 @@ class CPConfig:
     """
 
     strategy: str = "p2p"
-    layout: str = "dual_chunk"
+    layout: str = "balanced"
     backend: str = "auto"
     a2a_size: int | None = None
     overlap_stages: int | None = None

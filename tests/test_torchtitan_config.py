@@ -275,7 +275,7 @@ def test_varlen_cp_section_is_cpconfig_plus_enable(tmp_path):
     inner = cfg.model_spec.model.layers[0].attention.inner_attention
     assert (inner.strategy, inner.a2a_size, inner.validate) == ("a2a+p2p", 1, False)
     # CPConfig's own cross-field checks, named with the section
-    expect_error(tmp_path, "[varlen_cp]\ntile_tokens = 128\n",
+    expect_error(tmp_path, "[varlen_cp]\nlayout = \"dual_chunk\"\ntile_tokens = 128\n",
                  match=["[varlen_cp]", "job.toml", "varlen_cp.tile_tokens", "balanced"])
     expect_error(tmp_path, "[varlen_cp]\nmin_chunk_tokens = 0\n",
                  match=["varlen_cp.min_chunk_tokens", ">= 1"])
