@@ -28,13 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..masks import AttnMask
-from ..plan import CPPlan
 from ..plan.collective import all_gather_single
-from ..schedules.cost import Shape
 from ..schedules.staged import Stage
-from .base import CallSpec, Strategy
-from .selected_keys import Pending, prepare_staged, staged_keys_attention
+from .selected_keys import Pending, SelectedKeysStrategy
 
 # The one shim (plan/collective.py); looked up here at call time, so tests can count it.
 _all_gather_single = all_gather_single
@@ -52,18 +48,8 @@ def gather_exchange(kf: torch.Tensor, vf: torch.Tensor, stage: Stage, group: Any
     return Pending(gathered, work, part)
 
 
-class AllGather(Strategy):
+class AllGather(SelectedKeysStrategy):
     """Every rank's K/V gathered in overlapped slices; calls over the keys the queries see."""
 
     name = "all_gather"
-    staged = True
     exchange = staticmethod(gather_exchange)
-
-    def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
-                device: torch.device, shape: Shape, a2a_size: int | None = None,
-                overlap_stages: int | None = None) -> None:
-        prepare_staged(self.name, plan, mask, block, device, shape, overlap_stages)
-
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        return staged_keys_attention(q, k, v, spec, self)

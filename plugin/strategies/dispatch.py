@@ -41,12 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..masks import AttnMask
-from ..plan import CPPlan
-from ..schedules.cost import Shape
 from ..schedules.staged import Stage
-from .base import CallSpec, Strategy
-from .selected_keys import Pending, prepare_staged, staged_keys_attention
+from .selected_keys import Pending, SelectedKeysStrategy
 
 
 def dispatch_exchange(kf: torch.Tensor, vf: torch.Tensor, stage: Stage, group: Any) -> Pending:
@@ -59,18 +55,8 @@ def dispatch_exchange(kf: torch.Tensor, vf: torch.Tensor, stage: Stage, group: A
     return Pending(recv, work, send)
 
 
-class Dispatch(Strategy):
+class Dispatch(SelectedKeysStrategy):
     """Exactly the K/V ranges each rank's queries see, fetched in overlapped stages."""
 
     name = "dispatch"
-    staged = True
     exchange = staticmethod(dispatch_exchange)
-
-    def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
-                device: torch.device, shape: Shape, a2a_size: int | None = None,
-                overlap_stages: int | None = None) -> None:
-        prepare_staged(self.name, plan, mask, block, device, shape, overlap_stages)
-
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        return staged_keys_attention(q, k, v, spec, self)

@@ -35,10 +35,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..schedules.cost import make_shape
+from ..masks import AttnMask
+from ..plan import CPPlan
+from ..schedules.cost import Shape, make_shape
 from ..schedules.keys import device_table, table_key
 from ..schedules.staged import Stage, StagedTables, resolve_stages, staged_tables
-from .base import CallSpec
+from .base import CallSpec, Strategy
 from .calls import Attn, dlse_or_none, head_max, maybe_max, no_max
 
 
@@ -250,21 +252,29 @@ def tables(spec: CallSpec, name: str, stages: int, device: torch.device) -> Stag
                                                       stages))
 
 
-def prepare_staged(name: str, plan, mask, block, device, shape, overlap_stages) -> None:
-    """Build and cache one rank's staged tables and their ``device`` copy (the stage count
-    resolved as ``attention`` will resolve it)."""
-    stages = resolve_stages(plan, mask, name, shape, overlap_stages)
-    rank = plan.cp_rank
-    device_table(plan, table_key(f"{name}_staged", mask, block, rank, stages), device,
-                 lambda: staged_tables(name, plan, mask, rank, block, stages))
+class SelectedKeysStrategy(Strategy):
+    """A strategy that brings the keys a rank's queries see in ``overlap_stages`` stages;
+    subclasses name it and supply ``exchange(kf, vf, stage, group) -> Pending`` (how one
+    stage's K/V travel)."""
 
+    staged = True
+    exchange: Callable[..., Pending]
 
-def staged_keys_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          spec: CallSpec, engine: Any
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Differentiable (out, lse, per-head max or None)."""
-    shape = make_shape(q.shape[1], k.shape[1], q.shape[2], v.shape[2], q.element_size())
-    stages = resolve_stages(spec.plan, spec.attn.mask, engine.name, shape,
-                            spec.overlap_stages)
-    out, lse, max_part = StagedKeysAttention.apply(q, k, v, spec, engine, stages)
-    return out, lse, maybe_max(max_part)
+    def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
+                device: torch.device, shape: Shape, a2a_size: int | None = None,
+                overlap_stages: int | None = None) -> None:
+        """Build and cache this rank's staged tables and their ``device`` copy (the stage
+        count resolved as ``attention`` will resolve it)."""
+        stages = resolve_stages(plan, mask, self.name, shape, overlap_stages)
+        rank = plan.cp_rank
+        device_table(plan, table_key(f"{self.name}_staged", mask, block, rank, stages),
+                     device, lambda: staged_tables(self.name, plan, mask, rank, block, stages))
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Differentiable (out, lse, per-head max or None)."""
+        shape = make_shape(q.shape[1], k.shape[1], q.shape[2], v.shape[2], q.element_size())
+        stages = resolve_stages(spec.plan, spec.attn.mask, self.name, shape,
+                                spec.overlap_stages)
+        out, lse, max_part = StagedKeysAttention.apply(q, k, v, spec, self, stages)
+        return out, lse, maybe_max(max_part)
