@@ -44,15 +44,6 @@ def _plan(docs, cp, rank, layout, mask=None):
                         min_chunk_tokens=4)
 
 
-@pytest.fixture
-def one_thread():
-    """Host planning is many tiny ops: single-threaded is ~100x faster on 2 busy cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # ------------------------------------------------------------------------ host: the keys
 def _brute_needed(plan, mask, rank) -> list[int]:
     """Global indices of the keys some real query of ``rank`` sees, by a dense mask per

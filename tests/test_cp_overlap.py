@@ -51,14 +51,6 @@ STAGES = (1, 2, 4)
 STRATS = ("dispatch", "all_gather")
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # ------------------------------------------------------------------ host: the stage tables
 def _key_ids(call, cu):
     """Global token id of every key of a kernel call (its cu_k / k_pos)."""

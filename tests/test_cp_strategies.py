@@ -422,16 +422,6 @@ def test_cp1_is_the_local_op(layout, one_thread):
 
 
 # -------------------------------------------------------------------- host cost model
-@pytest.fixture
-def one_thread():
-    """Host planning is many tiny ops; on 2 oversubscribed cores OpenMP hand-offs made
-    each ~15 ms instead of ~10 us (measured), so run these single-threaded."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_cost_model_counts_every_visible_pair_once(one_thread):
     """Summed over ranks, each strategy's visible pairs are the batch's (plan.work_of)."""
     from varlen_cp.strategies import get_strategy

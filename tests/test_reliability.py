@@ -66,14 +66,6 @@ def _outcome(fn) -> str:
         return f"{type(e).__name__}: {e}"
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # ======================================================================================
 # 1. Ranks that disagree on the batch
 # ======================================================================================
