@@ -45,7 +45,8 @@ class BlockSchedule:
                              self.q_range.to(device, non_blocking=True), self.visited_pairs)
 
 
-def _segment_ids(cu: torch.Tensor, total: int) -> torch.Tensor:
+def segment_ids(cu: torch.Tensor, total: int) -> torch.Tensor:
+    """int64 [total]: segment of each row of a varlen batch with boundaries ``cu``."""
     lens = (cu[1:] - cu[:-1]).to(torch.int64)
     return torch.repeat_interleave(torch.arange(lens.numel()), lens, output_size=total)
 
@@ -112,7 +113,7 @@ def build_block_schedule(
     q_pos = implicit_q if q_positions is None else q_positions.to(torch.int64)
     k_pos = implicit_k if k_positions is None else k_positions.to(torch.int64)
     mask = (causal, window_left, window_right, chunk_size)
-    seg_q, seg_k = _segment_ids(cu_q, total_q), _segment_ids(cu_k, total_k)
+    seg_q, seg_k = segment_ids(cu_q, total_q), segment_ids(cu_k, total_k)
     off_q = torch.arange(total_q) - cu_q[seg_q]
     off_k = torch.arange(total_k) - cu_k[seg_k]
     nqb = -(-max(max_seqlen_q, 1) // block_m)

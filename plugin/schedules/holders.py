@@ -242,12 +242,6 @@ def holder_from_counts(doc: torch.Tensor, pos: torch.Tensor, n_docs: int) -> Hol
     return Holder(cu.to(torch.int32), pos.to(torch.int32), max_len)
 
 
-def segment_ids(cu: torch.Tensor, n: int) -> torch.Tensor:
-    """int64 [n]: segment of each row of a varlen batch with boundaries ``cu``."""
-    lens = (cu[1:] - cu[:-1]).to(torch.int64)
-    return torch.repeat_interleave(torch.arange(lens.numel()), lens, output_size=n)
-
-
 @dataclass(frozen=True)
 class KernelCall:
     """Everything but the tensors of one varlen kernel call (host or device copies)."""

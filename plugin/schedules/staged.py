@@ -61,7 +61,8 @@ from ..masks import AttnMask
 from ..plan import CPPlan
 from ..plan.runs import span_pieces
 from .cost import Shape
-from .holders import KernelCall, holder_from_counts, kernel_call, rank_holder, segment_ids
+from ..kernels.schedule import segment_ids
+from .holders import KernelCall, holder_from_counts, kernel_call, rank_holder
 from .keys import host_table, table_key
 from .selected import (fetch_counts, needed_spans, pair_counts, runs_by_document, select_keys,
                        sent_keys)
@@ -214,12 +215,6 @@ def _stage_of(group: torch.Tensor, index: torch.Tensor, ends: torch.Tensor) -> t
     n_groups, n_parts = ends.shape
     flat = (torch.arange(n_groups).unsqueeze(1) * _BIG + ends).flatten()
     return torch.searchsorted(flat, group * _BIG + index, right=True) - group * n_parts
-
-
-def _inverse(perm: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(perm)
-    out[perm] = torch.arange(perm.numel())
-    return out
 
 
 def _build(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int], stages: int,

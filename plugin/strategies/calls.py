@@ -110,10 +110,3 @@ def unpack_flat(buf: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.
         at += n
     return out
 
-
-def split_kv(rows: torch.Tensor, hkv: int, d: int, dv: int
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed K|V rows [n, Hkv*(D+Dv)] -> contiguous k [n, Hkv, D], v [n, Hkv, Dv]."""
-    n = rows.shape[0]
-    return (rows[:, :hkv * d].reshape(n, hkv, d).contiguous(),
-            rows[:, hkv * d:].reshape(n, hkv, dv).contiguous())
