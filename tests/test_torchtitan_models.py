@@ -44,17 +44,21 @@ def tiny_model_config(name: str, attn_backend: str = "varlen"):
     builders (same modules, inits and layer pattern as the debug flavor)."""
     from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
 
+    def common(m) -> dict:
+        """Embedding, final norm and output head as torchtitan's own builders make them."""
+        return dict(dim=DIM, vocab_size=VOCAB,
+                    tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
+                                                    param_init=m._EMBEDDING_INIT),
+                    norm=RMSNorm.Config(normalized_shape=DIM, param_init=m._NORM_INIT),
+                    lm_head=Linear.Config(in_features=DIM, out_features=VOCAB,
+                                          param_init=m._output_linear_init(DIM)))
+
     if name == "llama3":
         from torchtitan.models import llama3 as m
         from torchtitan.models.llama3.model import Llama3Model
 
         return Llama3Model.Config(
-            dim=DIM, vocab_size=VOCAB,
-            tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
-                                            param_init=m._EMBEDDING_INIT),
-            norm=RMSNorm.Config(normalized_shape=DIM, param_init=m._NORM_INIT),
-            lm_head=Linear.Config(in_features=DIM, out_features=VOCAB,
-                                  param_init=m._output_linear_init(DIM)),
+            **common(m),
             layers=m._build_llama3_layers(
                 n_layers=2, dim=DIM, n_heads=4, n_kv_heads=2, hidden_dim=128,
                 rope=ComplexRoPE.Config(dim=DIM // 4, max_seq_len=MAX_LEN, theta=500000,
@@ -102,24 +106,14 @@ def tiny_model_config(name: str, attn_backend: str = "varlen"):
                 moe=GptOssMoE.Config(num_experts=4, load_balance_coeff=1e-3,
                                      routed_experts=experts, router=router)))
         return GptOssModel.Config(
-            dim=DIM, vocab_size=VOCAB,
-            tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
-                                            param_init=m._EMBEDDING_INIT),
-            norm=RMSNorm.Config(normalized_shape=DIM, param_init=m._NORM_INIT),
-            lm_head=Linear.Config(in_features=DIM, out_features=VOCAB,
-                                  param_init=m._output_linear_init(DIM)),
+            **common(m),
             layers=layers)
     if name == "deepseek_v3":
         from torchtitan.models import deepseek_v3 as m
         from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
 
         return DeepSeekV3Model.Config(
-            dim=DIM, vocab_size=VOCAB,
-            tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
-                                            param_init=m._EMBEDDING_INIT),
-            norm=RMSNorm.Config(normalized_shape=DIM, param_init=m._NORM_INIT),
-            lm_head=Linear.Config(in_features=DIM, out_features=VOCAB,
-                                  param_init=m._output_linear_init(DIM)),
+            **common(m),
             # MLA with q/k head dim 24 + 8 = 32 and v head dim 16 (the flavor: 192 / 128);
             # layer 0 dense, layer 1 MoE (as the flavor's first dense layers, then MoE).
             layers=m._build_dsv3_layers(
