@@ -262,14 +262,18 @@ def _dense_work(doc_len: int, runs: list[tuple[int, int]], mask: AttnMask) -> in
     [AttnMask(causal=False, window_size=(12, 9))],  # head, middle and tail
     [AttnMask(chunk_size=24)], [CAUSAL],  # chunks as segments; whole documents
 ], ids=["chunk_pairs", "prefix", "ends", "split", "causal"])
-def test_fold_units_match_dense_count(masks) -> None:
+@pytest.mark.parametrize("var", [B._Variant(keep_small=False),
+                                 B._Variant(body="blocks", fill="prefix", big=2.0)],
+                         ids=["fold", "blocks"])
+def test_fold_units_match_dense_count(masks, var) -> None:
     """Every fold unit's work (whole, and up to its break point), from the closed forms,
     equals a dense count over the positions its runs cover; the units tile every
-    document exactly once."""
+    document exactly once (folded items, and items in position order split into tail
+    blocks and remainders off the tile grid)."""
     lengths = torch.tensor([150, 7, 64, 97, 200, 33, 1, 129])
     mw = B.normalize_masks(masks)
     prof = B._profile(mw, 8)
-    units = B._units(B._items(lengths, prof, 3, False), lengths, prof)
+    units = B._units(B._items(lengths, prof, 3, var), lengths, prof)
     covered = [[] for _ in lengths]
     for u in range(units.doc.numel()):
         d = int(units.doc[u])

@@ -85,6 +85,7 @@ long bodies, and a rank ends up with pieces of 2-6 documents).
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -110,6 +111,12 @@ _PROBES = 32
 # Cost of a cut, by where it falls: an item (document, head, body) boundary, a unit (tile
 # pair) boundary inside a folded item, inside a unit (a "finer" cut, off the tile grid).
 _COST = (0, 1, 4)
+# Rank-by-rank solver: a list pair must bracket a rank's target by this share of it before
+# the pair is chosen by schedule rather than by margin (0.02-0.1 measured alike).
+_MARGIN = 0.1
+# An item in position order longer than a rank's filler share is only tried when its first
+# share of tokens holds at least this share of the mean target density (see _rank_reachable).
+_PREFIX_DENSITY = 0.75
 
 MaskWeights = tuple[tuple[AttnMask, float], ...]
 
@@ -291,9 +298,38 @@ def _profile(masks: MaskWeights, tile: int) -> _Profile:
 
 
 # ---- items and tiles ----------------------------------------------------------------------
-# Item kinds: a mirrored run of positions [s, e) (tiles 0, n-1, 1, n-2, ...), or a long
-# document's body [s, e) folded by chunk pairs (see _chunk_fold).
-_MIRROR, _CHUNKS = 0, 1
+# Item kinds: a mirrored run of positions [s, e) (tiles 0, n-1, 1, n-2, ...), a long
+# document's body [s, e) folded by chunk pairs (see _chunk_fold), or a run in position order
+# (a cut gives the earlier rank a prefix and the later one the rest: one fetch, not two).
+_MIRROR, _CHUNKS, _PREFIX = 0, 1, 2
+# Body item classes of the "blocks" variant: a tail block, a remainder (see _items).
+_TAIL, _REST = 1, 2
+
+
+@dataclass(frozen=True)
+class _Variant:
+    """How one attempt cuts the documents and solves the lists (see the module docstring).
+
+    body:   "fold" (chunk pairs / mirrored bodies) or "blocks" (bodies in position order,
+            split into tail blocks of whole rank shares and remainders).
+    pair:   bodies cut as a dense / sparse pair (to equal tokens and excess) instead of one
+            list cut by excess.
+    keep_small: long segments with negligible excess stay filler.
+    fill:   "mirror" or "prefix" (filler items in position order; items holding more than
+            ``big`` ranks' work stay mirrored).
+    solver: "vector" (the k-ary search over the whole pair), "seq" (rank by rank, one dense
+            and one sparse list) or "classes" (rank by rank, two density classes per side).
+    """
+
+    body: str = "fold"
+    pair: bool = False
+    keep_small: bool = True
+    fill: str = "mirror"
+    big: float = math.inf
+    solver: str = "vector"
+
+
+_LEGACY = (_Variant(), _Variant(pair=True), _Variant(pair=True, keep_small=False))
 
 
 @dataclass
@@ -301,8 +337,9 @@ class _Items:
     doc: torch.Tensor
     start: torch.Tensor
     end: torch.Tensor
-    kind: torch.Tensor  # _MIRROR / _CHUNKS
+    kind: torch.Tensor  # _MIRROR / _CHUNKS / _PREFIX
     body: torch.Tensor  # bool: carries excess work (phase 1) vs filler (phase 2)
+    block: torch.Tensor  # int64: _TAIL / _REST for the bodies of the "blocks" variant, else 0
 
 
 def _phi(prof: _Profile, total: torch.Tensor) -> torch.Tensor:
@@ -314,8 +351,15 @@ def _phi(prof: _Profile, total: torch.Tensor) -> torch.Tensor:
     return (prof.excess * (sign * scale).unsqueeze(1)).sum(0)
 
 
-def _items(lengths: torch.Tensor, prof: _Profile, cp: int, keep_small: bool) -> _Items:
+def _items(lengths: torch.Tensor, prof: _Profile, cp: int, var: _Variant) -> _Items:
     """Cut the documents into filler items (short documents, heads) and bodies.
+
+    ``var.body == "blocks"`` (chunked masks only): the head is the whole first chunk, the
+    body [C, L) runs in position order and is split at p into a tail block [p, L) holding
+    exactly n whole rank shares of the excess (n = floor of the body's shares; p off the
+    tile grid) and a remainder [C, p): the tail block's ranks then hold ONE contiguous
+    piece of one document each, and only the remainders (all starting at C, the cheapest
+    place to start) share ranks.
 
     keep_small: long segments whose excess work is negligible (``_KEEP_EXCESS`` of a
     rank's mean work) stay whole filler items, split like any dense filler: spreading their
@@ -334,7 +378,8 @@ def _items(lengths: torch.Tensor, prof: _Profile, cp: int, keep_small: bool) -> 
     doc, start, end = doc[keep], start[keep], end[keep]
     size = end - start
     long = size > prof.theta
-    if keep_small and prof.excess.shape[0] and bool(long.any()):
+    blocks = var.body == "blocks" and prof.head == "chunk"
+    if var.keep_small and prof.excess.shape[0] and bool(long.any()):
         vec = torch.empty(size.numel(), 1 + len(prof.masks), dtype=torch.float64)
         vec[:, 0] = size.to(torch.float64)
         ends, lens = torch.cat([end, start]), lengths[doc].repeat(2)
@@ -345,7 +390,9 @@ def _items(lengths: torch.Tensor, prof: _Profile, cp: int, keep_small: bool) -> 
         phi = _phi(prof, total)
         tau = _KEEP_EXCESS * float(total[1:].min()) / cp
         long &= (vec @ phi).abs() > tau
-    if prof.head == "chunk":
+    if blocks:
+        h = torch.full_like(size, prof.chunk)
+    elif prof.head == "chunk":
         r = size % prof.chunk
         t = prof.tile
         h = torch.where(r == 0, 0, prof.chunk - (r + t - 1) // t * t)
@@ -371,17 +418,82 @@ def _items(lengths: torch.Tensor, prof: _Profile, cp: int, keep_small: bool) -> 
     b_doc = torch.cat([doc[m] for m, _, _ in b_sel])
     b_start = torch.cat([a[m] for m, a, _ in b_sel])
     b_end = torch.cat([b[m] for m, _, b in b_sel])
-    n_f, n_b = f_doc.numel(), b_doc.numel()
+    n_f, n_b, n_long = f_doc.numel(), b_doc.numel(), int(long.sum())
     kind = torch.full((n_b,), _MIRROR)
-    if prof.head == "chunk":
-        kind[:int(long.sum())] = _CHUNKS
+    block = torch.zeros(n_b, dtype=torch.int64)
+    if blocks and n_long and prof.excess.shape[0]:
+        p, n_sh = _tail_split(lengths, prof, cp, b_doc[:n_long], b_start[:n_long],
+                              b_end[:n_long])
+        rest = torch.nonzero(p > b_start[:n_long]).flatten()
+        tail = torch.nonzero(n_sh >= 1).flatten()
+        b_doc = torch.cat([b_doc[rest], b_doc[tail], b_doc[n_long:]])
+        b_start, b_end = (torch.cat([b_start[rest], p[tail], b_start[n_long:]]),
+                          torch.cat([p[rest], b_end[tail], b_end[n_long:]]))
+        n_b = b_doc.numel()
+        kind = torch.full((n_b,), _PREFIX)
+        block = torch.cat([torch.full((rest.numel(),), _REST),
+                           torch.full((tail.numel(),), _TAIL),
+                           torch.zeros(n_b - rest.numel() - tail.numel(), dtype=torch.int64)])
+    elif prof.head == "chunk":
+        kind[:n_long] = _CHUNKS
+    f_kind = torch.full((n_f,), _MIRROR)
+    if var.fill == "prefix":
+        f_kind[:] = _PREFIX
+        if var.big < math.inf:
+            # Filler items holding more than ``big`` ranks' work stay mirrored: in position
+            # order such an item's stretches would range from far too sparse (its start)
+            # to far too dense for the rank-by-rank solver.
+            m0 = prof.masks[0]
+            fl = lengths[f_doc]
+            w = (prefix_work(fl, f_end, m0) - prefix_work(fl, f_start, m0)).to(torch.float64)
+            share = float(prefix_work(lengths, lengths, m0).sum()) / cp
+            f_kind[w > var.big * share] = _MIRROR
     excess = prof.excess.shape[0] > 0
     return _Items(
         doc=torch.cat([f_doc, b_doc]), start=torch.cat([f_start, b_start]),
         end=torch.cat([f_end, b_end]),
-        kind=torch.cat([torch.full((n_f,), _MIRROR), kind]),
+        kind=torch.cat([f_kind, kind]),
         body=torch.cat([torch.zeros(n_f, dtype=torch.bool),
-                        torch.full((n_b,), excess, dtype=torch.bool)]))
+                        torch.full((n_b,), excess, dtype=torch.bool)]),
+        block=torch.cat([torch.zeros(n_f, dtype=torch.int64), block]))
+
+
+def _tail_split(lengths: torch.Tensor, prof: _Profile, cp: int, doc: torch.Tensor,
+                start: torch.Tensor, end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p, n) per body [start, end): the excess of [p, end) is n whole rank shares (n =
+    floor of the body's excess in shares), p the largest position with at least that much
+    (a k-ary search on the closed forms; p = start when n = 0 or the body is all shares)."""
+    vec = torch.empty(lengths.numel(), 1 + len(prof.masks), dtype=torch.float64)
+    vec[:, 0] = lengths.to(torch.float64)
+    for k, mask in enumerate(prof.masks):
+        vec[:, 1 + k] = prefix_work(lengths, lengths, mask).to(torch.float64)
+    phi = _phi(prof, vec.sum(0))
+    dl = lengths[doc]
+
+    def excess(a: torch.Tensor, b: torch.Tensor, dl: torch.Tensor) -> torch.Tensor:
+        out = phi[0] * (b - a).to(torch.float64)
+        for k, mask in enumerate(prof.masks):
+            out = out + phi[1 + k] * (prefix_work(dl, b, mask)
+                                      - prefix_work(dl, a, mask)).to(torch.float64)
+        return out
+
+    e = excess(start, end, dl)
+    share = float(phi @ vec.sum(0)) / cp
+    n = torch.floor(e / share * (1 + 1e-12)).to(torch.int64)
+    want = n.to(torch.float64) * share
+    lo, hi = start.clone(), end.clone()
+    rows = torch.arange(doc.numel())
+    steps = torch.arange(1, _PROBES + 1)
+    while bool((hi - lo > 0).any()):  # largest p in [lo, hi] with excess(p, end) >= want
+        probe = lo.unsqueeze(1) + ((hi - lo).unsqueeze(1) * steps + _PROBES - 1) // _PROBES
+        ok = excess(probe.flatten(), end.repeat_interleave(_PROBES),
+                    dl.repeat_interleave(_PROBES)).view(-1, _PROBES) >= want.unsqueeze(1)
+        last_ok = (ok.to(torch.int8).cumprod(1).sum(1) - 1)  # ok is a prefix of probes
+        new_lo = torch.where(last_ok >= 0, probe[rows, last_ok.clamp(min=0)], lo)
+        new_hi = torch.where(last_ok < _PROBES - 1,
+                             probe[rows, (last_ok + 1).clamp(max=_PROBES - 1)] - 1, hi)
+        lo, hi = new_lo, torch.maximum(new_hi, new_lo)
+    return lo, n
 
 
 def _mirror_index(j: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -437,6 +549,7 @@ class _Units:
     vec: torch.Tensor  # [n, 1+M] float64: tokens, work per mask
     mid: torch.Tensor  # [n, 1+M]: the same for the unit's first 2*min(a_len, b_len) tokens
     body: torch.Tensor  # bool: the unit belongs to a body (phase 1)
+    block: torch.Tensor  # int64: its item's block class (_TAIL / _REST / 0)
 
 
 def _units(items: _Items, lengths: torch.Tensor, prof: _Profile) -> _Units:
@@ -459,6 +572,7 @@ def _units(items: _Items, lengths: torch.Tensor, prof: _Profile) -> _Units:
         if sel.numel():
             fold[sel] = _chunk_fold(start[sel], items.start[item[sel]], doc_len[sel],
                                     prof.chunk, t)
+    fold = torch.where(items.kind[item] == _PREFIX, j, fold)
     nu = (n + 1) // 2
     uoff = torch.cumsum(nu, 0) - nu
     unit = uoff[item] + fold // 2
@@ -493,7 +607,7 @@ def _units(items: _Items, lengths: torch.Tensor, prof: _Profile) -> _Units:
         u_vec[:, 1 + k] = (w[0] - w[1] + w[2] - w[3]).to(torch.float64)
         mid[:, 1 + k] = (w[4] - w[1] + w[2] - w[5]).to(torch.float64)
     return _Units(u_doc, u_item, torch.arange(n_units) - uoff[u_item], a_start, a_len,
-                  b_start, b_len, u_vec, mid, items.body[u_item])
+                  b_start, b_len, u_vec, mid, items.body[u_item], items.block[u_item])
 
 
 def _split(u: _Units, unit: torch.Tensor, o1: torch.Tensor, o2: torch.Tensor
@@ -843,19 +957,23 @@ def _untangle(dense: _List, sparse: _List, y: torch.Tensor, n_tok: torch.Tensor,
 
 
 def _pair_cut(dense: _List, sparse: _List, n_tok: torch.Tensor, target: torch.Tensor,
-              col: Any, limits: list[tuple[Any, float, float]], give_up: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+              col: Any, limits: list[tuple[Any, float, float]], give_up: bool = False,
+              seq: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Cuts [cp+1] of a dense / sparse list pair giving boundary k ``n_tok[k]`` tokens and
     ``target[k]`` in column ``col`` (exact, then snapped within the budgets of ``limits``,
     relative to what the exact cuts reach, see :func:`_snap_pair`). give_up: None
-    instead of untangling exact cuts that go backwards (a sign of targets out of reach)."""
+    instead of untangling exact cuts that go backwards (a sign of targets out of reach).
+    seq: exact cuts rank by rank (:func:`_rank_cut`) instead of the k-ary search."""
     n_tok = n_tok.clamp(0, dense.total + sparse.total)
     n_tok[-1] = dense.total + sparse.total
-    y = _cut_fill(dense, sparse, n_tok, target, col)
-    if give_up and not (bool((y[1:] >= y[:-1]).all())
-                        and bool((n_tok[1:] - y[1:] >= n_tok[:-1] - y[:-1]).all())):
-        return None
-    y = _untangle(dense, sparse, y, n_tok, target, col)
+    if seq:
+        y = _rank_cut([dense], [sparse], n_tok, target, col)[0]
+    else:
+        y = _cut_fill(dense, sparse, n_tok, target, col)
+        if give_up and not (bool((y[1:] >= y[:-1]).all())
+                            and bool((n_tok[1:] - y[1:] >= n_tok[:-1] - y[:-1]).all())):
+            return None
+        y = _untangle(dense, sparse, y, n_tok, target, col)
     yd, ys = _snap_pair(dense, sparse, y, n_tok, col, limits)
     yd, ys = torch.cummax(dense.even(yd), 0).values, torch.cummax(sparse.even(ys), 0).values
     yd[0], ys[0] = 0, 0
@@ -883,14 +1001,160 @@ def _reachable(dense: _List, sparse: _List, f_tok: torch.Tensor, f_target: torch
     return bool((t >= 0).all()) and bool(((w >= lo * t) & (w <= hi * t)).all())
 
 
-def _solve(units: _Units, prof: _Profile, cp: int, pair_bodies: bool) -> _Layout:
+def _rank_cut(dense: list[_List], sparse: list[_List], n_tok: torch.Tensor,
+              target: torch.Tensor, col: Any) -> list[torch.Tensor]:
+    """Cuts [cp+1] of every list, solved rank by rank (a Python loop over ranks, on
+    Python floats: ~10 us a rank): rank k takes the next stretches of one dense and one
+    sparse list, the pair whose stretches bracket its target density (tokens and column
+    ``col`` exact by a bisection on the piecewise linear cumulative values), so the cuts
+    are monotone whatever the lists' local densities (items in position order are sparse
+    at their start and dense at their end). With several lists a side, a pair with a
+    margin of at least ``_MARGIN`` is taken from the lists furthest behind schedule. A
+    rank whose target is out of reach takes the nearest end; targets are cumulative, so
+    its error goes to the next rank. The last rank takes what is left."""
+    lists = dense + sparse
+    n_l, n_d = len(lists), len(dense)
+    pts = [lst.pt.tolist() for lst in lists]
+    cols = [lst.column(col).tolist() if lst.n else [0.0] for lst in lists]
+    tot = [lst.total for lst in lists]
+
+    def val(i: int, x: int) -> float:
+        p, c = pts[i], cols[i]
+        j = bisect.bisect_right(p, x) - 1
+        if j >= len(p) - 1:
+            return c[-1]
+        x0, x1 = p[j], p[j + 1]
+        return c[j] + (c[j + 1] - c[j]) * ((x - x0) / (x1 - x0) if x1 > x0 else 0.0)
+
+    nt, tg = n_tok.tolist(), target.tolist()
+    n_r = len(nt) - 1
+    pos = [0] * n_l
+    out = [[0] * (n_r + 1) for _ in lists]
+    done = 0.0
+    for k in range(1, n_r):
+        t_k, w_k = nt[k] - nt[k - 1], tg[k] - done
+        best = None
+        for a in range(n_d):
+            for b in range(n_d, n_l):
+                lo, hi = max(0, t_k - (tot[b] - pos[b])), min(t_k, tot[a] - pos[a])
+                if hi < lo:
+                    continue
+                va, vb = val(a, pos[a]), val(b, pos[b])
+                g_lo = val(a, pos[a] + lo) - va + val(b, pos[b] + t_k - lo) - vb - w_k
+                g_hi = val(a, pos[a] + hi) - va + val(b, pos[b] + t_k - hi) - vb - w_k
+                feasible = g_lo <= 0 <= g_hi
+                margin = min(-g_lo, g_hi) / max(abs(w_k), 1.0)
+                lag = 2 * k / n_r - pos[a] / max(tot[a], 1) - pos[b] / max(tot[b], 1)
+                good = feasible and margin >= _MARGIN
+                score = (feasible, good, lag if good else margin)
+                if best is None or score > best[0]:
+                    best = (score, a, b, lo, hi, g_lo, g_hi, va, vb)
+        if best is None:
+            continue
+        _, a, b, lo, hi, g_lo, g_hi, va, vb = best
+        if g_lo >= 0:
+            dx = lo
+        elif g_hi <= 0:
+            dx = hi
+        else:  # Illinois regula falsi on integers
+            f_lo, f_hi, side = g_lo, g_hi, 0
+            while hi - lo > 1:
+                m = min(max(int(round(lo + (hi - lo) * (-f_lo) / (f_hi - f_lo))), lo + 1),
+                        hi - 1)
+                f_m = val(a, pos[a] + m) - va + val(b, pos[b] + t_k - m) - vb - w_k
+                if f_m >= 0:
+                    hi, f_hi = m, f_m
+                    f_lo = f_lo / 2 if side == 1 else f_lo
+                    side = 1
+                else:
+                    lo, f_lo = m, f_m
+                    f_hi = f_hi / 2 if side == -1 else f_hi
+                    side = -1
+            dx = lo if -f_lo <= f_hi else hi
+        done += val(a, pos[a] + dx) - va + val(b, pos[b] + t_k - dx) - vb
+        pos[a] += dx
+        pos[b] += t_k - dx
+        for i in range(n_l):
+            out[i][k] = pos[i]
+    for i in range(n_l):
+        out[i][n_r] = tot[i]
+    return [torch.tensor(o, dtype=torch.int64) for o in out]
+
+
+def _block_targets(units: _Units, body: _List, phi: torch.Tensor, cp: int) -> torch.Tensor:
+    """Excess targets [cp+1] of the "blocks" body list (remainders first, then tail
+    blocks): the remainders in equal shares, then each tail block in equal shares of its
+    own, so that the cuts fall on the blocks' boundaries (each block is a whole number of
+    shares up to one token)."""
+    it = units.item[body.order]
+    new = torch.ones(body.n, dtype=torch.bool)
+    new[1:] = it[1:] != it[:-1]
+    first = torch.nonzero(new).flatten()
+    cum = body.column(phi)
+    c_s = cum[2 * first]
+    c_e = torch.cat([c_s[1:], cum[-1:]])
+    tail = units.block[body.order[first]] == _TAIL
+    total = float(cum[-1])
+    n_sh = torch.clamp(torch.round((c_e - c_s)[tail] * cp / max(total, 1e-300)),
+                       min=1).to(torch.int64)
+    n_rest = cp - int(n_sh.sum())
+    if not bool(tail.any()) or n_rest < 0 or (n_rest == 0 and not bool(tail[0])):
+        return torch.arange(cp + 1, dtype=torch.float64) * total / cp
+    s_t, e_t = c_s[tail], c_e[tail]
+    rest_end = float(s_t[0])
+    rep = torch.repeat_interleave(torch.arange(n_sh.numel()), n_sh)
+    off = (torch.arange(int(n_sh.sum())) - (torch.cumsum(n_sh, 0) - n_sh)[rep]).to(torch.float64)
+    return torch.cat([torch.arange(n_rest, dtype=torch.float64) * rest_end / max(n_rest, 1),
+                      s_t[rep] + (e_t - s_t)[rep] * off / n_sh[rep].to(torch.float64),
+                      torch.tensor([total], dtype=torch.float64)])
+
+
+def _classes(units: _Units, sel: torch.Tensor, item_d: torch.Tensor, item_t: torch.Tensor,
+             key: torch.Tensor, n: int, tok_budget: float) -> list[_List]:
+    """The selected units as ``n`` lists of equal tokens by item density (low first),
+    each in ``key`` order."""
+    items = torch.unique(units.item[sel])
+    o = items[torch.argsort(item_d[items], stable=True)]
+    cum = torch.cumsum(item_t[o], 0)
+    total = float(cum[-1]) if cum.numel() else 1.0
+    grp = torch.clamp(((cum - item_t[o] / 2) * n / max(total, 1.0)).to(torch.int64), max=n - 1)
+    g_of = torch.full((item_t.numel(),), -1, dtype=torch.int64)
+    g_of[o] = grp
+    return [_new_list(units, _order(units, sel & (g_of[units.item] == g), key), tok_budget)
+            for g in range(n)]
+
+
+def _rank_reachable(items: _Items, fill_items: torch.Tensor, lengths: torch.Tensor,
+                    prof: _Profile, col: int, f_tok: torch.Tensor, f_target: torch.Tensor
+                    ) -> bool:
+    """Cheap test before the rank-by-rank solver: every rank's filler share must be
+    non-negative, and a filler item in position order that is longer than a rank's share
+    must not be much sparser over its first share of tokens than the ranks' mean target
+    (a rank starting on it could not reach its work: 128K tokens of the heavy tail at cp
+    64, 2K tokens per rank, vs ~4K mean causal density)."""
+    t = (f_tok[1:] - f_tok[:-1]).to(torch.float64)
+    w = f_target[1:] - f_target[:-1]
+    if bool((t < 0).any()) or bool((w < -1e-6 * float(w.abs().max())).any()):
+        return False
+    pre = fill_items & (items.kind == _PREFIX)
+    share = int(t.median())
+    long = torch.nonzero(pre & (items.end - items.start > share)).flatten()
+    if not long.numel() or share <= 0:
+        return True
+    mask = prof.masks[col - 1]
+    dl, a = lengths[items.doc[long]], items.start[long]
+    first = (prefix_work(dl, a + share, mask) - prefix_work(dl, a, mask)).to(torch.float64)
+    return bool((first >= _PREFIX_DENSITY * float(w.sum() / t.sum()) * share).all())
+
+
+def _solve(units: _Units, prof: _Profile, cp: int, var: _Variant, items: _Items,
+           lengths: torch.Tensor) -> _Layout:
     """Phase 1 (bodies: the excess work) then phase 2 (filler: tokens and the rest).
 
-    pair_bodies: False cuts the bodies as one list (spread by excess per token) by excess
-    alone (a rank's bodies are then one or two documents; phase 2 absorbs the token
-    differences);
-    True cuts dense / sparse bodies (in excess per token) to equal tokens and excess (more
-    documents per rank, always feasible for phase 2).
+    Bodies (``var``): one list spread by excess per token and cut by excess alone (a
+    rank's bodies are then one or two documents; phase 2 absorbs the token differences);
+    or a dense / sparse pair (in excess per token) cut to equal tokens and excess (more
+    documents per rank, always feasible for phase 2); or the blocks of :func:`_items`.
     """
     n_items = int(units.item.max()) + 1 if units.item.numel() else 0
     is_body = units.body & (prof.excess.shape[0] > 0)
@@ -909,6 +1173,7 @@ def _solve(units: _Units, prof: _Profile, cp: int, pair_bodies: bool) -> _Layout
     doc_order = torch.empty(n_items, dtype=torch.int64)
     doc_order[torch.argsort(first)] = torch.arange(n_items)
     item_t = _item_sums(units, n_items, 0)
+    fail = _Layout([], [], torch.full((cp, 1 + M), math.inf, dtype=torch.float64))
 
     # Phase 1: bodies, cut so that every rank gets 1/cp of the excess work.
     lists, cuts = [], []
@@ -917,8 +1182,8 @@ def _solve(units: _Units, prof: _Profile, cp: int, pair_bodies: bool) -> _Layout
         phi = _phi(prof, total)
         others = [m for m in range(M) if 1 + m != col] or list(range(M))
         budget = _EXCESS_BUDGET * float(min(share[1 + m] for m in others))
-        if pair_bodies:
-            item_phi = _item_sums(units, n_items, phi)
+        item_phi = _item_sums(units, n_items, phi)
+        if var.pair:
             body_items = torch.zeros(n_items, dtype=torch.bool)
             body_items[units.item[is_body]] = True
             t_b = float(item_t[body_items].sum())
@@ -934,14 +1199,26 @@ def _solve(units: _Units, prof: _Profile, cp: int, pair_bodies: bool) -> _Layout
             cuts += [xd, xs]
             b_val = dense.at(xd) + sparse.at(xs)
         else:
-            # Bodies spread by excess per token, so that the excess cut gives no rank
-            # a stretch of only sparse bodies (too many tokens for the filler to offset).
-            item_phi = _item_sums(units, n_items, phi)
             b_items = torch.zeros(n_items, dtype=torch.bool)
             b_items[units.item[is_body]] = True
-            key = _spread_key(item_phi / item_t.clamp(min=1), item_t * b_items)
+            if var.body == "blocks":
+                # Remainders first (shortest documents first), then the tail blocks
+                # (longest first, so that the last rank, which phase 2 gives what is
+                # left of every filler list, holds the shortest document's end).
+                i_blk = torch.zeros(n_items, dtype=torch.int64)
+                i_blk[units.item] = units.block
+                ln = lengths[first >> 40]
+                key = torch.where(i_blk == _REST, ln, (1 << 40) - ln) * (1 << 22) + (first >> 40)
+                key = torch.argsort(torch.argsort(key))
+            else:
+                # Bodies spread by excess per token, so that the excess cut gives no rank
+                # a stretch of only sparse bodies (too many tokens for the filler).
+                key = _spread_key(item_phi / item_t.clamp(min=1), item_t * b_items)
             body = _new_list(units, _order(units, is_body, key), tok_budget)
-            target = k.to(torch.float64) * float(body.pv[-1] @ phi) / cp
+            if var.body == "blocks":
+                target = _block_targets(units, body, phi, cp)
+            else:
+                target = k.to(torch.float64) * float(body.pv[-1] @ phi) / cp
             x = _cut_excess(body, phi, target, budget)
             x[0], x[-1] = 0, body.total
             lists.append(body)
@@ -960,20 +1237,32 @@ def _solve(units: _Units, prof: _Profile, cp: int, pair_bodies: bool) -> _Layout
     # list holds about its mean density), so per-rank targets stay reachable.
     fill_items = torch.zeros(n_items, dtype=torch.bool)
     fill_items[units.item[fill]] = True
+    if var.solver != "vector" and not _rank_reachable(items, fill_items, lengths, prof, col,
+                                                      f_tok, f_target):
+        return fail
     spread = _spread_key(item_w / item_t.clamp(min=1), item_t * fill_items)
+    if var.solver == "classes":
+        dens = item_w / item_t.clamp(min=1)
+        dl = _classes(units, fill & is_dense, dens, item_t, spread, 2, tok_budget)
+        sl = _classes(units, fill & ~is_dense, dens, item_t, spread, 2, tok_budget)
+        f_tok[-1] = sum(lst.total for lst in dl + sl)
+        lists += dl + sl
+        cuts += _rank_cut(dl, sl, f_tok, f_target, col)
+        return _Layout(lists, cuts, _rank_vectors(lists, cuts))
     dense = _new_list(units, _order(units, fill & is_dense, spread), tok_budget)
     sparse = _new_list(units, _order(units, fill & ~is_dense, spread), tok_budget)
-    if lists and not pair_bodies and not _reachable(dense, sparse, n_tok - b_val[:, 0],
-                                                    f_target, col):
-        return _Layout([], [], torch.full((cp, 1 + M), math.inf, dtype=torch.float64))
+    one_list = bool(lists) and not var.pair
+    if one_list and var.solver == "vector" and not _reachable(
+            dense, sparse, n_tok - b_val[:, 0], f_target, col):
+        return fail
     prio = torch.tensor(prof.weights, dtype=torch.float64)
     prio = prio / prio.max()
     limits = [(0, tok_budget, 1.0)] + [(1 + m, _FILL_BUDGET * float(share[1 + m]),
                                         float(prio[m])) for m in range(M)]
-    cut = _pair_cut(dense, sparse, f_tok, f_target, col, limits,
-                    give_up=bool(lists) and not pair_bodies)
+    cut = _pair_cut(dense, sparse, f_tok, f_target, col, limits, give_up=one_list,
+                    seq=var.solver == "seq")
     if cut is None:
-        return _Layout([], [], torch.full((cp, 1 + M), math.inf, dtype=torch.float64))
+        return fail
     yd, ys = cut
     lists += [dense, sparse]
     cuts += [yd, ys]
@@ -1018,29 +1307,79 @@ def _runs(units: _Units, lay: _Layout) -> tuple[torch.Tensor, ...]:
     return rank[keep], doc[keep], start[keep], length[keep]
 
 
+def _has_bodies(lengths: torch.Tensor, prof: _Profile, cp: int) -> bool:
+    """Whether any segment carries excess work (a long document with more than the
+    negligible excess of ``keep_small``)."""
+    if not prof.excess.shape[0]:
+        return False
+    seg = lengths if not prof.split else torch.clamp(lengths, max=prof.split)
+    return bool((seg > prof.theta).any())
+
+
+def _variants(prof: _Profile, bodies: bool) -> list[_Variant]:
+    """Attempts in order (the first that meets the targets is taken): locality-first
+    variants where their pieces keep the masks' work in a fixed relation (every mask
+    looks left, so a filler item's prefix is causal-like under all of them), then the
+    fold variants (always feasible when anything is)."""
+    left = all(_locality(m)[1] for m in prof.masks)
+    if not bodies and (len(prof.masks) == 1 or left):
+        return [_Variant(fill="prefix", solver="seq"),
+                _Variant(fill="prefix", solver="classes")] + list(_LEGACY[:1])
+    if not left:
+        return list(_LEGACY)
+    local = []
+    if prof.head == "chunk":
+        local.append(_Variant(body="blocks", fill="prefix", big=2.0, solver="classes"))
+    return local + list(_LEGACY)
+
+
 def balanced_runs(lengths: torch.Tensor, cp_size: int, masks: MaskWeights, tile_tokens: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rank, doc, start, length) int64 runs of the balanced layout (see the module
-    docstring) for documents of ``lengths`` (int64, CPU); inputs validated."""
+    docstring) for documents of ``lengths`` (int64, CPU); inputs validated. Runs are
+    maximal: one per (rank, document, stretch of consecutive positions)."""
     lengths = lengths.to(torch.int64)
     if cp_size == 1 or int(lengths.sum()) == 0:
         d = torch.nonzero(lengths > 0).flatten()
         return torch.zeros_like(d), d, torch.zeros_like(d), lengths[d]
     prof = _profile(masks, tile_tokens)
-    units = _units(_items(lengths, prof, cp_size, True), lengths, prof)
-    best = (_solve(units, prof, cp_size, pair_bodies=False), units)
-    if prof.excess.shape[0] and _score(best[0].per_rank) > 1.0:
-        # Fallbacks, each less communication-friendly: bodies cut dense / sparse, then
-        # every long segment split into head and body.
-        for keep_small in (True, False):
-            if not keep_small:
-                units = _units(_items(lengths, prof, cp_size, False), lengths, prof)
-            lay = _solve(units, prof, cp_size, pair_bodies=True)
-            if _score(lay.per_rank) < _score(best[0].per_rank):
-                best = (lay, units)
-            if _score(best[0].per_rank) <= 1.0:
-                break
-    return _runs(best[1], best[0])
+    best = None
+    items_of: dict[tuple, tuple[_Items, _Units]] = {}
+    for var in _variants(prof, _has_bodies(lengths, prof, cp_size)):
+        key = (var.body, var.keep_small, var.fill, var.big)
+        if key not in items_of:
+            items = _items(lengths, prof, cp_size, var)
+            items_of[key] = (items, _units(items, lengths, prof))
+        items, units = items_of[key]
+        lay = _solve(units, prof, cp_size, var, items, lengths)
+        if best is None or _score(lay.per_rank) < _score(best[0].per_rank):
+            best = (lay, units)
+        if _score(best[0].per_rank) <= 1.0:
+            break
+    return _merge(*_runs(best[1], best[0]))
+
+
+def _merge(rank: torch.Tensor, doc: torch.Tensor, start: torch.Tensor, length: torch.Tensor
+           ) -> tuple[torch.Tensor, ...]:
+    """Runs sorted by (rank, doc, start) with touching runs of one rank and document
+    merged (the layout cuts on a tile grid: ~one run per tile before merging)."""
+    n_docs = int(doc.max()) + 1 if doc.numel() else 1
+    span = int((start + length).max()) + 1 if doc.numel() else 1
+    n_ranks = int(rank.max()) + 1 if doc.numel() else 1
+    if n_ranks * n_docs * span < 1 << 62:
+        o = torch.argsort((rank * n_docs + doc) * span + start)
+    else:  # stable sorts, least significant key first
+        o = torch.argsort(start, stable=True)
+        o = o[torch.argsort(doc[o], stable=True)]
+        o = o[torch.argsort(rank[o], stable=True)]
+    rank, doc, start, length = rank[o], doc[o], start[o], length[o]
+    new = torch.ones(rank.numel(), dtype=torch.bool)
+    new[1:] = (rank[1:] != rank[:-1]) | (doc[1:] != doc[:-1]) | (
+        start[1:] != start[:-1] + length[:-1])
+    head = torch.nonzero(new).flatten()
+    stop = torch.cat([head[1:], torch.tensor([rank.numel()])])
+    end = (start + length)[stop - 1]
+    return rank[head], doc[head], start[head], end - start[head]
 
 
 def describe(masks: MaskWeights, tile_tokens: int) -> Sequence[Any]:
