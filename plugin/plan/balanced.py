@@ -114,6 +114,15 @@ _COST = (0, 1, 4)
 # Rank-by-rank solver: a list pair must bracket a rank's target by this share of it before
 # the pair is chosen by schedule rather than by margin (0.02-0.1 measured alike).
 _MARGIN = 0.1
+# ... and a pair's cost: the rest of the cut items the rank starts on (a fetch for it),
+# weighed against the schedule (relative to the rank's tokens). 0.5-2 measured alike.
+_OFFSET_W = 2.0
+# Window bodies: a late part with less excess than this share of a rank's stays with the
+# early part (a rank would otherwise collect slivers of several documents' ends).
+_MINLATE = 0.5
+# Rank-by-rank solver tolerance (of a rank's share): its error goes to the next rank's
+# target, so it does not add up; the snap budgets are 6x larger.
+_SOLVE_TOL = 1e-3
 # An item in position order longer than a rank's filler share is only tried when its first
 # share of tokens holds at least this share of the mean target density (see _rank_reachable).
 _PREFIX_DENSITY = 0.75
@@ -351,7 +360,49 @@ def _phi(prof: _Profile, total: torch.Tensor) -> torch.Tensor:
     return (prof.excess * (sign * scale).unsqueeze(1)).sum(0)
 
 
-def _items(lengths: torch.Tensor, prof: _Profile, cp: int, var: _Variant) -> _Items:
+def _segments(lengths: torch.Tensor, prof: _Profile, cp: int, keep_small: bool,
+              memo: dict | None = None) -> tuple[torch.Tensor, ...]:
+    """(doc, start, end, long) of the non-empty segments: documents, or their chunks when
+    every mask is chunked with one size; long: longer than theta and, with keep_small,
+    carrying more than negligible excess (see :func:`_items`). ``memo``: per-call cache."""
+    if memo is not None and ("seg", keep_small) in memo:
+        return memo[("seg", keep_small)]
+    out = _segments_of(lengths, prof, cp, keep_small)
+    if memo is not None:
+        memo[("seg", keep_small)] = out
+    return out
+
+
+def _segments_of(lengths: torch.Tensor, prof: _Profile, cp: int, keep_small: bool
+                 ) -> tuple[torch.Tensor, ...]:
+    n_docs = lengths.numel()
+    doc, start, end = torch.arange(n_docs), torch.zeros_like(lengths), lengths.clone()
+    if prof.split:  # independent chunks: each is a segment of its own
+        n = (lengths + prof.split - 1) // prof.split
+        doc = torch.repeat_interleave(doc, n)
+        first = torch.cumsum(n, 0) - n
+        start = (torch.arange(doc.numel()) - first[doc]) * prof.split
+        end = torch.minimum(start + prof.split, lengths[doc])
+    keep = end > start
+    doc, start, end = doc[keep], start[keep], end[keep]
+    size = end - start
+    long = size > prof.theta
+    if keep_small and prof.excess.shape[0] and bool(long.any()):
+        vec = torch.empty(size.numel(), 1 + len(prof.masks), dtype=torch.float64)
+        vec[:, 0] = size.to(torch.float64)
+        ends, lens = torch.cat([end, start]), lengths[doc].repeat(2)
+        for k, mask in enumerate(prof.masks):
+            w = prefix_work(lens, ends, mask).view(2, -1)
+            vec[:, 1 + k] = (w[0] - w[1]).to(torch.float64)
+        total = vec.sum(0)
+        phi = _phi(prof, total)
+        tau = _KEEP_EXCESS * float(total[1:].min()) / cp
+        long &= (vec @ phi).abs() > tau
+    return doc, start, end, long
+
+
+def _items(lengths: torch.Tensor, prof: _Profile, cp: int, var: _Variant,
+           memo: dict | None = None) -> _Items:
     """Cut the documents into filler items (short documents, heads) and bodies.
 
     ``var.body == "blocks"`` (chunked masks only): the head is the whole first chunk, the
@@ -367,29 +418,10 @@ def _items(lengths: torch.Tensor, prof: _Profile, cp: int, var: _Variant) -> _It
     4242-token document among 1000 short ones with a 4096 window at cp 16: SWA-layer
     efficiency 0.26 spread, 0.46 as filler)."""
     n_docs = lengths.numel()
-    doc, start, end = torch.arange(n_docs), torch.zeros_like(lengths), lengths.clone()
-    if prof.split:  # independent chunks: each is a segment of its own
-        n = (lengths + prof.split - 1) // prof.split
-        doc = torch.repeat_interleave(doc, n)
-        first = torch.cumsum(n, 0) - n
-        start = (torch.arange(doc.numel()) - first[doc]) * prof.split
-        end = torch.minimum(start + prof.split, lengths[doc])
-    keep = end > start
-    doc, start, end = doc[keep], start[keep], end[keep]
+    memo = {} if memo is None else memo
+    doc, start, end, long = _segments(lengths, prof, cp, var.keep_small, memo)
     size = end - start
-    long = size > prof.theta
     blocks = var.body == "blocks" and prof.head == "chunk"
-    if var.keep_small and prof.excess.shape[0] and bool(long.any()):
-        vec = torch.empty(size.numel(), 1 + len(prof.masks), dtype=torch.float64)
-        vec[:, 0] = size.to(torch.float64)
-        ends, lens = torch.cat([end, start]), lengths[doc].repeat(2)
-        for k, mask in enumerate(prof.masks):
-            w = prefix_work(lens, ends, mask).view(2, -1)
-            vec[:, 1 + k] = (w[0] - w[1]).to(torch.float64)
-        total = vec.sum(0)
-        phi = _phi(prof, total)
-        tau = _KEEP_EXCESS * float(total[1:].min()) / cp
-        long &= (vec @ phi).abs() > tau
     if blocks:
         h = torch.full_like(size, prof.chunk)
     elif prof.head == "chunk":
@@ -421,11 +453,20 @@ def _items(lengths: torch.Tensor, prof: _Profile, cp: int, var: _Variant) -> _It
     n_f, n_b, n_long = f_doc.numel(), b_doc.numel(), int(long.sum())
     kind = torch.full((n_b,), _MIRROR)
     block = torch.zeros(n_b, dtype=torch.int64)
-    if blocks and n_long and prof.excess.shape[0]:
-        p, n_sh = _tail_split(lengths, prof, cp, b_doc[:n_long], b_start[:n_long],
-                              b_end[:n_long])
+    if (blocks or var.body == "split") and n_long and prof.excess.shape[0]:
+        if blocks:
+            p, n_sh = _tail_split(lengths, prof, cp, b_doc[:n_long], b_start[:n_long],
+                                  b_end[:n_long], memo)
+            tail = torch.nonzero(n_sh >= 1).flatten()
+        else:
+            p = _density_split(lengths, prof, b_doc[:n_long], b_start[:n_long],
+                               b_end[:n_long], memo)
+            if _MINLATE > 0:
+                excess, tot_e = _excess_of(lengths, prof, memo)
+                small = excess(p, b_end[:n_long], lengths[b_doc[:n_long]]) < _MINLATE * tot_e / cp
+                p = torch.where(small, b_end[:n_long], p)
+            tail = torch.nonzero(p < b_end[:n_long]).flatten()
         rest = torch.nonzero(p > b_start[:n_long]).flatten()
-        tail = torch.nonzero(n_sh >= 1).flatten()
         b_doc = torch.cat([b_doc[rest], b_doc[tail], b_doc[n_long:]])
         b_start, b_end = (torch.cat([b_start[rest], p[tail], b_start[n_long:]]),
                           torch.cat([p[rest], b_end[tail], b_end[n_long:]]))
@@ -458,17 +499,20 @@ def _items(lengths: torch.Tensor, prof: _Profile, cp: int, var: _Variant) -> _It
         block=torch.cat([torch.zeros(n_f, dtype=torch.int64), block]))
 
 
-def _tail_split(lengths: torch.Tensor, prof: _Profile, cp: int, doc: torch.Tensor,
-                start: torch.Tensor, end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(p, n) per body [start, end): the excess of [p, end) is n whole rank shares (n =
-    floor of the body's excess in shares), p the largest position with at least that much
-    (a k-ary search on the closed forms; p = start when n = 0 or the body is all shares)."""
+def _excess_of(lengths: torch.Tensor, prof: _Profile, memo: dict) -> tuple[Any, float]:
+    """(excess(a, b, doc_len): the excess functional over positions [a, b) of documents of
+    doc_len tokens, its total over all documents)."""
+    if "excess" not in memo:
+        memo["excess"] = _excess_fn(lengths, prof)
+    return memo["excess"]
+
+
+def _excess_fn(lengths: torch.Tensor, prof: _Profile) -> tuple[Any, float]:
     vec = torch.empty(lengths.numel(), 1 + len(prof.masks), dtype=torch.float64)
     vec[:, 0] = lengths.to(torch.float64)
     for k, mask in enumerate(prof.masks):
         vec[:, 1 + k] = prefix_work(lengths, lengths, mask).to(torch.float64)
     phi = _phi(prof, vec.sum(0))
-    dl = lengths[doc]
 
     def excess(a: torch.Tensor, b: torch.Tensor, dl: torch.Tensor) -> torch.Tensor:
         out = phi[0] * (b - a).to(torch.float64)
@@ -477,23 +521,51 @@ def _tail_split(lengths: torch.Tensor, prof: _Profile, cp: int, doc: torch.Tenso
                                       - prefix_work(dl, a, mask)).to(torch.float64)
         return out
 
-    e = excess(start, end, dl)
-    share = float(phi @ vec.sum(0)) / cp
-    n = torch.floor(e / share * (1 + 1e-12)).to(torch.int64)
-    want = n.to(torch.float64) * share
-    lo, hi = start.clone(), end.clone()
-    rows = torch.arange(doc.numel())
+    return excess, float(phi @ vec.sum(0))
+
+
+def _last_true(lo: torch.Tensor, hi: torch.Tensor, pred: Any) -> torch.Tensor:
+    """Per row, the largest p in [lo, hi] with pred(p) (pred true then false along p;
+    lo is returned where pred(lo) is false): a k-ary search, _PROBES probes a round."""
+    lo, hi = lo.clone(), hi.clone()
+    rows = torch.arange(lo.numel())
     steps = torch.arange(1, _PROBES + 1)
-    while bool((hi - lo > 0).any()):  # largest p in [lo, hi] with excess(p, end) >= want
+    while bool((hi > lo).any()):
         probe = lo.unsqueeze(1) + ((hi - lo).unsqueeze(1) * steps + _PROBES - 1) // _PROBES
-        ok = excess(probe.flatten(), end.repeat_interleave(_PROBES),
-                    dl.repeat_interleave(_PROBES)).view(-1, _PROBES) >= want.unsqueeze(1)
-        last_ok = (ok.to(torch.int8).cumprod(1).sum(1) - 1)  # ok is a prefix of probes
-        new_lo = torch.where(last_ok >= 0, probe[rows, last_ok.clamp(min=0)], lo)
-        new_hi = torch.where(last_ok < _PROBES - 1,
-                             probe[rows, (last_ok + 1).clamp(max=_PROBES - 1)] - 1, hi)
+        ok = pred(probe.flatten(), rows.repeat_interleave(_PROBES)).view(-1, _PROBES)
+        last = ok.to(torch.int8).cumprod(1).sum(1) - 1  # ok is a prefix of the probes
+        new_lo = torch.where(last >= 0, probe[rows, last.clamp(min=0)], lo)
+        new_hi = torch.where(last < _PROBES - 1,
+                             probe[rows, (last + 1).clamp(max=_PROBES - 1)] - 1, hi)
         lo, hi = new_lo, torch.maximum(new_hi, new_lo)
-    return lo, n
+    return lo
+
+
+def _tail_split(lengths: torch.Tensor, prof: _Profile, cp: int, doc: torch.Tensor,
+                start: torch.Tensor, end: torch.Tensor, memo: dict
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p, n) per body [start, end): the excess of [p, end) is n whole rank shares (n =
+    floor of the body's excess in shares), p the largest position with at least that much
+    (p = end when n = 0)."""
+    excess, total = _excess_of(lengths, prof, memo)
+    dl = lengths[doc]
+    share = total / cp
+    n = torch.floor(excess(start, end, dl) / share * (1 + 1e-12)).to(torch.int64)
+    want = n.to(torch.float64) * share
+    p = _last_true(start, end, lambda x, r: excess(x, end[r], dl[r]) >= want[r])
+    return p, n
+
+
+def _density_split(lengths: torch.Tensor, prof: _Profile, doc: torch.Tensor,
+                   start: torch.Tensor, end: torch.Tensor, memo: dict) -> torch.Tensor:
+    """Per body [start, end): the first position whose token carries at least the bodies'
+    mean excess per token (the excess per token grows along a body when every mask looks
+    left)."""
+    excess, _ = _excess_of(lengths, prof, memo)
+    dl = lengths[doc]
+    mean = float(excess(start, end, dl).sum()) / max(float((end - start).sum()), 1.0)
+    below = _last_true(start, end - 1, lambda x, r: excess(x, x + 1, dl[r]) < mean)
+    return torch.where(excess(start, start + 1, dl) >= mean, start, below + 1)
 
 
 def _mirror_index(j: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -662,6 +734,12 @@ class _List:
         self._cols: dict[Any, torch.Tensor] = {}
         self._bounds: list[torch.Tensor] = []
         self.even_cuts = True
+
+    def item_starts(self) -> torch.Tensor:
+        """Token offsets where an item starts in the list (0 first; [1] = 0 if empty)."""
+        if self.n == 0:
+            return torch.zeros(1, dtype=torch.int64)
+        return self.tok[:-1][self.cls[:-1] == 0]
 
     def column(self, col: Any) -> torch.Tensor:
         """Cumulative column ``col`` (an index, or a [1+M] functional) at the merged
@@ -1004,64 +1082,78 @@ def _reachable(dense: _List, sparse: _List, f_tok: torch.Tensor, f_target: torch
 def _rank_cut(dense: list[_List], sparse: list[_List], n_tok: torch.Tensor,
               target: torch.Tensor, col: Any) -> list[torch.Tensor]:
     """Cuts [cp+1] of every list, solved rank by rank (a Python loop over ranks, on
-    Python floats: ~10 us a rank): rank k takes the next stretches of one dense and one
+    Python floats: ~20 us a rank): rank k takes the next stretches of one dense and one
     sparse list, the pair whose stretches bracket its target density (tokens and column
-    ``col`` exact by a bisection on the piecewise linear cumulative values), so the cuts
-    are monotone whatever the lists' local densities (items in position order are sparse
-    at their start and dense at their end). With several lists a side, a pair with a
-    margin of at least ``_MARGIN`` is taken from the lists furthest behind schedule. A
-    rank whose target is out of reach takes the nearest end; targets are cumulative, so
-    its error goes to the next rank. The last rank takes what is left."""
+    ``col`` exact up to _SOLVE_TOL of the rank's share, by regula falsi on the piecewise linear
+    cumulative values), so the cuts are monotone whatever the lists' local densities
+    (items in position order are sparse at their start and dense at their end). With
+    several lists a side, among the pairs with a margin of at least ``_MARGIN`` the one
+    furthest behind schedule, and least costly to start in (the rest of a cut item is a
+    fetch for this rank), is taken. A rank whose target is out of reach takes the nearest
+    end; targets are cumulative, so its error goes to the next rank. The last rank takes
+    what is left."""
     lists = dense + sparse
     n_l, n_d = len(lists), len(dense)
     pts = [lst.pt.tolist() for lst in lists]
     cols = [lst.column(col).tolist() if lst.n else [0.0] for lst in lists]
+    last = [len(p) - 1 for p in pts]
+    starts = [lst.item_starts().tolist() for lst in lists]
     tot = [lst.total for lst in lists]
+    bis = bisect.bisect_right
 
     def val(i: int, x: int) -> float:
         p, c = pts[i], cols[i]
-        j = bisect.bisect_right(p, x) - 1
-        if j >= len(p) - 1:
+        j = bis(p, x) - 1
+        if j >= last[i]:
             return c[-1]
-        x0, x1 = p[j], p[j + 1]
-        return c[j] + (c[j + 1] - c[j]) * ((x - x0) / (x1 - x0) if x1 > x0 else 0.0)
+        x0 = p[j]
+        return c[j] + (c[j + 1] - c[j]) * (x - x0) / (p[j + 1] - x0)
 
     nt, tg = n_tok.tolist(), target.tolist()
     n_r = len(nt) - 1
     pos = [0] * n_l
+    cur = [0.0] * n_l  # val(i, pos[i])
     out = [[0] * (n_r + 1) for _ in lists]
     done = 0.0
     for k in range(1, n_r):
         t_k, w_k = nt[k] - nt[k - 1], tg[k] - done
+        tol = _SOLVE_TOL * abs(w_k)
         best = None
         for a in range(n_d):
             for b in range(n_d, n_l):
                 lo, hi = max(0, t_k - (tot[b] - pos[b])), min(t_k, tot[a] - pos[a])
                 if hi < lo:
                     continue
-                va, vb = val(a, pos[a]), val(b, pos[b])
-                g_lo = val(a, pos[a] + lo) - va + val(b, pos[b] + t_k - lo) - vb - w_k
-                g_hi = val(a, pos[a] + hi) - va + val(b, pos[b] + t_k - hi) - vb - w_k
+                base = cur[a] + cur[b] + w_k
+                g_lo = val(a, pos[a] + lo) + val(b, pos[b] + t_k - lo) - base
+                g_hi = val(a, pos[a] + hi) + val(b, pos[b] + t_k - hi) - base
                 feasible = g_lo <= 0 <= g_hi
-                margin = min(-g_lo, g_hi) / max(abs(w_k), 1.0)
-                lag = 2 * k / n_r - pos[a] / max(tot[a], 1) - pos[b] / max(tot[b], 1)
-                good = feasible and margin >= _MARGIN
-                score = (feasible, good, lag if good else margin)
+                score = (feasible,)
+                if n_l > 2:
+                    margin = min(-g_lo, g_hi) / max(abs(w_k), 1.0)
+                    good = feasible and margin >= _MARGIN
+                    if good:
+                        sa, sb = starts[a], starts[b]
+                        off = (pos[a] - sa[bis(sa, pos[a]) - 1]
+                               + pos[b] - sb[bis(sb, pos[b]) - 1])
+                        lag = (2 * k / n_r - pos[a] / max(tot[a], 1) - pos[b] / max(tot[b], 1)
+                               - _OFFSET_W * off / max(t_k, 1))
+                    score = (feasible, good, lag if good else margin)
                 if best is None or score > best[0]:
-                    best = (score, a, b, lo, hi, g_lo, g_hi, va, vb)
+                    best = (score, a, b, lo, hi, g_lo, g_hi, base)
         if best is None:
             continue
-        _, a, b, lo, hi, g_lo, g_hi, va, vb = best
-        if g_lo >= 0:
+        _, a, b, lo, hi, f_lo, f_hi, base = best
+        if f_lo >= 0:
             dx = lo
-        elif g_hi <= 0:
+        elif f_hi <= 0:
             dx = hi
         else:  # Illinois regula falsi on integers
-            f_lo, f_hi, side = g_lo, g_hi, 0
-            while hi - lo > 1:
-                m = min(max(int(round(lo + (hi - lo) * (-f_lo) / (f_hi - f_lo))), lo + 1),
+            side = 0
+            while hi - lo > 1 and -f_lo > tol and f_hi > tol:
+                m = min(max(int(lo + (hi - lo) * (-f_lo) / (f_hi - f_lo) + 0.5), lo + 1),
                         hi - 1)
-                f_m = val(a, pos[a] + m) - va + val(b, pos[b] + t_k - m) - vb - w_k
+                f_m = val(a, pos[a] + m) + val(b, pos[b] + t_k - m) - base
                 if f_m >= 0:
                     hi, f_hi = m, f_m
                     f_lo = f_lo / 2 if side == 1 else f_lo
@@ -1071,9 +1163,11 @@ def _rank_cut(dense: list[_List], sparse: list[_List], n_tok: torch.Tensor,
                     f_hi = f_hi / 2 if side == -1 else f_hi
                     side = -1
             dx = lo if -f_lo <= f_hi else hi
-        done += val(a, pos[a] + dx) - va + val(b, pos[b] + t_k - dx) - vb
         pos[a] += dx
         pos[b] += t_k - dx
+        va, vb = val(a, pos[a]), val(b, pos[b])
+        done += va - cur[a] + vb - cur[b]
+        cur[a], cur[b] = va, vb
         for i in range(n_l):
             out[i][k] = pos[i]
     for i in range(n_l):
@@ -1183,7 +1277,20 @@ def _solve(units: _Units, prof: _Profile, cp: int, var: _Variant, items: _Items,
         others = [m for m in range(M) if 1 + m != col] or list(range(M))
         budget = _EXCESS_BUDGET * float(min(share[1 + m] for m in others))
         item_phi = _item_sums(units, n_items, phi)
-        if var.pair:
+        if var.body == "split":
+            # Late parts (dense in excess) and early parts, in position order and document
+            # order, cut rank by rank to equal tokens and excess.
+            late = is_body & (units.block == _TAIL)
+            dense = _new_list(units, _order(units, late, doc_order), tok_budget)
+            sparse = _new_list(units, _order(units, is_body & ~late, doc_order), tok_budget)
+            t_b = dense.total + sparse.total
+            b_tok = k * t_b // cp
+            b_phi = k.to(torch.float64) * float(dense.column(phi)[-1] + sparse.column(phi)[-1]) / cp
+            xd, xs = _rank_cut([dense], [sparse], b_tok, b_phi, phi)
+            lists += [dense, sparse]
+            cuts += [xd, xs]
+            b_val = dense.at(xd) + sparse.at(xs)
+        elif var.pair:
             body_items = torch.zeros(n_items, dtype=torch.bool)
             body_items[units.item[is_body]] = True
             t_b = float(item_t[body_items].sum())
@@ -1202,13 +1309,20 @@ def _solve(units: _Units, prof: _Profile, cp: int, var: _Variant, items: _Items,
             b_items = torch.zeros(n_items, dtype=torch.bool)
             b_items[units.item[is_body]] = True
             if var.body == "blocks":
-                # Remainders first (shortest documents first), then the tail blocks
-                # (longest first, so that the last rank, which phase 2 gives what is
-                # left of every filler list, holds the shortest document's end).
+                # Remainders first, largest, smallest, second largest, ... (about two on a
+                # rank: each costs a chunk of causal keys to fetch), then the tail blocks,
+                # longest documents first, so that the last rank, which phase 2 gives what
+                # is left of every filler list, holds the shortest document's end.
                 i_blk = torch.zeros(n_items, dtype=torch.int64)
                 i_blk[units.item] = units.block
                 ln = lengths[first >> 40]
-                key = torch.where(i_blk == _REST, ln, (1 << 40) - ln) * (1 << 22) + (first >> 40)
+                key = ((1 << 40) - ln) * (1 << 22) + (first >> 40)
+                r_idx = torch.nonzero(i_blk == _REST).flatten()
+                o = r_idx[torch.argsort(-item_t[r_idx], stable=True)]
+                zz = torch.empty(o.numel(), dtype=torch.int64)
+                zz[0::2] = torch.arange((o.numel() + 1) // 2)
+                zz[1::2] = o.numel() - 1 - torch.arange(o.numel() // 2)
+                key[o[zz]] = torch.arange(o.numel())
                 key = torch.argsort(torch.argsort(key))
             else:
                 # Bodies spread by excess per token, so that the excess cut gives no rank
@@ -1307,13 +1421,12 @@ def _runs(units: _Units, lay: _Layout) -> tuple[torch.Tensor, ...]:
     return rank[keep], doc[keep], start[keep], length[keep]
 
 
-def _has_bodies(lengths: torch.Tensor, prof: _Profile, cp: int) -> bool:
+def _has_bodies(lengths: torch.Tensor, prof: _Profile, cp: int, memo: dict) -> bool:
     """Whether any segment carries excess work (a long document with more than the
     negligible excess of ``keep_small``)."""
     if not prof.excess.shape[0]:
         return False
-    seg = lengths if not prof.split else torch.clamp(lengths, max=prof.split)
-    return bool((seg > prof.theta).any())
+    return bool(_segments(lengths, prof, cp, True, memo)[3].any())
 
 
 def _variants(prof: _Profile, bodies: bool) -> list[_Variant]:
@@ -1330,6 +1443,9 @@ def _variants(prof: _Profile, bodies: bool) -> list[_Variant]:
     local = []
     if prof.head == "chunk":
         local.append(_Variant(body="blocks", fill="prefix", big=2.0, solver="classes"))
+    elif prof.head == "prefix":
+        local.append(_Variant(body="split", fill="prefix", big=2.0, solver="seq"))
+        local.append(_Variant(body="split", fill="prefix", big=2.0, solver="classes"))
     return local + list(_LEGACY)
 
 
@@ -1345,10 +1461,11 @@ def balanced_runs(lengths: torch.Tensor, cp_size: int, masks: MaskWeights, tile_
     prof = _profile(masks, tile_tokens)
     best = None
     items_of: dict[tuple, tuple[_Items, _Units]] = {}
-    for var in _variants(prof, _has_bodies(lengths, prof, cp_size)):
+    memo: dict = {}
+    for var in _variants(prof, _has_bodies(lengths, prof, cp_size, memo)):
         key = (var.body, var.keep_small, var.fill, var.big)
         if key not in items_of:
-            items = _items(lengths, prof, cp_size, var)
+            items = _items(lengths, prof, cp_size, var, memo)
             items_of[key] = (items, _units(items, lengths, prof))
         items, units = items_of[key]
         lay = _solve(units, prof, cp_size, var, items, lengths)
