@@ -487,7 +487,7 @@ def _items(lengths: torch.Tensor, prof: _Profile, cp: int, var: _Variant,
             m0 = prof.masks[0]
             fl = lengths[f_doc]
             w = (prefix_work(fl, f_end, m0) - prefix_work(fl, f_start, m0)).to(torch.float64)
-            share = float(prefix_work(lengths, lengths, m0).sum()) / cp
+            share = float(_doc_work(lengths, prof, memo)[:, 0].sum()) / cp
             f_kind[w > var.big * share] = _MIRROR
     excess = prof.excess.shape[0] > 0
     return _Items(
@@ -503,15 +503,22 @@ def _excess_of(lengths: torch.Tensor, prof: _Profile, memo: dict) -> tuple[Any, 
     """(excess(a, b, doc_len): the excess functional over positions [a, b) of documents of
     doc_len tokens, its total over all documents)."""
     if "excess" not in memo:
-        memo["excess"] = _excess_fn(lengths, prof)
+        memo["excess"] = _excess_fn(lengths, prof, memo)
     return memo["excess"]
 
 
-def _excess_fn(lengths: torch.Tensor, prof: _Profile) -> tuple[Any, float]:
+def _doc_work(lengths: torch.Tensor, prof: _Profile, memo: dict) -> torch.Tensor:
+    """[n_docs, M] float64: each document's work under each mask (memoized per call)."""
+    if "docw" not in memo:
+        memo["docw"] = torch.stack([prefix_work(lengths, lengths, m).to(torch.float64)
+                                    for m in prof.masks], 1)
+    return memo["docw"]
+
+
+def _excess_fn(lengths: torch.Tensor, prof: _Profile, memo: dict) -> tuple[Any, float]:
     vec = torch.empty(lengths.numel(), 1 + len(prof.masks), dtype=torch.float64)
     vec[:, 0] = lengths.to(torch.float64)
-    for k, mask in enumerate(prof.masks):
-        vec[:, 1 + k] = prefix_work(lengths, lengths, mask).to(torch.float64)
+    vec[:, 1:] = _doc_work(lengths, prof, memo)
     phi = _phi(prof, vec.sum(0))
 
     def excess(a: torch.Tensor, b: torch.Tensor, dl: torch.Tensor) -> torch.Tensor:
@@ -559,13 +566,23 @@ def _tail_split(lengths: torch.Tensor, prof: _Profile, cp: int, doc: torch.Tenso
 def _density_split(lengths: torch.Tensor, prof: _Profile, doc: torch.Tensor,
                    start: torch.Tensor, end: torch.Tensor, memo: dict) -> torch.Tensor:
     """Per body [start, end): the first position whose token carries at least the bodies'
-    mean excess per token (the excess per token grows along a body when every mask looks
-    left)."""
+    mean excess per token. With every mask looking left a token's work depends on its
+    position only, and grows with it, so one search over positions serves all bodies."""
     excess, _ = _excess_of(lengths, prof, memo)
     dl = lengths[doc]
     mean = float(excess(start, end, dl).sum()) / max(float((end - start).sum()), 1.0)
-    below = _last_true(start, end - 1, lambda x, r: excess(x, x + 1, dl[r]) < mean)
-    return torch.where(excess(start, start + 1, dl) >= mean, start, below + 1)
+    top = int(lengths.max())
+    # First position p with excess(p, p+1) >= mean: a coarse grid, then the bracket.
+    step = max(1, -(-top // 1024))
+    grid = torch.arange(0, top, step)
+    ok = excess(grid, grid + 1, torch.full_like(grid, top)) >= mean
+    i = int(torch.argmax(ok.to(torch.int8))) if bool(ok.any()) else grid.numel()
+    fine = torch.arange(max(0, (i - 1) * step), min(top, i * step + 1))
+    ok = excess(fine, fine + 1, torch.full_like(fine, top)) >= mean
+    q = torch.tensor([int(fine[int(torch.argmax(ok.to(torch.int8)))]) if bool(ok.any())
+                      else top])
+    q = (q + prof.tile - 1) // prof.tile * prof.tile  # on the tile grid: no extra cut
+    return torch.minimum(torch.maximum(q.expand_as(start), start), end)
 
 
 def _mirror_index(j: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -941,6 +958,7 @@ class _Layout:
     lists: list[_List]
     cuts: list[torch.Tensor]  # [cp+1] token offsets per list
     per_rank: torch.Tensor  # [cp, 1+M] float64 estimate (interpolated inside cut tiles)
+    unreachable: bool = False  # the rank-by-rank solver's precheck failed (see _solve)
 
 
 def _rank_vectors(lists: list[_List], cuts: list[torch.Tensor]) -> torch.Tensor:
@@ -1041,11 +1059,14 @@ def _pair_cut(dense: _List, sparse: _List, n_tok: torch.Tensor, target: torch.Te
     ``target[k]`` in column ``col`` (exact, then snapped within the budgets of ``limits``,
     relative to what the exact cuts reach, see :func:`_snap_pair`). give_up: None
     instead of untangling exact cuts that go backwards (a sign of targets out of reach).
-    seq: exact cuts rank by rank (:func:`_rank_cut`) instead of the k-ary search."""
+    seq: exact cuts rank by rank (:func:`_rank_cut`), not snapped."""
     n_tok = n_tok.clamp(0, dense.total + sparse.total)
     n_tok[-1] = dense.total + sparse.total
     if seq:
+        # Exact rank by rank and not snapped: the snap saved no fetch here (a cut in an
+        # item in position order costs its offset either way) and took a third of the time.
         y = _rank_cut([dense], [sparse], n_tok, target, col)[0]
+        return y, n_tok - y
     else:
         y = _cut_fill(dense, sparse, n_tok, target, col)
         if give_up and not (bool((y[1:] >= y[:-1]).all())
@@ -1123,6 +1144,9 @@ def _rank_cut(dense: list[_List], sparse: list[_List], n_tok: torch.Tensor,
             for b in range(n_d, n_l):
                 lo, hi = max(0, t_k - (tot[b] - pos[b])), min(t_k, tot[a] - pos[a])
                 if hi < lo:
+                    continue
+                if hi == lo and n_l == 2:  # no choice: skip the evaluations
+                    best = ((True,), a, b, lo, hi, 0.0, 0.0, 0.0)
                     continue
                 base = cur[a] + cur[b] + w_k
                 g_lo = val(a, pos[a] + lo) + val(b, pos[b] + t_k - lo) - base
@@ -1353,7 +1377,7 @@ def _solve(units: _Units, prof: _Profile, cp: int, var: _Variant, items: _Items,
     fill_items[units.item[fill]] = True
     if var.solver != "vector" and not _rank_reachable(items, fill_items, lengths, prof, col,
                                                       f_tok, f_target):
-        return fail
+        return _Layout([], [], fail.per_rank, unreachable=True)
     spread = _spread_key(item_w / item_t.clamp(min=1), item_t * fill_items)
     if var.solver == "classes":
         dens = item_w / item_t.clamp(min=1)
@@ -1429,15 +1453,34 @@ def _has_bodies(lengths: torch.Tensor, prof: _Profile, cp: int, memo: dict) -> b
     return bool(_segments(lengths, prof, cp, True, memo)[3].any())
 
 
-def _variants(prof: _Profile, bodies: bool) -> list[_Variant]:
+def _prefix_ok(lengths: torch.Tensor, prof: _Profile, cp: int, memo: dict) -> bool:
+    """:func:`_rank_reachable`'s density test when everything is filler, before any item
+    is built: no segment longer than a rank's share may be much sparser over its first
+    share than the mean (the single 128K document, 24-32K documents at 8-16K tokens per
+    rank, the heavy tail at 2-4K tokens per rank fail it)."""
+    doc, start, end, _ = _segments(lengths, prof, cp, True, memo)
+    share = int(lengths.sum()) // cp
+    long = end - start > share
+    if not bool(long.any()) or share <= 0:
+        return True
+    w = _doc_work(lengths, prof, memo).sum(0)
+    m = int(torch.argmin(w))
+    mask = prof.masks[m]
+    mean = float(w[m]) / max(int(lengths.sum()), 1)
+    dl, a = lengths[doc[long]], start[long]
+    first = (prefix_work(dl, a + share, mask) - prefix_work(dl, a, mask)).to(torch.float64)
+    return bool((first >= _PREFIX_DENSITY * mean * share).all())
+
+
+def _variants(prof: _Profile, bodies: bool, prefix_ok: bool = True) -> list[_Variant]:
     """Attempts in order (the first that meets the targets is taken): locality-first
     variants where their pieces keep the masks' work in a fixed relation (every mask
     looks left, so a filler item's prefix is causal-like under all of them), then the
     fold variants (always feasible when anything is)."""
     left = all(_locality(m)[1] for m in prof.masks)
     if not bodies and (len(prof.masks) == 1 or left):
-        return [_Variant(fill="prefix", solver="seq"),
-                _Variant(fill="prefix", solver="classes")] + list(_LEGACY[:1])
+        local = [_Variant(fill="prefix", solver="seq"), _Variant(fill="prefix", solver="classes")]
+        return (local if prefix_ok else []) + list(_LEGACY[:1])
     if not left:
         return list(_LEGACY)
     local = []
@@ -1462,13 +1505,19 @@ def balanced_runs(lengths: torch.Tensor, cp_size: int, masks: MaskWeights, tile_
     best = None
     items_of: dict[tuple, tuple[_Items, _Units]] = {}
     memo: dict = {}
-    for var in _variants(prof, _has_bodies(lengths, prof, cp_size, memo)):
+    unreachable = set()
+    bodies = _has_bodies(lengths, prof, cp_size, memo)
+    for var in _variants(prof, bodies, bodies or _prefix_ok(lengths, prof, cp_size, memo)):
         key = (var.body, var.keep_small, var.fill, var.big)
+        if key in unreachable and var.solver != "vector":
+            continue  # the same items and precheck: the other rank-by-rank solver fails too
         if key not in items_of:
             items = _items(lengths, prof, cp_size, var, memo)
             items_of[key] = (items, _units(items, lengths, prof))
         items, units = items_of[key]
         lay = _solve(units, prof, cp_size, var, items, lengths)
+        if lay.unreachable:
+            unreachable.add(key)
         if best is None or _score(lay.per_rank) < _score(best[0].per_rank):
             best = (lay, units)
         if _score(best[0].per_rank) <= 1.0:
