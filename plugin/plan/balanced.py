@@ -1,5 +1,5 @@
 """The ``balanced`` layout: tokens AND the work of EACH of the model's masks equal on every
-rank, documents cut on the kernels' tile grid, little K/V left to fetch.
+rank, and documents cut where the cut costs the ranks little K/V to fetch.
 
 Every layer type waits for its own slowest rank, so a Llama 4 model (chunked 8192 x3 :
 global causal x1) or a Gemma-style one (window (4096, 0) x5 : causal x1) needs every mask
@@ -8,79 +8,111 @@ query-key pairs of a rank's queries) within 3% of its mean over ranks, tokens wi
 no padding. Layer counts (the masks' weights) only set priorities: a snap error goes to
 the masks of fewer layers first. Host (CPU) tensors, vectorized, deterministic.
 
+Communication: a rank holding part of a document fetches the keys its queries see and it
+does not hold: for a causal layer everything before its first position (minus what it
+holds of it), for a window one window, for chunked attention its chunk's prefix. At 8K
+tokens per GPU across nodes one fetched key costs as much as ~1270 visible pairs, so a
+rank affords a few such fetches (bench/plan.py's model: a heavy-tailed mix at cp 64
+affords ~27K causal keys a rank, the longest document is 25.8K). So the layout keeps what a
+rank holds of a document in few contiguous stretches (a stretch [a, b) costs a), gives
+long bodies to ranks in whole shares, and cuts filler items near their start.
+
 How (M distinct masks):
 1. Short segments are filler. A document of at most ``theta`` tokens (the shortest window
    or chunk; unbounded for causal and full) costs L(L+1)/2 (causal-like) or L^2
    (full-like) under every mask, so tokens and ONE work column balance every mask on
    filler. The M-1 "excess" functionals of (tokens, work per mask) that vanish on short
    documents (Llama 4: causal - chunked work) measure what filler cannot balance.
-2. A long document becomes a short-like head (filler) and a body (carries the excess),
-   folded so that every run of the fold holds the body's own work per token under every
-   mask: chunked + causal: head [0, C - ceil(r/64)*64) (r = L mod C), body walked by chunk
-   pairs (i, K-i), tile a of one with the mirror tile of the other (equal position sums:
-   causal work; equal in-chunk position sums: chunked work); causal window (W, 0): head
-   [0, W) on the tile grid, body mirrored (W+1 keys per query there); windows that look
-   right: head, middle and tail items, each mirrored; one mask: the same items, all filler;
-   every mask chunked with one C: chunks are segments. A long document whose excess is
-   negligible (< 0.75% of a rank's mean work) stays filler, so that its body is not spread
-   over every rank (one 4242-token document in a 4096 window at cp 16: SWA-layer
-   efficiency 0.26 spread, 0.46 kept).
-3. Units are two tiles (64 tokens, on the document's grid) at places 2u, 2u+1 of a fold. A
-   cut inside a unit takes a's first and b's last tokens alternately, then the rest of the
-   longer tile mirrored: the work of the first o tokens is linear in o on both stretches
-   (the break point is computed exactly), so cuts land where the targets are.
-4. Phase 1, bodies: one list (bodies spread by excess per token) cut so that every rank
-   gets 1/cp of the excess: an exact 1-D prefix cut; a rank's bodies are then one or two
-   documents, and phase 2 absorbs the token differences.
-5. Phase 2, filler: the exact dense / sparse cut (items denser than the filler's mean vs
-   the others; rank k gets D[x_k, x_k+1) and S[y_k, y_k+1), x_k + y_k and the work of
-   both prefixes set by boundary k's targets, found by a k-ary search) with per-rank
-   targets: tokens and the least-work mask, minus what phase 1 gave. Both lists are in an
-   order that spreads densities evenly (8 equal-token density groups merged by phase), so
-   every stretch of a list holds about its mean density; exact cuts that still go
-   backwards are made monotone and their error diffused to the neighbouring ranks.
-6. Snapping: every cut moves to the cheapest nearby boundary - an item (document, head,
-   body) boundary, then a unit boundary, else a finer cut off the tile grid - that keeps
-   the boundary's errors within budget (tokens 0.9% of T/cp; excess 0.5%, each mask 0.6%
-   of its mean work; a rank's error is the difference of its two boundaries'). Cuts are
-   therefore on the tile grid except at most one finer cut per list per rank boundary (4
-   lists, 2 positions each: <= 8 (cp-1) positions). Those are needed for WORK balance once
-   a rank holds few tokens (a 0.6% budget is a few tokens of a dense document): measured
-   off-grid positions per rank boundary, median over the mixes, at 8K tokens per rank
-   ~1 (max 3); at 128K tokens and cp 64 (2K per rank) 3-6.
-7. Variants, tried in order until one meets the targets: (a) the one-list bodies of 4;
-   (b) bodies split into dense / sparse lists cut to equal tokens and excess (more
-   documents per rank, always feasible for phase 2); (c) (b) with every long segment
-   split. A variant whose filler targets are out of reach is dropped before its phase 2.
+2. A long document becomes a short-like head (filler) and a body (carries the excess).
+   Long documents whose excess is negligible (< 0.75% of a rank's mean work) stay filler.
+3. Units are two tiles (64 tokens, on the document's grid) at places 2u, 2u+1 of an
+   item's order; a cut inside a unit takes a's first and b's last tokens alternately
+   (the work of the first o tokens is about linear in o, the break point exact). An item's
+   order is mirrored (tiles 0, n-1, 1, ...: every stretch has the item's work per token),
+   chunk pairs (below), or position order (a cut gives the earlier rank a prefix, which
+   costs it nothing, and the later rank the rest, which costs it the prefix: one fetch
+   where a mirrored cut costs two).
+4. Phase 1 cuts the bodies so that every rank gets 1/cp of the excess; phase 2 cuts the
+   filler, as a dense and a sparse list (items denser than the filler's mean in the
+   least-work mask vs the others), to per-rank targets: tokens and that mask, minus what
+   phase 1 gave. Both lists are in an order that spreads densities evenly (8 equal-token
+   density groups merged by phase).
+5. Attempts, in order; the first that meets the targets is taken:
+   a. everything filler (one mask, or no body): filler items in position order, the
+      dense / sparse pair solved rank by rank (``_rank_cut``: rank k's cuts are a root of
+      its own (tokens, work) in the lists' next stretches, regula falsi on the
+      piecewise linear sums, its error carried to rank k+1; monotone whatever the local
+      densities, which in position order range from an item's sparse start to its dense
+      end, where the global k-ary search of the fold variants fails); then the same with
+      two density classes a side, each rank taking the pair of lists that brackets its
+      target by >= 10%, furthest behind schedule and cheapest to start on (``_MARGIN``,
+      ``_OFFSET_W``). Skipped when an item longer than a rank's share is much sparser
+      over its first share than the mean (a rank starting on it could not reach its
+      work: one long document, or long documents at 2-4K tokens per rank).
+   b. chunked + causal (Llama 4): the head is the whole first chunk; the body [C, L) runs
+      in position order, split at p (off the tile grid, a k-ary search on the closed
+      forms) into a tail block [p, L) of n whole rank shares of excess and a remainder
+      [C, p). The body list is the remainders (largest, smallest, second largest, ...:
+      about two a rank, each a chunk of causal keys to fetch) then the tail blocks
+      (longest document first), cut by excess with targets on the blocks' boundaries: a
+      tail rank holds ONE contiguous piece of one document. Filler: the two-class solver,
+      items of more than 2 ranks' work mirrored.
+   c. window + causal (Gemma): each body split on the tile grid where a token's excess
+      reaches the bodies' mean (late parts of less than half a rank's excess stay
+      early); late and early parts, in position order and document order, cut rank by
+      rank to equal tokens and excess; filler as in a.
+   d. the fold variants, always feasible when anything is: bodies folded (chunked +
+      causal: head [0, C - ceil(r/64)*64), body walked by chunk pairs (i, K-i), tile a of
+      one with the mirror tile of the other: equal causal and chunked work per unit;
+      windows: head [0, W), body mirrored; right-looking windows: head, middle and tail
+      items, each mirrored), as one list spread by excess per token (an exact 1-D cut),
+      then as a dense / sparse pair cut to equal tokens and excess, then with every long
+      segment split; filler mirrored, the exact dense / sparse cut by a k-ary search,
+      cuts that go backwards made monotone and their error diffused to the neighbours.
+   Locality variants (a-c) run only when every mask looks left (a filler prefix is then
+   causal-like under all of them) or there is one mask.
+6. Snapping (fold variants): every cut moves to the cheapest nearby boundary - an item,
+   then a unit boundary, else a finer cut - within budgets (tokens 0.9% of T/cp; excess
+   0.5%, each mask 0.6% of its mean work). The rank-by-rank cuts are exact and not
+   snapped: at most two finer cuts per rank boundary and list in use (+ one per body
+   split), <= 8 (cp - 1) in all.
+7. Runs are maximal: one per rank, document and stretch of consecutive positions (the
+   plan's tables scale with them).
 
 Measured (bench/plan.py; 128K-token mixes of bench/balance.py: 1000 log-normal documents,
 a heavy tail, TE-style 24K-32K buckets, one 128K document, 5000 short ones, a few long
 among 3000 short; cp 8..128): every mask of causal, SWA 4096, chunked 8192, Llama 4 3:1
-and SWA 5:1 within 1.016 of its mean, tokens within 1.018 (dual_chunk: chunked layers
-1.31-1.47, te 1.46-3.4 with padding). Simulated per-layer efficiency at 8K tokens per GPU
-(bench/plan.py's model, cp 8/16/32/64, layer-weighted): heavy tail causal .99/.98/.84/.83,
-Llama 4 1.0/.72/.68/.49, SWA 5:1 .99/.60/.52/.59 (dual_chunk .86-.90 at cp 8, .12-.26
-beyond); TE buckets, one long document and short documents .85-1.0 (Llama 4 .91/.88/.85
-at cp 16..64); 1000 log-normal documents fall to .47/.37/.28 at cp 16..64 (SWA 5:1
-.47/.22/.17), a few long among short ones to .58/.26 at cp 32/64 (Llama 4 .56/.36/.25 at
-cp 16..64): there one document holds several ranks' work and any rank holding its end
-fetches most of it
-(bench/plan.py's efficiency_bound caps several of these cases below 0.9 for any layout).
-Host time (thread CPU, one core of a shared machine): 3-6 ms at cp 64 for 1000 documents,
-up to ~10 ms when variant (b) is needed (heavy tail, Llama 4, cp 64); the old single-sum
-layout took ~1 ms.
+and SWA 5:1 within 1.023 of its mean, tokens within 1.017. Simulated per-layer efficiency
+at 8K tokens per GPU (bench/plan.py's model, cp 8/16/32/64, layer-weighted; before this
+layout's locality variants in brackets): heavy tail causal .98/1.0/.98/.98 (.99/.98/.84/
+.83), Llama 4 1.0/.95/.93/.92 (1.0/.72/.68/.49), SWA 5:1 1.0/.78/.73/.70 (.99/.60/.52/.59);
+a few long among short: causal .99/.96/.63/.33 (bound .86/.43 at cp 32/64; was .58/.26),
+SWA 5:1 1.0/.81/.43/.24 (.58/.32/.22), Llama 4 .99/.56/.36/.25 (unchanged); 1000
+log-normal documents .46/.38/.30 at cp 16..64 (bound 1.0/.74/.56; was .47/.37/.28), SWA
+5:1 .46/.20/.16; TE buckets, one long document, short documents .85-1.0 (Llama 4 on TE
+buckets .91/.88/.85: fold variant). Host time (bench/plan.py: thread CPU, median, one
+core of a shared 2-core machine) at cp 64, 128K tokens: 1000 documents 3.6-4.2 ms (SWA
+5:1 6.3 ms: a window body split and two rank-by-rank solves; the fold-only layout took
+4.9-6.9 ms measured the same way); the heavy tail 4.1-4.5 ms, Llama 4 12.4 and SWA 5:1
+13.1 ms (fold-only 10.6 / 10.5: at 2K tokens per rank the locality variants fail their
+checks or their solve, then the fold variants' fallbacks run). Runs: 670 for Llama 4 on
+the heavy tail at cp 64 and 8K tokens per rank (was 8315).
 
-Limits: exact balance rests on the folds of step 2; mask sets they do not fit are
+Limits: exact balance rests on the folds and splits above; mask sets they do not fit are
 balanced as far as the filler allows (worst max/mean measured on the mixes above, cp
 2..128): chunked attention with a window inside chunks plus global causal layers 1.11 at
 cp 64-128 (<= 1.03 up to cp 32, except TE buckets: 1.05); a full or chunked non-causal
-mask with a causal one 1.31 at cp 64-128 (the tile pair holding a document's partial last
-tile is sparser under causal than under full, and at 2K tokens per rank that shows);
-a bidirectional window alone 1.10 at cp 64-128 on the heavy tail, with a causal mask 1.26;
-three distinct masks, or two local masks of different kinds (SWA + chunked): 1.3-1.8.
-The efficiency target (>= 0.90) is met on 13-17 of 24 (mix, cp) pairs per mask mix, not on
-heavy-tailed Llama 4 / SWA mixes beyond cp 8 (0.5-0.7: every rank must hold a slice of the
-long bodies, and a rank ends up with pieces of 2-6 documents).
+mask with a causal one 1.31 at cp 64-128; a bidirectional window alone 1.10 at cp 64-128
+on the heavy tail, with a causal mask 1.26; three distinct masks, or two local masks of
+different kinds (SWA + chunked): 1.3-1.8. Efficiency >= 0.9 is not reached (bench/plan.py)
+where one document holds many ranks' work at 8K tokens per rank (a few long among
+short, 1000 log-normal at cp >= 32: the bound is below 0.9 or close to it; the rank
+holding a long document's end fetches most of it); with a window and causal layers on a
+heavy tail beyond cp 8 (0.70-0.78: a rank holds late parts of 1-2 bodies, early parts of
+1-2, and 2 filler cuts, each a window; bodies with excess near the body start need
+pairing with late parts of other documents); chunked + causal on TE buckets and a few
+long among short (tail blocks need more tokens than a rank has, the fold variant is
+used: a rank holds chunk pairs of 2-4 documents).
 """
 
 from __future__ import annotations
