@@ -24,7 +24,9 @@ bwd), traffic = 2 * fetched K/V bytes (bf16, Hkv * 2d per token) / bandwidth (15
 cp <= 8, in a node; 45 GB/s per GPU across nodes); layer time = max over ranks of
 max(compute, traffic); efficiency = mean compute / layer time. Hq 32, Hkv 8, d 128. For a
 multi-mask model: each layer type, and the layer-count-weighted total (sum of weighted mean
-compute / sum of weighted layer times).
+compute / sum of weighted layer times). Both parts also record, per rank, the documents it
+holds only in part (each costs the fetch of the keys it lacks; max and mean over ranks) and
+the plan's runs.
 
 Writes bench/results/plan.json (plan_quick.json with --quick) and PNG plots next to it,
 prints compact tables and a PASS/FAIL line per target. ``strategy_table_ms`` is the hook
@@ -159,6 +161,23 @@ def kv_floor(tables: tuple[torch.Tensor, ...], mask: AttnMask, cp: int) -> list[
     return (union - own).tolist()
 
 
+def partial_docs(plan: CPPlan) -> dict:
+    """Per rank, the documents it holds only in part (each costs a fetch of the keys it
+    lacks): max and mean over ranks; and the plan's runs (maximal stretches of one
+    document on one rank)."""
+    r = plan.runs
+    n_docs = plan.n_docs
+    lengths = plan.cu_seqlens[1:] - plan.cu_seqlens[:-1]
+    key = r.holder * n_docs + r.doc
+    held = torch.zeros(plan.cp_size * n_docs, dtype=torch.int64).index_add_(0, key, r.length)
+    hk = torch.nonzero(held).flatten()
+    part = held[hk] < lengths[hk % n_docs]
+    per_rank = torch.zeros(plan.cp_size, dtype=torch.int64).index_add_(
+        0, hk // n_docs, part.to(torch.int64))
+    return {"partial_docs_max": int(per_rank.max()),
+            "partial_docs_mean": float(per_rank.float().mean()), "runs": int(r.holder.numel())}
+
+
 def efficiency(work: list[int], fetch: list[int], cp: int) -> dict:
     bw = BW_NODE if cp <= 8 else BW_NET
     compute = [w * PAIR_S for w in work]
@@ -261,6 +280,7 @@ def measure_balance(mix: str, lengths: list[int], cp: int, repeats: int) -> list
                          "work_imb": max(x["work_imb"] for x in layers.values()),
                          "token_imb": max(counts) * cp / sum(counts),
                          "padding": plan.padded_total_tokens - plan.total_tokens,
+                         **partial_docs(plan),
                          "build_ms": ms, "layout_ms": layout_ms,
                          "strategy_ms": strategy_table_ms(plan)})
     for row in rows:  # floor relative to dual_chunk's, per layer type
@@ -294,6 +314,7 @@ def measure_efficiency(mix: str, cp: int) -> list[dict]:
             rows.append({"part": "efficiency", "mix": mix, "n_docs": len(lengths), "cp": cp,
                          "tokens": sum(lengths), "masks": mname, "layout": layout,
                          "layers": layers, "eff": num / den if den else 1.0,
+                         **partial_docs(plan),
                          "bound": num / b_den if b_den else 1.0,
                          "eff_min_layer": min(x["eff"] for x in layers.values())})
     return rows
@@ -383,6 +404,13 @@ def print_tables(rows: list[dict]) -> None:
         print(f"{mname:<12}{'(bound)':<11}" + "".join(f"{c:>16}" for c in cells))
         print()
     print("(bound): upper bound for any layout within 3% work balance (efficiency_bound).")
+    print("Documents held in part per rank (max over ranks), cp " + "/".join(map(str, ecps))
+          + ":")
+    for mname in EFF_MIXES:
+        for layout in ("dual_chunk", "balanced"):
+            cells = ["/".join(str(_sel(eff, masks=mname, layout=layout, mix=mix, cp=cp)[0]
+                                  ["partial_docs_max"]) for cp in ecps) for mix in mixes]
+            print(f"  {mname:<12}{layout:<11}" + "".join(f"{c:>16}" for c in cells))
     print("Balanced, per layer type (min over cp " + "/".join(map(str, ecps)) + "):")
     for mname in EFF_MIXES[1:]:
         for key in _sel(eff, masks=mname)[0]["layers"]:

@@ -1,5 +1,5 @@
 """The ``balanced`` layout: tokens AND the work of EACH of the model's masks equal on every
-rank, documents cut on the kernels' tile grid, little K/V left to fetch.
+rank, and documents cut where the cut costs the ranks little K/V to fetch.
 
 Every layer type waits for its own slowest rank, so a Llama 4 model (chunked 8192 x3 :
 global causal x1) or a Gemma-style one (window (4096, 0) x5 : causal x1) needs every mask
@@ -8,83 +8,116 @@ query-key pairs of a rank's queries) within 3% of its mean over ranks, tokens wi
 no padding. Layer counts (the masks' weights) only set priorities: a snap error goes to
 the masks of fewer layers first. Host (CPU) tensors, vectorized, deterministic.
 
+Communication: a rank holding part of a document fetches the keys its queries see and it
+does not hold: for a causal layer everything before its first position (minus what it
+holds of it), for a window one window, for chunked attention its chunk's prefix. At 8K
+tokens per GPU across nodes one fetched key costs as much as ~1270 visible pairs, so a
+rank affords a few such fetches (bench/plan.py's model: a heavy-tailed mix at cp 64
+affords ~27K causal keys a rank, the longest document is 25.8K). So the layout keeps what a
+rank holds of a document in few contiguous stretches (a stretch [a, b) costs a), gives
+long bodies to ranks in whole shares, and cuts filler items near their start.
+
 How (M distinct masks):
 1. Short segments are filler. A document of at most ``theta`` tokens (the shortest window
    or chunk; unbounded for causal and full) costs L(L+1)/2 (causal-like) or L^2
    (full-like) under every mask, so tokens and ONE work column balance every mask on
    filler. The M-1 "excess" functionals of (tokens, work per mask) that vanish on short
    documents (Llama 4: causal - chunked work) measure what filler cannot balance.
-2. A long document becomes a short-like head (filler) and a body (carries the excess),
-   folded so that every run of the fold holds the body's own work per token under every
-   mask: chunked + causal: head [0, C - ceil(r/64)*64) (r = L mod C), body walked by chunk
-   pairs (i, K-i), tile a of one with the mirror tile of the other (equal position sums:
-   causal work; equal in-chunk position sums: chunked work); causal window (W, 0): head
-   [0, W) on the tile grid, body mirrored (W+1 keys per query there); windows that look
-   right: head, middle and tail items, each mirrored; one mask: the same items, all filler;
-   every mask chunked with one C: chunks are segments. A long document whose excess is
-   negligible (< 0.75% of a rank's mean work) stays filler, so that its body is not spread
-   over every rank (one 4242-token document in a 4096 window at cp 16: SWA-layer
-   efficiency 0.26 spread, 0.46 kept).
-3. Units are two tiles (64 tokens, on the document's grid) at places 2u, 2u+1 of a fold. A
-   cut inside a unit takes a's first and b's last tokens alternately, then the rest of the
-   longer tile mirrored: the work of the first o tokens is linear in o on both stretches
-   (the break point is computed exactly), so cuts land where the targets are.
-4. Phase 1, bodies: one list (bodies spread by excess per token) cut so that every rank
-   gets 1/cp of the excess: an exact 1-D prefix cut; a rank's bodies are then one or two
-   documents, and phase 2 absorbs the token differences.
-5. Phase 2, filler: the exact dense / sparse cut (items denser than the filler's mean vs
-   the others; rank k gets D[x_k, x_k+1) and S[y_k, y_k+1), x_k + y_k and the work of
-   both prefixes set by boundary k's targets, found by a k-ary search) with per-rank
-   targets: tokens and the least-work mask, minus what phase 1 gave. Both lists are in an
-   order that spreads densities evenly (8 equal-token density groups merged by phase), so
-   every stretch of a list holds about its mean density; exact cuts that still go
-   backwards are made monotone and their error diffused to the neighbouring ranks.
-6. Snapping: every cut moves to the cheapest nearby boundary - an item (document, head,
-   body) boundary, then a unit boundary, else a finer cut off the tile grid - that keeps
-   the boundary's errors within budget (tokens 0.9% of T/cp; excess 0.5%, each mask 0.6%
-   of its mean work; a rank's error is the difference of its two boundaries'). Cuts are
-   therefore on the tile grid except at most one finer cut per list per rank boundary (4
-   lists, 2 positions each: <= 8 (cp-1) positions). Those are needed for WORK balance once
-   a rank holds few tokens (a 0.6% budget is a few tokens of a dense document): measured
-   off-grid positions per rank boundary, median over the mixes, at 8K tokens per rank
-   ~1 (max 3); at 128K tokens and cp 64 (2K per rank) 3-6.
-7. Variants, tried in order until one meets the targets: (a) the one-list bodies of 4;
-   (b) bodies split into dense / sparse lists cut to equal tokens and excess (more
-   documents per rank, always feasible for phase 2); (c) (b) with every long segment
-   split. A variant whose filler targets are out of reach is dropped before its phase 2.
+2. A long document becomes a short-like head (filler) and a body (carries the excess).
+   Long documents whose excess is negligible (< 0.75% of a rank's mean work) stay filler.
+3. Units are two tiles (64 tokens, on the document's grid) at places 2u, 2u+1 of an
+   item's order; a cut inside a unit takes a's first and b's last tokens alternately
+   (the work of the first o tokens is about linear in o, the break point exact). An item's
+   order is mirrored (tiles 0, n-1, 1, ...: every stretch has the item's work per token),
+   chunk pairs (below), or position order (a cut gives the earlier rank a prefix, which
+   costs it nothing, and the later rank the rest, which costs it the prefix: one fetch
+   where a mirrored cut costs two).
+4. Phase 1 cuts the bodies so that every rank gets 1/cp of the excess; phase 2 cuts the
+   filler, as a dense and a sparse list (items denser than the filler's mean in the
+   least-work mask vs the others), to per-rank targets: tokens and that mask, minus what
+   phase 1 gave. Both lists are in an order that spreads densities evenly (8 equal-token
+   density groups merged by phase).
+5. Attempts, in order; the first that meets the targets is taken:
+   a. everything filler (one mask, or no body): filler items in position order, the
+      dense / sparse pair solved rank by rank (``_rank_cut``: rank k's cuts are a root of
+      its own (tokens, work) in the lists' next stretches, regula falsi on the
+      piecewise linear sums, its error carried to rank k+1; monotone whatever the local
+      densities, which in position order range from an item's sparse start to its dense
+      end, where the global k-ary search of the fold variants fails); then the same with
+      two density classes a side, each rank taking the pair of lists that brackets its
+      target by >= 10%, furthest behind schedule and cheapest to start on (``_MARGIN``,
+      ``_OFFSET_W``). Skipped when an item longer than a rank's share is much sparser
+      over its first share than the mean (a rank starting on it could not reach its
+      work: one long document, or long documents at 2-4K tokens per rank).
+   b. chunked + causal (Llama 4): the head is the whole first chunk; the body [C, L) runs
+      in position order, split at p (off the tile grid, a k-ary search on the closed
+      forms) into a tail block [p, L) of n whole rank shares of excess and a remainder
+      [C, p). The body list is the remainders (largest, smallest, second largest, ...:
+      about two a rank, each a chunk of causal keys to fetch) then the tail blocks
+      (longest document first), cut by excess with targets on the blocks' boundaries: a
+      tail rank holds ONE contiguous piece of one document. Filler: the two-class solver,
+      items of more than 2 ranks' work mirrored.
+   c. window + causal (Gemma): each body split on the tile grid where a token's excess
+      reaches the bodies' mean (late parts of less than half a rank's excess stay
+      early); late and early parts, in position order and document order, cut rank by
+      rank to equal tokens and excess; filler as in a.
+   d. the fold variants, always feasible when anything is: bodies folded (chunked +
+      causal: head [0, C - ceil(r/64)*64), body walked by chunk pairs (i, K-i), tile a of
+      one with the mirror tile of the other: equal causal and chunked work per unit;
+      windows: head [0, W), body mirrored; right-looking windows: head, middle and tail
+      items, each mirrored), as one list spread by excess per token (an exact 1-D cut),
+      then as a dense / sparse pair cut to equal tokens and excess, then with every long
+      segment split; filler mirrored, the exact dense / sparse cut by a k-ary search,
+      cuts that go backwards made monotone and their error diffused to the neighbours.
+   Locality variants (a-c) run only when every mask looks left (a filler prefix is then
+   causal-like under all of them) or there is one mask.
+6. Snapping (fold variants): every cut moves to the cheapest nearby boundary - an item,
+   then a unit boundary, else a finer cut - within budgets (tokens 0.9% of T/cp; excess
+   0.5%, each mask 0.6% of its mean work). The rank-by-rank cuts are exact and not
+   snapped: at most two finer cuts per rank boundary and list in use (+ one per body
+   split), <= 8 (cp - 1) in all.
+7. Runs are maximal: one per rank, document and stretch of consecutive positions (the
+   plan's tables scale with them).
 
 Measured (bench/plan.py; 128K-token mixes of bench/balance.py: 1000 log-normal documents,
 a heavy tail, TE-style 24K-32K buckets, one 128K document, 5000 short ones, a few long
 among 3000 short; cp 8..128): every mask of causal, SWA 4096, chunked 8192, Llama 4 3:1
-and SWA 5:1 within 1.016 of its mean, tokens within 1.018 (dual_chunk: chunked layers
-1.31-1.47, te 1.46-3.4 with padding). Simulated per-layer efficiency at 8K tokens per GPU
-(bench/plan.py's model, cp 8/16/32/64, layer-weighted): heavy tail causal .99/.98/.84/.83,
-Llama 4 1.0/.72/.68/.49, SWA 5:1 .99/.60/.52/.59 (dual_chunk .86-.90 at cp 8, .12-.26
-beyond); TE buckets, one long document and short documents .85-1.0 (Llama 4 .91/.88/.85
-at cp 16..64); 1000 log-normal documents fall to .47/.37/.28 at cp 16..64 (SWA 5:1
-.47/.22/.17), a few long among short ones to .58/.26 at cp 32/64 (Llama 4 .56/.36/.25 at
-cp 16..64): there one document holds several ranks' work and any rank holding its end
-fetches most of it
-(bench/plan.py's efficiency_bound caps several of these cases below 0.9 for any layout).
-Host time (thread CPU, one core of a shared machine): 3-6 ms at cp 64 for 1000 documents,
-up to ~10 ms when variant (b) is needed (heavy tail, Llama 4, cp 64); the old single-sum
-layout took ~1 ms.
+and SWA 5:1 within 1.023 of its mean, tokens within 1.017. Simulated per-layer efficiency
+at 8K tokens per GPU (bench/plan.py's model, cp 8/16/32/64, layer-weighted; before this
+layout's locality variants in brackets): heavy tail causal .98/1.0/.98/.98 (.99/.98/.84/
+.83), Llama 4 1.0/.95/.93/.92 (1.0/.72/.68/.49), SWA 5:1 1.0/.78/.73/.70 (.99/.60/.52/.59);
+a few long among short: causal .99/.96/.63/.33 (bound .86/.43 at cp 32/64; was .58/.26),
+SWA 5:1 1.0/.81/.43/.24 (.58/.32/.22), Llama 4 .99/.56/.36/.25 (unchanged); 1000
+log-normal documents .46/.38/.30 at cp 16..64 (bound 1.0/.74/.56; was .47/.37/.28), SWA
+5:1 .46/.20/.16; TE buckets, one long document, short documents .85-1.0 (Llama 4 on TE
+buckets .91/.88/.85: fold variant). Host time (bench/plan.py: thread CPU, median, one
+core of a shared 2-core machine) at cp 64, 128K tokens: 1000 documents 3.6-4.2 ms (SWA
+5:1 6.3 ms: a window body split and two rank-by-rank solves; the fold-only layout took
+4.9-6.9 ms measured the same way); the heavy tail 4.1-4.5 ms, Llama 4 12.4 and SWA 5:1
+13.1 ms (fold-only 10.6 / 10.5: at 2K tokens per rank the locality variants fail their
+checks or their solve, then the fold variants' fallbacks run). Runs: 670 for Llama 4 on
+the heavy tail at cp 64 and 8K tokens per rank (was 8315).
 
-Limits: exact balance rests on the folds of step 2; mask sets they do not fit are
+Limits: exact balance rests on the folds and splits above; mask sets they do not fit are
 balanced as far as the filler allows (worst max/mean measured on the mixes above, cp
 2..128): chunked attention with a window inside chunks plus global causal layers 1.11 at
 cp 64-128 (<= 1.03 up to cp 32, except TE buckets: 1.05); a full or chunked non-causal
-mask with a causal one 1.31 at cp 64-128 (the tile pair holding a document's partial last
-tile is sparser under causal than under full, and at 2K tokens per rank that shows);
-a bidirectional window alone 1.10 at cp 64-128 on the heavy tail, with a causal mask 1.26;
-three distinct masks, or two local masks of different kinds (SWA + chunked): 1.3-1.8.
-The efficiency target (>= 0.90) is met on 13-17 of 24 (mix, cp) pairs per mask mix, not on
-heavy-tailed Llama 4 / SWA mixes beyond cp 8 (0.5-0.7: every rank must hold a slice of the
-long bodies, and a rank ends up with pieces of 2-6 documents).
+mask with a causal one 1.31 at cp 64-128; a bidirectional window alone 1.10 at cp 64-128
+on the heavy tail, with a causal mask 1.26; three distinct masks, or two local masks of
+different kinds (SWA + chunked): 1.3-1.8. Efficiency >= 0.9 is not reached (bench/plan.py)
+where one document holds many ranks' work at 8K tokens per rank (a few long among
+short, 1000 log-normal at cp >= 32: the bound is below 0.9 or close to it; the rank
+holding a long document's end fetches most of it); with a window and causal layers on a
+heavy tail beyond cp 8 (0.70-0.78: a rank holds late parts of 1-2 bodies, early parts of
+1-2, and 2 filler cuts, each a window; bodies with excess near the body start need
+pairing with late parts of other documents); chunked + causal on TE buckets and a few
+long among short (tail blocks need more tokens than a rank has, the fold variant is
+used: a rank holds chunk pairs of 2-4 documents).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -110,6 +143,21 @@ _PROBES = 32
 # Cost of a cut, by where it falls: an item (document, head, body) boundary, a unit (tile
 # pair) boundary inside a folded item, inside a unit (a "finer" cut, off the tile grid).
 _COST = (0, 1, 4)
+# Rank-by-rank solver: a list pair must bracket a rank's target by this share of it before
+# the pair is chosen by schedule rather than by margin (0.02-0.1 measured alike).
+_MARGIN = 0.1
+# ... and a pair's cost: the rest of the cut items the rank starts on (a fetch for it),
+# weighed against the schedule (relative to the rank's tokens). 0.5-2 measured alike.
+_OFFSET_W = 2.0
+# Window bodies: a late part with less excess than this share of a rank's stays with the
+# early part (a rank would otherwise collect slivers of several documents' ends).
+_MINLATE = 0.5
+# Rank-by-rank solver tolerance (of a rank's share): its error goes to the next rank's
+# target, so it does not add up; the snap budgets are 6x larger.
+_SOLVE_TOL = 1e-3
+# An item in position order longer than a rank's filler share is only tried when its first
+# share of tokens holds at least this share of the mean target density (see _rank_reachable).
+_PREFIX_DENSITY = 0.75
 
 MaskWeights = tuple[tuple[AttnMask, float], ...]
 
@@ -291,9 +339,38 @@ def _profile(masks: MaskWeights, tile: int) -> _Profile:
 
 
 # ---- items and tiles ----------------------------------------------------------------------
-# Item kinds: a mirrored run of positions [s, e) (tiles 0, n-1, 1, n-2, ...), or a long
-# document's body [s, e) folded by chunk pairs (see _chunk_fold).
-_MIRROR, _CHUNKS = 0, 1
+# Item kinds: a mirrored run of positions [s, e) (tiles 0, n-1, 1, n-2, ...), a long
+# document's body [s, e) folded by chunk pairs (see _chunk_fold), or a run in position order
+# (a cut gives the earlier rank a prefix and the later one the rest: one fetch, not two).
+_MIRROR, _CHUNKS, _PREFIX = 0, 1, 2
+# Body item classes of the "blocks" variant: a tail block, a remainder (see _items).
+_TAIL, _REST = 1, 2
+
+
+@dataclass(frozen=True)
+class _Variant:
+    """How one attempt cuts the documents and solves the lists (see the module docstring).
+
+    body:   "fold" (chunk pairs / mirrored bodies) or "blocks" (bodies in position order,
+            split into tail blocks of whole rank shares and remainders).
+    pair:   bodies cut as a dense / sparse pair (to equal tokens and excess) instead of one
+            list cut by excess.
+    keep_small: long segments with negligible excess stay filler.
+    fill:   "mirror" or "prefix" (filler items in position order; items holding more than
+            ``big`` ranks' work stay mirrored).
+    solver: "vector" (the k-ary search over the whole pair), "seq" (rank by rank, one dense
+            and one sparse list) or "classes" (rank by rank, two density classes per side).
+    """
+
+    body: str = "fold"
+    pair: bool = False
+    keep_small: bool = True
+    fill: str = "mirror"
+    big: float = math.inf
+    solver: str = "vector"
+
+
+_LEGACY = (_Variant(), _Variant(pair=True), _Variant(pair=True, keep_small=False))
 
 
 @dataclass
@@ -301,8 +378,9 @@ class _Items:
     doc: torch.Tensor
     start: torch.Tensor
     end: torch.Tensor
-    kind: torch.Tensor  # _MIRROR / _CHUNKS
+    kind: torch.Tensor  # _MIRROR / _CHUNKS / _PREFIX
     body: torch.Tensor  # bool: carries excess work (phase 1) vs filler (phase 2)
+    block: torch.Tensor  # int64: _TAIL / _REST for the bodies of the "blocks" variant, else 0
 
 
 def _phi(prof: _Profile, total: torch.Tensor) -> torch.Tensor:
@@ -314,14 +392,21 @@ def _phi(prof: _Profile, total: torch.Tensor) -> torch.Tensor:
     return (prof.excess * (sign * scale).unsqueeze(1)).sum(0)
 
 
-def _items(lengths: torch.Tensor, prof: _Profile, cp: int, keep_small: bool) -> _Items:
-    """Cut the documents into filler items (short documents, heads) and bodies.
+def _segments(lengths: torch.Tensor, prof: _Profile, cp: int, keep_small: bool,
+              memo: dict | None = None) -> tuple[torch.Tensor, ...]:
+    """(doc, start, end, long) of the non-empty segments: documents, or their chunks when
+    every mask is chunked with one size; long: longer than theta and, with keep_small,
+    carrying more than negligible excess (see :func:`_items`). ``memo``: per-call cache."""
+    if memo is not None and ("seg", keep_small) in memo:
+        return memo[("seg", keep_small)]
+    out = _segments_of(lengths, prof, cp, keep_small)
+    if memo is not None:
+        memo[("seg", keep_small)] = out
+    return out
 
-    keep_small: long segments whose excess work is negligible (``_KEEP_EXCESS`` of a
-    rank's mean work) stay whole filler items, split like any dense filler: spreading their
-    body over every rank would fetch a whole window or chunk on each for nothing (one
-    4242-token document among 1000 short ones with a 4096 window at cp 16: SWA-layer
-    efficiency 0.26 spread, 0.46 as filler)."""
+
+def _segments_of(lengths: torch.Tensor, prof: _Profile, cp: int, keep_small: bool
+                 ) -> tuple[torch.Tensor, ...]:
     n_docs = lengths.numel()
     doc, start, end = torch.arange(n_docs), torch.zeros_like(lengths), lengths.clone()
     if prof.split:  # independent chunks: each is a segment of its own
@@ -345,7 +430,33 @@ def _items(lengths: torch.Tensor, prof: _Profile, cp: int, keep_small: bool) -> 
         phi = _phi(prof, total)
         tau = _KEEP_EXCESS * float(total[1:].min()) / cp
         long &= (vec @ phi).abs() > tau
-    if prof.head == "chunk":
+    return doc, start, end, long
+
+
+def _items(lengths: torch.Tensor, prof: _Profile, cp: int, var: _Variant,
+           memo: dict | None = None) -> _Items:
+    """Cut the documents into filler items (short documents, heads) and bodies.
+
+    ``var.body == "blocks"`` (chunked masks only): the head is the whole first chunk, the
+    body [C, L) runs in position order and is split at p into a tail block [p, L) holding
+    exactly n whole rank shares of the excess (n = floor of the body's shares; p off the
+    tile grid) and a remainder [C, p): the tail block's ranks then hold ONE contiguous
+    piece of one document each, and only the remainders (all starting at C, the cheapest
+    place to start) share ranks.
+
+    keep_small: long segments whose excess work is negligible (``_KEEP_EXCESS`` of a
+    rank's mean work) stay whole filler items, split like any dense filler: spreading their
+    body over every rank would fetch a whole window or chunk on each for nothing (one
+    4242-token document among 1000 short ones with a 4096 window at cp 16: SWA-layer
+    efficiency 0.26 spread, 0.46 as filler)."""
+    n_docs = lengths.numel()
+    memo = {} if memo is None else memo
+    doc, start, end, long = _segments(lengths, prof, cp, var.keep_small, memo)
+    size = end - start
+    blocks = var.body == "blocks" and prof.head == "chunk"
+    if blocks:
+        h = torch.full_like(size, prof.chunk)
+    elif prof.head == "chunk":
         r = size % prof.chunk
         t = prof.tile
         h = torch.where(r == 0, 0, prof.chunk - (r + t - 1) // t * t)
@@ -371,17 +482,139 @@ def _items(lengths: torch.Tensor, prof: _Profile, cp: int, keep_small: bool) -> 
     b_doc = torch.cat([doc[m] for m, _, _ in b_sel])
     b_start = torch.cat([a[m] for m, a, _ in b_sel])
     b_end = torch.cat([b[m] for m, _, b in b_sel])
-    n_f, n_b = f_doc.numel(), b_doc.numel()
+    n_f, n_b, n_long = f_doc.numel(), b_doc.numel(), int(long.sum())
     kind = torch.full((n_b,), _MIRROR)
-    if prof.head == "chunk":
-        kind[:int(long.sum())] = _CHUNKS
+    block = torch.zeros(n_b, dtype=torch.int64)
+    if (blocks or var.body == "split") and n_long and prof.excess.shape[0]:
+        if blocks:
+            p, n_sh = _tail_split(lengths, prof, cp, b_doc[:n_long], b_start[:n_long],
+                                  b_end[:n_long], memo)
+            tail = torch.nonzero(n_sh >= 1).flatten()
+        else:
+            p = _density_split(lengths, prof, b_doc[:n_long], b_start[:n_long],
+                               b_end[:n_long], memo)
+            if _MINLATE > 0:
+                excess, tot_e = _excess_of(lengths, prof, memo)
+                small = excess(p, b_end[:n_long], lengths[b_doc[:n_long]]) < _MINLATE * tot_e / cp
+                p = torch.where(small, b_end[:n_long], p)
+            tail = torch.nonzero(p < b_end[:n_long]).flatten()
+        rest = torch.nonzero(p > b_start[:n_long]).flatten()
+        b_doc = torch.cat([b_doc[rest], b_doc[tail], b_doc[n_long:]])
+        b_start, b_end = (torch.cat([b_start[rest], p[tail], b_start[n_long:]]),
+                          torch.cat([p[rest], b_end[tail], b_end[n_long:]]))
+        n_b = b_doc.numel()
+        kind = torch.full((n_b,), _PREFIX)
+        block = torch.cat([torch.full((rest.numel(),), _REST),
+                           torch.full((tail.numel(),), _TAIL),
+                           torch.zeros(n_b - rest.numel() - tail.numel(), dtype=torch.int64)])
+    elif prof.head == "chunk":
+        kind[:n_long] = _CHUNKS
+    f_kind = torch.full((n_f,), _MIRROR)
+    if var.fill == "prefix":
+        f_kind[:] = _PREFIX
+        if var.big < math.inf:
+            # Filler items holding more than ``big`` ranks' work stay mirrored: in position
+            # order such an item's stretches would range from far too sparse (its start)
+            # to far too dense for the rank-by-rank solver.
+            m0 = prof.masks[0]
+            fl = lengths[f_doc]
+            w = (prefix_work(fl, f_end, m0) - prefix_work(fl, f_start, m0)).to(torch.float64)
+            share = float(_doc_work(lengths, prof, memo)[:, 0].sum()) / cp
+            f_kind[w > var.big * share] = _MIRROR
     excess = prof.excess.shape[0] > 0
     return _Items(
         doc=torch.cat([f_doc, b_doc]), start=torch.cat([f_start, b_start]),
         end=torch.cat([f_end, b_end]),
-        kind=torch.cat([torch.full((n_f,), _MIRROR), kind]),
+        kind=torch.cat([f_kind, kind]),
         body=torch.cat([torch.zeros(n_f, dtype=torch.bool),
-                        torch.full((n_b,), excess, dtype=torch.bool)]))
+                        torch.full((n_b,), excess, dtype=torch.bool)]),
+        block=torch.cat([torch.zeros(n_f, dtype=torch.int64), block]))
+
+
+def _excess_of(lengths: torch.Tensor, prof: _Profile, memo: dict) -> tuple[Any, float]:
+    """(excess(a, b, doc_len): the excess functional over positions [a, b) of documents of
+    doc_len tokens, its total over all documents)."""
+    if "excess" not in memo:
+        memo["excess"] = _excess_fn(lengths, prof, memo)
+    return memo["excess"]
+
+
+def _doc_work(lengths: torch.Tensor, prof: _Profile, memo: dict) -> torch.Tensor:
+    """[n_docs, M] float64: each document's work under each mask (memoized per call)."""
+    if "docw" not in memo:
+        memo["docw"] = torch.stack([prefix_work(lengths, lengths, m).to(torch.float64)
+                                    for m in prof.masks], 1)
+    return memo["docw"]
+
+
+def _excess_fn(lengths: torch.Tensor, prof: _Profile, memo: dict) -> tuple[Any, float]:
+    vec = torch.empty(lengths.numel(), 1 + len(prof.masks), dtype=torch.float64)
+    vec[:, 0] = lengths.to(torch.float64)
+    vec[:, 1:] = _doc_work(lengths, prof, memo)
+    phi = _phi(prof, vec.sum(0))
+
+    def excess(a: torch.Tensor, b: torch.Tensor, dl: torch.Tensor) -> torch.Tensor:
+        out = phi[0] * (b - a).to(torch.float64)
+        for k, mask in enumerate(prof.masks):
+            out = out + phi[1 + k] * (prefix_work(dl, b, mask)
+                                      - prefix_work(dl, a, mask)).to(torch.float64)
+        return out
+
+    return excess, float(phi @ vec.sum(0))
+
+
+def _last_true(lo: torch.Tensor, hi: torch.Tensor, pred: Any) -> torch.Tensor:
+    """Per row, the largest p in [lo, hi] with pred(p) (pred true then false along p;
+    lo is returned where pred(lo) is false): a k-ary search, _PROBES probes a round."""
+    lo, hi = lo.clone(), hi.clone()
+    rows = torch.arange(lo.numel())
+    steps = torch.arange(1, _PROBES + 1)
+    while bool((hi > lo).any()):
+        probe = lo.unsqueeze(1) + ((hi - lo).unsqueeze(1) * steps + _PROBES - 1) // _PROBES
+        ok = pred(probe.flatten(), rows.repeat_interleave(_PROBES)).view(-1, _PROBES)
+        last = ok.to(torch.int8).cumprod(1).sum(1) - 1  # ok is a prefix of the probes
+        new_lo = torch.where(last >= 0, probe[rows, last.clamp(min=0)], lo)
+        new_hi = torch.where(last < _PROBES - 1,
+                             probe[rows, (last + 1).clamp(max=_PROBES - 1)] - 1, hi)
+        lo, hi = new_lo, torch.maximum(new_hi, new_lo)
+    return lo
+
+
+def _tail_split(lengths: torch.Tensor, prof: _Profile, cp: int, doc: torch.Tensor,
+                start: torch.Tensor, end: torch.Tensor, memo: dict
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p, n) per body [start, end): the excess of [p, end) is n whole rank shares (n =
+    floor of the body's excess in shares), p the largest position with at least that much
+    (p = end when n = 0)."""
+    excess, total = _excess_of(lengths, prof, memo)
+    dl = lengths[doc]
+    share = total / cp
+    n = torch.floor(excess(start, end, dl) / share * (1 + 1e-12)).to(torch.int64)
+    want = n.to(torch.float64) * share
+    p = _last_true(start, end, lambda x, r: excess(x, end[r], dl[r]) >= want[r])
+    return p, n
+
+
+def _density_split(lengths: torch.Tensor, prof: _Profile, doc: torch.Tensor,
+                   start: torch.Tensor, end: torch.Tensor, memo: dict) -> torch.Tensor:
+    """Per body [start, end): the first position whose token carries at least the bodies'
+    mean excess per token. With every mask looking left a token's work depends on its
+    position only, and grows with it, so one search over positions serves all bodies."""
+    excess, _ = _excess_of(lengths, prof, memo)
+    dl = lengths[doc]
+    mean = float(excess(start, end, dl).sum()) / max(float((end - start).sum()), 1.0)
+    top = int(lengths.max())
+    # First position p with excess(p, p+1) >= mean: a coarse grid, then the bracket.
+    step = max(1, -(-top // 1024))
+    grid = torch.arange(0, top, step)
+    ok = excess(grid, grid + 1, torch.full_like(grid, top)) >= mean
+    i = int(torch.argmax(ok.to(torch.int8))) if bool(ok.any()) else grid.numel()
+    fine = torch.arange(max(0, (i - 1) * step), min(top, i * step + 1))
+    ok = excess(fine, fine + 1, torch.full_like(fine, top)) >= mean
+    q = torch.tensor([int(fine[int(torch.argmax(ok.to(torch.int8)))]) if bool(ok.any())
+                      else top])
+    q = (q + prof.tile - 1) // prof.tile * prof.tile  # on the tile grid: no extra cut
+    return torch.minimum(torch.maximum(q.expand_as(start), start), end)
 
 
 def _mirror_index(j: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -437,6 +670,7 @@ class _Units:
     vec: torch.Tensor  # [n, 1+M] float64: tokens, work per mask
     mid: torch.Tensor  # [n, 1+M]: the same for the unit's first 2*min(a_len, b_len) tokens
     body: torch.Tensor  # bool: the unit belongs to a body (phase 1)
+    block: torch.Tensor  # int64: its item's block class (_TAIL / _REST / 0)
 
 
 def _units(items: _Items, lengths: torch.Tensor, prof: _Profile) -> _Units:
@@ -459,6 +693,7 @@ def _units(items: _Items, lengths: torch.Tensor, prof: _Profile) -> _Units:
         if sel.numel():
             fold[sel] = _chunk_fold(start[sel], items.start[item[sel]], doc_len[sel],
                                     prof.chunk, t)
+    fold = torch.where(items.kind[item] == _PREFIX, j, fold)
     nu = (n + 1) // 2
     uoff = torch.cumsum(nu, 0) - nu
     unit = uoff[item] + fold // 2
@@ -493,7 +728,7 @@ def _units(items: _Items, lengths: torch.Tensor, prof: _Profile) -> _Units:
         u_vec[:, 1 + k] = (w[0] - w[1] + w[2] - w[3]).to(torch.float64)
         mid[:, 1 + k] = (w[4] - w[1] + w[2] - w[5]).to(torch.float64)
     return _Units(u_doc, u_item, torch.arange(n_units) - uoff[u_item], a_start, a_len,
-                  b_start, b_len, u_vec, mid, items.body[u_item])
+                  b_start, b_len, u_vec, mid, items.body[u_item], items.block[u_item])
 
 
 def _split(u: _Units, unit: torch.Tensor, o1: torch.Tensor, o2: torch.Tensor
@@ -548,6 +783,12 @@ class _List:
         self._cols: dict[Any, torch.Tensor] = {}
         self._bounds: list[torch.Tensor] = []
         self.even_cuts = True
+
+    def item_starts(self) -> torch.Tensor:
+        """Token offsets where an item starts in the list (0 first; [1] = 0 if empty)."""
+        if self.n == 0:
+            return torch.zeros(1, dtype=torch.int64)
+        return self.tok[:-1][self.cls[:-1] == 0]
 
     def column(self, col: Any) -> torch.Tensor:
         """Cumulative column ``col`` (an index, or a [1+M] functional) at the merged
@@ -749,6 +990,7 @@ class _Layout:
     lists: list[_List]
     cuts: list[torch.Tensor]  # [cp+1] token offsets per list
     per_rank: torch.Tensor  # [cp, 1+M] float64 estimate (interpolated inside cut tiles)
+    unreachable: bool = False  # the rank-by-rank solver's precheck failed (see _solve)
 
 
 def _rank_vectors(lists: list[_List], cuts: list[torch.Tensor]) -> torch.Tensor:
@@ -843,19 +1085,26 @@ def _untangle(dense: _List, sparse: _List, y: torch.Tensor, n_tok: torch.Tensor,
 
 
 def _pair_cut(dense: _List, sparse: _List, n_tok: torch.Tensor, target: torch.Tensor,
-              col: Any, limits: list[tuple[Any, float, float]], give_up: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+              col: Any, limits: list[tuple[Any, float, float]], give_up: bool = False,
+              seq: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Cuts [cp+1] of a dense / sparse list pair giving boundary k ``n_tok[k]`` tokens and
     ``target[k]`` in column ``col`` (exact, then snapped within the budgets of ``limits``,
     relative to what the exact cuts reach, see :func:`_snap_pair`). give_up: None
-    instead of untangling exact cuts that go backwards (a sign of targets out of reach)."""
+    instead of untangling exact cuts that go backwards (a sign of targets out of reach).
+    seq: exact cuts rank by rank (:func:`_rank_cut`), not snapped."""
     n_tok = n_tok.clamp(0, dense.total + sparse.total)
     n_tok[-1] = dense.total + sparse.total
-    y = _cut_fill(dense, sparse, n_tok, target, col)
-    if give_up and not (bool((y[1:] >= y[:-1]).all())
-                        and bool((n_tok[1:] - y[1:] >= n_tok[:-1] - y[:-1]).all())):
-        return None
-    y = _untangle(dense, sparse, y, n_tok, target, col)
+    if seq:
+        # Exact rank by rank and not snapped: the snap saved no fetch here (a cut in an
+        # item in position order costs its offset either way) and took a third of the time.
+        y = _rank_cut([dense], [sparse], n_tok, target, col)[0]
+        return y, n_tok - y
+    else:
+        y = _cut_fill(dense, sparse, n_tok, target, col)
+        if give_up and not (bool((y[1:] >= y[:-1]).all())
+                            and bool((n_tok[1:] - y[1:] >= n_tok[:-1] - y[:-1]).all())):
+            return None
+        y = _untangle(dense, sparse, y, n_tok, target, col)
     yd, ys = _snap_pair(dense, sparse, y, n_tok, col, limits)
     yd, ys = torch.cummax(dense.even(yd), 0).values, torch.cummax(sparse.even(ys), 0).values
     yd[0], ys[0] = 0, 0
@@ -883,14 +1132,179 @@ def _reachable(dense: _List, sparse: _List, f_tok: torch.Tensor, f_target: torch
     return bool((t >= 0).all()) and bool(((w >= lo * t) & (w <= hi * t)).all())
 
 
-def _solve(units: _Units, prof: _Profile, cp: int, pair_bodies: bool) -> _Layout:
+def _rank_cut(dense: list[_List], sparse: list[_List], n_tok: torch.Tensor,
+              target: torch.Tensor, col: Any) -> list[torch.Tensor]:
+    """Cuts [cp+1] of every list, solved rank by rank (a Python loop over ranks, on
+    Python floats: ~20 us a rank): rank k takes the next stretches of one dense and one
+    sparse list, the pair whose stretches bracket its target density (tokens and column
+    ``col`` exact up to _SOLVE_TOL of the rank's share, by regula falsi on the piecewise linear
+    cumulative values), so the cuts are monotone whatever the lists' local densities
+    (items in position order are sparse at their start and dense at their end). With
+    several lists a side, among the pairs with a margin of at least ``_MARGIN`` the one
+    furthest behind schedule, and least costly to start in (the rest of a cut item is a
+    fetch for this rank), is taken. A rank whose target is out of reach takes the nearest
+    end; targets are cumulative, so its error goes to the next rank. The last rank takes
+    what is left."""
+    lists = dense + sparse
+    n_l, n_d = len(lists), len(dense)
+    pts = [lst.pt.tolist() for lst in lists]
+    cols = [lst.column(col).tolist() if lst.n else [0.0] for lst in lists]
+    last = [len(p) - 1 for p in pts]
+    starts = [lst.item_starts().tolist() for lst in lists]
+    tot = [lst.total for lst in lists]
+    bis = bisect.bisect_right
+
+    def val(i: int, x: int) -> float:
+        p, c = pts[i], cols[i]
+        j = bis(p, x) - 1
+        if j >= last[i]:
+            return c[-1]
+        x0 = p[j]
+        return c[j] + (c[j + 1] - c[j]) * (x - x0) / (p[j + 1] - x0)
+
+    nt, tg = n_tok.tolist(), target.tolist()
+    n_r = len(nt) - 1
+    pos = [0] * n_l
+    cur = [0.0] * n_l  # val(i, pos[i])
+    out = [[0] * (n_r + 1) for _ in lists]
+    done = 0.0
+    for k in range(1, n_r):
+        t_k, w_k = nt[k] - nt[k - 1], tg[k] - done
+        tol = _SOLVE_TOL * abs(w_k)
+        best = None
+        for a in range(n_d):
+            for b in range(n_d, n_l):
+                lo, hi = max(0, t_k - (tot[b] - pos[b])), min(t_k, tot[a] - pos[a])
+                if hi < lo:
+                    continue
+                if hi == lo and n_l == 2:  # no choice: skip the evaluations
+                    best = ((True,), a, b, lo, hi, 0.0, 0.0, 0.0)
+                    continue
+                base = cur[a] + cur[b] + w_k
+                g_lo = val(a, pos[a] + lo) + val(b, pos[b] + t_k - lo) - base
+                g_hi = val(a, pos[a] + hi) + val(b, pos[b] + t_k - hi) - base
+                feasible = g_lo <= 0 <= g_hi
+                score = (feasible,)
+                if n_l > 2:
+                    margin = min(-g_lo, g_hi) / max(abs(w_k), 1.0)
+                    good = feasible and margin >= _MARGIN
+                    if good:
+                        sa, sb = starts[a], starts[b]
+                        off = (pos[a] - sa[bis(sa, pos[a]) - 1]
+                               + pos[b] - sb[bis(sb, pos[b]) - 1])
+                        lag = (2 * k / n_r - pos[a] / max(tot[a], 1) - pos[b] / max(tot[b], 1)
+                               - _OFFSET_W * off / max(t_k, 1))
+                    score = (feasible, good, lag if good else margin)
+                if best is None or score > best[0]:
+                    best = (score, a, b, lo, hi, g_lo, g_hi, base)
+        if best is None:
+            continue
+        _, a, b, lo, hi, f_lo, f_hi, base = best
+        if f_lo >= 0:
+            dx = lo
+        elif f_hi <= 0:
+            dx = hi
+        else:  # Illinois regula falsi on integers
+            side = 0
+            while hi - lo > 1 and -f_lo > tol and f_hi > tol:
+                m = min(max(int(lo + (hi - lo) * (-f_lo) / (f_hi - f_lo) + 0.5), lo + 1),
+                        hi - 1)
+                f_m = val(a, pos[a] + m) + val(b, pos[b] + t_k - m) - base
+                if f_m >= 0:
+                    hi, f_hi = m, f_m
+                    f_lo = f_lo / 2 if side == 1 else f_lo
+                    side = 1
+                else:
+                    lo, f_lo = m, f_m
+                    f_hi = f_hi / 2 if side == -1 else f_hi
+                    side = -1
+            dx = lo if -f_lo <= f_hi else hi
+        pos[a] += dx
+        pos[b] += t_k - dx
+        va, vb = val(a, pos[a]), val(b, pos[b])
+        done += va - cur[a] + vb - cur[b]
+        cur[a], cur[b] = va, vb
+        for i in range(n_l):
+            out[i][k] = pos[i]
+    for i in range(n_l):
+        out[i][n_r] = tot[i]
+    return [torch.tensor(o, dtype=torch.int64) for o in out]
+
+
+def _block_targets(units: _Units, body: _List, phi: torch.Tensor, cp: int) -> torch.Tensor:
+    """Excess targets [cp+1] of the "blocks" body list (remainders first, then tail
+    blocks): the remainders in equal shares, then each tail block in equal shares of its
+    own, so that the cuts fall on the blocks' boundaries (each block is a whole number of
+    shares up to one token)."""
+    it = units.item[body.order]
+    new = torch.ones(body.n, dtype=torch.bool)
+    new[1:] = it[1:] != it[:-1]
+    first = torch.nonzero(new).flatten()
+    cum = body.column(phi)
+    c_s = cum[2 * first]
+    c_e = torch.cat([c_s[1:], cum[-1:]])
+    tail = units.block[body.order[first]] == _TAIL
+    total = float(cum[-1])
+    n_sh = torch.clamp(torch.round((c_e - c_s)[tail] * cp / max(total, 1e-300)),
+                       min=1).to(torch.int64)
+    n_rest = cp - int(n_sh.sum())
+    if not bool(tail.any()) or n_rest < 0 or (n_rest == 0 and not bool(tail[0])):
+        return torch.arange(cp + 1, dtype=torch.float64) * total / cp
+    s_t, e_t = c_s[tail], c_e[tail]
+    rest_end = float(s_t[0])
+    rep = torch.repeat_interleave(torch.arange(n_sh.numel()), n_sh)
+    off = (torch.arange(int(n_sh.sum())) - (torch.cumsum(n_sh, 0) - n_sh)[rep]).to(torch.float64)
+    return torch.cat([torch.arange(n_rest, dtype=torch.float64) * rest_end / max(n_rest, 1),
+                      s_t[rep] + (e_t - s_t)[rep] * off / n_sh[rep].to(torch.float64),
+                      torch.tensor([total], dtype=torch.float64)])
+
+
+def _classes(units: _Units, sel: torch.Tensor, item_d: torch.Tensor, item_t: torch.Tensor,
+             key: torch.Tensor, n: int, tok_budget: float) -> list[_List]:
+    """The selected units as ``n`` lists of equal tokens by item density (low first),
+    each in ``key`` order."""
+    items = torch.unique(units.item[sel])
+    o = items[torch.argsort(item_d[items], stable=True)]
+    cum = torch.cumsum(item_t[o], 0)
+    total = float(cum[-1]) if cum.numel() else 1.0
+    grp = torch.clamp(((cum - item_t[o] / 2) * n / max(total, 1.0)).to(torch.int64), max=n - 1)
+    g_of = torch.full((item_t.numel(),), -1, dtype=torch.int64)
+    g_of[o] = grp
+    return [_new_list(units, _order(units, sel & (g_of[units.item] == g), key), tok_budget)
+            for g in range(n)]
+
+
+def _rank_reachable(items: _Items, fill_items: torch.Tensor, lengths: torch.Tensor,
+                    prof: _Profile, col: int, f_tok: torch.Tensor, f_target: torch.Tensor
+                    ) -> bool:
+    """Cheap test before the rank-by-rank solver: every rank's filler share must be
+    non-negative, and a filler item in position order that is longer than a rank's share
+    must not be much sparser over its first share of tokens than the ranks' mean target
+    (a rank starting on it could not reach its work: 128K tokens of the heavy tail at cp
+    64, 2K tokens per rank, vs ~4K mean causal density)."""
+    t = (f_tok[1:] - f_tok[:-1]).to(torch.float64)
+    w = f_target[1:] - f_target[:-1]
+    if bool((t < 0).any()) or bool((w < -1e-6 * float(w.abs().max())).any()):
+        return False
+    pre = fill_items & (items.kind == _PREFIX)
+    share = int(t.median())
+    long = torch.nonzero(pre & (items.end - items.start > share)).flatten()
+    if not long.numel() or share <= 0:
+        return True
+    mask = prof.masks[col - 1]
+    dl, a = lengths[items.doc[long]], items.start[long]
+    first = (prefix_work(dl, a + share, mask) - prefix_work(dl, a, mask)).to(torch.float64)
+    return bool((first >= _PREFIX_DENSITY * float(w.sum() / t.sum()) * share).all())
+
+
+def _solve(units: _Units, prof: _Profile, cp: int, var: _Variant, items: _Items,
+           lengths: torch.Tensor) -> _Layout:
     """Phase 1 (bodies: the excess work) then phase 2 (filler: tokens and the rest).
 
-    pair_bodies: False cuts the bodies as one list (spread by excess per token) by excess
-    alone (a rank's bodies are then one or two documents; phase 2 absorbs the token
-    differences);
-    True cuts dense / sparse bodies (in excess per token) to equal tokens and excess (more
-    documents per rank, always feasible for phase 2).
+    Bodies (``var``): one list spread by excess per token and cut by excess alone (a
+    rank's bodies are then one or two documents; phase 2 absorbs the token differences);
+    or a dense / sparse pair (in excess per token) cut to equal tokens and excess (more
+    documents per rank, always feasible for phase 2); or the blocks of :func:`_items`.
     """
     n_items = int(units.item.max()) + 1 if units.item.numel() else 0
     is_body = units.body & (prof.excess.shape[0] > 0)
@@ -909,6 +1323,7 @@ def _solve(units: _Units, prof: _Profile, cp: int, pair_bodies: bool) -> _Layout
     doc_order = torch.empty(n_items, dtype=torch.int64)
     doc_order[torch.argsort(first)] = torch.arange(n_items)
     item_t = _item_sums(units, n_items, 0)
+    fail = _Layout([], [], torch.full((cp, 1 + M), math.inf, dtype=torch.float64))
 
     # Phase 1: bodies, cut so that every rank gets 1/cp of the excess work.
     lists, cuts = [], []
@@ -917,8 +1332,21 @@ def _solve(units: _Units, prof: _Profile, cp: int, pair_bodies: bool) -> _Layout
         phi = _phi(prof, total)
         others = [m for m in range(M) if 1 + m != col] or list(range(M))
         budget = _EXCESS_BUDGET * float(min(share[1 + m] for m in others))
-        if pair_bodies:
-            item_phi = _item_sums(units, n_items, phi)
+        item_phi = _item_sums(units, n_items, phi)
+        if var.body == "split":
+            # Late parts (dense in excess) and early parts, in position order and document
+            # order, cut rank by rank to equal tokens and excess.
+            late = is_body & (units.block == _TAIL)
+            dense = _new_list(units, _order(units, late, doc_order), tok_budget)
+            sparse = _new_list(units, _order(units, is_body & ~late, doc_order), tok_budget)
+            t_b = dense.total + sparse.total
+            b_tok = k * t_b // cp
+            b_phi = k.to(torch.float64) * float(dense.column(phi)[-1] + sparse.column(phi)[-1]) / cp
+            xd, xs = _rank_cut([dense], [sparse], b_tok, b_phi, phi)
+            lists += [dense, sparse]
+            cuts += [xd, xs]
+            b_val = dense.at(xd) + sparse.at(xs)
+        elif var.pair:
             body_items = torch.zeros(n_items, dtype=torch.bool)
             body_items[units.item[is_body]] = True
             t_b = float(item_t[body_items].sum())
@@ -934,14 +1362,33 @@ def _solve(units: _Units, prof: _Profile, cp: int, pair_bodies: bool) -> _Layout
             cuts += [xd, xs]
             b_val = dense.at(xd) + sparse.at(xs)
         else:
-            # Bodies spread by excess per token, so that the excess cut gives no rank
-            # a stretch of only sparse bodies (too many tokens for the filler to offset).
-            item_phi = _item_sums(units, n_items, phi)
             b_items = torch.zeros(n_items, dtype=torch.bool)
             b_items[units.item[is_body]] = True
-            key = _spread_key(item_phi / item_t.clamp(min=1), item_t * b_items)
+            if var.body == "blocks":
+                # Remainders first, largest, smallest, second largest, ... (about two on a
+                # rank: each costs a chunk of causal keys to fetch), then the tail blocks,
+                # longest documents first, so that the last rank, which phase 2 gives what
+                # is left of every filler list, holds the shortest document's end.
+                i_blk = torch.zeros(n_items, dtype=torch.int64)
+                i_blk[units.item] = units.block
+                ln = lengths[first >> 40]
+                key = ((1 << 40) - ln) * (1 << 22) + (first >> 40)
+                r_idx = torch.nonzero(i_blk == _REST).flatten()
+                o = r_idx[torch.argsort(-item_t[r_idx], stable=True)]
+                zz = torch.empty(o.numel(), dtype=torch.int64)
+                zz[0::2] = torch.arange((o.numel() + 1) // 2)
+                zz[1::2] = o.numel() - 1 - torch.arange(o.numel() // 2)
+                key[o[zz]] = torch.arange(o.numel())
+                key = torch.argsort(torch.argsort(key))
+            else:
+                # Bodies spread by excess per token, so that the excess cut gives no rank
+                # a stretch of only sparse bodies (too many tokens for the filler).
+                key = _spread_key(item_phi / item_t.clamp(min=1), item_t * b_items)
             body = _new_list(units, _order(units, is_body, key), tok_budget)
-            target = k.to(torch.float64) * float(body.pv[-1] @ phi) / cp
+            if var.body == "blocks":
+                target = _block_targets(units, body, phi, cp)
+            else:
+                target = k.to(torch.float64) * float(body.pv[-1] @ phi) / cp
             x = _cut_excess(body, phi, target, budget)
             x[0], x[-1] = 0, body.total
             lists.append(body)
@@ -960,20 +1407,32 @@ def _solve(units: _Units, prof: _Profile, cp: int, pair_bodies: bool) -> _Layout
     # list holds about its mean density), so per-rank targets stay reachable.
     fill_items = torch.zeros(n_items, dtype=torch.bool)
     fill_items[units.item[fill]] = True
+    if var.solver != "vector" and not _rank_reachable(items, fill_items, lengths, prof, col,
+                                                      f_tok, f_target):
+        return _Layout([], [], fail.per_rank, unreachable=True)
     spread = _spread_key(item_w / item_t.clamp(min=1), item_t * fill_items)
+    if var.solver == "classes":
+        dens = item_w / item_t.clamp(min=1)
+        dl = _classes(units, fill & is_dense, dens, item_t, spread, 2, tok_budget)
+        sl = _classes(units, fill & ~is_dense, dens, item_t, spread, 2, tok_budget)
+        f_tok[-1] = sum(lst.total for lst in dl + sl)
+        lists += dl + sl
+        cuts += _rank_cut(dl, sl, f_tok, f_target, col)
+        return _Layout(lists, cuts, _rank_vectors(lists, cuts))
     dense = _new_list(units, _order(units, fill & is_dense, spread), tok_budget)
     sparse = _new_list(units, _order(units, fill & ~is_dense, spread), tok_budget)
-    if lists and not pair_bodies and not _reachable(dense, sparse, n_tok - b_val[:, 0],
-                                                    f_target, col):
-        return _Layout([], [], torch.full((cp, 1 + M), math.inf, dtype=torch.float64))
+    one_list = bool(lists) and not var.pair
+    if one_list and var.solver == "vector" and not _reachable(
+            dense, sparse, n_tok - b_val[:, 0], f_target, col):
+        return fail
     prio = torch.tensor(prof.weights, dtype=torch.float64)
     prio = prio / prio.max()
     limits = [(0, tok_budget, 1.0)] + [(1 + m, _FILL_BUDGET * float(share[1 + m]),
                                         float(prio[m])) for m in range(M)]
-    cut = _pair_cut(dense, sparse, f_tok, f_target, col, limits,
-                    give_up=bool(lists) and not pair_bodies)
+    cut = _pair_cut(dense, sparse, f_tok, f_target, col, limits, give_up=one_list,
+                    seq=var.solver == "seq")
     if cut is None:
-        return _Layout([], [], torch.full((cp, 1 + M), math.inf, dtype=torch.float64))
+        return fail
     yd, ys = cut
     lists += [dense, sparse]
     cuts += [yd, ys]
@@ -1018,29 +1477,107 @@ def _runs(units: _Units, lay: _Layout) -> tuple[torch.Tensor, ...]:
     return rank[keep], doc[keep], start[keep], length[keep]
 
 
+def _has_bodies(lengths: torch.Tensor, prof: _Profile, cp: int, memo: dict) -> bool:
+    """Whether any segment carries excess work (a long document with more than the
+    negligible excess of ``keep_small``)."""
+    if not prof.excess.shape[0]:
+        return False
+    return bool(_segments(lengths, prof, cp, True, memo)[3].any())
+
+
+def _prefix_ok(lengths: torch.Tensor, prof: _Profile, cp: int, memo: dict) -> bool:
+    """:func:`_rank_reachable`'s density test when everything is filler, before any item
+    is built: no segment longer than a rank's share may be much sparser over its first
+    share than the mean (the single 128K document, 24-32K documents at 8-16K tokens per
+    rank, the heavy tail at 2-4K tokens per rank fail it)."""
+    doc, start, end, _ = _segments(lengths, prof, cp, True, memo)
+    share = int(lengths.sum()) // cp
+    long = end - start > share
+    if not bool(long.any()) or share <= 0:
+        return True
+    w = _doc_work(lengths, prof, memo).sum(0)
+    m = int(torch.argmin(w))
+    mask = prof.masks[m]
+    mean = float(w[m]) / max(int(lengths.sum()), 1)
+    dl, a = lengths[doc[long]], start[long]
+    first = (prefix_work(dl, a + share, mask) - prefix_work(dl, a, mask)).to(torch.float64)
+    return bool((first >= _PREFIX_DENSITY * mean * share).all())
+
+
+def _variants(prof: _Profile, bodies: bool, prefix_ok: bool = True) -> list[_Variant]:
+    """Attempts in order (the first that meets the targets is taken): locality-first
+    variants where their pieces keep the masks' work in a fixed relation (every mask
+    looks left, so a filler item's prefix is causal-like under all of them), then the
+    fold variants (always feasible when anything is)."""
+    left = all(_locality(m)[1] for m in prof.masks)
+    if not bodies and (len(prof.masks) == 1 or left):
+        local = [_Variant(fill="prefix", solver="seq"), _Variant(fill="prefix", solver="classes")]
+        return (local if prefix_ok else []) + list(_LEGACY[:1])
+    if not left:
+        return list(_LEGACY)
+    local = []
+    if prof.head == "chunk":
+        local.append(_Variant(body="blocks", fill="prefix", big=2.0, solver="classes"))
+    elif prof.head == "prefix":
+        local.append(_Variant(body="split", fill="prefix", big=2.0, solver="seq"))
+        local.append(_Variant(body="split", fill="prefix", big=2.0, solver="classes"))
+    return local + list(_LEGACY)
+
+
 def balanced_runs(lengths: torch.Tensor, cp_size: int, masks: MaskWeights, tile_tokens: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rank, doc, start, length) int64 runs of the balanced layout (see the module
-    docstring) for documents of ``lengths`` (int64, CPU); inputs validated."""
+    docstring) for documents of ``lengths`` (int64, CPU); inputs validated. Runs are
+    maximal: one per (rank, document, stretch of consecutive positions)."""
     lengths = lengths.to(torch.int64)
     if cp_size == 1 or int(lengths.sum()) == 0:
         d = torch.nonzero(lengths > 0).flatten()
         return torch.zeros_like(d), d, torch.zeros_like(d), lengths[d]
     prof = _profile(masks, tile_tokens)
-    units = _units(_items(lengths, prof, cp_size, True), lengths, prof)
-    best = (_solve(units, prof, cp_size, pair_bodies=False), units)
-    if prof.excess.shape[0] and _score(best[0].per_rank) > 1.0:
-        # Fallbacks, each less communication-friendly: bodies cut dense / sparse, then
-        # every long segment split into head and body.
-        for keep_small in (True, False):
-            if not keep_small:
-                units = _units(_items(lengths, prof, cp_size, False), lengths, prof)
-            lay = _solve(units, prof, cp_size, pair_bodies=True)
-            if _score(lay.per_rank) < _score(best[0].per_rank):
-                best = (lay, units)
-            if _score(best[0].per_rank) <= 1.0:
-                break
-    return _runs(best[1], best[0])
+    best = None
+    items_of: dict[tuple, tuple[_Items, _Units]] = {}
+    memo: dict = {}
+    unreachable = set()
+    bodies = _has_bodies(lengths, prof, cp_size, memo)
+    for var in _variants(prof, bodies, bodies or _prefix_ok(lengths, prof, cp_size, memo)):
+        key = (var.body, var.keep_small, var.fill, var.big)
+        if key in unreachable and var.solver != "vector":
+            continue  # the same items and precheck: the other rank-by-rank solver fails too
+        if key not in items_of:
+            items = _items(lengths, prof, cp_size, var, memo)
+            items_of[key] = (items, _units(items, lengths, prof))
+        items, units = items_of[key]
+        lay = _solve(units, prof, cp_size, var, items, lengths)
+        if lay.unreachable:
+            unreachable.add(key)
+        if best is None or _score(lay.per_rank) < _score(best[0].per_rank):
+            best = (lay, units)
+        if _score(best[0].per_rank) <= 1.0:
+            break
+    return _merge(*_runs(best[1], best[0]))
+
+
+def _merge(rank: torch.Tensor, doc: torch.Tensor, start: torch.Tensor, length: torch.Tensor
+           ) -> tuple[torch.Tensor, ...]:
+    """Runs sorted by (rank, doc, start) with touching runs of one rank and document
+    merged (the layout cuts on a tile grid: ~one run per tile before merging)."""
+    n_docs = int(doc.max()) + 1 if doc.numel() else 1
+    span = int((start + length).max()) + 1 if doc.numel() else 1
+    n_ranks = int(rank.max()) + 1 if doc.numel() else 1
+    if n_ranks * n_docs * span < 1 << 62:
+        o = torch.argsort((rank * n_docs + doc) * span + start)
+    else:  # stable sorts, least significant key first
+        o = torch.argsort(start, stable=True)
+        o = o[torch.argsort(doc[o], stable=True)]
+        o = o[torch.argsort(rank[o], stable=True)]
+    rank, doc, start, length = rank[o], doc[o], start[o], length[o]
+    new = torch.ones(rank.numel(), dtype=torch.bool)
+    new[1:] = (rank[1:] != rank[:-1]) | (doc[1:] != doc[:-1]) | (
+        start[1:] != start[:-1] + length[:-1])
+    head = torch.nonzero(new).flatten()
+    stop = torch.cat([head[1:], torch.tensor([rank.numel()])])
+    end = (start + length)[stop - 1]
+    return rank[head], doc[head], start[head], end - start[head]
 
 
 def describe(masks: MaskWeights, tile_tokens: int) -> Sequence[Any]:
