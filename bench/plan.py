@@ -3,8 +3,7 @@ host build time of every layout (pure host computation, no processes, no GPU).
 
 Usage: ``python bench/plan.py [--quick] [--threads N]``.
 
-Document mixes are those of bench/balance.py, generated here for any token count (at 128K
-they are the same lists): many short documents, one 128K document, log-normal and
+Document mixes, generated for any token count (128K for part 1): many short documents, one 128K document, log-normal and
 heavy-tailed lengths, TransformerEngine-style 24K-32K buckets, a few long among many short.
 Mask mixes: causal, sliding window (4096, 0), chunked 8192 (causal), Llama 4 (chunked 8192
 x3 : causal x1), Gemma-style SWA (window (4096, 0) x5 : causal x1). ``balanced`` is built
@@ -77,7 +76,7 @@ TARGETS = {"work_imb": 1.03, "token_imb": 1.02, "padding": 0, "efficiency": 0.90
            "layout_ms_cp64_1k_docs": 5.0, "plan_ms_cp8": 15.0, "plan_ms_cp64": 50.0}
 
 
-# ---- document mixes (bench/balance.py's, for any total) -----------------------------------
+# ---- document mixes (for any total) -----------------------------------------------------
 def _fill(lengths: list[int], total: int) -> list[int]:
     """Cut or extend the list so the lengths sum to exactly ``total``."""
     out, used = [], 0

@@ -73,7 +73,7 @@ def _lognormal(seed: int, n: int, mu: float, sigma: float) -> list[int]:
     return torch.exp(torch.randn(n, generator=g) * sigma + mu).long().clamp(min=1).tolist()
 
 
-# 128K-token batches: the document mixes of bench/plan.py (and bench/balance.py).
+# 128K-token batches: the document mixes of bench/plan.py.
 MIXES = {
     "many_short": _fill(_lognormal(0, 2000, 4.6, 1.0)),  # ~1000 documents, a few of 2-4K
     "one_long": [TOTAL],

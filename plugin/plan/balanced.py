@@ -125,6 +125,7 @@ from typing import Any, Sequence
 import torch
 
 from ..masks import AttnMask
+from .runs import pair_work
 
 DEFAULT_TILE_TOKENS = 64  # the Triton kernels' query block (kernels/triton_common.py)
 DEFAULT_CHUNK_TOKENS = DEFAULT_TILE_TOKENS  # the old name of the same parameter
@@ -204,52 +205,13 @@ def check_chunk_tokens(chunk_tokens: Any) -> int:
 
 
 # ---- exact work from the mask intervals ---------------------------------------------------
-def _tri(x: torch.Tensor) -> torch.Tensor:
-    """sum of q for q in [0, x): x (x - 1) / 2."""
-    return x * (x - 1) // 2
-
-
-def _block_work(a: torch.Tensor, b: torch.Tensor, c_lo: torch.Tensor, c_hi: torch.Tensor,
-                d: int | None, e: int | None) -> torch.Tensor:
-    """Visible keys summed over queries q in [a, b) whose interval is
-    [max(c_lo, q - d), min(c_hi, q + e)] (``None``: that side has no q-term).
-
-    Every real query sees itself, so each interval is non-empty and the count is
-    sum(hi) - sum(lo) + (b - a); each sum splits where the q-term takes over.
-    """
-    n = b - a
-    if e is None:
-        s_hi = c_hi * n
-    else:
-        m = torch.minimum(torch.maximum(c_hi - e, a), b)  # q < m: q + e is the minimum
-        s_hi = _tri(m) - _tri(a) + e * (m - a) + c_hi * (b - m)
-    if d is None:
-        s_lo = c_lo * n
-    else:
-        m = torch.minimum(torch.maximum(c_lo + d + 1, a), b)  # q >= m: q - d is the maximum
-        s_lo = c_lo * (m - a) + _tri(b) - _tri(m) - d * (b - m)
-    return s_hi - s_lo + n
-
-
 def prefix_work(doc_len: torch.Tensor, stop: torch.Tensor, mask: AttnMask) -> torch.Tensor:
     """int64: visible pairs of the queries at positions [0, stop) of documents of
     ``doc_len`` tokens (all keys of the document) under ``mask``; elementwise, 0 <= stop <=
     doc_len. Closed form per mask, checked against a dense count in the tests."""
-    causal, wl, wr, chunk = mask.params
-    offsets = [x for x in ((0 if causal else None), (wr if wr >= 0 else None)) if x is not None]
-    e = min(offsets) if offsets else None
-    d = wl if wl >= 0 else None
     doc_len, stop = doc_len.to(torch.int64), stop.to(torch.int64)
-    if not chunk:
-        zero = torch.zeros_like(stop)
-        return _block_work(zero, stop, zero, doc_len - 1, d, e)
-    # Whole chunks before stop all hold the same work (the document end cannot cut them).
-    n_full = torch.div(stop, chunk, rounding_mode="floor")
-    first = n_full * chunk
-    one = torch.zeros(1, dtype=torch.int64)
-    per_chunk = _block_work(one, one + chunk, one, one + chunk - 1, d, e)
-    last = torch.minimum(doc_len - 1, first + chunk - 1)
-    return n_full * per_chunk + _block_work(first, stop, first, last, d, e)
+    zero = torch.zeros_like(stop)
+    return pair_work(zero, stop, zero, doc_len, mask)   # queries [0, stop), keys: all
 
 
 # ---- how the masks shape the problem ------------------------------------------------------
