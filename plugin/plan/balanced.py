@@ -125,7 +125,7 @@ from typing import Any, Sequence
 import torch
 
 from ..masks import AttnMask
-from .runs import pair_work
+from .runs import prefix_pairs
 
 DEFAULT_TILE_TOKENS = 64  # the Triton kernels' query block (kernels/triton_common.py)
 DEFAULT_CHUNK_TOKENS = DEFAULT_TILE_TOKENS  # the old name of the same parameter
@@ -209,9 +209,7 @@ def prefix_work(doc_len: torch.Tensor, stop: torch.Tensor, mask: AttnMask) -> to
     """int64: visible pairs of the queries at positions [0, stop) of documents of
     ``doc_len`` tokens (all keys of the document) under ``mask``; elementwise, 0 <= stop <=
     doc_len. Closed form per mask, checked against a dense count in the tests."""
-    doc_len, stop = doc_len.to(torch.int64), stop.to(torch.int64)
-    zero = torch.zeros_like(stop)
-    return pair_work(zero, stop, zero, doc_len, mask)   # queries [0, stop), keys: all
+    return prefix_pairs(doc_len, stop, mask)
 
 
 # ---- how the masks shape the problem ------------------------------------------------------
