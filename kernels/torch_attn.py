@@ -175,7 +175,16 @@ def _padded_index(start: Tensor, count: Tensor, width: int, dummy: int
 
 def _groups(schedule: BlockSchedule, cu_q: Tensor, cu_k: Tensor, total_q: int, total_k: int,
             heads: int, device: torch.device) -> list[_Group]:
-    """Host-built gather/scatter tables of every group, copied to ``device`` (no sync)."""
+    """Host-built gather/scatter tables of every group, copied to ``device`` (no sync).
+
+    Memoized on the schedule object for its cu_seqlens (compared by value), head count and
+    device: a CP plan's schedules serve every layer, forward and backward, and rebuilding
+    the groups cost ~11 ms per call at 1K documents (one CPU core)."""
+    memo = schedule.__dict__.setdefault("_twin_groups", [])
+    key = (total_q, total_k, heads, str(device))
+    for k, cq, ck, groups in memo:
+        if k == key and torch.equal(cq, cu_q) and torch.equal(ck, cu_k):
+            return groups
     q_start, n_rows, k_start, n_keys = _work_items(schedule, cu_q, cu_k)
     out = []
     for members in _partition(n_rows.tolist(), n_keys.tolist(), heads):
@@ -186,6 +195,7 @@ def _groups(schedule: BlockSchedule, cu_q: Tensor, cu_k: Tensor, total_q: int, t
         to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         out.append(_Group(len(members), mq, mk, to(qg), to(qs), to(qv), to(kg), to(ks),
                           to(kv)))
+    memo.append((key, cu_q.clone(), cu_k.clone(), out))
     return out
 
 
