@@ -14,11 +14,11 @@ from .api import (
     block_sizes_for, resolve_backend, varlen_attn, varlen_attn_bwd, varlen_attn_fwd,
     varlen_attn_unchecked, varlen_bwd_unchecked, varlen_fwd_unchecked,
 )
-from .merge import merge_attn_partials
+from .merge import merge_attn_partials, merge_attn_partials_
 from .schedule import BlockSchedule, build_block_schedule
 from .sink import SOFTMAX_TYPES, apply_softmax_sink, check_softmax_args, max_logit_of
 
 __all__ = ["varlen_attn", "varlen_attn_fwd", "varlen_attn_bwd", "varlen_fwd_unchecked",
-           "varlen_bwd_unchecked", "resolve_backend", "merge_attn_partials",
+           "varlen_bwd_unchecked", "resolve_backend", "merge_attn_partials", "merge_attn_partials_",
            "block_sizes_for", "BlockSchedule", "build_block_schedule", "apply_softmax_sink",
            "check_softmax_args", "max_logit_of", "SOFTMAX_TYPES", "varlen_attn_unchecked"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.reference import reference_attn
-from varlen_cp.kernels import merge_attn_partials
+from varlen_cp.kernels import merge_attn_partials, merge_attn_partials_
 
 
 @pytest.mark.parametrize("split", [0, 5, 11, 17])
@@ -49,3 +49,24 @@ def test_merge_keeps_accumulator_dtype_and_checks_shapes():
     assert o.dtype == torch.float32 and torch.equal(o, torch.ones(2, 1, 4))
     with pytest.raises(ValueError, match="shapes differ"):
         merge_attn_partials(acc, torch.zeros(1, 2), part[:1], torch.zeros(1, 1))
+
+
+@pytest.mark.parametrize("acc_dtype", [torch.float32, torch.float16])
+def test_in_place_merge_equals_the_merge(acc_dtype):
+    """merge_attn_partials_ folds into the fp32 accumulator itself (a low-precision first
+    accumulator is promoted once), with the result of merge_attn_partials, empty sides too."""
+    g = torch.Generator().manual_seed(3)
+    out = torch.randn(5, 2, 4, generator=g).to(acc_dtype)
+    part = torch.randn(5, 2, 4, generator=g, dtype=torch.float16)
+    lse, lse_i = torch.randn(2, 5, generator=g), torch.randn(2, 5, generator=g)
+    lse[0, 1] = lse_i[0, 1] = float("-inf")   # both empty: stays 0 / -inf
+    lse[1, 2] = float("-inf")                 # accumulator empty there
+    want, want_lse = merge_attn_partials(out.float(), lse, part, lse_i)
+    acc = out.clone()
+    got, got_lse = merge_attn_partials_(acc, lse, part, lse_i)
+    assert got.dtype == torch.float32
+    assert (got.data_ptr() == acc.data_ptr()) == (acc_dtype == torch.float32)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got_lse, want_lse) and not torch.isnan(got).any()
+    with pytest.raises(ValueError, match="shapes differ"):
+        merge_attn_partials_(got, lse, part[:1], lse_i)

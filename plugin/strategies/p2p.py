@@ -2,7 +2,7 @@
 
 Rank r at step t holds the K/V of holder (r - t) % R and attends its queries to them; the
 send/recv for step t+1 is posted before step t computes, so the transfer overlaps compute
-(NCCL runs P2P on its own stream). Partial results are folded with ``merge_attn_partials``
+(NCCL runs P2P on its own stream). Partial results are folded with ``merge_attn_partials_``
 in fp32. The host decides, from the plan, which steps see anything (exact visible-pair
 counts): such steps are skipped, and the ring stops after the last step at which ANY rank
 still needs K/V, so with sliding windows and chunks distant K/V is never sent. The decision
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..kernels import merge_attn_partials
+from ..kernels import merge_attn_partials_
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..schedules.cost import Shape
@@ -109,7 +109,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, 
             if out is None:
                 out, lse = o.float(), l
             else:
-                out, lse = merge_attn_partials(out, lse, o, l)
+                out, lse = merge_attn_partials_(out, lse, o, l)
         _wait(works)
         if nxt is not None:
             cur = nxt

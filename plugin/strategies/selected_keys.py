@@ -11,9 +11,8 @@ each supplies as an *exchange*; this module holds the engine and the autograd.Fu
 
 Forward: post transfer 1 (``async_op=True``), compute the local call, then for each
 transfer s: post s+1, wait for s, pick its keys (``gather``), compute, fold the partial
-(out, lse) into the accumulator (``fold_``: the math of
-``varlen_cp.kernels.merge_attn_partials``, in place, without its four out-sized fp32
-temporaries; fp32 from the first fold on). The picked K/V are kept for the backward (the
+(out, lse) into the accumulator (``fold_``: ``varlen_cp.kernels.merge_attn_partials_``, in
+place, without out-sized fp32 temporaries; fp32 from the first fold on). The picked K/V are kept for the backward (the
 remote keys the queries see; with S = 1 the local ones too, as one call needs them in one
 tensor). Backward, with the FINAL out/lse and the same dlse in every call (ring-attention
 rule): each fetched stage's dK/dV is computed and posted home while the next stage
@@ -35,6 +34,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..kernels import merge_attn_partials_
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..schedules.cost import Shape, make_shape
@@ -55,19 +55,12 @@ def unpack_key_grads(acc: torch.Tensor, k_shape: torch.Size, k_dtype: torch.dtyp
 
 def fold_(acc: torch.Tensor | None, lse: torch.Tensor | None, out_i: torch.Tensor,
           lse_i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fold the partial (out_i, lse_i) into the accumulator (acc, lse) with
-    ``merge_attn_partials``' math (an empty part adds nothing, two empty parts stay 0 /
-    -inf), in place and with [H, T] temporaries only, where the merge allocates four
-    [T, H, Dv] fp32 ones. The first partial becomes the accumulator as it is (``out_i``
-    must be fresh: a kernel output); the first fold makes it fp32 (acc * w promotes)."""
+    """Fold the partial (out_i, lse_i) into the accumulator (acc, lse) in place
+    (``merge_attn_partials_``). The first partial becomes the accumulator as it is
+    (``out_i`` must be fresh: a kernel output); the first fold makes it fp32."""
     if acc is None:
         return out_i, lse_i
-    new_lse = torch.logaddexp(lse, lse_i)
-    base = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
-    w = torch.exp(lse - base).t().unsqueeze(-1)
-    acc = acc.mul_(w) if acc.dtype == torch.float32 else acc * w
-    acc.addcmul_(out_i, torch.exp(lse_i - base).t().unsqueeze(-1))
-    return acc, new_lse
+    return merge_attn_partials_(acc, lse, out_i, lse_i)
 
 
 class Pending:
