@@ -50,7 +50,7 @@ from .masks import AttnMask
 from .plan import CPPlan
 from .plan.collective import check_group_type
 from .schedules.auto import choose_strategy
-from .schedules.cost import make_shape
+from .schedules.shape import make_shape
 from .strategies import LOCAL, CallSpec, Strategy, get_strategy
 from .strategies.calls import Attn
 

@@ -49,7 +49,7 @@ from ..checks import check_int
 from ..masks import AttnMask
 from ..plan import CPPlan
 from . import cost, staged
-from .cost import Shape, make_shape
+from .shape import Shape, make_shape
 from .hybrid import default_a2a_size, heads_fit
 from .keys import host_table, table_key
 

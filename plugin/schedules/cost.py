@@ -10,55 +10,18 @@ builds them, for benchmarks and tests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..checks import check_int
 from ..masks import AttnMask
 from ..plan import CPPlan
 from .hybrid import default_a2a_size, group_members, group_visibility, hybrid_ring_tables
 from .ring import p2p_tables, rank_visibility, ring_length
-from .selected import dispatch_tables, fetch_counts, fetched_tokens, gather_tables, \
-    selected_tokens
+from .selected import fetch_counts, fetched_tokens, selected_tokens
+from .shape import Shape, kv_heads_per_rank, make_shape
+from .staged import staged_tables
 from .ulysses import group_call, ulysses_tables
 
 STRATEGIES = ("p2p", "all_gather", "a2a", "a2a+p2p", "dispatch")
-
-
-@dataclass(frozen=True)
-class Shape:
-    """Head shape and dtype of the layer being planned."""
-
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    head_dim_v: int
-    dtype_bytes: int
-
-    @property
-    def kv_row(self) -> int:
-        return self.n_kv_heads * (self.head_dim + self.head_dim_v) * self.dtype_bytes
-
-
-def make_shape(n_heads: int, n_kv_heads: int, head_dim: int, head_dim_v: int | None,
-               dtype_bytes: int) -> Shape:
-    """Validated :class:`Shape` (ValueError naming the field)."""
-    values = (n_heads, n_kv_heads, head_dim, head_dim if head_dim_v is None else head_dim_v,
-              dtype_bytes)
-    for name, value in zip(("n_heads", "n_kv_heads", "head_dim", "head_dim_v",
-                            "dtype_bytes"), values):
-        check_int(name, value, 1)
-    if n_heads % n_kv_heads:
-        raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
-    return Shape(*values)
-
-
-def kv_heads_per_rank(n_kv_heads: int, size: int) -> tuple[int, int]:
-    """(K/V heads each rank holds after an all-to-all over ``size``, replication factor)."""
-    if n_kv_heads % size == 0:
-        return n_kv_heads // size, 1
-    return 1, size // n_kv_heads
 
 
 def hybrid_size(plan: CPPlan, shape: Shape, a2a_size: int | None) -> int:
@@ -164,10 +127,13 @@ def visited_pairs(name: str, plan: CPPlan, mask: AttnMask, shape: Shape,
     if name == "p2p":
         return [float(sum(c.visited_pairs for c in p2p_tables(plan, mask, block, r).calls
                           if c is not None)) for r in range(cp)]
-    if name in ("all_gather", "dispatch"):
-        build = gather_tables if name == "all_gather" else dispatch_tables
-        calls = [build(plan, mask, r, block).call for r in range(cp)]
-        return [float(c.visited_pairs) if c is not None else 0.0 for c in calls]
+    if name in ("all_gather", "dispatch"):  # one call over every key: S = 1's tables
+        out = []
+        for r in range(cp):
+            tab = staged_tables(name, plan, mask, r, block, 1)
+            calls = [tab.local] + [s.call for s in tab.stages]
+            out.append(float(sum(c.visited_pairs for c in calls if c is not None)))
+        return out
     size = cp if name == "a2a" else hybrid_size(plan, shape, a2a_size)
     if size == 1:  # a2a+p2p over groups of one rank is the ring of ranks
         return visited_pairs("p2p", plan, mask, shape, block)

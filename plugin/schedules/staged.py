@@ -60,7 +60,7 @@ import torch
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..plan.runs import span_pieces
-from .cost import Shape
+from .shape import Shape
 from ..kernels.schedule import segment_ids
 from .holders import KernelCall, holder_from_counts, kernel_call, rank_holder
 from .keys import host_table, table_key

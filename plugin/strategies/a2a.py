@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..masks import AttnMask
 from ..plan import CPPlan
-from ..schedules.cost import Shape, kv_heads_per_rank
+from ..schedules.shape import Shape, kv_heads_per_rank
 from ..schedules.hybrid import heads_fit
 from ..schedules.keys import device_table, table_key
 from ..schedules.ulysses import UlyssesTables, group_call, ulysses_tables

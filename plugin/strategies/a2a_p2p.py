@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ..checks import is_int
 from ..masks import AttnMask
 from ..plan import CPPlan
-from ..schedules.cost import Shape
+from ..schedules.shape import Shape
 from ..schedules.hybrid import default_a2a_size, group_members, hybrid_ring_tables
 from ..schedules.keys import device_table, table_key
 from ..schedules.ulysses import ulysses_tables

@@ -30,7 +30,7 @@ import torch
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..schedules import cost
-from ..schedules.cost import Shape
+from ..schedules.shape import Shape
 from .calls import Attn
 
 

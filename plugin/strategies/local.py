@@ -12,7 +12,7 @@ import torch
 from ..kernels import max_logit_of, varlen_attn_unchecked
 from ..masks import AttnMask
 from ..plan import CPPlan
-from ..schedules.cost import Shape
+from ..schedules.shape import Shape
 from ..schedules.holders import KernelCall, kernel_call, rank_holder
 from ..schedules.keys import device_table, table_key
 from .base import CallSpec, Strategy

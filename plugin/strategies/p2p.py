@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ..kernels import merge_attn_partials_
 from ..masks import AttnMask
 from ..plan import CPPlan
-from ..schedules.cost import Shape
+from ..schedules.shape import Shape
 from ..schedules.keys import device_table, table_key
 from ..schedules.ring import RingTables, p2p_tables
 from .base import CallSpec, Strategy

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ..kernels import merge_attn_partials_
 from ..masks import AttnMask
 from ..plan import CPPlan
-from ..schedules.cost import Shape, make_shape
+from ..schedules.shape import Shape, make_shape
 from ..schedules.keys import device_table, table_key
 from ..schedules.staged import Stage, StagedTables, resolve_stages, staged_tables
 from .base import CallSpec, Strategy
