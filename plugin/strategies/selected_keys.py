@@ -214,7 +214,7 @@ class StagedKeysAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, spec: CallSpec, engine: Any, stages: int):
-        tab = tables(spec, engine.name, stages, q.device)
+        tab = tables(spec.plan, spec.attn.mask, spec.block, engine.name, stages, q.device)
         out, lse, max_part, fetched = staged_forward(q, k, v, tab, engine.exchange,
                                                      spec.group, spec.attn, spec.need_max)
         # k, v are kept only for the local call (S = 1 keeps its own copy of the local keys)
@@ -233,16 +233,18 @@ class StagedKeysAttention(torch.autograd.Function):
         spec = ctx.spec
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dq, dk, dv = staged_backward(dout, q, k, v, out, lse, fetched,
-                                     tables(spec, ctx.name, ctx.stages, q.device),
+                                     tables(spec.plan, spec.attn.mask, spec.block, ctx.name,
+                                            ctx.stages, q.device),
                                      spec.group, spec.attn, dlse_or_none(dlse), ctx.kv)
         return dq, dk, dv, None, None, None
 
 
-def tables(spec: CallSpec, name: str, stages: int, device: torch.device) -> StagedTables:
-    plan, mask, rank = spec.plan, spec.attn.mask, spec.plan.cp_rank
-    return device_table(plan, table_key(f"{name}_staged", mask, spec.block, rank, stages),
-                        device, lambda: staged_tables(name, plan, mask, rank, spec.block,
-                                                      stages))
+def tables(plan: CPPlan, mask: AttnMask, block: tuple[int, int], name: str, stages: int,
+           device: torch.device) -> StagedTables:
+    """This rank's staged tables of strategy ``name`` on ``device`` (built once per plan)."""
+    rank = plan.cp_rank
+    return device_table(plan, table_key(f"{name}_staged", mask, block, rank, stages), device,
+                        lambda: staged_tables(name, plan, mask, rank, block, stages))
 
 
 class SelectedKeysStrategy(Strategy):
@@ -258,10 +260,8 @@ class SelectedKeysStrategy(Strategy):
                 overlap_stages: int | None = None) -> None:
         """Build and cache this rank's staged tables and their ``device`` copy (the stage
         count resolved as ``attention`` will resolve it)."""
-        stages = resolve_stages(plan, mask, self.name, shape, overlap_stages)
-        rank = plan.cp_rank
-        device_table(plan, table_key(f"{self.name}_staged", mask, block, rank, stages),
-                     device, lambda: staged_tables(self.name, plan, mask, rank, block, stages))
+        tables(plan, mask, block, self.name,
+               resolve_stages(plan, mask, self.name, shape, overlap_stages), device)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
