@@ -478,81 +478,92 @@ class _Live:
         self.now = self.now - (n if where is None else torch.where(where, n, 0))
 
 
-def staged_memory(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, stages: int
-                  ) -> StagedMemory:
-    """Host count of the buffers ``selected_keys``' engine allocates, walked in its program
-    order (its allocations and frees, mirrored one by one), every rank at once (int64
-    vectors; the engine's per-rank branches are masks): exchange buffers (the transfer in
-    flight and the next), picked K/V, the output and its fp32 accumulator, dQ (fp32 when
-    the rank makes several calls), the fp32 dK|dV accumulator, one call's gradients, the
-    returns in flight. Not counted: the kernels' own workspaces, [H, T] tensors (LSE, fold
-    weights), index tables."""
-    cp, b = plan.cp_size, shape.dtype_bytes
-    counts = stage_counts(name, plan, mask, stages)
-    n_parts = counts.shape[0]
-    fetched, given = counts.sum(2), counts.sum(1)                        # [P, r]
-    own = fetch_counts(plan, mask).diagonal()
-    offsets = plan.rank_offsets()
-    t = offsets[1:] - offsets[:-1]
-    kv, kv4 = shape.kv_row, shape.kv_row * 4 // b
-    o, o4 = shape.n_heads * shape.head_dim_v * b, shape.n_heads * shape.head_dim_v * 4
-    g, g4 = shape.n_heads * shape.head_dim * b, shape.n_heads * shape.head_dim * 4
-    slices = gather_stage_rows(plan, transfers(stages)) if name == "all_gather" else ()
-    one = stages == 1 and n_parts > 0      # one call over local and fetched keys
-    local = (pair_counts(plan, mask).diagonal() > 0) & (not one)        # a local call
-    keys = fetched + (own if one else 0)                                # [P, r] per call
-    zero = torch.zeros(cp, dtype=torch.int64)
+@dataclass(frozen=True)
+class _Walk:
+    """What the engine's allocations depend on, every rank at once (int64 [r] or [P, r])."""
 
-    def post(live: _Live, p: int) -> torch.Tensor:
+    name: str
+    cp: int
+    t: torch.Tensor           # local tokens
+    fetched: torch.Tensor     # [P, r] keys a rank takes in each transfer
+    given: torch.Tensor       # [P, r] keys others take from a rank in each transfer
+    own: torch.Tensor         # local keys the queries see
+    keys: torch.Tensor        # [P, r] keys of each transfer's call
+    local: torch.Tensor       # bool: a separate local call (S >= 2)
+    one: bool                 # S = 1: one call over local and fetched keys
+    slices: tuple             # all_gather's row slices per transfer
+    b: int                    # dtype bytes
+    kv: int                   # bytes of a K|V row, and in fp32
+    kv4: int
+    o: int                    # bytes of an output row, and in fp32
+    o4: int
+    g: int                    # bytes of a dQ row, and in fp32
+    g4: int
+
+    @property
+    def n_parts(self) -> int:
+        return self.fetched.shape[0]
+
+    @property
+    def zero(self) -> torch.Tensor:
+        return torch.zeros(self.cp, dtype=torch.int64)
+
+    def post(self, live: _Live, p: int) -> torch.Tensor:
         """A transfer posted: its buffers (returned), built with their temporaries."""
-        if name == "dispatch":   # two halves, cat into the send buffer; the receive one
-            live.alloc(given[p] * kv)
-            live.alloc(given[p] * kv)
-            live.free(given[p] * kv)
-            live.alloc(fetched[p] * kv)
-            return (given[p] + fetched[p]) * kv
-        lo, hi = slices[p]        # the zero-padded slice; the gathered slices
-        live.alloc((1 + cp) * (hi - lo) * kv)
-        return zero + (1 + cp) * (hi - lo) * kv
+        if self.name == "dispatch":   # two halves, cat into the send buffer; the receive
+            live.alloc(self.given[p] * self.kv)
+            live.alloc(self.given[p] * self.kv)
+            live.free(self.given[p] * self.kv)
+            live.alloc(self.fetched[p] * self.kv)
+            return (self.given[p] + self.fetched[p]) * self.kv
+        lo, hi = self.slices[p]        # the zero-padded slice; the gathered slices
+        live.alloc((1 + self.cp) * (hi - lo) * self.kv)
+        return self.zero + (1 + self.cp) * (hi - lo) * self.kv
 
-    # ---- forward
-    live, have = _Live(zero), zero.clone()
-    calls = local.to(torch.int64) + (keys > 0).sum(0)
-    xchg = post(live, 0) if n_parts else zero
-    acc = torch.where(local, t * o, 0)
-    live.alloc(t * o, local)                                 # the local call's output
-    for p in range(n_parts):
-        nxt = post(live, p + 1) if p + 1 < n_parts else zero
-        if one:   # every key: fetched ones picked, local ones copied, per K and V half
+
+def _forward_walk(w: _Walk) -> tuple[torch.Tensor, torch.Tensor]:
+    """(peak beyond q, k, v; bytes kept for the backward) of the forward."""
+    t, kv, o = w.t, w.kv, w.o
+    live, have = _Live(w.zero), w.zero
+    xchg = w.post(live, 0) if w.n_parts else w.zero
+    acc = torch.where(w.local, t * o, 0)
+    live.alloc(t * o, w.local)                               # the local call's output
+    for p in range(w.n_parts):
+        nxt = w.post(live, p + 1) if p + 1 < w.n_parts else w.zero
+        if w.one:   # every key: fetched ones picked, local ones copied, per K and V half
             for _ in range(2):
-                live.alloc(keys[p] * kv // 2)
-                live.alloc(fetched[p] * kv // 2)
-                live.free(fetched[p] * kv // 2)
-                live.alloc(own * kv // 2)
-                live.free(own * kv // 2)
+                live.alloc(w.keys[p] * kv // 2)
+                live.alloc(w.fetched[p] * kv // 2)
+                live.free(w.fetched[p] * kv // 2)
+                live.alloc(w.own * kv // 2)
+                live.free(w.own * kv // 2)
         else:
-            live.alloc(keys[p] * kv)
-        have = have + keys[p] * kv
+            live.alloc(w.keys[p] * kv)
+        have = have + w.keys[p] * kv
         live.free(xchg)
         xchg = nxt
-        k = keys[p] > 0
+        k = w.keys[p] > 0
         live.alloc(t * o, k)                                 # the call's output
         first, later = k & (acc == 0), k & (acc != 0)
-        to_fp32 = later & (acc == t * o) & (b != 4)          # the first fold: fp32
-        live.alloc(t * o4, to_fp32)
+        to_fp32 = later & (acc == t * o) & (w.b != 4)        # the first fold: fp32
+        live.alloc(t * w.o4, to_fp32)
         live.free(acc, to_fp32)
-        acc = torch.where(first, t * o, torch.where(to_fp32, t * o4, acc))
+        acc = torch.where(first, t * o, torch.where(to_fp32, t * w.o4, acc))
         live.free(t * o, later)
     live.alloc(t * o, (acc != t * o) & (acc != 0))           # out in q.dtype
-    fwd = live.peak
-    have = have + torch.where(local, t * kv, 0)              # k, v kept for the local call
-    # ---- backward
+    return live.peak, have + torch.where(w.local, t * kv, 0)  # k, v kept for the local call
+
+
+def _backward_walk(w: _Walk, have: torch.Tensor) -> torch.Tensor:
+    """Peak of the backward beyond q and dout (what the forward kept included)."""
+    t, kv, kv4, g, g4 = w.t, w.kv, w.kv4, w.g, w.g4
     live = _Live(have)
-    acc_kv, dq, prev = zero.clone(), zero.clone(), zero.clone()
+    calls = w.local.to(torch.int64) + (w.keys > 0).sum(0)
+    acc_kv, dq, prev = w.zero, w.zero, w.zero
 
     def call_out(where: torch.Tensor) -> None:
         nonlocal dq
-        fp32 = where & (dq == 0) & (calls > 1) & (b != 4)    # dq made fp32 at once
+        fp32 = where & (dq == 0) & (calls > 1) & (w.b != 4)  # dq made fp32 at once
         live.alloc(t * g4, fp32)
         live.free(t * g, fp32)
         live.free(t * g, where & (dq != 0))
@@ -564,34 +575,58 @@ def staged_memory(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, stages:
         live.alloc(t * kv4, new)
         acc_kv = torch.where(new, t * kv4, acc_kv)
 
-    for p in range(n_parts):
-        k = keys[p] > 0
-        live.alloc(t * g + keys[p] * kv, k)                 # dq, dk, dv of the call
+    for p in range(w.n_parts):
+        keys, k = w.keys[p], w.keys[p] > 0
+        live.alloc(t * g + keys * kv, k)                    # dq, dk, dv of the call
         call_out(k)
-        live.alloc(keys[p] * kv, k)                         # packed dK|dV
-        live.free(keys[p] * kv, k)
-        live.alloc(keys[p] * kv, ~k)
-        if one:
+        live.alloc(keys * kv, k)                            # packed dK|dV
+        live.free(keys * kv, k)
+        live.alloc(keys * kv, ~k)
+        if w.one:
             accumulator()
-            live.alloc(own * (kv + kv4))                    # local rows picked, in fp32
-            live.free(own * (kv + kv4))
-        live.alloc((fetched[p] + given[p]) * kv)            # send (picked), receive
-        live.free(keys[p] * kv)
+            live.alloc(w.own * (kv + kv4))                  # local rows picked, in fp32
+            live.free(w.own * (kv + kv4))
+        live.alloc((w.fetched[p] + w.given[p]) * kv)        # send (picked), receive
+        live.free(keys * kv)
         if p:                                               # the previous returns land
             accumulator()
-            live.alloc(given[p - 1] * kv4)
-            live.free(given[p - 1] * kv4 + prev)
-        prev = (fetched[p] + given[p]) * kv
-    live.alloc(t * g + t * kv, local)                       # the local call
-    call_out(local)
-    accumulator(local)
-    live.free(t * kv, local)
-    if n_parts:
+            live.alloc(w.given[p - 1] * kv4)
+            live.free(w.given[p - 1] * kv4 + prev)
+        prev = (w.fetched[p] + w.given[p]) * kv
+    live.alloc(t * g + t * kv, w.local)                     # the local call
+    call_out(w.local)
+    accumulator(w.local)
+    live.free(t * kv, w.local)
+    if w.n_parts:
         accumulator()
-        live.alloc(given[-1] * kv4)
-        live.free(given[-1] * kv4 + prev)
-    back = (dq == t * g4) & (b != 4)                        # dq in q.dtype
+        live.alloc(w.given[-1] * kv4)
+        live.free(w.given[-1] * kv4 + prev)
+    back = (dq == t * g4) & (w.b != 4)                      # dq in q.dtype
     live.alloc(t * g, back)
     live.free(t * g4, back)
     live.alloc(t * kv)                                      # dk, dv
-    return StagedMemory(fwd.tolist(), live.peak.tolist(), have.tolist())
+    return live.peak
+
+
+def staged_memory(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, stages: int
+                  ) -> StagedMemory:
+    """Host count of the buffers ``selected_keys``' engine allocates, walked in its program
+    order (its allocations and frees, mirrored one by one), every rank at once (int64
+    vectors; the engine's per-rank branches are masks): exchange buffers (the transfer in
+    flight and the next), picked K/V, the output and its fp32 accumulator, dQ (fp32 when
+    the rank makes several calls), the fp32 dK|dV accumulator, one call's gradients, the
+    returns in flight. Not counted: the kernels' own workspaces, [H, T] tensors (LSE, fold
+    weights), index tables."""
+    b = shape.dtype_bytes
+    counts = stage_counts(name, plan, mask, stages)
+    one = stages == 1 and counts.shape[0] > 0      # one call over local and fetched keys
+    own = fetch_counts(plan, mask).diagonal()
+    offsets = plan.rank_offsets()
+    o, g = shape.n_heads * shape.head_dim_v, shape.n_heads * shape.head_dim
+    w = _Walk(name, plan.cp_size, offsets[1:] - offsets[:-1], counts.sum(2), counts.sum(1),
+              own, counts.sum(2) + (own if one else 0),
+              (pair_counts(plan, mask).diagonal() > 0) & (not one), one,
+              gather_stage_rows(plan, transfers(stages)) if name == "all_gather" else (),
+              b, shape.kv_row, shape.kv_row * 4 // b, o * b, o * 4, g * b, g * 4)
+    fwd, have = _forward_walk(w)
+    return StagedMemory(fwd.tolist(), _backward_walk(w, have).tolist(), have.tolist())
