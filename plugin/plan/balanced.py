@@ -1257,6 +1257,45 @@ def _rank_reachable(items: _Items, fill_items: torch.Tensor, lengths: torch.Tens
     return bool((first >= _PREFIX_DENSITY * float(w.sum() / t.sum()) * share).all())
 
 
+@dataclass(frozen=True)
+class _Setup:
+    """What both phases of :func:`_solve` share (targets, budgets, the items' orders)."""
+
+    n_items: int
+    is_body: torch.Tensor     # [units] bool
+    total: torch.Tensor       # [1+M] tokens and each mask's work
+    share: torch.Tensor       # total / cp
+    k: torch.Tensor           # rank boundaries 0..cp
+    n_tok: torch.Tensor       # token targets: floor(k T / cp)
+    tok_budget: float
+    col: int                  # the filler column: the mask with least work
+    first: torch.Tensor       # [items] doc << 40 | first position
+    doc_order: torch.Tensor   # [items] rank of each item in document order
+    item_t: torch.Tensor      # [items] tokens
+    fail: "_Layout"
+
+    @property
+    def n_masks(self) -> int:
+        return self.total.numel() - 1
+
+
+def _setup(units: _Units, prof: _Profile, cp: int) -> _Setup:
+    n_items = int(units.item.max()) + 1 if units.item.numel() else 0
+    total = units.vec.sum(0)  # [1+M]
+    T = float(total[0])
+    k = torch.arange(cp + 1, dtype=torch.int64)
+    # Items in document order (items are numbered filler first, bodies after).
+    first = torch.zeros(n_items, dtype=torch.int64).scatter_reduce_(
+        0, units.item, units.doc * (1 << 40) + units.a_start, "amin", include_self=False)
+    doc_order = torch.empty(n_items, dtype=torch.int64)
+    doc_order[torch.argsort(first)] = torch.arange(n_items)
+    fail = _Layout([], [], torch.full((cp, total.numel()), math.inf, dtype=torch.float64))
+    # The filler column: the mask with least work (its relative errors are the largest).
+    return _Setup(n_items, units.body & (prof.excess.shape[0] > 0), total, total / cp, k,
+                  k * int(T) // cp, _TOKEN_BUDGET * T / cp, 1 + int(torch.argmin(total[1:])),
+                  first, doc_order, _item_sums(units, n_items, 0), fail)
+
+
 def _solve(units: _Units, prof: _Profile, cp: int, var: _Variant, items: _Items,
            lengths: torch.Tensor) -> _Layout:
     """Phase 1 (bodies: the excess work) then phase 2 (filler: tokens and the rest).
@@ -1266,136 +1305,127 @@ def _solve(units: _Units, prof: _Profile, cp: int, var: _Variant, items: _Items,
     or a dense / sparse pair (in excess per token) cut to equal tokens and excess (more
     documents per rank, always feasible for phase 2); or the blocks of :func:`_items`.
     """
-    n_items = int(units.item.max()) + 1 if units.item.numel() else 0
-    is_body = units.body & (prof.excess.shape[0] > 0)
-    M = len(prof.masks)
-    total = units.vec.sum(0)  # [1+M]
-    T = float(total[0])
-    share = total / cp
-    k = torch.arange(cp + 1, dtype=torch.int64)
-    n_tok = k * int(T) // cp  # token targets: floor(k T / cp)
-    tok_budget = _TOKEN_BUDGET * T / cp
-    # The filler column: the mask with least work (its relative errors are the largest).
-    col = 1 + int(torch.argmin(total[1:]))
-    # Items in document order (items are numbered filler first, bodies after).
-    first = torch.zeros(n_items, dtype=torch.int64).scatter_reduce_(
-        0, units.item, units.doc * (1 << 40) + units.a_start, "amin", include_self=False)
-    doc_order = torch.empty(n_items, dtype=torch.int64)
-    doc_order[torch.argsort(first)] = torch.arange(n_items)
-    item_t = _item_sums(units, n_items, 0)
-    fail = _Layout([], [], torch.full((cp, 1 + M), math.inf, dtype=torch.float64))
-
-    # Phase 1: bodies, cut so that every rank gets 1/cp of the excess work.
+    st = _setup(units, prof, cp)
     lists, cuts = [], []
-    b_val = torch.zeros(cp + 1, 1 + M, dtype=torch.float64)
-    if prof.excess.shape[0] and bool(is_body.any()):
-        phi = _phi(prof, total)
-        others = [m for m in range(M) if 1 + m != col] or list(range(M))
-        budget = _EXCESS_BUDGET * float(min(share[1 + m] for m in others))
-        item_phi = _item_sums(units, n_items, phi)
-        if var.body == "split":
-            # Late parts (dense in excess) and early parts, in position order and document
-            # order, cut rank by rank to equal tokens and excess.
-            late = is_body & (units.block == _TAIL)
-            dense = _new_list(units, _order(units, late, doc_order), tok_budget)
-            sparse = _new_list(units, _order(units, is_body & ~late, doc_order), tok_budget)
-            t_b = dense.total + sparse.total
-            b_tok = k * t_b // cp
-            b_phi = k.to(torch.float64) * float(dense.column(phi)[-1] + sparse.column(phi)[-1]) / cp
-            xd, xs = _rank_cut([dense], [sparse], b_tok, b_phi, phi)
-            lists += [dense, sparse]
-            cuts += [xd, xs]
-            b_val = dense.at(xd) + sparse.at(xs)
-        elif var.pair:
-            body_items = torch.zeros(n_items, dtype=torch.bool)
-            body_items[units.item[is_body]] = True
-            t_b = float(item_t[body_items].sum())
-            p_b = float(item_phi[body_items].sum())
-            hi = (item_phi * t_b > p_b * item_t)[units.item]
-            dense = _new_list(units, _order(units, is_body & hi, doc_order), tok_budget)
-            sparse = _new_list(units, _order(units, is_body & ~hi, doc_order), tok_budget)
-            b_tok = k * int(t_b) // cp
-            b_phi = k.to(torch.float64) * p_b / cp
-            xd, xs = _pair_cut(dense, sparse, b_tok, b_phi, phi,
-                               [(0, 2 * tok_budget, 1.0), (phi, budget, 1.0)])
-            lists += [dense, sparse]
-            cuts += [xd, xs]
-            b_val = dense.at(xd) + sparse.at(xs)
-        else:
-            b_items = torch.zeros(n_items, dtype=torch.bool)
-            b_items[units.item[is_body]] = True
-            if var.body == "blocks":
-                # Remainders first, largest, smallest, second largest, ... (about two on a
-                # rank: each costs a chunk of causal keys to fetch), then the tail blocks,
-                # longest documents first, so that the last rank, which phase 2 gives what
-                # is left of every filler list, holds the shortest document's end.
-                i_blk = torch.zeros(n_items, dtype=torch.int64)
-                i_blk[units.item] = units.block
-                ln = lengths[first >> 40]
-                key = ((1 << 40) - ln) * (1 << 22) + (first >> 40)
-                r_idx = torch.nonzero(i_blk == _REST).flatten()
-                o = r_idx[torch.argsort(-item_t[r_idx], stable=True)]
-                zz = torch.empty(o.numel(), dtype=torch.int64)
-                zz[0::2] = torch.arange((o.numel() + 1) // 2)
-                zz[1::2] = o.numel() - 1 - torch.arange(o.numel() // 2)
-                key[o[zz]] = torch.arange(o.numel())
-                key = torch.argsort(torch.argsort(key))
-            else:
-                # Bodies spread by excess per token, so that the excess cut gives no rank
-                # a stretch of only sparse bodies (too many tokens for the filler).
-                key = _spread_key(item_phi / item_t.clamp(min=1), item_t * b_items)
-            body = _new_list(units, _order(units, is_body, key), tok_budget)
-            if var.body == "blocks":
-                target = _block_targets(units, body, phi, cp)
-            else:
-                target = k.to(torch.float64) * float(body.pv[-1] @ phi) / cp
-            x = _cut_excess(body, phi, target, budget)
-            x[0], x[-1] = 0, body.total
-            lists.append(body)
-            cuts.append(x)
-            b_val = body.at(x)
+    b_val = torch.zeros(cp + 1, st.total.numel(), dtype=torch.float64)
+    if prof.excess.shape[0] and bool(st.is_body.any()):
+        lists, cuts, b_val = _cut_bodies(units, prof, cp, var, st, lengths)
+    return _cut_filler(units, prof, var, items, lengths, st, lists, cuts, b_val)
 
-    # Phase 2: filler (short documents and heads), dense / sparse in the filler column.
-    fill = ~is_body
-    f_tok = torch.cummax((n_tok - b_val[:, 0].round().to(torch.int64)).clamp(min=0), 0).values
-    f_target = k.to(torch.float64) * float(share[col]) - b_val[:, col]
-    item_w = _item_sums(units, n_items, col)
+
+def _cut_bodies(units: _Units, prof: _Profile, cp: int, var: _Variant, st: _Setup,
+                lengths: torch.Tensor) -> tuple[list, list, torch.Tensor]:
+    """Phase 1: bodies, cut so that every rank gets 1/cp of the excess work: (lists, cuts,
+    the cumulative vector [cp+1, 1+M] they give the rank boundaries)."""
+    is_body, k, tok_budget = st.is_body, st.k, st.tok_budget
+    phi = _phi(prof, st.total)
+    others = [m for m in range(st.n_masks) if 1 + m != st.col] or list(range(st.n_masks))
+    budget = _EXCESS_BUDGET * float(min(st.share[1 + m] for m in others))
+    item_phi = _item_sums(units, st.n_items, phi)
+    if var.body == "split":
+        # Late parts (dense in excess) and early parts, in position order and document
+        # order, cut rank by rank to equal tokens and excess.
+        late = is_body & (units.block == _TAIL)
+        dense = _new_list(units, _order(units, late, st.doc_order), tok_budget)
+        sparse = _new_list(units, _order(units, is_body & ~late, st.doc_order), tok_budget)
+        t_b = dense.total + sparse.total
+        b_tok = k * t_b // cp
+        b_phi = k.to(torch.float64) * float(dense.column(phi)[-1] + sparse.column(phi)[-1]) / cp
+        xd, xs = _rank_cut([dense], [sparse], b_tok, b_phi, phi)
+        return [dense, sparse], [xd, xs], dense.at(xd) + sparse.at(xs)
+    body_items = torch.zeros(st.n_items, dtype=torch.bool)
+    body_items[units.item[is_body]] = True
+    if var.pair:
+        t_b = float(st.item_t[body_items].sum())
+        p_b = float(item_phi[body_items].sum())
+        hi = (item_phi * t_b > p_b * st.item_t)[units.item]
+        dense = _new_list(units, _order(units, is_body & hi, st.doc_order), tok_budget)
+        sparse = _new_list(units, _order(units, is_body & ~hi, st.doc_order), tok_budget)
+        b_tok = k * int(t_b) // cp
+        b_phi = k.to(torch.float64) * p_b / cp
+        xd, xs = _pair_cut(dense, sparse, b_tok, b_phi, phi,
+                           [(0, 2 * tok_budget, 1.0), (phi, budget, 1.0)])
+        return [dense, sparse], [xd, xs], dense.at(xd) + sparse.at(xs)
+    if var.body == "blocks":
+        key = _block_order(units, st, lengths)
+    else:
+        # Bodies spread by excess per token, so that the excess cut gives no rank
+        # a stretch of only sparse bodies (too many tokens for the filler).
+        key = _spread_key(item_phi / st.item_t.clamp(min=1), st.item_t * body_items)
+    body = _new_list(units, _order(units, is_body, key), tok_budget)
+    if var.body == "blocks":
+        target = _block_targets(units, body, phi, cp)
+    else:
+        target = k.to(torch.float64) * float(body.pv[-1] @ phi) / cp
+    x = _cut_excess(body, phi, target, budget)
+    x[0], x[-1] = 0, body.total
+    return [body], [x], body.at(x)
+
+
+def _block_order(units: _Units, st: _Setup, lengths: torch.Tensor) -> torch.Tensor:
+    """Item key of the body blocks: remainders first, largest, smallest, second largest,
+    ... (about two on a rank: each costs a chunk of causal keys to fetch), then the tail
+    blocks, longest documents first, so that the last rank, which phase 2 gives what is
+    left of every filler list, holds the shortest document's end."""
+    i_blk = torch.zeros(st.n_items, dtype=torch.int64)
+    i_blk[units.item] = units.block
+    ln = lengths[st.first >> 40]
+    key = ((1 << 40) - ln) * (1 << 22) + (st.first >> 40)
+    r_idx = torch.nonzero(i_blk == _REST).flatten()
+    o = r_idx[torch.argsort(-st.item_t[r_idx], stable=True)]
+    zz = torch.empty(o.numel(), dtype=torch.int64)
+    zz[0::2] = torch.arange((o.numel() + 1) // 2)
+    zz[1::2] = o.numel() - 1 - torch.arange(o.numel() // 2)
+    key[o[zz]] = torch.arange(o.numel())
+    return torch.argsort(torch.argsort(key))
+
+
+def _cut_filler(units: _Units, prof: _Profile, var: _Variant, items: _Items,
+                lengths: torch.Tensor, st: _Setup, lists: list, cuts: list,
+                b_val: torch.Tensor) -> _Layout:
+    """Phase 2: filler (short documents and heads), dense / sparse in the filler column,
+    cut to what phase 1 left of every rank's targets."""
+    col, k, tok_budget, total = st.col, st.k, st.tok_budget, st.total
+    fill = ~st.is_body
+    f_tok = torch.cummax((st.n_tok - b_val[:, 0].round().to(torch.int64)).clamp(min=0),
+                         0).values
+    f_target = k.to(torch.float64) * float(st.share[col]) - b_val[:, col]
+    item_w = _item_sums(units, st.n_items, col)
     f_w = float(total[col] - b_val[-1, col])
-    f_t = float(T - b_val[-1, 0])
-    is_dense = (item_w * f_t > f_w * item_t)[units.item]
+    f_t = float(total[0]) - float(b_val[-1, 0])
+    is_dense = (item_w * f_t > f_w * st.item_t)[units.item]
     # Filler items in an order that spreads their densities evenly (any stretch of the
     # list holds about its mean density), so per-rank targets stay reachable.
-    fill_items = torch.zeros(n_items, dtype=torch.bool)
+    fill_items = torch.zeros(st.n_items, dtype=torch.bool)
     fill_items[units.item[fill]] = True
     if var.solver != "vector" and not _rank_reachable(items, fill_items, lengths, prof, col,
                                                       f_tok, f_target):
-        return _Layout([], [], fail.per_rank, unreachable=True)
-    spread = _spread_key(item_w / item_t.clamp(min=1), item_t * fill_items)
+        return _Layout([], [], st.fail.per_rank, unreachable=True)
+    spread = _spread_key(item_w / st.item_t.clamp(min=1), st.item_t * fill_items)
     if var.solver == "classes":
-        dens = item_w / item_t.clamp(min=1)
-        dl = _classes(units, fill & is_dense, dens, item_t, spread, 2, tok_budget)
-        sl = _classes(units, fill & ~is_dense, dens, item_t, spread, 2, tok_budget)
+        dens = item_w / st.item_t.clamp(min=1)
+        dl = _classes(units, fill & is_dense, dens, st.item_t, spread, 2, tok_budget)
+        sl = _classes(units, fill & ~is_dense, dens, st.item_t, spread, 2, tok_budget)
         f_tok[-1] = sum(lst.total for lst in dl + sl)
-        lists += dl + sl
-        cuts += _rank_cut(dl, sl, f_tok, f_target, col)
+        lists = lists + dl + sl
+        cuts = cuts + _rank_cut(dl, sl, f_tok, f_target, col)
         return _Layout(lists, cuts, _rank_vectors(lists, cuts))
     dense = _new_list(units, _order(units, fill & is_dense, spread), tok_budget)
     sparse = _new_list(units, _order(units, fill & ~is_dense, spread), tok_budget)
     one_list = bool(lists) and not var.pair
     if one_list and var.solver == "vector" and not _reachable(
-            dense, sparse, n_tok - b_val[:, 0], f_target, col):
-        return fail
+            dense, sparse, st.n_tok - b_val[:, 0], f_target, col):
+        return st.fail
     prio = torch.tensor(prof.weights, dtype=torch.float64)
     prio = prio / prio.max()
-    limits = [(0, tok_budget, 1.0)] + [(1 + m, _FILL_BUDGET * float(share[1 + m]),
-                                        float(prio[m])) for m in range(M)]
+    limits = [(0, tok_budget, 1.0)] + [(1 + m, _FILL_BUDGET * float(st.share[1 + m]),
+                                        float(prio[m])) for m in range(st.n_masks)]
     cut = _pair_cut(dense, sparse, f_tok, f_target, col, limits, give_up=one_list,
                     seq=var.solver == "seq")
     if cut is None:
-        return fail
-    yd, ys = cut
-    lists += [dense, sparse]
-    cuts += [yd, ys]
+        return st.fail
+    lists = lists + [dense, sparse]
+    cuts = cuts + list(cut)
     return _Layout(lists, cuts, _rank_vectors(lists, cuts))
 
 
