@@ -409,25 +409,10 @@ def _items(lengths: torch.Tensor, prof: _Profile, cp: int, var: _Variant,
     body over every rank would fetch a whole window or chunk on each for nothing (one
     4242-token document among 1000 short ones with a 4096 window at cp 16: SWA-layer
     efficiency 0.26 spread, 0.46 as filler)."""
-    n_docs = lengths.numel()
     memo = {} if memo is None else memo
     doc, start, end, long = _segments(lengths, prof, cp, var.keep_small, memo)
-    size = end - start
     blocks = var.body == "blocks" and prof.head == "chunk"
-    if blocks:
-        h = torch.full_like(size, prof.chunk)
-    elif prof.head == "chunk":
-        r = size % prof.chunk
-        t = prof.tile
-        h = torch.where(r == 0, 0, prof.chunk - (r + t - 1) // t * t)
-    elif prof.head in ("prefix", "ends"):
-        h = torch.full_like(size, prof.prefix)
-    else:
-        h = torch.zeros_like(size)
-    t = prof.tile
-    tail = torch.div(end - prof.suffix, t, rounding_mode="floor") * t  # "ends" only
-    ends = long & (prof.head == "ends") & (start + h < tail) & (prof.suffix > 0)
-    h = torch.where(long & ((prof.head != "ends") | (start + h < tail)), h, 0)
+    h, tail, ends = _heads(prof, blocks, start, end, long)
     has_head = long & (h > 0)
     mid_end = torch.where(ends, tail, end)
     # Filler: short segments and short-like heads; bodies (and the heads and tails of
@@ -442,53 +427,97 @@ def _items(lengths: torch.Tensor, prof: _Profile, cp: int, var: _Variant,
     b_doc = torch.cat([doc[m] for m, _, _ in b_sel])
     b_start = torch.cat([a[m] for m, a, _ in b_sel])
     b_end = torch.cat([b[m] for m, _, b in b_sel])
-    n_f, n_b, n_long = f_doc.numel(), b_doc.numel(), int(long.sum())
-    kind = torch.full((n_b,), _MIRROR)
-    block = torch.zeros(n_b, dtype=torch.int64)
-    if (blocks or var.body == "split") and n_long and prof.excess.shape[0]:
-        if blocks:
-            p, n_sh = _tail_split(lengths, prof, cp, b_doc[:n_long], b_start[:n_long],
-                                  b_end[:n_long], memo)
-            tail = torch.nonzero(n_sh >= 1).flatten()
-        else:
-            p = _density_split(lengths, prof, b_doc[:n_long], b_start[:n_long],
-                               b_end[:n_long], memo)
-            if _MINLATE > 0:
-                excess, tot_e = _excess_of(lengths, prof, memo)
-                small = excess(p, b_end[:n_long], lengths[b_doc[:n_long]]) < _MINLATE * tot_e / cp
-                p = torch.where(small, b_end[:n_long], p)
-            tail = torch.nonzero(p < b_end[:n_long]).flatten()
-        rest = torch.nonzero(p > b_start[:n_long]).flatten()
-        b_doc = torch.cat([b_doc[rest], b_doc[tail], b_doc[n_long:]])
-        b_start, b_end = (torch.cat([b_start[rest], p[tail], b_start[n_long:]]),
-                          torch.cat([p[rest], b_end[tail], b_end[n_long:]]))
-        n_b = b_doc.numel()
-        kind = torch.full((n_b,), _PREFIX)
-        block = torch.cat([torch.full((rest.numel(),), _REST),
-                           torch.full((tail.numel(),), _TAIL),
-                           torch.zeros(n_b - rest.numel() - tail.numel(), dtype=torch.int64)])
-    elif prof.head == "chunk":
-        kind[:n_long] = _CHUNKS
-    f_kind = torch.full((n_f,), _MIRROR)
-    if var.fill == "prefix":
-        f_kind[:] = _PREFIX
-        if var.big < math.inf:
-            # Filler items holding more than ``big`` ranks' work stay mirrored: in position
-            # order such an item's stretches would range from far too sparse (its start)
-            # to far too dense for the rank-by-rank solver.
-            m0 = prof.masks[0]
-            fl = lengths[f_doc]
-            w = (prefix_work(fl, f_end, m0) - prefix_work(fl, f_start, m0)).to(torch.float64)
-            share = float(_doc_work(lengths, prof, memo)[:, 0].sum()) / cp
-            f_kind[w > var.big * share] = _MIRROR
+    n_f, n_long = f_doc.numel(), int(long.sum())
+    b_doc, b_start, b_end, kind, block = _split_bodies(
+        lengths, prof, cp, var, blocks, n_long, b_doc, b_start, b_end, memo)
+    n_b = b_doc.numel()
     excess = prof.excess.shape[0] > 0
     return _Items(
         doc=torch.cat([f_doc, b_doc]), start=torch.cat([f_start, b_start]),
         end=torch.cat([f_end, b_end]),
-        kind=torch.cat([f_kind, kind]),
+        kind=torch.cat([_filler_kinds(lengths, prof, cp, var, f_doc, f_start, f_end, memo),
+                        kind]),
         body=torch.cat([torch.zeros(n_f, dtype=torch.bool),
                         torch.full((n_b,), excess, dtype=torch.bool)]),
         block=torch.cat([torch.zeros(n_f, dtype=torch.int64), block]))
+
+
+def _heads(prof: _Profile, blocks: bool, start: torch.Tensor, end: torch.Tensor,
+           long: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(head length of each segment (0: none), the start of the "ends" tail item, which
+    segments have one) of segments [start, end), ``long`` marking those with a body."""
+    size = end - start
+    if blocks:
+        h = torch.full_like(size, prof.chunk)
+    elif prof.head == "chunk":
+        r = size % prof.chunk
+        t = prof.tile
+        h = torch.where(r == 0, 0, prof.chunk - (r + t - 1) // t * t)
+    elif prof.head in ("prefix", "ends"):
+        h = torch.full_like(size, prof.prefix)
+    else:
+        h = torch.zeros_like(size)
+    t = prof.tile
+    tail = torch.div(end - prof.suffix, t, rounding_mode="floor") * t  # "ends" only
+    ends = long & (prof.head == "ends") & (start + h < tail) & (prof.suffix > 0)
+    h = torch.where(long & ((prof.head != "ends") | (start + h < tail)), h, 0)
+    return h, tail, ends
+
+
+def _split_bodies(lengths: torch.Tensor, prof: _Profile, cp: int, var: _Variant,
+                  blocks: bool, n_long: int, b_doc: torch.Tensor, b_start: torch.Tensor,
+                  b_end: torch.Tensor, memo: dict) -> tuple[torch.Tensor, ...]:
+    """The body items (the first ``n_long`` are the long segments' bodies) with their
+    kinds and blocks: for ``blocks`` and ``split`` variants each long body cut at p into a
+    remainder [start, p) and a tail block [p, end) (see :func:`_items`); else unchanged,
+    mirrored (chunk-pair walked for chunked masks)."""
+    n_b = b_doc.numel()
+    kind = torch.full((n_b,), _MIRROR)
+    block = torch.zeros(n_b, dtype=torch.int64)
+    if not ((blocks or var.body == "split") and n_long and prof.excess.shape[0]):
+        if prof.head == "chunk":
+            kind[:n_long] = _CHUNKS
+        return b_doc, b_start, b_end, kind, block
+    if blocks:
+        p, n_sh = _tail_split(lengths, prof, cp, b_doc[:n_long], b_start[:n_long],
+                              b_end[:n_long], memo)
+        tail = torch.nonzero(n_sh >= 1).flatten()
+    else:
+        p = _density_split(lengths, prof, b_doc[:n_long], b_start[:n_long],
+                           b_end[:n_long], memo)
+        if _MINLATE > 0:
+            excess, tot_e = _excess_of(lengths, prof, memo)
+            small = excess(p, b_end[:n_long], lengths[b_doc[:n_long]]) < _MINLATE * tot_e / cp
+            p = torch.where(small, b_end[:n_long], p)
+        tail = torch.nonzero(p < b_end[:n_long]).flatten()
+    rest = torch.nonzero(p > b_start[:n_long]).flatten()
+    b_doc = torch.cat([b_doc[rest], b_doc[tail], b_doc[n_long:]])
+    b_start, b_end = (torch.cat([b_start[rest], p[tail], b_start[n_long:]]),
+                      torch.cat([p[rest], b_end[tail], b_end[n_long:]]))
+    n_b = b_doc.numel()
+    block = torch.cat([torch.full((rest.numel(),), _REST), torch.full((tail.numel(),), _TAIL),
+                       torch.zeros(n_b - rest.numel() - tail.numel(), dtype=torch.int64)])
+    return b_doc, b_start, b_end, torch.full((n_b,), _PREFIX), block
+
+
+def _filler_kinds(lengths: torch.Tensor, prof: _Profile, cp: int, var: _Variant,
+                  f_doc: torch.Tensor, f_start: torch.Tensor, f_end: torch.Tensor,
+                  memo: dict) -> torch.Tensor:
+    """How each filler item is walked: in position order (``var.fill == "prefix"``),
+    except items holding more than ``var.big`` ranks' work, which stay mirrored: in
+    position order such an item's stretches would range from far too sparse (its start)
+    to far too dense for the rank-by-rank solver."""
+    n_f = f_doc.numel()
+    if var.fill != "prefix":
+        return torch.full((n_f,), _MIRROR)
+    f_kind = torch.full((n_f,), _PREFIX)
+    if var.big < math.inf:
+        m0 = prof.masks[0]
+        fl = lengths[f_doc]
+        w = (prefix_work(fl, f_end, m0) - prefix_work(fl, f_start, m0)).to(torch.float64)
+        share = float(_doc_work(lengths, prof, memo)[:, 0].sum()) / cp
+        f_kind[w > var.big * share] = _MIRROR
+    return f_kind
 
 
 def _excess_of(lengths: torch.Tensor, prof: _Profile, memo: dict) -> tuple[Any, float]:
