@@ -1121,6 +1121,85 @@ def _reachable(dense: _List, sparse: _List, f_tok: torch.Tensor, f_target: torch
     return bool((t >= 0).all()) and bool(((w >= lo * t) & (w <= hi * t)).all())
 
 
+class _Curves:
+    """The lists' cumulative (tokens -> column) curves as Python lists: the rank-by-rank
+    solver reads single values, where Python floats beat tensor ops by ~100x."""
+
+    def __init__(self, lists: list[_List], col: Any) -> None:
+        self.pts = [lst.pt.tolist() for lst in lists]
+        self.cols = [lst.column(col).tolist() if lst.n else [0.0] for lst in lists]
+        self.last = [len(p) - 1 for p in self.pts]
+        self.starts = [lst.item_starts().tolist() for lst in lists]
+        self.tot = [lst.total for lst in lists]
+
+    def val(self, i: int, x: int) -> float:
+        """Column value of list ``i``'s first ``x`` tokens (linear inside a unit)."""
+        p, c = self.pts[i], self.cols[i]
+        j = bisect.bisect_right(p, x) - 1
+        if j >= self.last[i]:
+            return c[-1]
+        x0 = p[j]
+        return c[j] + (c[j + 1] - c[j]) * (x - x0) / (p[j + 1] - x0)
+
+    def offset(self, i: int, x: int) -> int:
+        """Tokens of list ``i``'s item at ``x`` before ``x`` (what starting there cuts)."""
+        s = self.starts[i]
+        return x - s[bisect.bisect_right(s, x) - 1]
+
+
+def _pick_pair(cv: _Curves, n_d: int, pos: list[int], cur: list[float], k: int, n_r: int,
+               t_k: int, w_k: float) -> tuple | None:
+    """(score, dense a, sparse b, lo, hi, g(lo), g(hi), base) of the pair of lists whose
+    next ``t_k`` tokens can hold the rank's column target ``w_k`` (g = what the rank would
+    hold minus its target, for lo..hi tokens from ``a``): feasible first; with several
+    pairs, those with a margin of ``_MARGIN``, then the one furthest behind schedule and
+    cheapest to start in; else the largest margin. None when no pair has room."""
+    n_l = len(cv.tot)
+    best = None
+    for a in range(n_d):
+        for b in range(n_d, n_l):
+            lo, hi = max(0, t_k - (cv.tot[b] - pos[b])), min(t_k, cv.tot[a] - pos[a])
+            if hi < lo:
+                continue
+            if hi == lo and n_l == 2:  # no choice: skip the evaluations
+                best = ((True,), a, b, lo, hi, 0.0, 0.0, 0.0)
+                continue
+            base = cur[a] + cur[b] + w_k
+            g_lo = cv.val(a, pos[a] + lo) + cv.val(b, pos[b] + t_k - lo) - base
+            g_hi = cv.val(a, pos[a] + hi) + cv.val(b, pos[b] + t_k - hi) - base
+            feasible = g_lo <= 0 <= g_hi
+            score = (feasible,)
+            if n_l > 2:
+                margin = min(-g_lo, g_hi) / max(abs(w_k), 1.0)
+                good = feasible and margin >= _MARGIN
+                if good:
+                    off = cv.offset(a, pos[a]) + cv.offset(b, pos[b])
+                    lag = (2 * k / n_r - pos[a] / max(cv.tot[a], 1)
+                           - pos[b] / max(cv.tot[b], 1) - _OFFSET_W * off / max(t_k, 1))
+                score = (feasible, good, lag if good else margin)
+            if best is None or score > best[0]:
+                best = (score, a, b, lo, hi, g_lo, g_hi, base)
+    return best
+
+
+def _regula_falsi(g: Any, lo: int, hi: int, g_lo: float, g_hi: float, tol: float) -> int:
+    """The integer x in [lo, hi] nearest g's zero (Illinois regula falsi; g increasing,
+    g(lo) < 0 < g(hi)), stopping once within ``tol``."""
+    side = 0
+    while hi - lo > 1 and -g_lo > tol and g_hi > tol:
+        m = min(max(int(lo + (hi - lo) * (-g_lo) / (g_hi - g_lo) + 0.5), lo + 1), hi - 1)
+        g_m = g(m)
+        if g_m >= 0:
+            hi, g_hi = m, g_m
+            g_lo = g_lo / 2 if side == 1 else g_lo
+            side = 1
+        else:
+            lo, g_lo = m, g_m
+            g_hi = g_hi / 2 if side == -1 else g_hi
+            side = -1
+    return lo if -g_lo <= g_hi else hi
+
+
 def _rank_cut(dense: list[_List], sparse: list[_List], n_tok: torch.Tensor,
               target: torch.Tensor, col: Any) -> list[torch.Tensor]:
     """Cuts [cp+1] of every list, solved rank by rank (a Python loop over ranks, on
@@ -1136,56 +1215,16 @@ def _rank_cut(dense: list[_List], sparse: list[_List], n_tok: torch.Tensor,
     what is left."""
     lists = dense + sparse
     n_l, n_d = len(lists), len(dense)
-    pts = [lst.pt.tolist() for lst in lists]
-    cols = [lst.column(col).tolist() if lst.n else [0.0] for lst in lists]
-    last = [len(p) - 1 for p in pts]
-    starts = [lst.item_starts().tolist() for lst in lists]
-    tot = [lst.total for lst in lists]
-    bis = bisect.bisect_right
-
-    def val(i: int, x: int) -> float:
-        p, c = pts[i], cols[i]
-        j = bis(p, x) - 1
-        if j >= last[i]:
-            return c[-1]
-        x0 = p[j]
-        return c[j] + (c[j + 1] - c[j]) * (x - x0) / (p[j + 1] - x0)
-
+    cv = _Curves(lists, col)
     nt, tg = n_tok.tolist(), target.tolist()
     n_r = len(nt) - 1
     pos = [0] * n_l
-    cur = [0.0] * n_l  # val(i, pos[i])
+    cur = [0.0] * n_l  # cv.val(i, pos[i])
     out = [[0] * (n_r + 1) for _ in lists]
     done = 0.0
     for k in range(1, n_r):
         t_k, w_k = nt[k] - nt[k - 1], tg[k] - done
-        tol = _SOLVE_TOL * abs(w_k)
-        best = None
-        for a in range(n_d):
-            for b in range(n_d, n_l):
-                lo, hi = max(0, t_k - (tot[b] - pos[b])), min(t_k, tot[a] - pos[a])
-                if hi < lo:
-                    continue
-                if hi == lo and n_l == 2:  # no choice: skip the evaluations
-                    best = ((True,), a, b, lo, hi, 0.0, 0.0, 0.0)
-                    continue
-                base = cur[a] + cur[b] + w_k
-                g_lo = val(a, pos[a] + lo) + val(b, pos[b] + t_k - lo) - base
-                g_hi = val(a, pos[a] + hi) + val(b, pos[b] + t_k - hi) - base
-                feasible = g_lo <= 0 <= g_hi
-                score = (feasible,)
-                if n_l > 2:
-                    margin = min(-g_lo, g_hi) / max(abs(w_k), 1.0)
-                    good = feasible and margin >= _MARGIN
-                    if good:
-                        sa, sb = starts[a], starts[b]
-                        off = (pos[a] - sa[bis(sa, pos[a]) - 1]
-                               + pos[b] - sb[bis(sb, pos[b]) - 1])
-                        lag = (2 * k / n_r - pos[a] / max(tot[a], 1) - pos[b] / max(tot[b], 1)
-                               - _OFFSET_W * off / max(t_k, 1))
-                    score = (feasible, good, lag if good else margin)
-                if best is None or score > best[0]:
-                    best = (score, a, b, lo, hi, g_lo, g_hi, base)
+        best = _pick_pair(cv, n_d, pos, cur, k, n_r, t_k, w_k)
         if best is None:
             continue
         _, a, b, lo, hi, f_lo, f_hi, base = best
@@ -1193,30 +1232,19 @@ def _rank_cut(dense: list[_List], sparse: list[_List], n_tok: torch.Tensor,
             dx = lo
         elif f_hi <= 0:
             dx = hi
-        else:  # Illinois regula falsi on integers
-            side = 0
-            while hi - lo > 1 and -f_lo > tol and f_hi > tol:
-                m = min(max(int(lo + (hi - lo) * (-f_lo) / (f_hi - f_lo) + 0.5), lo + 1),
-                        hi - 1)
-                f_m = val(a, pos[a] + m) + val(b, pos[b] + t_k - m) - base
-                if f_m >= 0:
-                    hi, f_hi = m, f_m
-                    f_lo = f_lo / 2 if side == 1 else f_lo
-                    side = 1
-                else:
-                    lo, f_lo = m, f_m
-                    f_hi = f_hi / 2 if side == -1 else f_hi
-                    side = -1
-            dx = lo if -f_lo <= f_hi else hi
+        else:
+            dx = _regula_falsi(
+                lambda m: cv.val(a, pos[a] + m) + cv.val(b, pos[b] + t_k - m) - base,
+                lo, hi, f_lo, f_hi, _SOLVE_TOL * abs(w_k))
         pos[a] += dx
         pos[b] += t_k - dx
-        va, vb = val(a, pos[a]), val(b, pos[b])
+        va, vb = cv.val(a, pos[a]), cv.val(b, pos[b])
         done += va - cur[a] + vb - cur[b]
         cur[a], cur[b] = va, vb
         for i in range(n_l):
             out[i][k] = pos[i]
     for i in range(n_l):
-        out[i][n_r] = tot[i]
+        out[i][n_r] = cv.tot[i]
     return [torch.tensor(o, dtype=torch.int64) for o in out]
 
 
