@@ -28,16 +28,18 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "bench"):  # the package from a checkout; bench/mixes.py
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
+from mixes import lognormal_docs  # noqa: E402  (bench/mixes.py)
 from varlen_cp import AttnMask, CPPlan  # noqa: E402
 from varlen_cp.config import CPConfig  # noqa: E402
 from varlen_cp.schedules.auto import choose_strategy  # noqa: E402
 from varlen_cp.schedules.cost import make_shape  # noqa: E402
 from varlen_cp.strategies import STRATEGIES  # noqa: E402
 
-TOTAL = 131072
+TOTAL = 131072  # tokens per batch
 BLOCK = (64, 64)
 SHAPE = make_shape(32, 8, 128, 128, 2)
 LLAMA4 = ((AttnMask(chunk_size=8192), 3), (AttnMask(), 1))
@@ -45,16 +47,7 @@ TARGETS = {8: 15.0, 64: 50.0}
 AUTO_TARGET = 5.0
 
 
-def lognormal(n_docs: int, seed: int, total: int = TOTAL) -> list[int]:
-    """``n_docs`` log-normal document lengths summing to ``total``."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.exp(torch.randn(n_docs, generator=g) + 4.8)
-    x = (x * (total - n_docs) / x.sum()).long().add(1)
-    x[0] += total - int(x.sum())
-    return x.tolist()
-
-
-MIXES = {"40 docs": lambda: lognormal(40, 1), "1000 docs": lambda: lognormal(1000, 0)}
+MIXES = {"40 docs": lambda: lognormal_docs(40, 1), "1000 docs": lambda: lognormal_docs(1000, 0)}
 
 
 def _min_ms(fn, repeats: int) -> float:

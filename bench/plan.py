@@ -46,14 +46,15 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run from a checkout without an installed package
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "bench"):  # the package from a checkout; bench/mixes.py
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
+from mixes import MIXES, TOTAL  # noqa: E402  (bench/mixes.py)
 from varlen_cp import AttnMask, CPPlan  # noqa: E402
 from varlen_cp.kernels import mask_math  # noqa: E402
 from varlen_cp.plan.balanced import balanced_runs, normalize_masks  # noqa: E402
 
-TOTAL = 131072
 LAYOUTS = ("contiguous", "te", "dual_chunk", "balanced")
 CAUSAL = AttnMask()
 SWA = AttnMask(window_size=(4096, 0))
@@ -77,50 +78,6 @@ TARGETS = {"work_imb": 1.03, "token_imb": 1.02, "padding": 0, "efficiency": 0.90
            "auto_ms": 5.0}
 
 
-# ---- document mixes (for any total) -----------------------------------------------------
-def _fill(lengths: list[int], total: int) -> list[int]:
-    """Cut or extend the list so the lengths sum to exactly ``total``."""
-    out, used = [], 0
-    for n in lengths:
-        n = min(int(n), total - used)
-        if n <= 0:
-            break
-        out.append(n)
-        used += n
-    if used < total:
-        out.append(total - used)
-    return out
-
-
-def _lognormal(seed: int, n: int, mu: float, sigma: float) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.exp(torch.randn(n, generator=g) * sigma + mu).long().clamp(min=1).tolist()
-
-
-def lognormal_1k(total: int) -> list[int]:
-    """1000 documents per 128K tokens, log-normal, scaled to the total."""
-    n = max(1, 1000 * total // TOTAL)
-    g = torch.Generator().manual_seed(0)
-    x = torch.exp(torch.randn(n, generator=g) + 4.8)
-    x = (x * (total - n) / x.sum()).long().add(1)
-    x[0] += total - int(x.sum())
-    return x.tolist()
-
-
-def _scale(total: int) -> int:
-    return max(1, -(-total // TOTAL))
-
-
-MIXES = {
-    "lognormal_1k": lognormal_1k,
-    "lognormal_long": lambda t: _fill(_lognormal(1, 400 * _scale(t), 7.6, 1.0), t),
-    "te_buckets": lambda t: _fill([24576, 28672, 30720, 32768] * 2 * _scale(t), t),
-    "one_128k": lambda t: _fill([TOTAL] * _scale(t), t),
-    "short_4k": lambda t: _fill(torch.randint(
-        8, 57, (5000 * _scale(t),), generator=torch.Generator().manual_seed(2)).tolist(), t),
-    "few_long": lambda t: _fill(([32768, 7000] + _lognormal(3, 50, 5.0, 1.0) + [20000]
-                                 + _lognormal(4, 3000, 5.0, 1.0)) * _scale(t), t),
-}
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:
@@ -231,7 +188,7 @@ def strategy_table_ms(plan: CPPlan) -> dict[str, float]:
     Only at cp 8 and 64 (the budget's points), else empty."""
     if plan.cp_size not in (8, 64):
         return {}
-    from host_tables import table_ms_for  # noqa: E402  (bench/ is on sys.path when run)
+    from host_tables import table_ms_for  # bench/ is on sys.path (above)
     return table_ms_for(plan, repeats=2)
 
 

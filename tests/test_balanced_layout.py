@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.mixes import fill, lognormal
 from tests.reference import reference_mask
 from tests.test_plan import FIXED_MIXES, check_balanced, check_invariants
 from varlen_cp import AttnMask, CPPlan
@@ -57,30 +58,14 @@ def _plan(lengths: list[int], cp: int, **kw) -> CPPlan:
     return CPPlan.build(_cu(lengths), cp_size=cp, cp_rank=0, layout="balanced", **kw)
 
 
-def _fill(lengths: list[int], total: int = TOTAL) -> list[int]:
-    out, used = [], 0
-    for n in lengths:
-        n = min(int(n), total - used)
-        if n <= 0:
-            break
-        out.append(n)
-        used += n
-    return out + ([total - used] if used < total else [])
-
-
-def _lognormal(seed: int, n: int, mu: float, sigma: float) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.exp(torch.randn(n, generator=g) * sigma + mu).long().clamp(min=1).tolist()
-
-
 # 128K-token batches: the document mixes of bench/plan.py.
 MIXES = {
-    "many_short": _fill(_lognormal(0, 2000, 4.6, 1.0)),  # ~1000 documents, a few of 2-4K
+    "many_short": fill(lognormal(0, 2000, 4.6, 1.0)),  # ~1000 documents, a few of 2-4K
     "one_long": [TOTAL],
-    "heavy_tail": _fill(_lognormal(1, 400, 7.6, 1.0)),  # median 2K, up to ~20K
-    "te_buckets": _fill([24576, 28672, 30720, 32768] * 2),
-    "few_long": _fill([32768, 7000] + _lognormal(3, 50, 5.0, 1.0) + [20000]
-                      + _lognormal(4, 3000, 5.0, 1.0)),
+    "heavy_tail": fill(lognormal(1, 400, 7.6, 1.0)),  # median 2K, up to ~20K
+    "te_buckets": fill([24576, 28672, 30720, 32768] * 2),
+    "few_long": fill([32768, 7000] + lognormal(3, 50, 5.0, 1.0) + [20000]
+                      + lognormal(4, 3000, 5.0, 1.0)),
 }
 
 
@@ -210,9 +195,9 @@ def test_short_documents_stay_whole() -> None:
 def test_negligible_excess_is_not_spread() -> None:
     """A document barely longer than the window (excess work far below a rank's share)
     is cut like any dense document, not spread over every rank."""
-    lengths = [min(n, 4000) for n in _fill(_lognormal(5, 1000, 5.6, 0.8))]
+    lengths = [min(n, 4000) for n in fill(lognormal(5, 1000, 5.6, 0.8))]
     lengths[3] = 4200  # the only document longer than the 4096 window: ~2 ranks' work
-    lengths = _fill(lengths)
+    lengths = fill(lengths)
     plan = _plan(lengths, 16, masks=GEMMA)
     ranks = sum(int(plan.local_cu_seqlens_of(r)[4] > plan.local_cu_seqlens_of(r)[3])
                 for r in range(16))
