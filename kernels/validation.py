@@ -51,15 +51,19 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                   f"{getattr(t, 'shape', type(t))}")
         if t.dtype not in FLOAT_DTYPES:
             _fail(f"{name}.dtype must be float16, bfloat16 or float32, got {t.dtype}")
+        if t.shape[1] < 1 or t.shape[2] < 1:
+            _fail(f"{name} must have at least one head and a head_dim >= 1, got shape "
+                  f"{tuple(t.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         _fail(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         _fail(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
     if q.shape[2] != k.shape[2]:
         _fail(f"head dims differ: q has {q.shape[2]}, k has {k.shape[2]}")
-    if k.shape[:2] != v.shape[:2]:
-        _fail(f"k and v disagree on [tokens, heads]: shapes {tuple(k.shape)} vs "
-              f"{tuple(v.shape)}")
+    if k.shape[1] != v.shape[1]:
+        _fail(f"k and v head counts differ: {k.shape[1]} vs {v.shape[1]}")
+    if k.shape[0] != v.shape[0]:
+        _fail(f"k and v disagree on tokens: shapes {tuple(k.shape)} vs {tuple(v.shape)}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         _fail(f"Hq={q.shape[1]} must be a multiple of Hkv={k.shape[1]} (GQA)")
     for name, d in (("q/k head_dim", q.shape[2]), ("v head_dim", v.shape[2])):

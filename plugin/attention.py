@@ -45,7 +45,7 @@ from .checks import check_bool, check_choice, check_int
 from .config import AttnShape, check_overlap_stages
 from .kernels import SOFTMAX_TYPES, apply_softmax_sink, block_sizes_for, check_softmax_args
 from .kernels import resolve_backend
-from .kernels.validation import BACKENDS
+from .kernels.validation import BACKENDS, check_qkv
 from .masks import AttnMask
 from .plan import CPPlan
 from .plan.collective import check_group_type
@@ -53,9 +53,6 @@ from .schedules.auto import choose_strategy
 from .schedules.shape import make_shape
 from .strategies import LOCAL, CallSpec, Strategy, get_strategy
 from .strategies.calls import Attn
-
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
 
 # ------------------------------------------------------------------------------- checks
 def _check_scale(softmax_scale: Any) -> None:
@@ -86,36 +83,18 @@ def _check_a2a_size(strategy: str, a2a_size: Any) -> None:
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any,
                  mask: Any) -> None:
-    """Local q/k/v against the plan and each other (shapes, dtypes, devices only)."""
+    """Local q/k/v against each other (the kernels' own ``check_qkv``: shapes, dtypes,
+    devices, GQA, head dims) and against the plan (local token counts)."""
     if not isinstance(plan, CPPlan):
         raise ValueError(f"plan must be a varlen_cp.CPPlan, got {type(plan).__name__}")
     if not isinstance(mask, AttnMask):
         raise ValueError(f"mask must be a varlen_cp.AttnMask, got {type(mask).__name__}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{name} must be a 3-D tensor [local_tokens, heads, head_dim], "
-                             f"got {getattr(t, 'shape', type(t))}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"{name}.dtype must be float16, bfloat16 or float32, got "
-                             f"{t.dtype}")
-        if t.shape[1] < 1 or t.shape[2] < 1:
-            raise ValueError(f"{name} must have at least one head and a head_dim >= 1, got "
-                             f"shape {tuple(t.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
+    check_qkv(q, k, v)
     n_local = plan.num_tokens_of(plan.cp_rank)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.shape[0] != n_local:
             raise ValueError(f"{name} has {t.shape[0]} local tokens, but the plan gives "
                              f"rank {plan.cp_rank} {n_local} tokens")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"head dims differ: q has {q.shape[2]}, k has {k.shape[2]}")
-    if k.shape[1] != v.shape[1]:
-        raise ValueError(f"k and v head counts differ: {k.shape[1]} vs {v.shape[1]}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"Hq={q.shape[1]} must be a multiple of Hkv={k.shape[1]} (GQA)")
 
 
 def resolve_group(group: Any, plan: CPPlan) -> Any:
