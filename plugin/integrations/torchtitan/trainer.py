@@ -246,13 +246,14 @@ class VarlenCPTrainer(Trainer):
         plan = planned.plan if isinstance(planned, PlannedBatch) else \
             self.make_plan(input_dict, labels)
         n = inputs.numel()
-        batch = {"input": inputs.reshape(1, n), "labels": labels.reshape(1, n),
-                 "positions": torch.zeros(1, n, dtype=torch.int64, device=inputs.device)}
-        local = shard_packed_batch(batch, plan, ignore_index=IGNORE_INDEX)
+        local = shard_packed_batch({"input": inputs.reshape(1, n), "labels": labels.reshape(1, n)},
+                                   plan, ignore_index=IGNORE_INDEX)
         inputs, labels = local["input"], local["labels"]
-        # RoPE reads a cache row per position: padding tokens (-1, te layout) read row 0,
-        # their attention rows see nothing anyway.
-        positions = local["positions"].clamp(min=0)
+        # RoPE takes the plan's per-document positions (no placeholder to shard). It reads
+        # a cache row per position: padding tokens (-1, te layout) read row 0, their
+        # attention rows see nothing anyway.
+        positions = plan.positions.to(inputs.device, torch.int64, non_blocking=True)
+        positions = positions.clamp(min=0).view(1, -1)
         self.ntokens_seen += labels.numel()
         extra_kwargs: dict[str, Any] = {"positions": positions,
                                         "attention_masks": PackedBatch(plan)}
