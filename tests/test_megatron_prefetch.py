@@ -23,6 +23,7 @@ import torch  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from tests.dist_utils import run_distributed  # noqa: E402
+from varlen_cp.schedules.keys import table_key  # noqa: E402
 from varlen_cp import AttnMask  # noqa: E402
 from varlen_cp.integrations.megatron import (PrefetchedTHDBatches,  # noqa: E402
                                              VarlenCPOptions, get_thd_batch_on_this_cp_rank,
@@ -105,7 +106,7 @@ def test_prefetched_batches_equal_the_hook(prefetch: bool) -> None:
         plan = packed.varlen_cp_plan
         assert torch.equal(plan.cu_seqlens, cu.long())
         # the RoPE rows and the local attention tables were built on the planner's side
-        assert ("megatron_rope_index", torch.device("cpu")) in plan._cache
+        assert table_key("megatron_rope_index", None, None, "cpu") in plan._cache
         assert any(isinstance(k, tuple) and k[0] == "local" for k in plan._cache)
 
 

@@ -134,6 +134,7 @@ class CPPlan:
         self.chunk_tokens = chunk_tokens  # the old name of tile_tokens
         self.n_docs = cu_seqlens.numel() - 1
         self.doc_lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        self.max_document_length = int(self.doc_lengths.max()) if self.n_docs else 0
         self.total_tokens = int(cu_seqlens[-1])
         self.padded_total_tokens = int(tables.token_index.numel())
         self.cu_seqlens_padded = torch.cat([torch.zeros(1, dtype=torch.int64),

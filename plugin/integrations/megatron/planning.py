@@ -26,6 +26,7 @@ from ...config import CPConfig
 from ...masks import AttnMask
 from ...plan import CPPlan
 from ...prepare import AttnShape
+from ...schedules.keys import host_table, table_key
 from .options import VarlenCPOptions, layer_a2a_size, layer_mask, layer_strategy
 
 # cp == 1: the identity layout (no reordering, no padding), whatever the options say.
@@ -101,33 +102,19 @@ def resolve_device(device: Any) -> torch.device:
 def rope_index(plan: CPPlan, device: torch.device) -> torch.Tensor:
     """Each local token's position in its document (padding: 0) on ``device``: the rows of
     megatron's RoPE table that the tokens take (cached in the plan)."""
-    return plan.cached(("megatron_rope_index", device), lambda: plan.positions.clamp(
-        min=0).to(device=device, dtype=torch.int64, non_blocking=True))
-
-
-def max_position(plan: CPPlan) -> int:
-    """Largest position of any token (host; cached): RoPE tables must be longer."""
-    def compute() -> int:
-        lengths = plan.cu_seqlens[1:] - plan.cu_seqlens[:-1]
-        return int(lengths.max()) - 1 if lengths.numel() else -1
-    return plan.cached(("megatron_max_position",), compute)
+    return host_table(plan, table_key("megatron_rope_index", None, None, str(device)),
+                      lambda: plan.positions.clamp(min=0).to(device=device, dtype=torch.int64,
+                                                             non_blocking=True))
 
 
 def prepare_model_plan(plan: CPPlan, options: VarlenCPOptions, model: ModelAttention,
                        device: Any) -> CPPlan:
     """Every table the model's attention layers and the RoPE lookup need, on ``device``."""
     device = resolve_device(device)
-    by_a2a: dict[int | None, list[tuple[AttnMask, str]]] = {}
-    for mask, strategy, a2a in model.calls:
-        by_a2a.setdefault(a2a, []).append((mask, strategy))
-    for a2a, calls in by_a2a.items():
-        # prepare_plan takes backend and a2a_size from a CPConfig, strategies per mask
-        config = CPConfig(strategy="p2p" if a2a is None else "a2a+p2p",
-                          backend=options.backend, a2a_size=a2a)
-        prepare.prepare_plan(plan, config, [(m, 1) for m, _ in calls], model.shape, device,
-                             strategies=[s for _, s in calls])
+    masks, strategies, a2a_sizes = zip(*model.calls) if model.calls else ((), (), ())
+    prepare.prepare_plan(plan, options, [(m, 1) for m in masks], model.shape, device,
+                         strategies=list(strategies), a2a_sizes=list(a2a_sizes))
     rope_index(plan, device)
-    max_position(plan)
     return plan
 
 

@@ -31,7 +31,7 @@ from megatron.core.transformer.attention import SelfAttention
 
 from ...plan import CPPlan
 from .options import uses_rope
-from .planning import max_position, rope_index
+from .planning import rope_index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +49,9 @@ def _rows(plan: CPPlan, table: torch.Tensor) -> torch.Tensor:
         shape = tuple(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__
         raise ValueError(f"rotary_pos_emb must be megatron's RoPE table [max_seqlen, 1, 1, d] "
                          f"(row p = position p), got {shape}")
-    if max_position(plan) >= table.shape[0]:
+    if plan.max_document_length > table.shape[0]:
         raise ValueError(f"rotary_pos_emb has {table.shape[0]} rows but the batch has a "
-                         f"document of {max_position(plan) + 1} tokens: max_seqlen_q of the "
+                         f"document of {plan.max_document_length} tokens: max_seqlen_q of the "
                          f"packed params must cover the longest document")
     return table.index_select(0, rope_index(plan, table.device))
 

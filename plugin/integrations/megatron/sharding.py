@@ -29,6 +29,7 @@ from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from ...plan import CPPlan
+from ...schedules.keys import device_table, table_key
 from .options import VarlenCPOptions
 from .planning import ModelAttention, model_attention, plan_batch
 
@@ -96,9 +97,8 @@ def packed_seq_params_for(plan: CPPlan, device: torch.device | str,
 def _shard_tensor(plan: CPPlan, x: torch.Tensor, padded_input: bool) -> torch.Tensor:
     if not padded_input:
         return plan.shard(x, dim=1)  # padding tokens come out as zeros
-    index = plan.cached(("megatron_padded_index", plan.cp_rank, x.device),
-                        lambda: plan.padded_token_indices_of(plan.cp_rank).to(
-                            x.device, non_blocking=True))
+    index = device_table(plan, table_key("megatron_padded_index", None, None, plan.cp_rank),
+                         x.device, lambda: plan.padded_token_indices_of(plan.cp_rank))
     return x.index_select(1, index)
 
 
