@@ -3,11 +3,11 @@ host build time of every layout (pure host computation, no processes, no GPU).
 
 Usage: ``python bench/plan.py [--quick] [--threads N]``.
 
-Document mixes, generated for any token count (128K for part 1): many short documents, one 128K document, log-normal and
-heavy-tailed lengths, TransformerEngine-style 24K-32K buckets, a few long among many short.
-Mask mixes: causal, sliding window (4096, 0), chunked 8192 (causal), Llama 4 (chunked 8192
-x3 : causal x1), Gemma-style SWA (window (4096, 0) x5 : causal x1). ``balanced`` is built
-for the mix's masks; the other layouts ignore masks.
+Document mixes, generated for any token count (128K for part 1): many short documents, one 128K
+document, log-normal and heavy-tailed lengths, TransformerEngine-style 24K-32K buckets, a few long
+among many short. Mask mixes: causal, sliding window (4096, 0), chunked 8192 (causal),
+Llama 4 (chunked 8192 x3 : causal x1), Gemma-style SWA (window (4096, 0) x5 : causal x1).
+``balanced`` is built for the mix's masks; the other layouts ignore masks.
 
 Part 1, 128K tokens, cp 8..128: per layer type, work max/mean over ranks (visible
 query-key pairs of a rank's queries against all keys); tokens max/mean; padding; the K/V

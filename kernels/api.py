@@ -339,8 +339,9 @@ def varlen_fwd_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q's device; ``max_seqlen_*`` >= the longest segment (and matching ``schedule``'s
     tables when one is given); ``chunk_size`` 0 for none; ``backend`` from
     ``resolve_backend``; ``schedule`` None or on q's device. No host sync (the torch twin
-    on a GPU excepted, see ``torch_attn``), no copies of the metadata; the same custom op as the public entry (torch.compile traces it), under
-    no_grad. -> (out, lse, row_max or None unless ``return_max``).
+    on a GPU excepted, see ``torch_attn``), no copies of the metadata; the same custom op as the
+    public entry (torch.compile traces it), under no_grad. -> (out, lse, row_max or None unless
+    ``return_max``).
     """
     with torch.no_grad():
         out, lse, row_max = _fwd_op(q.contiguous(), k.contiguous(), v.contiguous(),

@@ -271,7 +271,8 @@ def test_auto_memory_budget_and_tie_rule(one_thread):
     plan = _plan(SHORT, 4, 0, "balanced", mask)
     kw = dict(n_heads=32, n_kv_heads=8, head_dim=128)
     assert choose_strategy(plan, mask, memory_budget_bytes=0, **kw) == "p2p"
-    need = max(selected.select_keys(plan, mask, r).owner.numel() for r in range(plan.cp_size)) * 8 * 256 * 2
+    need = max(selected.select_keys(plan, mask, r).owner.numel()
+               for r in range(plan.cp_size)) * 8 * 256 * 2
     assert choose_strategy(plan, mask, memory_budget_bytes=need, **kw) == "dispatch"
     assert choose_strategy(plan, mask, memory_budget_bytes=need - 1, **kw) != "dispatch"
     # Within the tolerance the fewest bytes win; outside it the fastest.

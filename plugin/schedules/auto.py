@@ -30,9 +30,9 @@ few percent at the edges of windows and chunks, the same for every strategy).
 
 What that gives (README "which strategy when"): long documents with full or causal masks
 are compute-bound, so the least traffic wins among the near-equal times: a2a, p2p or
-(staged, fewer bytes than the ring) dispatch; sliding windows, chunked attention and many short documents
-make dispatch's traffic a small fraction of anyone else's (it fetches only visible K/V); p2p
-when memory is tight; all_gather is never better than dispatch (same compute, more bytes).
+(staged, fewer bytes than the ring) dispatch; sliding windows, chunked attention and many short
+documents make dispatch's traffic a small fraction of anyone else's (it fetches only visible K/V);
+p2p when memory is tight; all_gather is never better than dispatch (same compute, more bytes).
 
 Limits: the defaults of :class:`CostModel` are one H100 node's order of magnitude (NVLink);
 pass your own for other machines. Latency per collective is modelled only for the extra

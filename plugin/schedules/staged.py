@@ -38,9 +38,9 @@ the local stage last, under the last return: b_1 + sum_{s=1..S-1} max(b_{s+1}, r
 b_S the local stage (a return is folded before the stage after next computes, which the
 simulation follows). S = 1 is the sequential t + c (forward) and c + r (backward).
 
-``default_stages`` picks the S in ``CANDIDATE_STAGES`` (1..``MAX_STAGES``) with the least time (the fewest among
-those within 1%) among those whose peak memory per rank (``staged_memory``, a host walk of
-the engine's allocations) is no more than S = 1's: enough stages to hide the transfer, no
+``default_stages`` picks the S in ``CANDIDATE_STAGES`` (1..``MAX_STAGES``) with the least time (the
+fewest among those within 1%) among those whose peak memory per rank (``staged_memory``, a host walk
+of the engine's allocations) is no more than S = 1's: enough stages to hide the transfer, no
 more, since each adds a latency and an unfused fold (T x Hq x Dv x (16 + dtype bytes) of
 memory traffic, 0.2 ms at 8K tokens, 32 heads, bf16 on an H100), and never more memory
 than the call without overlap.

@@ -12,9 +12,9 @@ each supplies as an *exchange*; this module holds the engine and the autograd.Fu
 Forward: post transfer 1 (``async_op=True``), compute the local call, then for each
 transfer s: post s+1, wait for s, pick its keys (``gather``), compute, fold the partial
 (out, lse) into the accumulator (``fold_``: ``varlen_cp.kernels.merge_attn_partials_``, in
-place, without out-sized fp32 temporaries; fp32 from the first fold on). The picked K/V are kept for the backward (the
-remote keys the queries see; with S = 1 the local ones too, as one call needs them in one
-tensor). Backward, with the FINAL out/lse and the same dlse in every call (ring-attention
+place, without out-sized fp32 temporaries; fp32 from the first fold on). The picked K/V are kept for
+the backward (the remote keys the queries see; with S = 1 the local ones too, as one call needs them
+in one tensor). Backward, with the FINAL out/lse and the same dlse in every call (ring-attention
 rule): each fetched stage's dK/dV is computed and posted home while the next stage
 computes (its arrivals folded one stage later, which bounds the returns in flight to two),
 the local call runs last, under the last return; dQ (fp32 when the rank makes more than one
