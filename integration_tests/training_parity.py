@@ -1,13 +1,13 @@
 """A short Llama 4 style training at CP = world size whose losses must match a CP=1 run.
 
-Rank 0 first runs the CP=1 reference in a child process
-(``python -m varlen_cp.integrations.torchtitan.train``, one process, same config, same data);
-the other ranks wait. Then every rank trains the same steps in-process with
-``context_parallel_degree = world`` (torchtitan reuses the suite's process group), and rank 0
-compares the per-step losses that both runs appended to their loss files. Skipped, with the reason, when torchtitan (0.3.0, torch >= 2.14) is not
-importable. Limits: data parallel size 1 (CP spans the job); the config must suit the world
-size (llama4_debug_cp2: 8 query / 2 K/V heads, p2p works at any size); the child's output
-goes to a log file whose tail is shown on failure.
+Rank 0 first runs the CP=1 reference in a child process (``python -m
+varlen_cp.integrations.torchtitan.train``, one process, same config, same data); the other
+ranks wait. Then every rank trains the same steps in-process with ``context_parallel_degree
+= world`` (torchtitan reuses the suite's process group), and rank 0 compares the per-step
+losses that both runs appended to their loss files. Skipped, with the reason, when
+torchtitan (0.3.0, torch >= 2.14) is not importable. Limits: data parallel size 1 (CP spans
+the job); the config must suit the world size (llama4_debug_cp2: 8 query / 2 K/V heads, p2p
+works at any size); the child's output goes to a log file whose tail is shown on failure.
 """
 
 from __future__ import annotations
