@@ -173,6 +173,9 @@ def _padded_index(start: Tensor, count: Tensor, width: int, dummy: int
     return gather.flatten(), scatter.flatten(), valid
 
 
+_GROUP_MEMO_SIZE = 4
+
+
 def _groups(schedule: BlockSchedule, cu_q: Tensor, cu_k: Tensor, total_q: int, total_k: int,
             heads: int, device: torch.device) -> list[_Group]:
     """Host-built gather/scatter tables of every group, copied to ``device`` (no sync).
@@ -195,6 +198,10 @@ def _groups(schedule: BlockSchedule, cu_q: Tensor, cu_k: Tensor, total_q: int, t
         to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         out.append(_Group(len(members), mq, mk, to(qg), to(qs), to(qv), to(kg), to(ks),
                           to(kv)))
+    # A schedule is built for one cu_seqlens, so the memo holds one entry per head count and
+    # device; the cap only guards a caller that reuses a schedule across batches.
+    if len(memo) == _GROUP_MEMO_SIZE:
+        memo.pop(0)
     memo.append((key, cu_q.clone(), cu_k.clone(), out))
     return out
 

@@ -319,6 +319,32 @@ def test_given_schedule_matches_own():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+
+def test_schedule_reused_across_head_counts(tiny_tiles):
+    """The twin memoizes its groups on the schedule, per head count: one schedule reused by
+    calls with other head counts gives what a fresh schedule gives, and the memo stays
+    bounded."""
+    case = Case([(70, 70), (5, 5), (33, 33)], chunk=16, window=(20, -1))
+    cu = _cu([70, 5, 33])
+
+    def schedule():
+        return build_block_schedule(cu, cu, 70, 70, causal=True, window_left=20,
+                                    window_right=-1, chunk_size=16, block_m=16, block_n=16)
+
+    shared = schedule()
+    for hq in (1, 2, 3, 4, 5, 6):
+        case.heads = (hq, 1)
+        q, k, v, dout, cu_q, cu_k, qp, kp = _make(case, torch.float32)
+        args = (cu_q, cu_k, 70, 70, 0.2, case.causal, *case.window, case.chunk, qp, kp)
+        fresh = schedule()
+        for a, b in zip(torch_fwd(q, k, v, *args, shared), torch_fwd(q, k, v, *args, fresh)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        out, lse = torch_fwd(q, k, v, *args, fresh)
+        for a, b in zip(torch_bwd(dout, q, k, v, out, lse, *args, shared),
+                        torch_bwd(dout, q, k, v, out, lse, *args, fresh)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert len(shared.__dict__["_twin_groups"]) == torch_attn._GROUP_MEMO_SIZE
+
 # ----------------------------------------------------------------------------- work bound
 def test_computed_scores_follow_the_schedule(monkeypatch):
     """A long SWA document computes ~visited pairs of scores, not total^2."""
