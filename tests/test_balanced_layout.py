@@ -23,6 +23,10 @@ from tests.test_plan import FIXED_MIXES, check_balanced, check_invariants
 from varlen_cp import AttnMask, CPPlan
 from varlen_cp.plan import balanced as B
 from varlen_cp.plan.balanced import DEFAULT_CHUNK_TOKENS, DEFAULT_TILE_TOKENS, prefix_work
+from varlen_cp.plan.balanced.items import cut_items
+from varlen_cp.plan.balanced.profile import profile_of
+from varlen_cp.plan.balanced.units import unit_runs, units_of
+from varlen_cp.plan.balanced.variants import Variant
 
 EDGE_MASKS = [
     AttnMask(), AttnMask(causal=False), AttnMask(window_size=(7, 0)),
@@ -259,6 +263,22 @@ def test_runs_are_maximal() -> None:
         assert int(length.sum()) == int(lengths.sum()) and bool((length > 0).all())
 
 
+def test_worked_example_of_the_glossary() -> None:
+    """The package docstring's worked example runs as written (doctest), and the layout it
+    states gives each rank the numbers it states, counted independently by the plan's
+    tables (``CPPlan.work_of``): 37 tokens, 263 chunked and 519 causal pairs."""
+    import doctest
+    result = doctest.testmod(B, verbose=False, report=False)
+    assert result.attempted >= 10 and result.failed == 0, result
+    chunked = AttnMask(chunk_size=16)
+    plan = _plan([40, 13, 8, 13], 2, masks=[(chunked, 3), (CAUSAL, 1)], tile_tokens=4)
+    for r in range(2):
+        assert (plan.num_tokens_of(r), plan.work_of(r, chunked), plan.work_of(r, CAUSAL)) \
+            == (37, 263, 519)
+    assert _runs(plan, 0) == [(0, 16, 32), (1, 0, 13), (2, 0, 8)]
+    assert _runs(plan, 1) == [(0, 0, 16), (0, 32, 40), (3, 0, 13)]
+
+
 # ---- independent counts -------------------------------------------------------------------
 @pytest.mark.parametrize("mask", EDGE_MASKS, ids=repr)
 def test_prefix_work_matches_dense_count(mask: AttnMask) -> None:
@@ -285,8 +305,8 @@ def _dense_work(doc_len: int, runs: list[tuple[int, int]], mask: AttnMask) -> in
     [AttnMask(causal=False, window_size=(12, 9))],  # head, middle and tail
     [AttnMask(chunk_size=24)], [CAUSAL],  # chunks as segments; whole documents
 ], ids=["chunk_pairs", "prefix", "ends", "split", "causal"])
-@pytest.mark.parametrize("var", [B._Variant(keep_small=False),
-                                 B._Variant(body="blocks", fill="prefix", big=2.0)],
+@pytest.mark.parametrize("var", [Variant(keep_small=False),
+                                 Variant(body="blocks", fill="prefix", big=2.0)],
                          ids=["fold", "blocks"])
 def test_fold_units_match_dense_count(masks, var) -> None:
     """Every fold unit's work (whole, and up to its break point), from the closed forms,
@@ -295,8 +315,8 @@ def test_fold_units_match_dense_count(masks, var) -> None:
     blocks and remainders off the tile grid)."""
     lengths = torch.tensor([150, 7, 64, 97, 200, 33, 1, 129])
     mw = B.normalize_masks(masks)
-    prof = B._profile(mw, 8)
-    units = B._units(B._items(lengths, prof, 3, var), lengths, prof)
+    prof = profile_of(mw, 8)
+    units = units_of(cut_items(lengths, prof, 3, var), lengths, prof)
     covered = [[] for _ in lengths]
     for u in range(units.doc.numel()):
         d = int(units.doc[u])
@@ -304,12 +324,12 @@ def test_fold_units_match_dense_count(masks, var) -> None:
         m = int(torch.minimum(units.a_len[u], units.b_len[u]))
         ut = torch.tensor([u])
         for stop, vec in ((length, units.vec[u]), (2 * m, units.mid[u])):
-            runs = [(int(a), int(n)) for a, n in B._split(units, ut, torch.tensor([0]),
-                                                          torch.tensor([stop]))]
+            runs = [(int(a), int(n)) for a, n in unit_runs(units, ut, torch.tensor([0]),
+                                                           torch.tensor([stop]))]
             assert int(vec[0]) == stop == sum(n for _, n in runs)
             for k, mask in enumerate(prof.masks):
                 assert int(vec[1 + k]) == _dense_work(int(lengths[d]), runs, mask)
-        runs = B._split(units, ut, torch.tensor([0]), torch.tensor([length]))
+        runs = unit_runs(units, ut, torch.tensor([0]), torch.tensor([length]))
         for a, n in runs:
             covered[d] += list(range(int(a), int(a + n)))
     for d, n in enumerate(lengths.tolist()):

@@ -78,3 +78,101 @@ def test_no_import_cycle_between_parts():
 
     for part in graph:
         visit(part, ())
+
+
+# ---- modules ------------------------------------------------------------------------------
+# Circles between modules that another change removes (issue 22, item 3: the cost model
+# becomes a leaf of plugin/schedules). Delete an entry with the change that breaks it up;
+# any other circle fails the test.
+KNOWN_MODULE_CYCLES = {frozenset({"schedules.auto", "schedules.cost", "schedules.staged"})}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PLUGIN).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Every module of plugin/ ("plan.balanced.args"; a package is its ``__init__``) and
+    the modules of plugin/ it imports: ``from .x import y`` counts as module ``x.y`` when
+    that is a module, else as ``x``."""
+    modules = {_module_name(p): p for p in PLUGIN.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        pkg = list(path.relative_to(PLUGIN).parent.parts)
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                target = pkg[:len(pkg) - (node.level - 1)] + (
+                    node.module.split(".") if node.module else [])
+            elif node.module and node.module.startswith("varlen_cp."):
+                target = node.module.split(".")[1:]
+            else:
+                continue
+            for alias in node.names:
+                sub = ".".join(target + [alias.name])
+                if sub in modules:
+                    deps.add(sub)
+                elif ".".join(target) in modules:
+                    deps.add(".".join(target))
+        graph[name] = deps - {name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = {stack.pop()}
+            while v not in comp:
+                comp.add(stack.pop())
+            if len(comp) > 1:
+                out.append(frozenset(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_finder_sees_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(graph) == [frozenset("abc")]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_between_modules() -> None:
+    new = [sorted(c) for c in _cycles(_module_graph()) if c not in KNOWN_MODULE_CYCLES]
+    assert not new, f"import cycles between modules: {new}"
+
+
+def test_balanced_modules_import_only_earlier_ones() -> None:
+    """plugin/plan/balanced/: the package docstring lists its modules in import order (``-
+    ``name``: ...``); each imports only modules listed before it, never the package."""
+    import re
+
+    init = PLUGIN / "plan" / "balanced" / "__init__.py"
+    order = re.findall(r"^- ``(\w+)``:", ast.get_docstring(ast.parse(init.read_text())),
+                       re.M)
+    graph = _module_graph()
+    inside = {m for m in graph if m.startswith("plan.balanced.")}
+    assert inside == {f"plan.balanced.{m}" for m in order}, (sorted(inside), order)
+    for i, name in enumerate(order):
+        deps = {d for d in graph[f"plan.balanced.{name}"] if d.startswith("plan.balanced")}
+        later = deps - {f"plan.balanced.{m}" for m in order[:i]}
+        assert not later, f"plan.balanced.{name} imports {sorted(later)}"

@@ -161,7 +161,7 @@ class CPPlan:
         for its own slowest rank); the layer counts only set priorities.
         tile_tokens: ``balanced`` only; documents are cut at multiples of it (default 64,
         the Triton kernels' query block) or at their ends, apart from at most a few finer
-        cuts per rank boundary where balance needs them (see plan/balanced.py).
+        cuts per rank boundary where balance needs them (see plan/balanced/).
         chunk_tokens: the old name of ``tile_tokens`` (give one or neither).
         """
         cu = _check_cu_seqlens(cu_seqlens)

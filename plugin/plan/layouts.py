@@ -22,7 +22,7 @@ into per-token tables, so a layout only decides the runs and never touches singl
   (Llama 4's chunked and global layers alike), documents cut where the cut costs little
   K/V to fetch: a rank holds few contiguous stretches of a document, long bodies go to
   ranks in whole shares, mirrored or chunk-pair pieces only where balance needs them
-  (``balanced.py``).
+  (the package ``balanced/``).
 
 Measured balance (max/mean, 128K tokens, log-normal document mixes of 170-1000 documents):
 dual_chunk tokens 1.00-1.02, causal work 1.00-1.02 at cp 8..64, but up to 1.12 when few

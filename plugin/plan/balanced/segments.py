@@ -1,0 +1,128 @@
+"""Segments and their excess: the documents (or their chunks, when every mask is chunked
+with one size) that the layout cuts, which of them are long (carry excess work), each
+document's work per mask, the excess functional over any stretch of positions, and the
+cheap prechecks that decide which attempts are worth building.
+
+``memo`` is a per-call cache (one dict per :func:`~.solve.balanced_runs` call): segments,
+document work and the excess function are shared by every attempt of the call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .args import prefix_work
+from .profile import Profile, excess_functional
+
+# Long segments with less excess work than this share of a rank's mean work (the mask with
+# least work) stay filler: spread over every rank they would cost a window or chunk of
+# fetched keys on each for nothing (see items.py).
+_KEEP_EXCESS = 0.0075
+# An item in position order longer than a rank's filler share is only tried when its first
+# share of tokens holds at least this share of the mean target density (rank_cut.py's
+# rank_reachable, and prefixes_dense_enough below).
+PREFIX_DENSITY = 0.75
+
+
+def segments_of(lengths: torch.Tensor, prof: Profile, cp: int, keep_small: bool,
+                memo: dict | None = None) -> tuple[torch.Tensor, ...]:
+    """(doc, start, end, long) of the non-empty segments: documents, or their chunks when
+    every mask is chunked with one size; long: longer than theta and, with keep_small,
+    carrying more than negligible excess (see :func:`~.items.cut_items`). ``memo``: per-call
+    cache."""
+    if memo is not None and ("seg", keep_small) in memo:
+        return memo[("seg", keep_small)]
+    out = _find_segments(lengths, prof, cp, keep_small)
+    if memo is not None:
+        memo[("seg", keep_small)] = out
+    return out
+
+
+def _find_segments(lengths: torch.Tensor, prof: Profile, cp: int, keep_small: bool
+                   ) -> tuple[torch.Tensor, ...]:
+    n_docs = lengths.numel()
+    doc, start, end = torch.arange(n_docs), torch.zeros_like(lengths), lengths.clone()
+    if prof.split:  # independent chunks: each is a segment of its own
+        n = (lengths + prof.split - 1) // prof.split
+        doc = torch.repeat_interleave(doc, n)
+        first = torch.cumsum(n, 0) - n
+        start = (torch.arange(doc.numel()) - first[doc]) * prof.split
+        end = torch.minimum(start + prof.split, lengths[doc])
+    keep = end > start
+    doc, start, end = doc[keep], start[keep], end[keep]
+    size = end - start
+    long = size > prof.theta
+    if keep_small and prof.excess.shape[0] and bool(long.any()):
+        vec = torch.empty(size.numel(), 1 + len(prof.masks), dtype=torch.float64)
+        vec[:, 0] = size.to(torch.float64)
+        ends, lens = torch.cat([end, start]), lengths[doc].repeat(2)
+        for k, mask in enumerate(prof.masks):
+            w = prefix_work(lens, ends, mask).view(2, -1)
+            vec[:, 1 + k] = (w[0] - w[1]).to(torch.float64)
+        total = vec.sum(0)
+        phi = excess_functional(prof, total)
+        tau = _KEEP_EXCESS * float(total[1:].min()) / cp
+        long &= (vec @ phi).abs() > tau
+    return doc, start, end, long
+
+
+def excess_of(lengths: torch.Tensor, prof: Profile, memo: dict) -> tuple[Any, float]:
+    """(excess(a, b, doc_len): the excess functional over positions [a, b) of documents of
+    doc_len tokens, its total over all documents)."""
+    if "excess" not in memo:
+        memo["excess"] = _excess_fn(lengths, prof, memo)
+    return memo["excess"]
+
+
+def doc_work(lengths: torch.Tensor, prof: Profile, memo: dict) -> torch.Tensor:
+    """[n_docs, M] float64: each document's work under each mask (memoized per call)."""
+    if "docw" not in memo:
+        memo["docw"] = torch.stack([prefix_work(lengths, lengths, m).to(torch.float64)
+                                    for m in prof.masks], 1)
+    return memo["docw"]
+
+
+def _excess_fn(lengths: torch.Tensor, prof: Profile, memo: dict) -> tuple[Any, float]:
+    """The pair :func:`excess_of` memoizes."""
+    vec = torch.empty(lengths.numel(), 1 + len(prof.masks), dtype=torch.float64)
+    vec[:, 0] = lengths.to(torch.float64)
+    vec[:, 1:] = doc_work(lengths, prof, memo)
+    phi = excess_functional(prof, vec.sum(0))
+
+    def excess(a: torch.Tensor, b: torch.Tensor, dl: torch.Tensor) -> torch.Tensor:
+        out = phi[0] * (b - a).to(torch.float64)
+        for k, mask in enumerate(prof.masks):
+            out = out + phi[1 + k] * (prefix_work(dl, b, mask)
+                                      - prefix_work(dl, a, mask)).to(torch.float64)
+        return out
+
+    return excess, float(phi @ vec.sum(0))
+
+
+def has_bodies(lengths: torch.Tensor, prof: Profile, cp: int, memo: dict) -> bool:
+    """Whether any segment carries excess work (a long document with more than the
+    negligible excess of ``keep_small``)."""
+    if not prof.excess.shape[0]:
+        return False
+    return bool(segments_of(lengths, prof, cp, True, memo)[3].any())
+
+
+def prefixes_dense_enough(lengths: torch.Tensor, prof: Profile, cp: int, memo: dict) -> bool:
+    """:func:`~.rank_cut.rank_reachable`'s density test when everything is filler, before
+    any item is built: no segment longer than a rank's share may be much sparser over its
+    first share than the mean (the single 128K document, 24-32K documents at 8-16K tokens per
+    rank, the heavy tail at 2-4K tokens per rank fail it)."""
+    doc, start, end, _ = segments_of(lengths, prof, cp, True, memo)
+    share = int(lengths.sum()) // cp
+    long = end - start > share
+    if not bool(long.any()) or share <= 0:
+        return True
+    w = doc_work(lengths, prof, memo).sum(0)
+    m = int(torch.argmin(w))
+    mask = prof.masks[m]
+    mean = float(w[m]) / max(int(lengths.sum()), 1)
+    dl, a = lengths[doc[long]], start[long]
+    first = (prefix_work(dl, a + share, mask) - prefix_work(dl, a, mask)).to(torch.float64)
+    return bool((first >= PREFIX_DENSITY * mean * share).all())

@@ -1,0 +1,125 @@
+"""The entry point: :func:`balanced_runs` tries the attempts of variants.py in order on
+items and units built once per (body, keep_small, fill, big), keeps the best, and turns its
+cuts into maximal runs (rank, document, start, length).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .args import TOKEN_TOL, WORK_TOL, MaskWeights
+from .items import Items, cut_items
+from .phases import Layout, solve_attempt
+from .profile import profile_of
+from .segments import has_bodies, prefixes_dense_enough
+from .units import Units, unit_runs, units_of
+from .variants import choose_variants
+
+
+def balanced_runs(lengths: torch.Tensor, cp_size: int, masks: MaskWeights, tile_tokens: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rank, doc, start, length) int64 runs of the balanced layout (see the package
+    docstring) for documents of ``lengths`` (int64, CPU); inputs validated. Runs are
+    maximal: one per (rank, document, stretch of consecutive positions)."""
+    lengths = lengths.to(torch.int64)
+    if cp_size == 1 or int(lengths.sum()) == 0:
+        d = torch.nonzero(lengths > 0).flatten()
+        return torch.zeros_like(d), d, torch.zeros_like(d), lengths[d]
+    prof = profile_of(masks, tile_tokens)
+    best = None
+    items_of: dict[tuple, tuple[Items, Units]] = {}
+    memo: dict = {}
+    unreachable = set()
+    bodies = has_bodies(lengths, prof, cp_size, memo)
+    prefix_ok = bodies or prefixes_dense_enough(lengths, prof, cp_size, memo)
+    for var in choose_variants(prof, bodies, prefix_ok):
+        key = (var.body, var.keep_small, var.fill, var.big)
+        if key in unreachable and var.solver != "vector":
+            continue  # the same items and precheck: the other rank-by-rank solver fails too
+        if key not in items_of:
+            items = cut_items(lengths, prof, cp_size, var, memo)
+            items_of[key] = (items, units_of(items, lengths, prof))
+        items, units = items_of[key]
+        lay = solve_attempt(units, prof, cp_size, var, items, lengths)
+        if lay.unreachable:
+            unreachable.add(key)
+        if best is None or _score(lay.per_rank) < _score(best[0].per_rank):
+            best = (lay, units)
+        if _score(best[0].per_rank) <= 1.0:
+            break
+    return _merge_runs(*_layout_runs(best[1], best[0]))
+
+
+def _score(per_rank: torch.Tensor) -> float:
+    """Worst of max/mean - 1 over tokens and masks, relative to their tolerances (inf for
+    a variant given up early)."""
+    if not bool(torch.isfinite(per_rank).all()):
+        return math.inf
+    mean = per_rank.mean(0).clamp(min=1e-300)
+    imb = per_rank.max(0).values / mean - 1
+    tol = torch.full_like(imb, WORK_TOL)
+    tol[0] = TOKEN_TOL
+    return float((imb / tol).max())
+
+
+def _layout_runs(units: Units, lay: Layout) -> tuple[torch.Tensor, ...]:
+    """(rank, doc, start, length) of every run (not merged: the token tables sort them)."""
+    parts = []
+    for lst, cut in zip(lay.lists, lay.cuts):
+        if lst.n == 0:
+            continue
+        # Units no cut falls inside go whole to one rank: tiles a and b as they are.
+        rank_u = torch.searchsorted(cut, lst.tok[:-1], right=True) - 1
+        inner = cut[(cut > 0) & (cut < lst.total)]
+        hit = torch.searchsorted(lst.tok, inner, right=True) - 1
+        split_u = torch.zeros(lst.n, dtype=torch.bool)
+        split_u[hit[lst.tok[hit] != inner]] = True
+        whole = lst.order[~split_u]
+        r = rank_u[~split_u]
+        d = units.doc[whole]
+        parts.append((torch.cat([r, r]), torch.cat([d, d]),
+                      torch.cat([units.a_start[whole], units.b_start[whole]]),
+                      torch.cat([units.a_len[whole], units.b_len[whole]])))
+        if not bool(split_u.any()):
+            continue
+        # Units that cuts fall inside: one segment per (unit, rank), four runs each.
+        su = torch.nonzero(split_u).flatten()
+        points = torch.unique(torch.cat([lst.tok[su], lst.tok[su + 1], inner]))
+        first, stop = points[:-1], points[1:]
+        ui = torch.searchsorted(lst.tok, first, right=True) - 1
+        keep = split_u[ui.clamp(max=lst.n - 1)] & (ui < lst.n)
+        first, stop, ui = first[keep], stop[keep], ui[keep]
+        rank = torch.searchsorted(cut, first, right=True) - 1
+        u = lst.order[ui]
+        runs = unit_runs(units, u, first - lst.tok[ui], stop - lst.tok[ui])
+        d = units.doc[u]
+        parts.append((rank.repeat(4), d.repeat(4), torch.cat([x for x, _ in runs]),
+                      torch.cat([n for _, n in runs])))
+    rank, doc, start, length = (torch.cat(x) for x in zip(*parts))
+    keep = length > 0
+    return rank[keep], doc[keep], start[keep], length[keep]
+
+
+def _merge_runs(rank: torch.Tensor, doc: torch.Tensor, start: torch.Tensor, length: torch.Tensor
+           ) -> tuple[torch.Tensor, ...]:
+    """Runs sorted by (rank, doc, start) with touching runs of one rank and document
+    merged (the layout cuts on a tile grid: ~one run per tile before merging)."""
+    n_docs = int(doc.max()) + 1 if doc.numel() else 1
+    span = int((start + length).max()) + 1 if doc.numel() else 1
+    n_ranks = int(rank.max()) + 1 if doc.numel() else 1
+    if n_ranks * n_docs * span < 1 << 62:
+        o = torch.argsort((rank * n_docs + doc) * span + start)
+    else:  # stable sorts, least significant key first
+        o = torch.argsort(start, stable=True)
+        o = o[torch.argsort(doc[o], stable=True)]
+        o = o[torch.argsort(rank[o], stable=True)]
+    rank, doc, start, length = rank[o], doc[o], start[o], length[o]
+    new = torch.ones(rank.numel(), dtype=torch.bool)
+    new[1:] = (rank[1:] != rank[:-1]) | (doc[1:] != doc[:-1]) | (
+        start[1:] != start[:-1] + length[:-1])
+    head = torch.nonzero(new).flatten()
+    stop = torch.cat([head[1:], torch.tensor([rank.numel()])])
+    end = (start + length)[stop - 1]
+    return rank[head], doc[head], start[head], end - start[head]

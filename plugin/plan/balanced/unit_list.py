@@ -1,0 +1,209 @@
+"""Unit lists: units in a fixed order (items by a key, each item's units in fold order) with
+the cumulative (tokens, work per mask) at every unit boundary and break point. A cut is a
+token offset into a list; the cuts [cp+1] of a list give rank k the units between cuts k
+and k+1. Values between the points are linear, so the solvers (rank_cut.py, vector_cut.py)
+evaluate and invert a list's columns in O(log n), and :meth:`UnitList.snap_candidates`
+names the cheap boundaries near a cut.
+
+Also here: the orders lists are built in (density spread evenly, density classes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .units import Units
+
+# Cost of a cut, by where it falls: an item (document, head, body) boundary, a unit (tile
+# pair) boundary inside a folded item, inside a unit (a "finer" cut, off the tile grid).
+_COST = (0, 1, 4)
+
+
+class UnitList:
+    """Units in a fixed order, with cumulative (tokens, work...) at every unit boundary and
+    at every unit's break point (see :class:`Units`); values in between are interpolated
+    linearly."""
+
+    def __init__(self, units: Units, order: torch.Tensor) -> None:
+        self.order = order
+        n = self.n = order.numel()
+        vec, mid = units.vec[order], units.mid[order]
+        r = vec.shape[1]
+        cum = torch.cumsum(vec, 0)
+        # Merged points: unit start, its break point, ..., the end.
+        pv = torch.zeros(2 * n + 1, r, dtype=torch.float64)
+        pv[2::2] = cum
+        pv[1:-1:2] = pv[:-1:2] + mid
+        self.pv = pv
+        self.pt = pv[:, 0].round().to(torch.int64)
+        self.tok = self.pt[::2].contiguous()
+        self.total = int(self.pt[-1])
+        # Boundary classes: 0 where an item starts (and at the end), 1 between units.
+        cls = (units.ufold[order] != 0).to(torch.int64)
+        if n:
+            cls[0] = 0
+        self.cls = torch.cat([cls, torch.zeros(1, dtype=torch.int64)])
+        self._cols: dict[Any, torch.Tensor] = {}
+        self._bounds: list[torch.Tensor] = []
+        self.even_cuts = True
+
+    def item_starts(self) -> torch.Tensor:
+        """Token offsets where an item starts in the list (0 first; [1] = 0 if empty)."""
+        if self.n == 0:
+            return torch.zeros(1, dtype=torch.int64)
+        return self.tok[:-1][self.cls[:-1] == 0]
+
+    def column(self, col: Any) -> torch.Tensor:
+        """Cumulative column ``col`` (an index, or a [1+M] functional) at the merged
+        points; a functional is guarded to be non-decreasing (negative work in mixed mask
+        sets counts as flat)."""
+        key = col if isinstance(col, int) else tuple(col.tolist())
+        if key not in self._cols:
+            if isinstance(col, int):
+                c = self.pv[:, col].contiguous()
+            else:
+                c = torch.cummax((self.pv @ col).clamp(min=0), 0).values
+            self._cols[key] = c
+        return self._cols[key]
+
+    def _locate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        j = (torch.searchsorted(self.pt, x, right=True) - 1).clamp(0, 2 * self.n - 1)
+        x0 = self.pt[j]
+        frac = ((x - x0).to(torch.float64) / (self.pt[j + 1] - x0).clamp(min=1)).clamp(0, 1)
+        return j, frac
+
+    def at(self, x: torch.Tensor) -> torch.Tensor:
+        """Cumulative vectors at token offsets ``x`` (int64, any shape): [..., 1+M]."""
+        if self.n == 0:
+            return torch.zeros(*x.shape, self.pv.shape[1], dtype=torch.float64)
+        j, frac = self._locate(x)
+        v0 = self.pv[j]
+        return v0 + frac.unsqueeze(-1) * (self.pv[j + 1] - v0)
+
+    def at_col(self, x: torch.Tensor, col: Any) -> torch.Tensor:
+        """One column (or a functional, see :meth:`column`) of :meth:`at`."""
+        if self.n == 0:
+            return torch.zeros(x.shape, dtype=torch.float64)
+        c = self.column(col)
+        j, frac = self._locate(x)
+        v0 = c[j]
+        return v0 + frac * (c[j + 1] - v0)
+
+    def value_slope(self, x: torch.Tensor, col: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`at_col` and the column's increase per token there."""
+        c = self.column(col)
+        j, frac = self._locate(x)
+        v0, dv = c[j], c[j + 1] - c[j]
+        return v0 + frac * dv, dv / (self.pt[j + 1] - self.pt[j]).clamp(min=1)
+
+    def at_cols(self, x: torch.Tensor, cols: list) -> list[torch.Tensor]:
+        """:meth:`at_col` for several columns, locating ``x`` once."""
+        if self.n == 0:
+            return [torch.zeros(x.shape, dtype=torch.float64) for _ in cols]
+        j, frac = self._locate(x)
+        out = []
+        for col in cols:
+            c = self.column(col)
+            v0 = c[j]
+            out.append(v0 + frac * (c[j + 1] - v0))
+        return out
+
+    def inverse(self, col: Any, value: torch.Tensor) -> torch.Tensor:
+        """Smallest token offset where column ``col`` reaches ``value`` (any shape),
+        interpolated, clamped to [0, total]."""
+        if self.n == 0:
+            return torch.zeros(value.shape, dtype=torch.int64)
+        c = self.column(col)
+        flat = value.reshape(-1).contiguous()
+        j = torch.searchsorted(c, flat).clamp(1, 2 * self.n)
+        i = j - 1
+        frac = ((flat - c[i]) / (c[j] - c[i]).clamp(min=1e-300)).clamp(0, 1)
+        x = self.pt[i] + torch.round(frac * (self.pt[j] - self.pt[i]).to(torch.float64)
+                                     ).to(torch.int64)
+        return torch.where(flat <= 0, 0, x).view(value.shape)
+
+    def even(self, x: torch.Tensor) -> torch.Tensor:
+        """Cuts inside a unit moved down to an even offset in it (both stretches of a
+        unit's order alternate two ends, and its first stretch is even, so only even
+        offsets keep the work linear). Off for tiny batches (``even_cuts``), where one
+        token is more than the token budget."""
+        if self.n == 0 or not self.even_cuts:
+            return x
+        i = (torch.searchsorted(self.tok, x, right=True) - 1).clamp(0, self.n - 1)
+        odd = ((x - self.tok[i]) % 2 == 1) & (x < self.tok[i + 1])
+        return torch.where(odd, x - 1, x)
+
+    def snap_candidates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Offsets near ``x`` [K] a cut may move to, [K, 5], and their costs [5]: x itself
+        (a finer cut unless it is a boundary), the nearest item boundary below and above,
+        the nearest unit boundary below and above."""
+        cands = [x]
+        if not self._bounds:
+            self._bounds = [self.tok[self.cls <= c] for c in range(2)]
+        for b in self._bounds:
+            lo = (torch.searchsorted(b, x, right=True) - 1).clamp(min=0)
+            hi = torch.searchsorted(b, x).clamp(max=b.numel() - 1)
+            cands += [b[lo], b[hi]]
+        cost = torch.tensor([_COST[2], _COST[0], _COST[0], _COST[1], _COST[1]],
+                            dtype=torch.float64)
+        return torch.stack(cands, 1), cost
+
+
+def new_list(units: Units, order: torch.Tensor, tok_budget: float) -> UnitList:
+    """A list of ``units[order]``; cuts inside units kept even unless the token budget is
+    under 2 tokens (see :meth:`UnitList.even`)."""
+    lst = UnitList(units, order)
+    lst.even_cuts = tok_budget >= 2
+    return lst
+
+
+def unit_order(units: Units, sel: torch.Tensor, item_key: torch.Tensor) -> torch.Tensor:
+    """Indices of the selected units ordered by (item_key of their item, fold)."""
+    idx = torch.nonzero(sel).flatten()
+    span = int(units.ufold.max()) + 1 if units.ufold.numel() else 1
+    return idx[torch.argsort(item_key[units.item[idx]] * span + units.ufold[idx])]
+
+
+def spread_key(density: torch.Tensor, tokens: torch.Tensor, groups: int = 8
+               ) -> torch.Tensor:
+    """Item sort key spreading densities evenly by tokens: items sorted by density are
+    cut into ``groups`` runs of equal tokens, then merged by phase (each item's middle
+    token's share of its run), so every stretch of a list holds each density range in
+    proportion to its tokens and per-rank targets near the mean stay reachable."""
+    order = torch.argsort(density, stable=True)
+    t = tokens[order]
+    cum = torch.cumsum(t, 0)
+    total = float(cum[-1]) if cum.numel() else 1.0
+    mid = cum - t / 2
+    g = torch.clamp((mid * groups / max(total, 1.0)).to(torch.int64), max=groups - 1)
+    g_start = torch.zeros(groups, dtype=torch.float64).scatter_reduce_(
+        0, g, cum - t, "amin", include_self=False)
+    g_tok = torch.zeros(groups, dtype=torch.float64).index_add_(0, g, t)
+    phase = (mid - g_start[g]) / g_tok[g].clamp(min=1)
+    key = torch.empty_like(order)
+    key[order[torch.argsort(phase, stable=True)]] = torch.arange(order.numel())
+    return key
+
+
+def item_sums(units: Units, n_items: int, col: Any) -> torch.Tensor:
+    """[n_items] float64: column ``col`` (an index, or a [1+M] functional) summed per item."""
+    v = units.vec[:, col] if isinstance(col, int) else units.vec @ col
+    return torch.zeros(n_items, dtype=torch.float64).index_add_(0, units.item, v)
+
+
+def density_classes(units: Units, sel: torch.Tensor, item_d: torch.Tensor,
+                    item_t: torch.Tensor, key: torch.Tensor, n: int, tok_budget: float
+                    ) -> list[UnitList]:
+    """The selected units as ``n`` lists of equal tokens by item density (low first),
+    each in ``key`` order."""
+    items = torch.unique(units.item[sel])
+    o = items[torch.argsort(item_d[items], stable=True)]
+    cum = torch.cumsum(item_t[o], 0)
+    total = float(cum[-1]) if cum.numel() else 1.0
+    grp = torch.clamp(((cum - item_t[o] / 2) * n / max(total, 1.0)).to(torch.int64), max=n - 1)
+    g_of = torch.full((item_t.numel(),), -1, dtype=torch.int64)
+    g_of[o] = grp
+    return [new_list(units, unit_order(units, sel & (g_of[units.item] == g), key), tok_budget)
+            for g in range(n)]

@@ -1,0 +1,69 @@
+"""Attempts: the ways one layout may cut the documents into items and solve the lists, and
+the order in which :func:`~.solve.balanced_runs` tries them (the first that meets the
+targets is taken).
+
+Locality variants come first: they keep what a rank holds of a document in few contiguous
+stretches (filler in position order, chunked bodies in tail blocks of whole rank shares,
+window bodies split into late and early parts) and run only where every mask looks left (a
+filler prefix is then causal-like under all of them) or there is one mask. The fold
+variants (mirrored tiles, chunk pairs) come last: they are always feasible when anything is.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .profile import Profile, locality
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How one attempt cuts the documents and solves the lists (see the package docstring).
+
+    body:   "fold" (chunk pairs / mirrored bodies), "blocks" (chunked + causal: bodies in
+            position order, split into tail blocks of whole rank shares and remainders) or
+            "split" (window + causal: bodies in position order, split into a late part
+            dense in excess and an early part).
+    pair:   bodies cut as a dense / sparse pair (to equal tokens and excess) instead of one
+            list cut by excess.
+    keep_small: long segments with negligible excess stay filler.
+    fill:   "mirror" or "prefix" (filler items in position order; items holding more than
+            ``big`` ranks' work stay mirrored).
+    solver: "vector" (the k-ary search over the whole pair), "seq" (rank by rank, one dense
+            and one sparse list) or "classes" (rank by rank, two density classes per side).
+    """
+
+    body: str = "fold"
+    pair: bool = False
+    keep_small: bool = True
+    fill: str = "mirror"
+    big: float = math.inf
+    solver: str = "vector"
+
+
+FOLD_VARIANTS = (Variant(), Variant(pair=True), Variant(pair=True, keep_small=False))
+
+
+def choose_variants(prof: Profile, bodies: bool, prefix_ok: bool = True) -> list[Variant]:
+    """Attempts in order (the first that meets the targets is taken): locality-first
+    variants where their pieces keep the masks' work in a fixed relation (every mask
+    looks left, so a filler item's prefix is causal-like under all of them), then the
+    fold variants (always feasible when anything is). ``bodies``: some segment carries
+    excess (:func:`~.segments.has_bodies`); ``prefix_ok``: no filler item is too sparse at
+    its start for the filler-only locality variants
+    (:func:`~.segments.prefixes_dense_enough`)."""
+    left = all(locality(m)[1] for m in prof.masks)
+    if not bodies and (len(prof.masks) == 1 or left):
+        local = [Variant(fill="prefix", solver="seq"), Variant(fill="prefix", solver="classes")]
+        return (local if prefix_ok else []) + list(FOLD_VARIANTS[:1])
+    if not left:
+        return list(FOLD_VARIANTS)
+    local = []
+    if prof.head == "chunk":
+        local.append(Variant(body="blocks", fill="prefix", big=2.0, solver="classes"))
+    elif prof.head == "prefix":
+        local.append(Variant(body="split", fill="prefix", big=2.0, solver="seq"))
+        local.append(Variant(body="split", fill="prefix", big=2.0, solver="classes"))
+    return local + list(FOLD_VARIANTS)
+
