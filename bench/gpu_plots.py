@@ -47,18 +47,26 @@ def _kernels(plt, result: dict, path: Path) -> Path:
 
 
 def _replay(plt, result: dict, path: Path) -> Path:
+    # one colour per strategy, one marker per cp: ~40 cases stay readable
+    results = result["replay"]["results"]
+    strategies = sorted({r["strategy"] for r in results})
+    colour = {s: f"C{i}" for i, s in enumerate(strategies)}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, key, title in zip(axes, ("fwd_tflops", "bwd_tflops"), ("forward", "backward")):
-        for r in result["replay"]["results"]:
+        labelled = set()
+        for r in results:
             pts = [(c["visible_pairs"], c[key]) for c in r.get("calls", []) if c.get(key)]
             if pts:
-                ax.scatter(*zip(*pts), s=10, label=f"cp{r['cp']} {r['strategy']} "
-                                                   f"{r['mix']} {r['mask']}")
+                group = (r["strategy"], r["cp"])
+                ax.scatter(*zip(*pts), s=10, c=colour[r["strategy"]],
+                           marker="o" if r["cp"] <= 8 else "^",
+                           label=None if group in labelled else f"{r['strategy']} cp {r['cp']}")
+                labelled.add(group)
         ax.set_xscale("log")
         ax.set_xlabel("visible pairs per head in the call")
         ax.set_title(f"replayed rank, {title}: TFLOP/s per kernel call")
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=6, ncol=2)
+    axes[1].legend(fontsize=7)
     fig.suptitle(f"{result['device']}: {result['replay']['shape']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

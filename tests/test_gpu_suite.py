@@ -57,6 +57,32 @@ def test_mask_area_flops(mask):
     assert fwd == 2 * (16 + 8) * pairs * 3 and bwd == 2.5 * fwd
 
 
+def test_cuda_marker_rule():
+    """conftest's rule: the ``cuda`` marker, or a skipif that holds exactly without CUDA
+    and names CUDA / a GPU; not a skip for other reasons, nor one that skips WITH CUDA."""
+    from tests.conftest import _cuda_only
+
+    class Item:
+        def __init__(self, *marks):
+            self.marks = [m.mark for m in marks]
+
+        def get_closest_marker(self, name):
+            return next((m for m in self.marks if m.name == name), None)
+
+        def iter_markers(self, name):
+            return (m for m in self.marks if m.name == name)
+
+    no_cuda = not torch.cuda.is_available()
+    skipif = pytest.mark.skipif
+    assert _cuda_only(Item(skipif(no_cuda, reason="needs CUDA (bf16)")))
+    assert _cuda_only(Item(skipif(condition=no_cuda, reason="requires a GPU")))
+    assert _cuda_only(Item(pytest.mark.cuda))
+    assert not _cuda_only(Item(skipif(not no_cuda, reason="the CUDA tests run the kernels")))
+    assert not _cuda_only(Item(skipif(no_cuda, reason="needs megatron")))
+    assert not _cuda_only(Item(skipif("sys.platform == 'win32'", reason="CUDA on windows")))
+    assert not _cuda_only(Item())
+
+
 # ------------------------------------------------------------------------------ replay
 def _true_kv(k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor):
     """KV source of the replay that picks each call's keys from the global K/V: key i of
