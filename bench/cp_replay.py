@@ -7,7 +7,9 @@ device copy), the rank's kernel calls are read from the tables ``prepare_plan`` 
 lookup fails if the replay would build a table of its own, so what runs is what a training
 step would run), and each call goes through the strategies' own ``Attn.fwd`` / ``Attn.bwd``
 on its ``KernelCall`` (positions, cu_seqlens, tile schedule), with random K/V of the size
-the rank receives for it. Backward gets the merged (final) out/lse, as in the strategies.
+the rank receives for it. Backward gets the merged (final) out/lse, as in the strategies,
+and, with kernels that compute the backward's per-row terms once per layer
+(``Attn.bwd_stats``), those terms once, handed to every call.
 
 Per call: query and key counts, visible pairs (counted here from the call's positions,
 independently of the plan's closed-form work), visited pairs (the schedule's tiles),
@@ -216,24 +218,47 @@ def replay_rank(plan: CPPlan, case: ReplayCase, shape: Shape, device: torch.devi
     if dout is None:
         dout = torch.randn(out.shape, generator=g, device=device, dtype=shape.dtype)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=device)
+    stats_ms, bwd = _backward_of(attn, dout, q, out, lse, device, reps)
     for row, (label, call) in zip(rows, fwd_calls):
         if label in run_labels:
             k, v = kv[label]
-            t = measure(lambda: attn.bwd(dout, q, k, v, out, lse, call, None), device, **reps)
+            t = measure(lambda: bwd(call, k, v), device, **reps)
             dq += t.last[0].float()
             row.update(bwd_ms=t.ms, bwd_tflops=tflops(
                 mask_area_flops(row["visible_pairs"], shape)[1], t.ms))
     result = _summary(plan, case, shape, stages, rows, len(run))
+    result["bwd_stats_ms"] = stats_ms
     if run and not dry_run:   # back to back, in the strategy's order (launch gaps included)
         t_f = measure(lambda: [attn.fwd(q, *kv[lb], c) for lb, c in run], device, **reps)
-        t_b = measure(lambda: [attn.bwd(dout, q, *kv[lb], out, lse, c, None)
-                               for lb, c in run_bwd], device, **reps)
+
+        def backward_all() -> list:   # the layer's once-per-layer terms, then every call
+            _, each = _backward_of(attn, dout, q, out, lse, device, None)
+            return [each(c, *kv[lb]) for lb, c in run_bwd]
+        t_b = measure(backward_all, device, **reps)
         ran = sum(r["visible_pairs"] for r in rows if "fwd_ms" in r)
         flops_f, flops_b = mask_area_flops(ran, shape)
         result.update(fwd_seq_ms=t_f.ms, bwd_seq_ms=t_b.ms,
                       fwd_tflops=tflops(flops_f, t_f.ms), bwd_tflops=tflops(flops_b, t_b.ms))
     result["tensors"] = (out, lse, dq.to(q.dtype))
     return result
+
+
+def _backward_of(attn: Attn, dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, device: torch.device, reps: dict | None
+                 ) -> tuple[float | None, Callable[..., tuple]]:
+    """(ms of the layer's once-per-layer backward terms or None, bwd(call, k, v)). Kernels
+    that compute the backward's per-row terms (delta) once per layer expose
+    ``Attn.bwd_stats``, and the strategies then pass them to every call, as done here;
+    without it each call makes its own. ``reps=None``: not timed."""
+    stats_of = getattr(attn, "bwd_stats", None)
+    if stats_of is None:
+        return None, lambda call, k, v: attn.bwd(dout, q, k, v, out, lse, call, None)
+    if reps is None:
+        stats, ms = stats_of(dout, out, lse, None), None
+    else:
+        t = measure(lambda: stats_of(dout, out, lse, None), device, **reps)
+        stats, ms = t.last, t.ms
+    return ms, lambda call, k, v: attn.bwd(dout, q, k, v, out, lse, call, None, stats)
 
 
 def _summary(plan: CPPlan, case: ReplayCase, shape: Shape, stages: int | None,

@@ -183,6 +183,32 @@ def test_replay_timed_path(one_thread):
     json.dumps(res)   # what the suite writes
 
 
+def test_replay_passes_layer_stats_once(one_thread, monkeypatch):
+    """Kernels with once-per-layer backward terms (``Attn.bwd_stats``): the replay makes
+    them once and hands the same ones to every call, as the strategies do."""
+    from varlen_cp.strategies.calls import Attn
+
+    made, seen = [], []
+
+    class StatsAttn(Attn):
+        def bwd_stats(self, dout, out, lse, dlse=None):
+            made.append(object())
+            return made[-1]
+
+        def bwd(self, dout, q, k, v, out, lse, c, dlse=None, stats=None):
+            seen.append(stats)
+            return super().bwd(dout, q, k, v, out, lse, c, dlse)
+
+    monkeypatch.setattr(cp_replay, "Attn", StatsAttn)
+    case = next(c for c in gpu_cases.replay_cases(True)
+                if c.strategy == "dispatch" and c.overlap_stages == 4 and c.cp == 8)
+    plan, _ = cp_replay.plan_rank(case, gpu_cases.replay_shape(True), CPU, "torch")
+    res = cp_replay.replay_rank(plan, case, gpu_cases.replay_shape(True), CPU, "torch",
+                                dry_run=True)
+    assert len(made) == 1 and len(seen) == res["n_calls"] >= 2
+    assert all(s is made[0] for s in seen)
+
+
 # ------------------------------------------------------------------------------ dry run
 def test_dry_run(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable)
