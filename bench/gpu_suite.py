@@ -12,7 +12,9 @@ still leaves its results):
 3. ``replay``: ``cp_replay``: the kernel calls of the busiest rank of cp 8 / 64 plans.
 
 Writes ``<out>/<device>.json`` (default ``bench/results/``) and, when matplotlib is there,
-``<device>_kernels.png`` and ``<device>_replay.png``.
+``<device>_kernels.png`` and ``<device>_replay.png``. Exits 1 (after writing everything)
+when a CUDA test failed, one of our kernels failed a case or a replay failed (see
+:func:`failures`).
 
 ``--dry-run`` (CPU): the same pipeline with tiny shapes: fp16 on Triton's interpreter,
 every case planned (every table built), the first kernel call of every replay run forward
@@ -135,10 +137,33 @@ def main(argv: list[str] | None = None) -> dict:
         result["part_seconds"]["tests"] = result["tests"].get("seconds", 0.0)
     from gpu_plots import plot_all
     result["plots"] = plot_all(result, args.out, slug)
+    result["failures"] = failures(result)
     save()
     _print_targets(result)
+    for f in result["failures"]:
+        print(f"FAILED: {f}")
     print(f"wrote {path} ({result['seconds']:.0f} s)")
     return result
+
+
+def failures(result: dict) -> list[str]:
+    """What makes the run fail (exit 1; everything is still written): CUDA tests that
+    failed or ran out of time, our kernels failing a case, a replay case failing. Baselines
+    failing or missing (torch's varlen_attn on a CPU, flex's backward on a CPU) and cases
+    skipped for time are results, not failures."""
+    out = []
+    tests = result.get("tests", {})
+    if tests.get("status") in ("failed", "timeout", "no tests selected"):
+        out.append(f"CUDA tests: {tests['status']} {tests.get('counts', '')}")
+    for r in result.get("kernels", {}).get("rows", []):
+        if r["backend"] in ("varlen_cp", "varlen_cp_schedule") and r["status"] not in (
+                "ok", "skipped"):
+            out.append(f"kernels {r['case']} {r['backend']}: "
+                       f"{r.get('fwd_error') or r.get('bwd_error') or r['status']}")
+    for r in result.get("replay", {}).get("results", []):
+        if r["status"] == "error":
+            out.append(f"replay {r['case']}: {r['error']}")
+    return out
 
 
 def _replay_calls(dry_run: bool):
@@ -184,4 +209,4 @@ def _print_targets(result: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(1 if main()["failures"] else 0)

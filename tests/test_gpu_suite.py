@@ -167,6 +167,11 @@ def test_spent_budget_skips_cases(one_thread):
                                     CPU, "torch", Budget("replay", 0.0), dry_run=False,
                                     log=lambda s: None)
     assert [r["status"] for r in results] == ["skipped", "skipped"]
+    import gpu_suite   # skipped cases and missing baselines are results, not failures
+    assert gpu_suite.failures({"kernels": {"rows": rows}, "replay": {"results": results}}) == []
+    broken = dict(rows[0], status="error", fwd_error="boom")
+    assert gpu_suite.failures({"kernels": {"rows": [broken]}, "tests": {"status": "failed"}}) \
+        == ["CUDA tests: failed ", "kernels one_doc_128_causal varlen_cp: boom"]
 
 
 def test_replay_timed_path(one_thread):
@@ -219,6 +224,7 @@ def test_dry_run(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     report = json.loads((tmp_path / "dry-run-cpu.json").read_text())
     assert report["dry_run"] and report["device"] == "dry-run-cpu"
+    assert report["failures"] == []
 
     # the CUDA-only tests: selected by the conftest marker, skipped on a CPU
     tests = report["tests"]
