@@ -159,17 +159,19 @@ REPLAY_STRATEGIES = (("dispatch", "balanced"), ("p2p", "dual_chunk"),
 
 
 def replay_cases(dry_run: bool) -> list[ReplayCase]:
-    """Every (cp, mix, mask, strategy) replay, cp 8 before cp 64, most important first
-    (the "1k" mix: 1000 documents per 128K tokens; the dry run's: cp documents)."""
+    """Every (strategy, cp, mix, mask) replay, most important first: strategy by strategy
+    (``REPLAY_STRATEGIES``' order), cp 8 then 64 (the "1k" mix: 1000 documents per 128K
+    tokens; the dry run's: cp documents)."""
     per_gpu = 16 if dry_run else TOKENS_PER_GPU
     scale = per_gpu / TOKENS_PER_GPU
     m = masks(scale)
     out = []
-    for cp in (8, 64):
-        total = per_gpu * cp
-        n_docs = cp if dry_run else 1000 * total // 131072   # dry run: 16 tokens a doc
-        mixes = {"one_doc": (total,), "lognormal_1k": tuple(lognormal_docs(n_docs, 0, total))}
-        for strategy, layout in REPLAY_STRATEGIES:
+    for strategy, layout in REPLAY_STRATEGIES:
+        for cp in (8, 64):
+            total = per_gpu * cp
+            n_docs = cp if dry_run else 1000 * total // 131072   # dry run: 16 tokens a doc
+            mixes = {"one_doc": (total,),
+                     "lognormal_1k": tuple(lognormal_docs(n_docs, 0, total))}
             for mix, lengths in mixes.items():
                 for mask_name in ("causal", "chunk8192", "swa4096"):
                     out.append(ReplayCase(f"cp{cp}_{strategy}_{mix}_{mask_name}", cp, mix,

@@ -117,23 +117,22 @@ def _flex(case: KernelCase, shape: Shape, device: torch.device) -> Backend:
     doc = torch.repeat_interleave(torch.arange(len(case.lengths), device=device), lengths)
     starts = torch.cumsum(lengths, 0) - lengths
     pos = torch.arange(case.tokens, device=device) - starts[doc]
+    # One mask_mod for every mask, its parameters tensors (unbounded: 2**30), so the cases
+    # of one size share one compiled kernel (inductor's cache) instead of compiling one
+    # each; the mask runs on partial blocks only (full blocks skip it), so it costs little.
+    unbounded = 1 << 30
+    is_causal, left, right, width = (torch.tensor(x, device=device) for x in (
+        causal, wl if wl >= 0 else unbounded, wr if wr >= 0 else unbounded,
+        chunk or unbounded))
 
     def mask_mod(b, h, qi, ki):
-        ok = doc[qi] == doc[ki]
         qp, kp = pos[qi], pos[ki]
-        if causal:
-            ok = ok & (kp <= qp)
-        if wl >= 0:
-            ok = ok & (kp >= qp - wl)
-        if wr >= 0:
-            ok = ok & (kp <= qp + wr)
-        if chunk:
-            ok = ok & (kp // chunk == qp // chunk)
-        return ok
+        return ((doc[qi] == doc[ki]) & ((kp <= qp) | ~is_causal) & (kp >= qp - left)
+                & (kp <= qp + right) & (kp // width == qp // width))
 
     on_gpu = device.type == "cuda"
-    if on_gpu:   # every case compiles its own mask_mod: start from an empty dynamo cache,
-        torch._dynamo.reset()   # or the 9th compile would fall back to eager flex (OOM)
+    if on_gpu:   # each case's new mask_mod is a recompile: start from an empty dynamo cache,
+        torch._dynamo.reset()   # or the 9th would fall back to eager flex (out of memory)
     mask_kw = {}
     if on_gpu and "_compile" in inspect.signature(create_block_mask).parameters:
         mask_kw["_compile"] = True   # a dense 128K x 128K mask evaluation would not fit
