@@ -12,10 +12,9 @@ and chunked masks on one long document. Times are the minimum over repetitions o
 wall clock and the process CPU time: the CPU time is the figure to trust on a shared machine
 (other jobs stretch the wall clock but not it).
 
-CUDA: forward and backward TFLOP/s (mask-area FLOPs: 4 * D * visible pairs * heads forward,
-2.5x that backward) of ``varlen_cp.kernels.varlen_attn(backend="triton")`` against
-``flex_attention`` with a document mask and ``torch.nn.attention.varlen.varlen_attn`` (masks it
-supports only), bf16, d=128.
+CUDA: the GPU suite's kernel benchmark (``bench/gpu_kernels.py``; ``bash bench/gpu.sh`` runs
+it with the CUDA tests and the CP-rank replay): forward and backward TFLOP/s of the mask area
+of our Triton kernels against ``torch.nn.attention.varlen.varlen_attn`` and ``flex_attention``.
 
 Writes ``bench/results/kernels_<device>.json`` next to this file and prints a table.
 Targets printed against: twin within 2x of the SDPA loop on CPU; tile efficiency >= 0.95.
@@ -235,127 +234,6 @@ def tile_efficiency(doc_len: int) -> list[dict]:
     return rows
 
 
-# ----------------------------------------------------------------------------- CUDA
-def cuda_time_ms(fn: Callable[[], object], reps: int) -> float:
-    """Median of ``reps`` CUDA-event timings after warm-up."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
-def _flex_fn(lens: list[int], mask: tuple[bool, int, int, int], heads: int, device):
-    """Compiled flex_attention over the packed batch with a document + position mask."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    causal, wl, wr, chunk = mask
-    doc = torch.repeat_interleave(torch.arange(len(lens), device=device),
-                                  torch.tensor(lens, device=device))
-    pos = torch.cat([torch.arange(n, device=device) for n in lens])
-
-    def mask_mod(b, h, qi, ki):
-        ok = doc[qi] == doc[ki]
-        qp, kp = pos[qi], pos[ki]
-        if causal:
-            ok = ok & (kp <= qp)
-        if wl >= 0:
-            ok = ok & (kp >= qp - wl)
-        if wr >= 0:
-            ok = ok & (kp <= qp + wr)
-        if chunk:
-            ok = ok & (kp // chunk == qp // chunk)
-        return ok
-
-    total = sum(lens)
-    bm = create_block_mask(mask_mod, 1, None, total, total, device=device)
-    fn = torch.compile(flex_attention)
-
-    def run(q, k, v):  # [T, H, D] -> [1, H, T, D]
-        out = fn(*(t.transpose(0, 1)[None] for t in (q, k, v)), block_mask=bm,
-                 enable_gqa=q.shape[1] != k.shape[1])
-        return out[0].transpose(0, 1)
-    return run
-
-
-def _backends(lens, mask, cu, hq, hkv, device) -> dict[str, Callable]:
-    """name -> fn(q, k, v) -> out, for every backend importable here that has this mask."""
-    causal, wl, wr, chunk = mask
-    mx = max(lens)
-    fns: dict[str, Callable] = {}
-    try:
-        from varlen_cp.kernels import varlen_attn as ours
-        fns["triton"] = lambda q, k, v: ours(
-            q, k, v, cu, cu, mx, mx, causal=causal, window_size=(wl, wr),
-            chunk_size=chunk or None, backend="triton")
-    except ImportError as e:
-        print(f"  varlen_cp.kernels.varlen_attn unavailable: {e}")
-    try:
-        fns["flex_attention"] = _flex_fn(lens, mask, hq, device)
-    except Exception as e:  # noqa: BLE001 - report and go on with the other backends
-        print(f"  flex_attention unavailable: {e}")
-    try:
-        from torch.nn.attention.varlen import varlen_attn as tv
-        if chunk == 0:
-            win = (wl, 0 if causal else wr)
-            fns["torch_varlen_attn"] = lambda q, k, v: tv(
-                q, k, v, cu, cu, mx, mx, window_size=win, enable_gqa=hq != hkv)
-    except ImportError:
-        pass
-    return fns
-
-
-def cuda_compare(totals: list[int], heads: tuple[int, int], dim: int, reps: int) -> list[dict]:
-    """TFLOP/s forward and backward per backend, bf16."""
-    hq, hkv = heads
-    device = torch.device("cuda")
-    rows = []
-    for total in totals:
-        for mix in ("one_doc", "many_docs", "mixed"):
-            lens = doc_mix(total, mix)
-            cu = cu_from(lens).to(device)
-            q = torch.randn(total, hq, dim, device=device, dtype=torch.bfloat16)
-            k, v = (torch.randn(total, hkv, dim, device=device, dtype=torch.bfloat16)
-                    for _ in range(2))
-            dout = torch.randn_like(q)
-            for mname, mask in MASKS.items():
-                flops_fwd = 4.0 * dim * visible_pairs(lens, mask) * hq
-                for name, fn in _backends(lens, mask, cu, hq, hkv, device).items():
-                    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-
-                    def fwd():
-                        with torch.no_grad():
-                            return fn(q, k, v)
-
-                    def fwd_bwd():
-                        out = fn(qg, kg, vg)
-                        out = out[0] if isinstance(out, tuple) else out
-                        torch.autograd.grad(out, (qg, kg, vg), dout)
-
-                    try:
-                        t_f = cuda_time_ms(fwd, reps)
-                        t_fb = cuda_time_ms(fwd_bwd, reps)
-                    except Exception as e:  # noqa: BLE001 - one backend failing is a result
-                        print(f"  {name} failed on {mix}/{mname}: {e}")
-                        continue
-                    t_b = max(t_fb - t_f, 1e-6)
-                    row = {"tokens": total, "mix": mix, "n_docs": len(lens), "mask": mname,
-                           "backend": name, "fwd_ms": t_f, "bwd_ms": t_b,
-                           "fwd_tflops": flops_fwd / t_f / 1e9,
-                           "bwd_tflops": 2.5 * flops_fwd / t_b / 1e9}
-                    rows.append(row)
-                    print(f"  {total:6d} {mix:9s} {mname:8s} {name:18s} fwd "
-                          f"{row['fwd_tflops']:7.1f}  bwd {row['bwd_tflops']:7.1f} TFLOP/s",
-                          flush=True)
-    return rows
-
-
 # ----------------------------------------------------------------------------- main
 def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -380,10 +258,15 @@ def main(argv: list[str] | None = None) -> dict:
         "targets": {"torch_vs_sdpa_ratio_max": TARGET_RATIO,
                     "tile_efficiency_min": TARGET_TILE_EFF},
     }
-    if torch.cuda.is_available():
-        totals = [8192] if a.quick else [8192, 32768]
-        print(f"== CUDA {result['device']}: TFLOP/s, bf16, d={dim}, heads {heads}")
-        result["cuda"] = cuda_compare(totals, (16, 4), dim, reps=10 if a.quick else 30)
+    if torch.cuda.is_available():   # the GPU suite's kernel part (bench/gpu_kernels.py)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import gpu_cases
+        from gpu_kernels import run_kernels
+        from gpu_timing import Budget
+        shape, cases = gpu_cases.kernel_shape(False), gpu_cases.kernel_cases(False)
+        print(f"== CUDA {result['device']}: {shape.describe()}, TFLOP/s of the mask area")
+        result["cuda"] = run_kernels(cases, shape, torch.device("cuda"),
+                                     Budget.of("kernels", 1e9), dry_run=False)
     else:
         total = 4096 if a.quick else 8192
         print(f"== CPU: torch twin vs SDPA loop, fp32, {total} tokens, heads {heads}, d={dim}, "

@@ -1,10 +1,18 @@
-"""Test setup: run Triton kernels on the interpreter when there is no GPU.
+"""Test setup: run Triton kernels on the interpreter when there is no GPU, and mark the
+CUDA-only tests.
 
 TRITON_INTERPRET must be set before triton is first imported, so this runs at conftest
 import time, before any test module imports varlen_cp's kernels.
+
+The ``cuda`` marker (``pytest -m cuda``: what bench/gpu.sh runs on a lent GPU) goes to
+every test that carries it or that is skipped exactly when CUDA is absent (a ``skipif``
+whose condition is ``not torch.cuda.is_available()`` and whose reason names CUDA or a
+GPU), so a new CUDA test needs no registration. A test marked ``cuda`` is skipped without
+CUDA.
 """
 
 import os
+import re
 import sys
 
 import pytest
@@ -16,6 +24,31 @@ if not torch.cuda.is_available():
                            "TRITON_INTERPRET=1; run the tests with pytest from the repo root")
     os.environ["TRITON_INTERPRET"] = "1"
 
+
+
+_NAMES_CUDA = re.compile(r"\b(CUDA|GPU)s?\b", re.IGNORECASE)
+
+
+def _cuda_only(item) -> bool:
+    if item.get_closest_marker("cuda") is not None:
+        return True
+    no_cuda = not torch.cuda.is_available()
+    for mark in item.iter_markers("skipif"):
+        cond = mark.args[0] if mark.args else mark.kwargs.get("condition")
+        reason = str(mark.kwargs.get("reason", ""))
+        if isinstance(cond, bool) and cond == no_cuda and _NAMES_CUDA.search(reason):
+            return True
+    return False
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the markers
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if _cuda_only(item):
+            item.add_marker(pytest.mark.cuda)
+            if not torch.cuda.is_available():
+                item.add_marker(skip)
 
 
 @pytest.fixture
