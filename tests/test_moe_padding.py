@@ -289,3 +289,29 @@ def test_cp2_matches_cp1_on_every_layout(trained, case):
     # tokens seen: real tokens only, summed over the CP ranks
     seen = sum(rank[f"{case}:tokens_seen"] for rank in trained["cp2"])
     assert seen == trained["cp1"][0][f"{model}:tokens_seen"] == STEPS * 2 * 128
+
+
+def test_every_moe_of_the_debug_flavors_is_padding_free():
+    """The swap reaches every MoE config of torchtitan's MoE flavors (their own subclasses,
+    e.g. gpt_oss's, kept as the parent), once; parameter and buffer names are unchanged."""
+    from torchtitan.models.common.moe import MoE
+
+    from tests.test_torchtitan_models import _spec
+    from varlen_cp.integrations.torchtitan.moe import padding_free_moe_for
+    from varlen_cp.integrations.torchtitan.stock import stock_model_spec
+
+    for name, flavor, n_moe in (("gpt_oss", "debugmodel", 4), ("deepseek_v3", "debugmodel", 5),
+                                ("qwen3", "debugmodel_moe", 8)):
+        spec = stock_model_spec(name, flavor)
+        before = [type(cfg) for _, cfg, _, _ in spec.model.traverse(MoE.Config)]
+        assert padding_free_moe_for(spec) == n_moe, name
+        assert padding_free_moe_for(spec) == 0, name  # idempotent
+        after = [type(cfg) for _, cfg, _, _ in spec.model.traverse(MoE.Config)]
+        assert [issubclass(a, b) and a._owner.padding_free for a, b in zip(after, before)] \
+            == [True] * n_moe, name
+    tiny = tiny_moe_config("gpt_oss")
+    plain = tiny.layers[0].moe.build()
+    padding_free_moe_for(_spec(tiny))
+    ours = tiny.layers[0].moe.build()
+    assert type(ours).__name__ == "PaddingFreeGptOssMoE"
+    assert list(ours.state_dict()) == list(plain.state_dict())
