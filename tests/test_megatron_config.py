@@ -497,6 +497,23 @@ def test_config_moe_layers_reach_the_spec() -> None:
     assert "num_experts" not in job_from_dict(_doc()).spec_kwargs
 
 
+def test_launcher_refuses_token_dropping_with_cp(tmp_path, capsys) -> None:
+    """Token dropping decides per CP rank (padding included): exit 2 with one line naming
+    the model, the setting and the layout, before any process group exists."""
+    from varlen_cp.integrations.megatron.train import main
+
+    toml = tmp_path / "moe.toml"
+    toml.write_text("[model]\nnum_layers = 2\nhidden_size = 64\nnum_attention_heads = 4\n"
+                    "num_moe_experts = 4\nmoe_expert_capacity_factor = 1.5\n"
+                    "[gpt]\nvocab_size = 128\nmax_sequence_length = 64\n"
+                    "[varlen_cp]\nlayout = \"te\"\n")
+    assert main(["--config", str(toml), "--context-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("config error: MoE model (num_moe_experts=4)") and "\n" not in err
+    assert "moe_expert_capacity_factor=1.5" in err and "layout 'te'" in err
+    assert not torch.distributed.is_initialized()
+
+
 def test_config_per_layer_cp_comm_type_moves_to_options() -> None:
     job = job_from_dict(_doc(parallel={"cp_comm_type": ["a2a", "p2p"]}))
     assert job.options.strategy == ("a2a", "p2p") and "cp_comm_type" not in job.parallel

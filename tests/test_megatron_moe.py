@@ -10,8 +10,9 @@ load balancing and its auxiliary losses; the padding must count for nothing.
   (p2p) and on ``balanced`` (dispatch) matches CP=1: losses at relative 1e-5, the expert
   biases of both layers to 1e-7 (they move by 1e-3 a step).
 - The local batches carry ``padding_mask`` (True exactly on the plan's padding), the MoE
-  router is the spec's ``VarlenCPTopKRouter``, and megatron's own ``TopKRouter`` fails on
-  the same padding mask (the bug the subclass fixes).
+  router is the spec's ``VarlenCPTopKRouter``, which counts top_k x real tokens where
+  megatron's own ``TopKRouter`` fails on the same padding mask (the bug the subclass
+  fixes), and which refuses token dropping at CP=2.
 Before the fix, the same run failed at the first MoE forward (megatron 0.16.1 without
 TransformerEngine: ``NameError: te_general_gemm``); with that alone fixed and padding
 counted, CP=2 drifted 2e-5 .. 1.2e-4 from CP=1 within 8 steps.
@@ -99,6 +100,12 @@ def _check_padding_mask(job) -> dict:
             out["megatron_router"] = "ran"
         except Exception as e:  # noqa: BLE001 - whatever megatron raises, recorded
             out["megatron_router"] = f"{type(e).__name__}: {e}"
+        try:  # token dropping cannot be CP-exact: refused when the router is built
+            VarlenCPTopKRouter(config=dataclasses.replace(config, moe_expert_capacity_factor=1.0),
+                               pg_collection=groups)
+            out["refused"] = ""
+        except ValueError as e:
+            out["refused"] = str(e)
     return out
 
 
@@ -182,5 +189,6 @@ def test_padding_mask_and_router(runs):
         assert got["counted"] == got["expected"], (rank, got)
         assert "size of tensor" in got["megatron_router"] or \
             "broadcast" in got["megatron_router"], got["megatron_router"]
+        assert "moe_expert_capacity_factor=1.0 and context_parallel_size=2" in got["refused"]
     for rank, got in enumerate(runs["cp2/balanced/dispatch"]):
         assert got["mask_ok"] and got["n_padding"] == 0, (rank, got)

@@ -28,6 +28,10 @@ all-reduced over TP x CP x DP, bias moved by ``moe_router_bias_update_rate``) an
 reset of the counters, which megatron runs inside its ``finalize_model_grads``; a training
 loop that replaces that hook (as ``train.finalize_grads`` does) calls this instead.
 
+Refused (``check_exact_under_cp``, when the launcher reads its config and when a router is
+built): token dropping (``moe_expert_capacity_factor``) with CP > 1, which decides per CP
+rank over that rank's tokens and lets padding take expert capacity.
+
 Compatibility: megatron-core 0.16.1's router names ``te_general_gemm`` even when
 TransformerEngine is absent (a NameError at the first MoE forward); importing this module
 defines it as None there, which selects megatron's own torch GEMM path.
@@ -48,9 +52,28 @@ if not hasattr(moe_utils, "te_general_gemm"):  # TE absent: megatron's torch pat
     moe_utils.te_general_gemm = None
 
 
+def check_exact_under_cp(config: Any, cp_size: int, layout: str | None = None) -> None:
+    """ValueError for MoE settings with which CP=N cannot train like CP=1: token dropping
+    (``moe_expert_capacity_factor``) decides over each CP rank's own tokens, and megatron's
+    capacity counts padding tokens too."""
+    factor = getattr(config, "moe_expert_capacity_factor", None)
+    if has_moe(config) and factor is not None and cp_size > 1:
+        where = "" if layout is None else f", layout {layout!r}"
+        raise ValueError(
+            f"MoE model (num_moe_experts={config.num_moe_experts}) with "
+            f"moe_expert_capacity_factor={factor} and context_parallel_size={cp_size}"
+            f"{where} is not supported by varlen_cp: token dropping decides per CP rank over "
+            f"its own tokens (padding included), so CP={cp_size} cannot train like CP=1; "
+            f"leave moe_expert_capacity_factor unset (no token dropping)")
+
+
 class VarlenCPTopKRouter(TopKRouter):
     """megatron's top-k router whose expert-bias counts leave padding tokens out and whose
     per-token z-loss does not shrink with CP (see the module docstring)."""
+
+    def __init__(self, config: Any, pg_collection: Any = None) -> None:
+        super().__init__(config=config, pg_collection=pg_collection)
+        check_exact_under_cp(config, self.cp_group.size())
 
     def apply_z_loss(self, logits: torch.Tensor,
                      padding_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -33,6 +33,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from .config import MegatronJob, load_config
 from .cpu_compat import init_cpu_rng, is_cpu_only, megatron_on_cpu
 from .data import synthetic_batch
-from .moe import update_expert_bias
+from .moe import check_exact_under_cp, update_expert_bias
 from .options import VarlenCPOptions
 from .prefetch import PrefetchedTHDBatches
 from .qk_clip import clip_qk_step
@@ -230,11 +231,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="override parallel.context_parallel_size")
     parser.add_argument("--log-json", default=None, help="write the losses here (rank 0)")
     args = parser.parse_args(argv)
-    job = load_config(args.config)
-    if args.steps is not None:
-        job.training = dataclasses.replace(job.training, steps=args.steps)
-    if args.context_parallel_size is not None:
-        job.parallel["context_parallel_size"] = args.context_parallel_size
+    try:  # a config that cannot run: one line and status 2, before anything starts
+        job = load_config(args.config)
+        if args.steps is not None:
+            job.training = dataclasses.replace(job.training, steps=args.steps)
+        if args.context_parallel_size is not None:
+            job.parallel["context_parallel_size"] = args.context_parallel_size
+        check_exact_under_cp(SimpleNamespace(**job.model), job.context_parallel_size,
+                             job.options.layout)
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     torch.manual_seed(job.training.seed)
     try:
         train(job, log_json=args.log_json)
