@@ -13,10 +13,11 @@ load balancing and its auxiliary losses; the padding must count for nothing.
   router is the spec's ``VarlenCPTopKRouter``, which counts top_k x real tokens where
   megatron's own ``TopKRouter`` fails on the same padding mask (the bug the subclass
   fixes), and which refuses token dropping at CP=2.
-Before the fix, the same run failed at the first MoE forward (megatron 0.16.1 without
-TransformerEngine: ``NameError: te_general_gemm``); with that alone fixed and padding
-counted, CP=2 drifted 2e-5 .. 1.2e-4 from CP=1 within 8 steps.
-Run time: ~35 s on 2 busy cores (two launches at once).
+Before the fix, ``[model] num_moe_experts`` did not reach the layer spec (the model was
+silently dense) and a MoE spec failed at its first forward (megatron 0.16.1 without
+TransformerEngine: ``NameError: te_general_gemm``); with those two fixed and padding
+counted (expert bias only), CP=2 drifted 2e-5 .. 1.2e-4 from CP=1 within 8 steps.
+Run time: 40-55 s on 2 shared cores (two launches at once).
 """
 
 from __future__ import annotations

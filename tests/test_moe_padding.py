@@ -16,7 +16,7 @@ drifted from CP=1.
   ``load_balance_coeff`` is 1e-2 (torchtitan's default is 1e-3) so that 8 steps of a tiny
   model show the drift in the losses too: before the fix CP=2 was 2e-5 (deepseek_v3, Llama 4
   style) to 7e-3 (gpt_oss) away and the biases up to 1.75e-2 apart.
-Run time: ~75 s on 2 busy cores (two launches at once, mostly process start-up).
+Run time: 50-65 s on 2 shared cores (two launches at once, mostly process start-up).
 """
 
 from __future__ import annotations
