@@ -421,6 +421,12 @@ def test_sharding_hook_cp1() -> None:
     assert params.qkv_format == "thd" and params.max_seqlen_q == 7
     assert torch.equal(params.cu_seqlens_q, cu) and torch.equal(params.cu_seqlens_q_padded, cu)
     assert params.varlen_cp_plan.cp_size == 1
+    # for GPTModel(padding_mask=): no padding in this plan; a caller's own mask is kept
+    assert local["padding_mask"].dtype == torch.bool and not local["padding_mask"].any()
+    mine = torch.zeros(1, 12, dtype=torch.bool)
+    mine[0, 4] = True
+    local, _ = get_thd_batch_on_this_cp_rank({**batch, "padding_mask": mine}, cu)
+    assert torch.equal(local["padding_mask"], mine)
 
 
 def test_sharding_hook_errors() -> None:
@@ -474,6 +480,38 @@ def test_shipped_config_loads() -> None:
     cfg = job.transformer_config(use_cpu_initialization=True)
     assert cfg.gated_linear_unit and cfg.no_rope_freq == [0, 0, 0, 1]
     assert cfg.context_parallel_size == 2 and cfg.cp_comm_type == "p2p"
+
+
+def test_config_moe_layers_reach_the_spec() -> None:
+    """[model] num_moe_experts builds MoE layers (megatron picks them in the layer spec),
+    with the router that keeps padding out of its statistics."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from varlen_cp.integrations.megatron import VarlenCPTopKRouter
+
+    job = job_from_dict(_doc(model={"num_moe_experts": 4, "moe_router_topk": 2}))
+    assert job.spec_kwargs["num_experts"] == 4
+    spec = get_varlen_cp_layer_spec(job.options, **job.spec_kwargs)
+    assert spec.submodules.mlp.module is MoELayer
+    assert spec.submodules.mlp.submodules.router is VarlenCPTopKRouter
+    assert "num_experts" not in job_from_dict(_doc()).spec_kwargs
+
+
+def test_launcher_refuses_token_dropping_with_cp(tmp_path, capsys) -> None:
+    """Token dropping decides per CP rank (padding included): exit 2 with one line naming
+    the model, the setting and the layout, before any process group exists."""
+    from varlen_cp.integrations.megatron.train import main
+
+    toml = tmp_path / "moe.toml"
+    toml.write_text("[model]\nnum_layers = 2\nhidden_size = 64\nnum_attention_heads = 4\n"
+                    "num_moe_experts = 4\nmoe_expert_capacity_factor = 1.5\n"
+                    "[gpt]\nvocab_size = 128\nmax_sequence_length = 64\n"
+                    "[varlen_cp]\nlayout = \"te\"\n")
+    assert main(["--config", str(toml), "--context-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("config error: MoE model (num_moe_experts=4)") and "\n" not in err
+    assert "moe_expert_capacity_factor=1.5" in err and "layout 'te'" in err
+    assert not torch.distributed.is_initialized()
 
 
 def test_config_per_layer_cp_comm_type_moves_to_options() -> None:

@@ -368,3 +368,26 @@ def test_build_time_large_batch() -> None:
         plan = CPPlan.build(cu, cp_size=64, cp_rank=0, layout=layout)
         assert time.perf_counter() - start < 2.0
         assert plan.total_tokens == 131072
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_real_tokens(layout: str, cp: int) -> None:
+    """``num_real_tokens`` / ``real_rows``: exactly the rows whose position is >= 0, once
+    per global token over the ranks; None (no gather needed) when a rank holds no padding."""
+    lengths = [300, 1, 17, 0, 64, 129, 5, 3]
+    total = 0
+    for rank in range(cp):
+        plan = CPPlan.build(_cu(lengths), cp_size=cp, cp_rank=rank, layout=layout)
+        real = plan.positions >= 0
+        assert plan.num_real_tokens == int(real.sum())
+        rows = plan.real_rows("cpu")
+        if bool(real.all()):
+            assert rows is None
+        else:
+            assert torch.equal(rows, torch.arange(plan.num_tokens)[real])
+            assert plan.real_rows(torch.device("cpu")) is rows  # cached
+        total += plan.num_real_tokens
+    assert total == sum(lengths)
+    if layout == "te":  # every odd document is padded, at any cp
+        assert plan.num_real_tokens < plan.num_tokens

@@ -271,6 +271,24 @@ class CPPlan:
     def max_local_seqlen(self) -> int:
         return self.max_local_seqlen_of(self.cp_rank)
 
+    # ---- padding (``te`` layout) ---------------------------------------------------------
+    @property
+    def num_real_tokens(self) -> int:
+        """This rank's tokens that are not padding (``num_tokens`` less the ``te``
+        layout's padding): what a per-token count (tokens seen, routed tokens) adds up."""
+        return self.cached(("plan_real_count", self.cp_rank),
+                           lambda: int((self.token_indices >= 0).sum()))
+
+    def real_rows(self, device: torch.device | str) -> torch.Tensor | None:
+        """int64 [num_real_tokens]: the local rows of this rank's real tokens, on
+        ``device`` (copied once, ``non_blocking``, and cached); None when the rank holds
+        no padding (every row is real), so callers skip the gather."""
+        if self.num_real_tokens == self.num_tokens:
+            return None
+        index = self.token_indices
+        return self._on("real_rows", torch.device(device),
+                        lambda: torch.nonzero(index >= 0).flatten())
+
     # ---- sharding ----------------------------------------------------------------------
     def _on(self, name: str, device: torch.device, make: Callable[[], torch.Tensor]
             ) -> torch.Tensor:

@@ -16,12 +16,17 @@
 - ``clip_qk_step(model)``: QK-clip after the optimizer step (megatron's ``clip_qk`` on the
   max logits that ``config.qk_clip`` / ``log_max_attention_logit`` make each layer record);
   ``config.softmax_type`` "off-by-one" / "learnable" adds an attention sink.
+- MoE layers (``moe.py``): the local batches carry ``padding_mask`` (the plan's padding, for
+  ``GPTModel(..., padding_mask=)``), MoE specs get ``VarlenCPTopKRouter`` (megatron's router,
+  its padding mask fixed), ``update_expert_bias(models)`` for loops without megatron's
+  ``finalize_model_grads``.
 - ``config.load_config(path)`` and ``train`` (``python -m varlen_cp.integrations.megatron.train``).
 
 Needs megatron-core (tested with 0.16.1, Python 3.11); never imported by the core package.
 """
 
 from .core_attention import VarlenCPCoreAttention
+from .moe import VarlenCPTopKRouter, padding_mask, update_expert_bias
 from .options import VarlenCPOptions, layer_mask, layer_strategy
 from .planning import ModelAttention, model_attention, plan_batch
 from .prefetch import PrefetchedTHDBatches
@@ -33,6 +38,7 @@ from .spec import core_attention_spec, get_varlen_cp_layer_spec, swap_core_atten
 
 __all__ = ["ModelAttention", "PrefetchedTHDBatches", "VarlenCPCoreAttention",
            "VarlenCPOptions", "VarlenCPPackedSeqParams", "VarlenCPSelfAttention",
-           "clip_qk_step", "core_attention_spec", "get_thd_batch_on_this_cp_rank",
-           "get_varlen_cp_layer_spec", "layer_mask", "layer_strategy", "model_attention",
-           "packed_seq_params_for", "plan_batch", "swap_core_attention"]
+           "VarlenCPTopKRouter", "clip_qk_step", "core_attention_spec",
+           "get_thd_batch_on_this_cp_rank", "get_varlen_cp_layer_spec", "layer_mask",
+           "layer_strategy", "model_attention", "packed_seq_params_for", "padding_mask",
+           "plan_batch", "swap_core_attention", "update_expert_bias"]

@@ -44,7 +44,7 @@ _PARALLEL_KEYS = ("context_parallel_size", "tensor_model_parallel_size", "cp_com
 _RESERVED_MODEL_KEYS = set(_PARALLEL_KEYS) | {"pipeline_model_parallel_size",
                                                "activation_func", "gated_linear_unit"}
 _REQUIRED_MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads")
-_SPEC_KEYS = ("qk_layernorm",)  # TransformerConfig fields the layer spec also needs
+_SPEC_KEYS = ("qk_layernorm", "moe_grouped_gemm")  # fields the layer spec also needs
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -151,6 +151,8 @@ def _model_section(table: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
     spec_kwargs = {k: kwargs[k] for k in _SPEC_KEYS if k in kwargs}
     if "normalization" in kwargs:
         spec_kwargs["normalization"] = kwargs["normalization"]
+    if kwargs.get("num_moe_experts"):  # MoE layers are chosen by the layer spec
+        spec_kwargs["num_experts"] = kwargs["num_moe_experts"]
     return kwargs, spec_kwargs
 
 

@@ -27,6 +27,7 @@ from ...masks import AttnMask
 from ...plan import CPPlan
 from ...prepare import AttnShape
 from ...schedules.keys import host_table, table_key
+from .moe import padding_mask
 from .options import VarlenCPOptions, layer_a2a_size, layer_mask, layer_strategy
 
 # cp == 1: the identity layout (no reordering, no padding), whatever the options say.
@@ -109,12 +110,14 @@ def rope_index(plan: CPPlan, device: torch.device) -> torch.Tensor:
 
 def prepare_model_plan(plan: CPPlan, options: VarlenCPOptions, model: ModelAttention,
                        device: Any) -> CPPlan:
-    """Every table the model's attention layers and the RoPE lookup need, on ``device``."""
+    """Every table the model's attention layers, the RoPE lookup and the MoE routers'
+    padding mask need, on ``device``."""
     device = resolve_device(device)
     masks, strategies, a2a_sizes = zip(*model.calls) if model.calls else ((), (), ())
     prepare.prepare_plan(plan, options, [(m, 1) for m in masks], model.shape, device,
                          strategies=list(strategies), a2a_sizes=list(a2a_sizes))
     rope_index(plan, device)
+    padding_mask(plan, device)  # for the MoE routers (moe.py)
     return plan
 
 

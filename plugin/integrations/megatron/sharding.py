@@ -30,6 +30,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from ...plan import CPPlan
 from ...schedules.keys import device_table, table_key
+from .moe import padding_mask
 from .options import VarlenCPOptions
 from .planning import ModelAttention, model_attention, plan_batch
 
@@ -139,7 +140,9 @@ def get_thd_batch_on_this_cp_rank(
     cu_seqlens; default: the batch's device).
     Returns a new dict: tokens/labels of padding tokens are 0, their loss_mask 0,
     position_ids the position within the document (0 for padding), attention_mask None
-    (THD attention needs none), metadata keys dropped; and the packed params.
+    (THD attention needs none), metadata keys dropped, ``padding_mask`` ([1, T_local] bool,
+    True = padding: pass it to ``GPTModel(..., padding_mask=)`` so that MoE routing
+    statistics leave padding out, see ``moe.py``); and the packed params.
     """
     options = VarlenCPOptions() if options is None else options
     if not isinstance(options, VarlenCPOptions):
@@ -195,6 +198,13 @@ def get_thd_batch_on_this_cp_rank(
             out[key] = local
         else:
             out[key] = x
+    # The plan's padding, joined with any padding the caller marked (a te-padded row's
+    # padding reads as real data once sharded).
+    pad = padding_mask(plan, device if device is not None else "cpu")
+    given = out.get("padding_mask")
+    if isinstance(given, torch.Tensor):
+        pad = given.to(pad.device, non_blocking=True).bool() | pad
+    out["padding_mask"] = pad
     params = packed_seq_params_for(plan, device if device is not None else "cpu", group)
     return out, params
 

@@ -4,9 +4,11 @@
 ``ModuleSpec``, local or TE; ``TransformerBlockSubmodules`` with per-layer specs; a block
 ``ModuleSpec``; a list of these) and returns a copy whose every ``core_attention`` is the
 plugin's module and whose megatron ``SelfAttention`` is ``VarlenCPSelfAttention`` (the same
-module and weights; its RoPE takes THD positions from the plan, so every layout is correct);
-nothing else changes (TE linears and norms stay TE). ``get_varlen_cp_layer_spec`` returns a
-ready local (TE-free) GPT layer spec with it.
+module and weights; its RoPE takes THD positions from the plan, so every layout is correct)
+and whose MoE router, if megatron's ``TopKRouter``, is ``moe.VarlenCPTopKRouter`` (same
+module and weights; padding kept out of its statistics); nothing else changes (TE linears
+and norms stay TE). ``get_varlen_cp_layer_spec`` returns a ready local (TE-free) GPT layer
+spec with it.
 
 Limits: other self-attention classes (MLA, subclasses) keep megatron's RoPE, so their
 layout must be "te" at CP > 1 (the core attention says so); the model still needs the THD
@@ -22,9 +24,11 @@ from typing import Any
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .core_attention import VarlenCPCoreAttention
+from .moe import VarlenCPTopKRouter
 from .options import VarlenCPOptions
 from .rope import VarlenCPSelfAttention
 
@@ -75,6 +79,8 @@ def _swap(node: Any, options: VarlenCPOptions, seen: set[int], rope_from_plan: b
             if f.name == "core_attention":  # submodules without their class: unknown RoPE
                 setattr(node, f.name, core_attention_spec(options, rope_from_plan=False))
                 count += 1
+            elif f.name == "router" and getattr(node, f.name) is TopKRouter:
+                setattr(node, f.name, VarlenCPTopKRouter)  # MoE: padding kept out (moe.py)
             else:
                 count += _swap(getattr(node, f.name), options, seen, rope_from_plan)
     return count
@@ -87,7 +93,8 @@ def swap_core_attention(spec: Any, options: VarlenCPOptions | None = None, *,
     ``VarlenCPSelfAttention`` (RoPE positions from the plan: every layout is correct).
     Self-attention classes it cannot route (MLA, subclasses) and ``rope_from_plan=False``
     keep megatron's THD RoPE, whose layout is TE's: their core attention then requires
-    ``layout="te"`` at CP > 1 (ValueError when the model is built).
+    ``layout="te"`` at CP > 1 (ValueError when the model is built). MoE specs get
+    ``VarlenCPTopKRouter`` in place of megatron's ``TopKRouter`` (see ``moe.py``).
 
     ``spec``: a GPT layer ``ModuleSpec`` (``get_gpt_layer_local_spec()``,
     ``get_gpt_layer_with_transformer_engine_spec()``, MLA variants), a

@@ -10,7 +10,11 @@ current one runs, so each step only shards its packed batch with a ready plan, i
 megatron-core's own forward/backward schedule (``get_forward_backward_func``) with per-token
 loss. Gradients are summed over the
 data+context-parallel group and divided by the step's token count in the schedule's
-``finalize_model_grads_func`` hook, so a CP=N run reproduces the CP=1 run's steps.
+``finalize_model_grads_func`` hook, so a CP=N run reproduces the CP=1 run's steps. MoE
+models (``[model] num_moe_experts``): each micro-batch's ``padding_mask`` goes to the model
+(the ``te`` layout's padding stays out of the routers' statistics), the hook also runs
+megatron's expert-bias update, and the config asks for per-token loss before the model is
+built (megatron's routers scale their auxiliary losses by it when they are built).
 
 Limits: no pipeline parallelism, no megatron DDP/distributed optimizer (plain AdamW on
 all-reduced grads: enough for the demo and the parity tests); CPU runs use gloo and
@@ -29,6 +33,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -41,6 +46,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from .config import MegatronJob, load_config
 from .cpu_compat import init_cpu_rng, is_cpu_only, megatron_on_cpu
 from .data import synthetic_batch
+from .moe import check_exact_under_cp, update_expert_bias
 from .options import VarlenCPOptions
 from .prefetch import PrefetchedTHDBatches
 from .qk_clip import clip_qk_step
@@ -56,6 +62,7 @@ def build_model(config: TransformerConfig, options: VarlenCPOptions, gpt_args: d
                 spec_kwargs: dict[str, Any] | None = None) -> GPTModel:
     """megatron's GPTModel with the varlen_cp core attention in every layer."""
     spec = get_varlen_cp_layer_spec(options, **(spec_kwargs or {}))
+    config.calculate_per_token_loss = True  # MoE routers read it when built
     with runtime():
         model = GPTModel(config=config, transformer_layer_spec=spec, **gpt_args)
     return model if is_cpu_only() else model.cuda()
@@ -72,8 +79,9 @@ def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
 def forward_step(data_iterator: Iterator, model: GPTModel):
     """megatron's forward_step_func: one (local batch, packed params) micro-batch."""
     batch, packed = next(data_iterator)
+    # padding_mask keeps the te layout's padding out of MoE routing statistics (moe.py)
     output = model(batch["tokens"], batch.get("position_ids"), None, labels=batch["labels"],
-                   packed_seq_params=packed)
+                   packed_seq_params=packed, padding_mask=batch.get("padding_mask"))
     return output, lambda out: _loss_func(batch["loss_mask"], out)
 
 
@@ -81,7 +89,8 @@ def finalize_grads(models: list[torch.nn.Module], num_tokens: torch.Tensor | Non
                    pg_collection: Any = None, force_all_reduce: bool = False) -> None:
     """The schedule's ``finalize_model_grads_func``: sum grads and token counts over the
     data+context-parallel group (one flat buffer: one collective), then divide by the
-    tokens, so every rank holds the gradient of the global per-token mean loss."""
+    tokens, so every rank holds the gradient of the global per-token mean loss; then, for
+    MoE models, megatron's expert-bias update and counter reset."""
     group = getattr(pg_collection, "dp_cp", None) or parallel_state.get_data_parallel_group(
         with_context_parallel=True)
     params = [p for m in models for p in m.parameters() if p.requires_grad]
@@ -97,6 +106,7 @@ def finalize_grads(models: list[torch.nn.Module], num_tokens: torch.Tensor | Non
         n = g.numel()
         p.grad = flat[offset:offset + n].view_as(g).to(g.dtype)
         offset += n
+    update_expert_bias(models)  # megatron's finalize_model_grads does this for MoE
 
 
 def run_step(model: GPTModel, micro_batches: list[tuple[dict, Any]] | Iterator, *,
@@ -221,11 +231,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="override parallel.context_parallel_size")
     parser.add_argument("--log-json", default=None, help="write the losses here (rank 0)")
     args = parser.parse_args(argv)
-    job = load_config(args.config)
-    if args.steps is not None:
-        job.training = dataclasses.replace(job.training, steps=args.steps)
-    if args.context_parallel_size is not None:
-        job.parallel["context_parallel_size"] = args.context_parallel_size
+    try:  # a config that cannot run: one line and status 2, before anything starts
+        job = load_config(args.config)
+        if args.steps is not None:
+            job.training = dataclasses.replace(job.training, steps=args.steps)
+        if args.context_parallel_size is not None:
+            job.parallel["context_parallel_size"] = args.context_parallel_size
+        check_exact_under_cp(SimpleNamespace(**job.model), job.context_parallel_size,
+                             job.options.layout)
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     torch.manual_seed(job.training.seed)
     try:
         train(job, log_json=args.log_json)

@@ -12,7 +12,8 @@ attention:
   attention when both are 0.
 - GQA (``n_kv_heads``), optional QK norm (RMSNorm over head_dim) on RoPE layers.
 - optional MoE feed-forward (torchtitan's MoE: ``num_experts``, ``top_k``, one shared
-  expert, every ``interleave_moe_layer_step``-th layer), dense SwiGLU otherwise.
+  expert, every ``interleave_moe_layer_step``-th layer), dense SwiGLU otherwise; padding
+  tokens (``te`` layout) are never routed (``moe.PaddingFreeMoE``).
 - attention sinks (``softmax_type`` "off-by-one" | "learnable": a trained fp32 logit per
   query head in every layer) and max-logit tracking (``track_max_logit``; read with
   ``Llama4Model.max_logits()``, logged as ``max_logit/layer_N``) for QK-clip.
@@ -57,6 +58,7 @@ from torchtitan.protocols.sharding import ShardingConfig
 from ...config import SOFTMAX_TYPES
 from ...masks import AttnMask
 from .attention import VarlenCPInnerAttention, inner_attention_sharding, layer_max_logits
+from .moe import padding_free_config
 
 
 
@@ -337,7 +339,8 @@ def _moe_config(args: Llama4Args, layer_id: int) -> object:
     if args.shared_expert:
         shared = make_ffn_config(dim=args.dim, hidden_dim=hidden, w1_param_init=_linear_init(),
                                  w2w3_param_init=_linear_init(_depth_std(layer_id)))
-    return make_moe_config(
+    # Padding (the te layout's) is never routed: see moe.py.
+    return padding_free_config(make_moe_config(
         num_experts=args.num_experts,
         router=make_router_config(dim=args.dim, num_experts=args.num_experts,
                                   gate_param_init=_linear_init(), top_k=args.top_k,
@@ -347,7 +350,7 @@ def _moe_config(args: Llama4Args, layer_id: int) -> object:
             param_init=experts_init, comm_backend="standard"),
         shared_experts=shared,
         load_balance_coeff=args.load_balance_coeff or None,
-    )
+    ))
 
 
 def build_llama4_config(args: Llama4Args, *, strategy: str = "p2p", backend: str = "auto",

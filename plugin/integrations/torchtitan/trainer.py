@@ -20,6 +20,11 @@ their device copies (``prepare_plan``), while the current step runs. The step
 (``shard_packed_batch``); RoPE gets the sharded per-document positions and every attention
 layer the plan (``PackedBatch``). ``[varlen_cp] prefetch = false`` builds it inline instead.
 
+Padding (the ``te`` layout's, position -1) never reaches a token reduction: its labels
+become ``IGNORE_INDEX`` (sharding), its attention rows see nothing and are seen by none,
+the MoE layers of any model route only the real tokens (``moe.PaddingFreeMoE``, fed each
+step's rows by a forward pre-hook), and ``ntokens_seen`` counts real tokens.
+
 Loss normalisation: torchtitan counts the valid labels of the *unsharded* batch of each
 data-parallel rank (all CP ranks of a group see the same batch) and sums that over the
 data-parallel ranks, so every CP rank divides its local loss sum by the global token count;
@@ -56,6 +61,7 @@ from ...strategies import get_strategy
 from . import cpu_mode
 from .attention import (OVERRIDE_TARGET, PackedBatch, VarlenCPInnerAttention, bind_cp_group,
                         layer_max_logits)
+from .moe import feed_real_rows, padding_free_moe_for
 from .options import ModelSection, VarlenCPSection
 from .stock import (attention_layers, attention_shape, check_supported,
                     cpu_sharding_agnostic_init, fp32_experts_for, layer_masks)
@@ -179,6 +185,7 @@ class VarlenCPTrainer(Trainer):
         self.layer_masks = layer_masks(self.attn_layers)
         self.attn_shape = None
         if self.attn_layers:
+            padding_free_moe_for(config)  # the plan's padding is never routed (moe.py)
             self.attn_shape = attention_shape(self.attn_layers, tp=par.tensor_parallel_degree,
                                               dtype=config.training.mixed_precision_param)
             strategy = get_strategy(vc.strategy) if vc.strategy != "auto" else None
@@ -197,6 +204,7 @@ class VarlenCPTrainer(Trainer):
             self.cp_size, self.cp_rank = mesh.size(), mesh.get_local_rank()
         for part in self.model_parts:
             bind_cp_group(part, self.cp_group)
+            feed_real_rows(part)
         if isinstance(self.metrics_processor, VarlenCPMetrics):
             self.metrics_processor.model_parts = list(self.model_parts)
 
@@ -209,6 +217,7 @@ class VarlenCPTrainer(Trainer):
         cu = packed_cu_seqlens(input_dict.get("positions"), tuple(inputs.shape))
         plan = build_plan(cu, vc, cp_size=self.cp_size, cp_rank=self.cp_rank,
                           layer_masks=self.layer_masks)
+        plan.real_rows(self.device)  # the MoE layers' rows of real tokens (te padding)
         return prepare_plan(plan, vc, self.layer_masks, self.attn_shape, self.device)
 
     def batch_generator(self, data_iterable):
@@ -254,7 +263,8 @@ class VarlenCPTrainer(Trainer):
         # attention rows see nothing anyway.
         positions = plan.positions.to(inputs.device, torch.int64, non_blocking=True)
         positions = positions.clamp(min=0).view(1, -1)
-        self.ntokens_seen += labels.numel()
+        # Real tokens only: the te layout's padding differs between CP=1 and CP=N.
+        self.ntokens_seen += plan.num_real_tokens
         extra_kwargs: dict[str, Any] = {"positions": positions,
                                         "attention_masks": PackedBatch(plan)}
         if self.config.parallelism.spmd_backend == "spmd_types":
