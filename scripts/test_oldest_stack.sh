@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The kernel, plan and CP-strategy tests on the oldest supported stack (pyproject.toml's lower
+# bounds: torch 2.11.0, triton 3.6.0, numpy 1.26.4, Python 3.12; scripts/oldest-stack.txt),
+# besides the main stack that scripts/run_tests.sh tests in full. Part of its full run.
+#
+#   bash scripts/test_oldest_stack.sh [pytest args]      (default: the subset below)
+#
+# The environment is .venv-oldest (VENV_OLDEST to move it; scripts/setup_oldest_env.sh,
+# created once). Prints "SKIP: oldest-stack: <reason>" and exits 0 only when that stack
+# cannot be downloaded at all (no network); any other failure exits non-zero.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+# Covers every kernel (Triton on its interpreter and the torch twin, forward and backward,
+# every mask), the plan and every strategy's host tables, and every CP strategy at 2-4 ranks
+# against the single-process reference. Measured cost on 2 idle cores: see README.
+TESTS=(
+  tests/test_environment.py
+  tests/test_triton_kernels.py
+  tests/test_merge.py
+  tests/test_plan.py
+  tests/test_schedules.py
+  tests/test_cp_strategies.py
+  tests/test_cp_dispatch.py
+)
+
+start=$(date +%s)
+setup_log="$(mktemp)"
+python_path="$(bash scripts/setup_oldest_env.sh 2>"$setup_log" | tail -n 1)"
+status=${PIPESTATUS[0]}
+cat "$setup_log" >&2
+if [[ "$status" -eq 3 ]]; then
+  echo "SKIP: oldest-stack: $(tail -n 1 "$setup_log" | sed 's/^setup_oldest_env: //')"
+  rm -f "$setup_log"
+  exit 0
+fi
+rm -f "$setup_log"
+if [[ "$status" -ne 0 || -z "$python_path" ]]; then
+  echo "FAIL: oldest-stack: could not set up the environment (exit $status)" >&2
+  exit 1
+fi
+echo "oldest-stack: $("$python_path" -c 'import sys, torch, triton, numpy; print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}, numpy {numpy.__version__}")') (environment ready in $(( $(date +%s) - start )) s)"
+
+tests_start=$(date +%s)
+if [[ "$#" -gt 0 ]]; then TESTS=("$@"); fi
+"$python_path" -m pytest -q --timeout=900 -p no:cacheprovider "${TESTS[@]}"
+rc=$?
+if [[ "$rc" -eq 5 ]]; then
+  echo "oldest-stack: pytest collected no tests; that is a failure here" >&2
+  rc=1
+fi
+echo "oldest-stack: tests finished in $(( $(date +%s) - tests_start )) s (exit $rc), $(( $(date +%s) - start )) s in all"
+exit "$rc"
