@@ -11,18 +11,32 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-# Covers every kernel (Triton on its interpreter and the torch twin, forward and backward,
-# every mask), the plan and every strategy's host tables, and every CP strategy at 2-4 ranks
-# against the single-process reference. Measured cost on 2 idle cores: see README.
+# Covers the wheel (built, installed, imported on this stack, one CP call), every kernel
+# (Triton on its interpreter, forward and backward, every mask; the api, merge and tile
+# schedule), the plan, the host tables of every strategy, and every CP strategy (p2p,
+# all_gather, a2a, a2a+p2p, dispatch, staged overlap) at 2-4 ranks against the
+# single-process reference. Left to the main stack: the torch twin's and the reliability
+# suites, the integrations (torchtitan 0.3.0 needs torch 2.14), and the cross-check of the
+# schedule builders against their per-token twin (85 of test_schedules.py's 109 s under
+# load; pure integer math). Measured cost: README "Supported versions".
 TESTS=(
   tests/test_environment.py
+  tests/test_packaging.py
   tests/test_triton_kernels.py
+  tests/test_api.py
   tests/test_merge.py
+  tests/test_schedule.py
   tests/test_plan.py
   tests/test_schedules.py
+  --deselect tests/test_schedules.py::test_schedules_match_the_per_token_builder
   tests/test_cp_strategies.py
   tests/test_cp_dispatch.py
+  tests/test_cp_overlap.py
 )
+# triton 3.6's interpreter converts one-element arrays with int(), which numpy 1.25+ flags
+# once per kernel step (~2800 lines of the same DeprecationWarning; an error from numpy 2.4,
+# see kernels/environment.py)
+FILTER=(-W "ignore:Conversion of an array with ndim > 0 to a scalar is deprecated:DeprecationWarning")
 
 start=$(date +%s)
 setup_log="$(mktemp)"
@@ -43,7 +57,7 @@ echo "oldest-stack: $("$python_path" -c 'import sys, torch, triton, numpy; print
 
 tests_start=$(date +%s)
 if [[ "$#" -gt 0 ]]; then TESTS=("$@"); fi
-"$python_path" -m pytest -q --timeout=900 -p no:cacheprovider "${TESTS[@]}"
+"$python_path" -m pytest -q --timeout=900 -p no:cacheprovider "${FILTER[@]}" "${TESTS[@]}"
 rc=$?
 if [[ "$rc" -eq 5 ]]; then
   echo "oldest-stack: pytest collected no tests; that is a failure here" >&2
