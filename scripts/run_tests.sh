@@ -9,8 +9,8 @@
 #    run on Triton's interpreter, switched on by tests/conftest.py);
 # 3. on a full run (no pytest args), runs the kernel, plan and strategy tests again on the
 #    oldest supported stack (torch 2.11, triton 3.6; scripts/test_oldest_stack.sh, its own
-#    .venv-oldest, created once); it prints "SKIP: oldest-stack: <reason>" only when that
-#    stack cannot be downloaded (no network);
+#    .venv-oldest over a stack downloaded once per machine); it prints "SKIP: oldest-stack:
+#    <reason>" only when that stack cannot be downloaded (no network);
 # 4. on a full run, runs the integration suite on a real two-node SLURM cluster in network
 #    namespaces; it prints "SKIP: slurm-ci: <reason>" where the machine does not allow that
 #    (not root, no netns).

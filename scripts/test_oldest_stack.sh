@@ -5,9 +5,10 @@
 #
 #   bash scripts/test_oldest_stack.sh [pytest args]      (default: the subset below)
 #
-# The environment is .venv-oldest (VENV_OLDEST to move it; scripts/setup_oldest_env.sh,
-# created once). Prints "SKIP: oldest-stack: <reason>" and exits 0 only when that stack
-# cannot be downloaded at all (no network); any other failure exits non-zero.
+# The environment is .venv-oldest (VENV_OLDEST to move it), a small venv of this checkout over
+# a stack that scripts/setup_oldest_env.sh downloads once per machine (3.2 GB). Prints
+# "SKIP: oldest-stack: <reason>" and exits 0 only when that stack cannot be downloaded at all
+# (no network); any other failure exits non-zero.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
