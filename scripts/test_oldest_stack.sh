@@ -41,8 +41,8 @@ FILTER=(-W "ignore:Conversion of an array with ndim > 0 to a scalar is deprecate
 
 start=$(date +%s)
 setup_log="$(mktemp)"
-python_path="$(bash scripts/setup_oldest_env.sh 2>"$setup_log" | tail -n 1)"
-status=${PIPESTATUS[0]}
+status=0
+python_path="$(bash scripts/setup_oldest_env.sh 2>"$setup_log" | tail -n 1)" || status=$?
 cat "$setup_log" >&2
 if [[ "$status" -eq 3 ]]; then
   echo "SKIP: oldest-stack: $(tail -n 1 "$setup_log" | sed 's/^setup_oldest_env: //')"
