@@ -39,9 +39,11 @@ base_python() {  # a working Python 3.12 (pyenv's shim may exist without it acti
   command -v python3
 }
 
-pins_match() {  # python: torch / triton / numpy at the pinned versions, pytest importable
-  "$1" - "$PINS" <<'PY' >/dev/null 2>&1
-import importlib.metadata as md, sys
+pins_match() {  # python [checkout]: torch / triton / numpy at the pinned versions, pytest
+  # importable, and with a checkout, varlen_cp an editable install of it (one interpreter
+  # start: importing torch takes seconds on a loaded machine)
+  "$1" - "$PINS" "${2:-}" <<'PY' >/dev/null 2>&1
+import importlib.metadata as md, pathlib, sys
 import hypothesis, pytest, torch  # noqa: F401
 for line in open(sys.argv[1]):
     line = line.split("#")[0].strip()
@@ -49,17 +51,14 @@ for line in open(sys.argv[1]):
         name, version = line.split("==")
         if md.version(name).split("+")[0] != version:
             sys.exit(1)
+if sys.argv[2]:
+    import varlen_cp
+    sys.exit(pathlib.Path(varlen_cp.__file__).resolve().parent.parent
+             != pathlib.Path(sys.argv[2]).resolve())
 PY
 }
 
-checkout_complete() {  # the pins, and an editable varlen_cp of *this* checkout
-  pins_match "$VENV/bin/python" && "$VENV/bin/python" - <<'PY' >/dev/null 2>&1
-import pathlib, sys
-import varlen_cp
-sys.exit(0 if pathlib.Path(varlen_cp.__file__).resolve().parent.parent ==
-         pathlib.Path.cwd().resolve() else 1)
-PY
-}
+checkout_complete() { pins_match "$VENV/bin/python" "$ROOT"; }
 
 if [[ -x "$VENV/bin/python" ]] && checkout_complete; then
   echo "$VENV/bin/python"

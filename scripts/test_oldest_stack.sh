@@ -37,7 +37,7 @@ TESTS=(
 # triton 3.6's interpreter converts one-element arrays with int(), which numpy 1.25+ flags
 # once per kernel step (~2800 lines of the same DeprecationWarning; an error from numpy 2.4,
 # see kernels/environment.py)
-FILTER=(-W "ignore:Conversion of an array with ndim > 0 to a scalar is deprecated:DeprecationWarning")
+FILTER=(-W "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
 
 start=$(date +%s)
 setup_log="$(mktemp)"
@@ -54,7 +54,10 @@ if [[ "$status" -ne 0 || -z "$python_path" ]]; then
   echo "FAIL: oldest-stack: could not set up the environment (exit $status)" >&2
   exit 1
 fi
-echo "oldest-stack: $("$python_path" -c 'import sys, torch, triton, numpy; print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}, numpy {numpy.__version__}")') (environment ready in $(( $(date +%s) - start )) s)"
+versions="$("$python_path" -c 'import sys, torch, triton, numpy
+print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, "
+      f"triton {triton.__version__}, numpy {numpy.__version__}")')"
+echo "oldest-stack: $versions (environment ready in $(( $(date +%s) - start )) s)"
 
 tests_start=$(date +%s)
 if [[ "$#" -gt 0 ]]; then TESTS=("$@"); fi
@@ -64,5 +67,6 @@ if [[ "$rc" -eq 5 ]]; then
   echo "oldest-stack: pytest collected no tests; that is a failure here" >&2
   rc=1
 fi
-echo "oldest-stack: tests finished in $(( $(date +%s) - tests_start )) s (exit $rc), $(( $(date +%s) - start )) s in all"
+echo "oldest-stack: tests finished in $(( $(date +%s) - tests_start )) s (exit $rc)," \
+     "$(( $(date +%s) - start )) s in all"
 exit "$rc"
