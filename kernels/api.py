@@ -33,13 +33,19 @@ from typing import Optional
 
 import torch
 
-from . import validation
+from . import environment, validation
 from .schedule import BlockSchedule, build_block_schedule
 from .sink import apply_softmax_sink, check_softmax_args, max_logit_of
 
 # Read once at import (never inside forward): Triton on a CPU needs its interpreter, which
 # must be switched on before triton is first imported.
 _TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# None, or why the interpreter cannot run with the installed triton / numpy (triton < 3.7
+# with numpy >= 2.4): raised when the Triton backend is picked, not at import, so the torch
+# backend keeps working in such an environment.
+_INTERPRETER_PROBLEM = (environment.interpreter_problem(
+    environment.installed_version("triton"), environment.installed_version("numpy"))
+    if _TRITON_INTERPRETED else None)
 
 
 @functools.cache
@@ -56,9 +62,12 @@ def _backend_module(backend: str):
 
 def resolve_backend(backend: str, device) -> str:
     """'auto' -> 'triton' on CUDA, 'torch' elsewhere; ValueError for unknown names, and for
-    'triton' on a CPU without the interpreter (TRITON_INTERPRET=1 before import)."""
+    'triton' on a CPU without the interpreter (TRITON_INTERPRET=1 before import);
+    RuntimeError for 'triton' under an interpreter that cannot run with the installed numpy."""
     device = torch.device(device)
     backend = validation.check_backend(backend, device)
+    if backend == "triton" and _INTERPRETER_PROBLEM is not None:
+        raise RuntimeError(_INTERPRETER_PROBLEM)
     if backend == "triton" and device.type != "cuda" and not _TRITON_INTERPRETED:
         raise ValueError("backend='triton' on a CPU tensor needs TRITON_INTERPRET=1 set before "
                          "varlen_cp is imported; use backend='torch' (or 'auto') on CPUs")

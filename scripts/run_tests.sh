@@ -7,9 +7,13 @@
 #    scripts/setup_env.sh), or uses $PYTHON if set;
 # 2. runs the unit and multi-process tests (CPU is enough: without a GPU the Triton kernels
 #    run on Triton's interpreter, switched on by tests/conftest.py);
-# 3. on a full run (no pytest args), runs the integration suite on a real two-node SLURM
-#    cluster in network namespaces; it prints "SKIP: slurm-ci: <reason>" where the machine
-#    does not allow that (not root, no netns).
+# 3. on a full run (no pytest args), runs the kernel, plan and strategy tests again on the
+#    oldest supported stack (torch 2.11, triton 3.6; scripts/test_oldest_stack.sh, its own
+#    .venv-oldest over a stack downloaded once per machine); it prints "SKIP: oldest-stack:
+#    <reason>" only when that stack cannot be downloaded (no network);
+# 4. on a full run, runs the integration suite on a real two-node SLURM cluster in network
+#    namespaces; it prints "SKIP: slurm-ci: <reason>" where the machine does not allow that
+#    (not root, no netns).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,6 +32,7 @@ if [[ "$rc" -eq 5 ]]; then
 fi
 
 if [[ "$#" -eq 0 ]]; then  # full runs only, not `run_tests.sh -k ...`
+  bash scripts/test_oldest_stack.sh || rc=1
   bash integration_tests/ci_slurm/run_cluster.sh || rc=1
 fi
 exit "$rc"
