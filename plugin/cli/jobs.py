@@ -275,6 +275,6 @@ def with_flags(job: Job | None, args: Any) -> Job:
         except ValueError as e:
             raise ValueError(f"heads: {e}") from None
     seq_len = job.seq_len if args.seq_len is None else _int(args.seq_len, "--seq-len")
-    return Job(job.source if not (options or args.mask or changes or args.cp) else
-               f"{job.source} with command-line changes", cp, config, layers, shape, seq_len,
-               job.rows)
+    changed = job.source != "command line" and (options or args.mask or changes or args.cp)
+    return Job(f"{job.source} with command-line changes" if changed else job.source, cp,
+               config, layers, shape, seq_len, job.rows)

@@ -13,10 +13,10 @@ default.
 
 Errors: a bad config (a key, a value, or parallelism degrees the world size cannot hold)
 prints one line naming the setting and its source and exits with status 2, before any
-process group or model is created. Under torchrun every process finds it and exits 2, rank
-0 alone printing it (torchrun stops the others when the first exits); torchrun itself then
-exits 1 whatever its workers' status (it raises ``ChildFailedError``; torch 2.14.1) after
-its failure report, whose root cause shows "exitcode: 2". With ``--nproc_per_node N`` this
+process group or model is created. Under torchrun every process finds it; rank 0 prints it
+and exits 2, the others wait until torchrun stops them (``config_error``); torchrun itself
+then exits 1 whatever its workers' status (it raises ``ChildFailedError``; torch 2.14.1)
+after its failure report, whose root cause shows "exitcode: 2". With ``--nproc_per_node N`` this
 launcher checks the config once before any process starts (status 2), then runs torchrun
 in-process and returns the first failed worker's status. Without torchtitan installed it
 exits with status 1 and says which extra to install.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import time
 
 USAGE = __doc__
 PROG = "varlen_cp.integrations.torchtitan.train"
@@ -34,6 +35,7 @@ MISSING = ("{prog}: torchtitan is not installed in this environment ({python}); 
            'the torchtitan extra: pip install "varlen-cp[torchtitan]"')
 TORCHTITAN_DEPS = ("torchtitan", "tyro", "spmd_types", "torchdata")
 NPROC_FLAGS = ("--nproc_per_node", "--nproc-per-node")
+QUIET_RANK_WAIT_S = 60.0
 
 
 def missing_dependency() -> str | None:
@@ -48,9 +50,16 @@ def missing_dependency() -> str | None:
 
 
 def config_error(message: object) -> int:
-    """Print a config error once (rank 0 of a torchrun job, or the only process): 2."""
+    """Print a config error once (rank 0 of a torchrun job, or the only process): 2.
+
+    Under torchrun the other ranks, which found the same error, wait (at most
+    ``QUIET_RANK_WAIT_S``) instead of exiting: torchrun stops every worker as soon as one
+    exits, so a rank that exited first could stop rank 0 before it printed (seen: the
+    message lost). When rank 0 exits, torchrun stops them at once."""
     if os.environ.get("RANK", "0") in ("0", ""):
         print(f"{PROG}: config error: {message}", file=sys.stderr, flush=True)
+    elif "TORCHELASTIC_RUN_ID" in os.environ:
+        time.sleep(QUIET_RANK_WAIT_S)
     return 2
 
 
