@@ -297,7 +297,8 @@ def write_pngs(out: Path, job: jobs.Job, plan: Any, rep: PlanReport, sweep_data:
                                f"all layers, forward)")]
     if sweep_data:
         paths.append(plots.sweep_png(sweep_data, chosen, out / "plan_strategies.png",
-                                     f"strategy estimates vs cp ({name}, batch 0)"))
+                                     f"strategy estimates vs cp ({name}, batch 0: "
+                                     f"{rep.total_tokens} tokens, {rep.n_docs} documents)"))
     return [f"png: {p}" for p in paths]
 
 

@@ -75,7 +75,7 @@ def work_png(rep: PlanReport, path: Path, title: str) -> Path:
                       if sum(v) > 0) - 0.02)
     ax.set_ylim(max(lo, 0.0), None)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
@@ -94,7 +94,7 @@ def traffic_png(matrix: torch.Tensor, path: Path, title: str) -> Path:
         ax.set_yticks(range(cp))
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
@@ -132,6 +132,6 @@ def sweep_png(sweep: dict[int, dict[str, tuple[float, float]]], chosen: dict[int
     picks = ", ".join(f"{c}: {chosen[c]}" for c in cps if c in chosen)
     fig.suptitle(f"{title}\nauto picks {picks}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
