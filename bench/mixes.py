@@ -2,4 +2,5 @@
 (``varlen-cp-plan --mix NAME`` uses them); re-exported here so that ``from mixes import
 ...`` in bench/ and ``from bench.mixes import ...`` in the tests keep working."""
 
-from varlen_cp.mixes import MIXES, TOTAL, fill, lognormal, lognormal_1k, lognormal_docs  # noqa: F401
+from varlen_cp.mixes import (MIXES, TOTAL, fill, lognormal, lognormal_1k,  # noqa: F401
+                             lognormal_docs)

@@ -92,6 +92,7 @@ def test_auto_and_stages_resolve_as_the_op_does(one_thread):
         assert set(r.estimates) >= {"p2p", "dispatch", "all_gather"}
         staged = picked in ("dispatch", "all_gather")
         assert r.stages == (resolve_stages(plan, mask, picked, shape, None) if staged else None)
+    assert TrainingReport(layer_types(MASKS, "auto"), SHAPE).choices(plan) == rep.choices()
     assert rep.model_seconds() == pytest.approx(
         sum(n * r.estimates[r.strategy].seconds for r, (_, n) in zip(rep.layers, MASKS)))
     # fixed strategies get no estimates with "auto", every one with True

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from ..report import PlanReport
-from ..schedules.selected import fetch_counts
 from ..plan import CPPlan
+from ..report import PlanReport
 from ..report.build import cost_shape
+from ..schedules.selected import fetch_counts
 
 INSTALL_HINT = 'the PNGs need matplotlib: pip install "varlen-cp[bench]"'
 

@@ -35,8 +35,7 @@ from ..config import STAGED_STRATEGIES, AttnShape
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..schedules import cost
-from ..schedules.auto import (CANDIDATES, CostModel, Estimate, candidate_options,
-                              choose_strategy, estimates, pick)
+from ..schedules.auto import CostModel, Estimate, choose_strategy, estimates, pick
 from ..schedules.selected import fetch_counts
 from ..schedules.shape import Shape, make_shape
 from ..schedules.staged import resolve_stages
@@ -211,9 +210,3 @@ def layer_types(layer_masks: Sequence[tuple[AttnMask, int]], strategy: str,
     """One ``LayerType`` per (mask, layer count) with the model's one strategy."""
     return [LayerType(mask, int(n), strategy, a2a_size if strategy == "a2a+p2p" else None)
             for mask, n in layer_masks]
-
-
-def candidates(shape: AttnShape, cp: int) -> list[str]:
-    """The strategies ``auto`` considers for these heads at ``cp`` (tie order)."""
-    cs = cost_shape(shape)
-    return [n for n in CANDIDATES if candidate_options(n, cs, cp) is not None]

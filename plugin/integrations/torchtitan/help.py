@@ -3,7 +3,8 @@
 The defaults are the plugin's (``config.default_trainer_config``: a tiny Llama 4 style model
 on synthetic data), read from the live config objects, so the list cannot drift from the
 code; each key's first docstring sentence comes from the field's own docstring (as tyro
-reads it), else from a ``name: text`` line of its class docstring, when there is one. Imports torchtitan (call after ``cpu_mode.enable_cpu_mode``).
+reads it), else from a ``name: text`` line of its class docstring, when there is one.
+Imports torchtitan (call after ``cpu_mode.enable_cpu_mode``).
 """
 
 from __future__ import annotations
