@@ -147,7 +147,10 @@ def stock_layers(name: str, flavor: str, path: Path
     from ..integrations.torchtitan import cpu_mode
 
     if not cpu_mode.cuda_available():
-        cpu_mode.enable_cpu_mode()  # before torchtitan picks its device
+        try:
+            cpu_mode.enable_cpu_mode()  # before torchtitan picks its device
+        except RuntimeError:  # the host process imported torchtitan already: reading the
+            pass              # registry does not need it
     from torchtitan.models.common.attention import BaseAttention, VarlenAttention
 
     from ..integrations.torchtitan.attention import window_to_mask
