@@ -69,6 +69,10 @@ class CPConfig:
                with sequence parallelism).
     prefetch:  integrations: build the next batch's plan and all its tables in the
                background while the current step runs.
+    report:    integrations: log the plan (layout, strategy per layer type, stage counts,
+               balance, bytes, planner time) on the ``varlen_cp`` logger at the first step
+               and when a choice changes, and its figures with the framework's metrics
+               every logged step (``varlen_cp.report``); False: nothing.
     """
 
     strategy: str = "p2p"
@@ -81,6 +85,7 @@ class CPConfig:
     tile_tokens: int | None = None
     pad_multiple: int | None = None
     prefetch: bool = True
+    report: bool = True
 
     def __post_init__(self) -> None:
         check_choice("strategy", self.strategy, STRATEGY_NAMES)
@@ -96,6 +101,7 @@ class CPConfig:
         check_int("tile_tokens", self.tile_tokens, 1, optional=True)
         check_int("pad_multiple", self.pad_multiple, 1, optional=True)
         check_bool("prefetch", self.prefetch)
+        check_bool("report", self.report)
         for name, layout in (("tile_tokens", "balanced"), ("pad_multiple", "te")):
             if getattr(self, name) is not None and self.layout != layout:
                 raise ValueError(f"{name} applies to layout {layout!r} only, got "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterable, Iterator, Sequence, TypeVar
 
@@ -75,6 +76,20 @@ def prepare_plan(plan: CPPlan, config: CPConfig, layer_masks: LayerMasks, shape:
 _DONE = object()
 
 
+@dataclass(frozen=True)
+class PlanTiming:
+    """How one item's plan was made and met (``PlanPrefetcher.last_timing``).
+
+    plan_s: wall time of ``make_plan`` for the item (on the planner thread, sharing the GIL
+    with the training loop). wait_s: how long the consumer waited for it (0 when it was
+    ready; None: prefetch off, planned inline). lead_s: how long it had been ready when the
+    consumer asked (0 when the consumer waited; None inline)."""
+
+    plan_s: float
+    wait_s: float | None
+    lead_s: float | None
+
+
 class PlanPrefetcher(Generic[T]):
     """Iterate ``source`` with each item's plan built ``depth`` items ahead in a thread.
 
@@ -82,7 +97,9 @@ class PlanPrefetcher(Generic[T]):
     on the background thread while the consumer works on earlier items. Iterating yields
     ``(item, plan)``. An exception in ``source`` or ``make_plan`` is re-raised in the
     consumer at the item it belongs to. ``enabled=False`` runs ``make_plan`` inline (same
-    results, no thread), for debugging.
+    results, no thread), for debugging. ``last_timing`` (a :class:`PlanTiming`) says how the
+    last yielded plan was made: the planner's time, and whether it was ready when asked
+    (how long before) or how long the consumer waited.
     """
 
     def __init__(self, source: Iterable[T], make_plan: Callable[[T], CPPlan], *,
@@ -96,6 +113,7 @@ class PlanPrefetcher(Generic[T]):
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self.last_timing: PlanTiming | None = None
         if enabled:  # start now: the first item is planned while the caller sets up
             self._thread = threading.Thread(target=self._work, name="varlen-cp-planner",
                                             daemon=True)
@@ -106,9 +124,12 @@ class PlanPrefetcher(Generic[T]):
             for item in self._source:
                 if self._stop.is_set():
                     return
-                self._put((item, self._make_plan(item), None))
+                start = time.perf_counter()
+                plan = self._make_plan(item)
+                done = time.perf_counter()
+                self._put((item, plan, None, (done - start, done)))
         except BaseException as e:  # handed to the consumer, raised there
-            self._put((None, None, e))
+            self._put((None, None, e, None))
             return
         self._put(_DONE)
 
@@ -123,15 +144,24 @@ class PlanPrefetcher(Generic[T]):
     def __iter__(self) -> Iterator[tuple[T, CPPlan]]:
         if not self._enabled:
             for item in self._source:
-                yield item, self._make_plan(item)
+                start = time.perf_counter()
+                plan = self._make_plan(item)
+                self.last_timing = PlanTiming(time.perf_counter() - start, None, None)
+                yield item, plan
             return
         while True:
+            asked = time.perf_counter()
             entry = self._queue.get()
+            got = time.perf_counter()
             if entry is _DONE:
                 return
-            item, plan, error = entry
+            item, plan, error, made = entry
             if error is not None:
                 raise error
+            plan_s, done = made
+            ready = done <= asked
+            self.last_timing = PlanTiming(plan_s, 0.0 if ready else got - asked,
+                                          asked - done if ready else 0.0)
             yield item, plan
 
     def close(self) -> None:

@@ -9,7 +9,9 @@
 # On a fresh machine it creates the project's virtualenv (.venv, or $VENV; see
 # scripts/setup_env.sh) with torch 2.14.1 and torchtitan 0.3.0, so the system Python is
 # untouched. Set PYTHON=/path/to/python to use an environment that already has
-# them. Prints each step's loss and tokens/s while training; full logs go to $OUT.
+# them. Prints the plan varlen-cp logs at the first step, each step's loss and tokens/s
+# while training, and ends by writing $OUT/loss_curve.png (CP=2 vs CP=1); full logs go to
+# $OUT.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,14 +30,17 @@ rm -rf "$OUT"
 mkdir -p "$OUT"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one thread per process: 2 processes, 2 cores
 
-# torchtitan's step lines -> "[CP=2] step  3  loss 6.55606  grad_norm 0.5604  tokens/s 362"
+# torchtitan's step lines -> "[CP=2] step  3  loss 6.55606  grad_norm 0.5604  tokens/s 362";
+# varlen-cp's plan block (first step, and when a choice changes) -> "[CP=2] varlen_cp ..."
 show_steps() {
   awk -v tag="$1" '/ step: / {
       sub(/.* step: */, ""); n = split($0, f, / +/);
       for (i = 1; i < n; i++) v[f[i]] = f[i + 1];
       printf "[%s] step %3s  loss %s  grad_norm %s  tokens/s %s\n", tag, f[1], v["loss:"],
              v["grad_norm:"], v["tps:"];
-      fflush() }'
+      fflush(); next }
+    / - varlen_cp - / && !/ - varlen_cp - INFO - step / {
+      sub(/.* - varlen_cp - [A-Z]+ - /, ""); printf "[%s] varlen_cp %s\n", tag, $0; fflush() }'
 }
 
 run() {  # tag, loss file, log file, launcher...
@@ -60,7 +65,8 @@ run "CP=2" "$OUT/cp2.jsonl" "$OUT/cp2.log" \
 run "CP=1" "$OUT/cp1.jsonl" "$OUT/cp1.log" \
   "$PYTHON" -m "$LAUNCHER" --parallelism.context_parallel_degree 1
 
-"$PYTHON" - "$OUT/cp2.jsonl" "$OUT/cp1.jsonl" "$(( $(date +%s) - START ))" <<'EOF'
+RC=0
+"$PYTHON" - "$OUT/cp2.jsonl" "$OUT/cp1.jsonl" "$(( $(date +%s) - START ))" <<'EOF' || RC=$?
 import json
 import sys
 
@@ -75,3 +81,7 @@ print(f"loss {cp1[0]['loss']:.4f} -> {cp1[-1]['loss']:.4f} in {len(cp1)} steps; 
       f"{'MATCH' if ok else 'MISMATCH'} (fp32 tolerance 1e-4); {sys.argv[3]} s in all")
 sys.exit(0 if ok else 1)
 EOF
+# The loss curves beside the logs (a note instead when matplotlib is missing).
+"$PYTHON" -m varlen_cp.cli.loss_curve "$OUT/cp2.jsonl" "$OUT/cp1.jsonl" \
+  --out "$OUT/loss_curve.png" || true
+exit "$RC"

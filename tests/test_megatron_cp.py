@@ -446,3 +446,26 @@ def test_train_entry_point_cp2(parity) -> None:
     assert len(log["losses"]) == 2 and all(math.isfinite(x) for x in log["losses"])
     # an untrained model over a 64-token alphabet starts near ln(64)
     assert abs(log["losses"][0] - math.log(64)) < 1.0
+    # the plan's figures per logged step (varlen_cp.report), vs plans rebuilt here
+    from pathlib import Path
+
+    from varlen_cp import AttnMask
+    from varlen_cp.integrations.megatron.config import load_config
+    from varlen_cp.integrations.megatron.data import synthetic_batch
+    from varlen_cp.integrations.megatron.planning import model_attention
+    from varlen_cp.prepare import build_plan
+    from varlen_cp.report import mask_label
+
+    job = load_config(str(Path(parity[0]["log"]).parent / "job.toml"))
+    model = model_attention(job.transformer_config(use_cpu_initialization=True), job.options)
+    assert [m for m, _ in model.layer_masks] == [AttnMask(chunk_size=16), AttnMask()]
+    assert [row["step"] for row in log["varlen_cp"]] == [0, 1]
+    for step, row in enumerate(log["varlen_cp"]):
+        cu = synthetic_batch(job.data, step, 0)[1]
+        plan = build_plan(cu, job.options, cp_size=2, cp_rank=0,
+                          layer_masks=model.layer_masks)
+        assert row["varlen_cp/token_imbalance"] == plan.token_imbalance()
+        for mask, _ in model.layer_masks:
+            key = mask_label(mask)
+            assert row[f"varlen_cp/work_imbalance/{key}"] == plan.work_imbalance(mask), key
+        assert row["varlen_cp/plan_ms"] > 0

@@ -363,8 +363,9 @@ def test_new_launcher_path_exits_2_with_one_line_error(tmp_path):
 
 
 def test_console_script_and_test_extra():
-    """``varlen-cp-train`` points at the launcher; the test extra brings numpy (Triton's
-    CPU interpreter imports it)."""
+    """``varlen-cp-train`` and ``varlen-cp-plan`` point at their entry points; numpy is a
+    dependency of the package itself (torch warns without it, Triton's CPU interpreter
+    imports it)."""
     import importlib
 
     if sys.version_info >= (3, 11):
@@ -372,9 +373,10 @@ def test_console_script_and_test_extra():
     else:  # pragma: no cover
         import tomli as tomllib
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    module, func = project["scripts"]["varlen-cp-train"].split(":")
-    assert callable(getattr(importlib.import_module(module), func))
-    assert any(req.startswith("numpy") for req in project["optional-dependencies"]["test"])
+    for script in ("varlen-cp-train", "varlen-cp-plan"):
+        module, func = project["scripts"][script].split(":")
+        assert callable(getattr(importlib.import_module(module), func))
+    assert any(req.startswith("numpy") for req in project["dependencies"])
 
 
 def test_enable_false_runs_at_cp1(tmp_path):

@@ -1,7 +1,8 @@
 """End to end: the launcher trains a few steps with CP=2 (torchrun, gloo, CPU) and with CP=1,
 and the per-step losses and gradient norms agree to fp32 rounding, for two CP strategies;
 FSDP x CP (4 processes) matches FSDP alone. Each run is the real launcher command
-(``python -m varlen_cp.integrations.torchtitan.train``)."""
+(``python -m varlen_cp.integrations.torchtitan.train``). The same runs' logs and TensorBoard
+events carry the plan (``varlen_cp.report``), checked against plans rebuilt here."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ RUNS = {  # name: (processes, overrides)
     "cp2_all_gather": (2, ["--parallelism.context_parallel_degree", "2",
                            "--varlen_cp.strategy", "all_gather", "--varlen_cp.validate"]),
     "cp2_dispatch": (2, ["--parallelism.context_parallel_degree", "2",
-                         "--varlen_cp.strategy", "dispatch"]),
+                         "--varlen_cp.strategy", "dispatch", "--metrics.enable_tensorboard"]),
     "cp2_a2a": (2, ["--parallelism.context_parallel_degree", "2",
                     "--varlen_cp.strategy", "a2a", "--varlen_cp.layout", "contiguous"]),
     # dp_shard=2 gives each data-parallel rank its own batch; adding CP=2 (4 processes,
@@ -70,7 +71,7 @@ RUNS = {  # name: (processes, overrides)
                       "--varlen_cp.layout", "te"]),
     # learnable attention sinks (a trained parameter per layer, FSDP-sharded over cp) and
     # per-layer max logits in the metrics
-    "cp1_sink": (1, SINK),
+    "cp1_sink": (1, SINK + ["--varlen_cp.report", "false"]),  # and no plan in the log
     "cp2_sink": (2, SINK + ["--parallelism.context_parallel_degree", "2",
                             "--varlen_cp.strategy", "p2p"]),
 }
@@ -108,10 +109,16 @@ def finish(proc, log, out: Path, cmd: list[str]) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def train_root(tmp_path_factory) -> Path:
+    """Where each run's job.toml, log.txt, loss.jsonl and dump folder are."""
+    return tmp_path_factory.mktemp("train")
+
+
+@pytest.fixture(scope="module")
+def results(train_root):
     """All runs at once: each is mostly process start-up, so together they take about the
     time of the slowest instead of the sum (~2 min on 2 busy cores instead of ~5)."""
-    root = tmp_path_factory.mktemp("train")
+    root = train_root
     started = {name: start(root, name, n, o) for name, (n, o) in RUNS.items()}
     return {name: finish(*s) for name, s in started.items()}
 
@@ -149,3 +156,92 @@ def test_loss_is_finite_and_falls(results):
     losses = [r["loss"] for r in results["cp1"]]
     assert all(x == x and abs(x) < 1e6 for x in losses)
     assert losses[-1] < losses[0]
+
+
+# ---- what the log and the metrics say about the plan (varlen_cp.report) ---------------------
+def reference_plans(root: Path, run: str) -> tuple[list, list]:
+    """The plans of the run's three batches, rebuilt here from its job file and the
+    synthetic data loader (batch i is step i + 1), and the model's layer masks."""
+    from varlen_cp.integrations.torchtitan.config import load_config
+    from varlen_cp.integrations.torchtitan.data import SyntheticPackedDataLoader
+    from varlen_cp.integrations.torchtitan.stock import attention_layers, layer_masks
+    from varlen_cp.integrations.torchtitan.trainer import packed_cu_seqlens
+    from varlen_cp.prepare import build_plan
+
+    n, overrides = RUNS[run]
+    cfg = load_config(["--config", str(root / run / "job.toml"), *overrides], cpu=True)
+    masks = layer_masks(attention_layers(cfg.model_spec.model))
+    data = SyntheticPackedDataLoader(cfg.dataloader, seq_len=cfg.training.seq_len)
+    plans = []
+    for i in range(3):
+        inputs, _ = data.batch(i)
+        cu = packed_cu_seqlens(inputs["positions"], tuple(inputs["input"].shape))
+        plans.append(build_plan(cu, cfg.varlen_cp, cp_size=cfg.parallelism
+                                .context_parallel_degree, cp_rank=0, layer_masks=masks))
+    return plans, masks
+
+
+def plan_lines(log: str) -> list[str]:
+    return [line.split(" - varlen_cp - INFO - ", 1)[1] for line in log.splitlines()
+            if " - varlen_cp - INFO - " in line]
+
+
+def test_log_states_the_plan(results, train_root):
+    from varlen_cp.report import mask_label
+
+    plans, masks = reference_plans(train_root, "cp2_p2p")
+    lines = plan_lines((train_root / "cp2_p2p" / "log.txt").read_text())
+    heads = [line for line in lines if line.startswith("plan at step")]
+    assert len(heads) == 1, lines  # rank 0 only; p2p and the layout never change
+    p = plans[0]
+    assert heads[0].startswith(f"plan at step 1: cp 2, layout balanced, 512 tokens in "
+                               f"{p.n_docs} documents, 4 query / 2 K/V heads of dim 16, "
+                               f"float32")
+    table = [line.strip() for line in lines]
+    start, ranks = table.index(next(x for x in table if x.startswith("layer type"))), \
+        table.index(next(x for x in table if x.startswith("per rank")))
+    rows = {line.split()[0]: line.split() for line in table[start + 1:ranks]}
+    tokens = next(x for x in table[ranks:] if x.startswith("tokens ")).split()
+    assert tokens[1:] == [str(p.num_tokens_of(r)) for r in range(2)]
+    for mask, n in masks:
+        label = mask_label(mask)
+        assert rows[label][1:5] == [str(n), "p2p", "-", f"{p.work_imbalance(mask):.3f}"]
+    assert any(line.strip().startswith("planner ") for line in lines)
+    for step, plan in enumerate(plans, 1):  # every logged step: the batch's balance
+        line = next(x for x in lines if x.startswith(f"step {step}: "))
+        for mask, _ in masks:
+            assert f"{mask_label(mask)} work {plan.work_imbalance(mask):.3f}" in line, line
+
+
+def test_metrics_reach_tensorboard(results, train_root):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from varlen_cp.report import mask_label
+    from varlen_cp.schedules import cost
+    from varlen_cp.schedules.shape import make_shape
+
+    plans, masks = reference_plans(train_root, "cp2_dispatch")
+    (events,) = (train_root / "cp2_dispatch" / "dump" / "tb").iterdir()
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)]
+               for tag in acc.Tags()["scalars"] if tag.startswith("varlen_cp/")}
+    shape = make_shape(4, 2, 16, 16, 4)
+    for mask, _ in masks:
+        key = mask_label(mask)
+        work = scalars[f"varlen_cp/work_imbalance/{key}"]
+        assert [s for s, _ in work] == [1, 2, 3]
+        for (_, value), plan in zip(work, plans):
+            assert value == pytest.approx(plan.work_imbalance(mask), rel=1e-6)
+        for (_, value), plan in zip(scalars[f"varlen_cp/sent_bytes/{key}"], plans):
+            sent = cost.bytes_sent("dispatch", plan, mask, shape)
+            assert value == max(f + b for f, b in zip(sent["fwd"], sent["bwd"]))
+        assert all(v >= 1 for _, v in scalars[f"varlen_cp/stages/{key}"])
+    assert all(v > 0 for _, v in scalars["varlen_cp/plan_ms"])
+    assert [s for s, _ in scalars["varlen_cp/plan_wait_ms"]] == [1, 2, 3]
+
+
+def test_report_switch(results, train_root):
+    assert not plan_lines((train_root / "cp1_sink" / "log.txt").read_text())
+    lines = plan_lines((train_root / "cp1" / "log.txt").read_text())
+    assert sum(line.startswith("plan at step 1: cp 1,") for line in lines) == 1

@@ -1,7 +1,7 @@
 """The ``[varlen_cp]`` options of a megatron-core model and how they resolve per layer.
 
 ``VarlenCPOptions`` is ``varlen_cp.CPConfig`` (strategy, layout, backend, a2a_size, validate,
-min_chunk_tokens, tile_tokens, pad_multiple, prefetch: declared and validated there) plus
+min_chunk_tokens, tile_tokens, pad_multiple, prefetch, report: declared and validated there) plus
 what only megatron needs: Llama 4 chunked attention (``chunk_size``, ``chunk_layers``) and a
 strategy that may be a per-layer list or None (follow megatron's ``cp_comm_type``).
 

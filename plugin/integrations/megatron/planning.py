@@ -7,7 +7,8 @@ strategy (options, else ``cp_comm_type``) and the head shape from megatron's
 ``plan_batch`` builds the batch's plan with those masks (the ``balanced`` layout balances each
 of them) through ``varlen_cp.prepare.build_plan`` and, given a device, every host table and
 device copy the layers' attention calls and the RoPE lookup will need
-(``varlen_cp.prepare.prepare_plan``), so the model's forward never plans.
+(``varlen_cp.prepare.prepare_plan``), so the model's forward never plans. ``report_layers``
+groups the layers by (mask, strategy) with their counts for ``varlen_cp.report``.
 
 Limits: GPT-style self-attention (one ``attn_mask_type`` for every layer, causal by default);
 host work only (no collectives), so it may run on a background thread.
@@ -26,6 +27,7 @@ from ...config import CPConfig
 from ...masks import AttnMask
 from ...plan import CPPlan
 from ...prepare import AttnShape
+from ...report import LayerType
 from ...schedules.keys import host_table, table_key
 from .moe import padding_mask
 from .options import VarlenCPOptions, layer_a2a_size, layer_mask, layer_strategy
@@ -89,6 +91,20 @@ def model_attention(config: Any, options: VarlenCPOptions | None = None,
         calls[(mask, strategy, layer_a2a_size(config, options, strategy))] = None
     return ModelAttention(layer_masks=tuple(counts.items()), calls=tuple(calls),
                           shape=attn_shape(config))
+
+
+def report_layers(config: Any, options: VarlenCPOptions | None = None,
+                  attn_mask_type: AttnMaskType = AttnMaskType.causal) -> list[LayerType]:
+    """The model's layer types for ``varlen_cp.report``: each distinct (mask, strategy,
+    a2a_size) of its layers with its layer count, in first-use order."""
+    options = VarlenCPOptions() if options is None else options
+    counts: dict[tuple[AttnMask, str, int | None], int] = {}
+    for n in range(1, config.num_layers + 1):
+        mask = layer_mask(config, options, n, attn_mask_type)
+        strategy = layer_strategy(config, options, n, None)
+        key = (mask, strategy, layer_a2a_size(config, options, strategy))
+        counts[key] = counts.get(key, 0) + 1
+    return [LayerType(m, n, s, a) for (m, s, a), n in counts.items()]
 
 
 def resolve_device(device: Any) -> torch.device:

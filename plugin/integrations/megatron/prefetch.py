@@ -41,6 +41,8 @@ class PrefetchedTHDBatches:
     (or a ``planning.ModelAttention``): layer masks, strategies, head shape. options: the
     model's ``VarlenCPOptions`` (layout, strategies, ``prefetch``). device: where the model
     runs (default: the current CUDA device, else CPU). cp_group: default megatron's.
+    ``last_plan`` / ``last_timing``: the plan of the last batch handed out and its
+    ``varlen_cp.prepare.PlanTiming`` (for ``varlen_cp.report.TrainingReport``).
     """
 
     def __init__(self, source: Iterable[tuple[dict[str, Any], torch.Tensor]], *, config: Any,
@@ -59,6 +61,8 @@ class PrefetchedTHDBatches:
         self._prefetcher = PlanPrefetcher(source, self._make_plan, depth=depth,
                                           enabled=self.options.prefetch)
         self._items: Iterator | None = None
+        self.last_plan: Any = None  # the plan of the last batch handed out, and its timing
+        self.last_timing: Any = None
 
     def _make_plan(self, item: Any):
         """Runs on the planner thread: host planning and non-blocking copies only."""
@@ -76,6 +80,7 @@ class PrefetchedTHDBatches:
         if self._items is None:
             self._items = iter(self._prefetcher)
         (batch, cu_seqlens), plan = next(self._items)
+        self.last_plan, self.last_timing = plan, self._prefetcher.last_timing
         local, packed = get_thd_batch_on_this_cp_rank(
             batch, cu_seqlens, cp_group=self.cp_group, options=self.options, plan=plan,
             device=self.device)

@@ -16,6 +16,11 @@ models (``[model] num_moe_experts``): each micro-batch's ``padding_mask`` goes t
 megatron's expert-bias update, and the config asks for per-token loss before the model is
 built (megatron's routers scale their auxiliary losses by it when they are built).
 
+Each step's plan goes to a ``varlen_cp.report.TrainingReport``: rank 0 prints the plan's
+block at the first step and when a choice changes, and a line with its balance, bytes and
+planner time every ``log_interval`` steps; those figures also go to ``--log-json``
+(``"varlen_cp"``, per logged step). ``[varlen_cp] report = false`` turns both off.
+
 Limits: no pipeline parallelism, no megatron DDP/distributed optimizer (plain AdamW on
 all-reduced grads: enough for the demo and the parity tests); CPU runs use gloo and
 ``cpu_compat``; CUDA runs use NCCL and the Triton kernels.
@@ -43,11 +48,14 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ...report import TrainingReport
+from ...report.training import stdout_handler
 from .config import MegatronJob, load_config
 from .cpu_compat import init_cpu_rng, is_cpu_only, megatron_on_cpu
 from .data import synthetic_batch
 from .moe import check_exact_under_cp, update_expert_bias
 from .options import VarlenCPOptions
+from .planning import attn_shape, report_layers
 from .prefetch import PrefetchedTHDBatches
 from .qk_clip import clip_qk_step
 from .spec import get_varlen_cp_layer_spec
@@ -195,8 +203,13 @@ def train(job: MegatronJob, *, log_json: str | None = None) -> list[float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas,
                                   weight_decay=t.weight_decay)
     rank0 = dist.get_rank() == 0
+    report = TrainingReport(report_layers(config, job.options), attn_shape(config),
+                            overlap_stages=job.options.overlap_stages,
+                            enabled=job.options.report, log_block=rank0)
+    stdout_handler()
     losses: list[float] = []
     step_s: list[float] = []
+    plan_metrics: list[dict[str, Any]] = []
     with train_batches(job, config, device) as batches:
         for step in range(t.steps):
             start = time.perf_counter()
@@ -204,6 +217,7 @@ def train(job: MegatronJob, *, log_json: str | None = None) -> list[float]:
                 group["lr"] = lr_at(job, step)
             optimizer.zero_grad(set_to_none=True)
             loss_sum, count = run_step(model, batches, num_microbatches=t.micro_batches)
+            report.on_batch(batches.last_plan, batches.last_timing, step)
             if t.clip_grad > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad)
             optimizer.step()
@@ -216,10 +230,11 @@ def train(job: MegatronJob, *, log_json: str | None = None) -> list[float]:
             if rank0 and (step % t.log_interval == 0 or step == t.steps - 1):
                 print(f"step {step:4d}  loss {losses[-1]:.4f}  lr {lr_at(job, step):.2e}  "
                       f"{step_s[-1]:.2f} s{max_logit}", flush=True)
+                plan_metrics.append({"step": step, **report.log_step(step)})
     if rank0 and log_json:
         with open(log_json, "w") as f:
             json.dump({"losses": losses, "step_s": step_s, "cp": job.context_parallel_size,
-                       "world": dist.get_world_size()}, f)
+                       "world": dist.get_world_size(), "varlen_cp": plan_metrics}, f)
     return losses
 
 

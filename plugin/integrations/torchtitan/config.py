@@ -428,6 +428,34 @@ def _finish(config: Any, by_section: dict[str, list[Setting]]) -> Any:
         raise ConfigError(f"{src}: {e}") from e
 
 
+def check_world_size(config: Any, world_size: int) -> None:
+    """ConfigError unless ``world_size`` processes can hold the parallelism degrees (the
+    rule of torchtitan's ``ParallelDims``, which otherwise fails with a bare assertion):
+    dp_replicate x dp_shard x cp x tp x pp == world size, dp_shard = -1 taking the rest."""
+    par = config.parallelism
+    cp, tp, pp = (par.context_parallel_degree, par.tensor_parallel_degree,
+                  par.pipeline_parallel_degree)
+    rep, shard = par.data_parallel_replicate_degree, par.data_parallel_shard_degree
+    group = rep * cp * tp * pp
+    fits = world_size % group == 0 if shard == -1 else rep * shard * cp * tp * pp == world_size
+    if fits:
+        return
+    need = group if shard == -1 else group * shard
+    parts = [f"{name} ({value})" for name, value in (
+        ("context_parallel_degree", cp), ("tensor_parallel_degree", tp),
+        ("pipeline_parallel_degree", pp), ("data_parallel_replicate_degree", rep),
+        ("data_parallel_shard_degree", shard)) if value not in (1, -1)]
+    rule = (f"a multiple of {need}" if shard == -1 else f"exactly {need}")
+    fix = (f"start {need} processes (torchrun --nproc_per_node {need} ..., or this "
+           f"launcher's --nproc_per_node {need})")
+    if cp > 1:
+        fix += " or set --parallelism.context_parallel_degree 1"
+    verb = "needs" if len(parts) == 1 else "need"
+    raise ConfigError(f"parallelism: {' x '.join(parts) or 'the degrees'} {verb} a world "
+                      f"size that is {rule}, but {world_size} process"
+                      f"{'es were' if world_size != 1 else ' was'} started: {fix}")
+
+
 def build_trainer_config(settings: list[Setting], *, cpu: bool = False) -> Any:
     """Apply ``settings`` (TOML first, command line last) to the plugin's defaults."""
     from . import cpu_mode

@@ -1,9 +1,10 @@
 """The plugin's own TOML sections: ``[varlen_cp]`` (``CPConfig`` + ``enable``) and ``[model]``.
 
-Its own module so that the trainer and the config loader both import it and not each other.
+Its own module so that the trainer and the config loader both import it and not each other;
+no torchtitan import, so ``varlen-cp-plan`` validates job files with it.
 ``VarlenCPSection`` IS ``varlen_cp.config.CPConfig``
 (strategy, layout, backend, a2a_size, validate, min_chunk_tokens, tile_tokens,
-pad_multiple, prefetch; validated there) plus the one torchtitan extra, ``enable``.
+pad_multiple, prefetch, report; validated there) plus the one torchtitan extra, ``enable``.
 ``ModelSection`` is the project's Llama 4 style model (``Llama4Args``) plus ``flavor``:
 ``name`` = one of ``STOCK_MODELS`` picks torchtitan's own model of that name and flavor,
 and the Llama 4 fields then do not apply.
@@ -14,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from ...config import CPConfig
-from .model import Llama4Args
+from .llama4_args import Llama4Args
 
 LLAMA4_NAME = "llama4_style"
 STOCK_MODELS = ("llama3", "qwen3", "qwen3_5", "gpt_oss", "deepseek_v3", "kimi_k2_7")

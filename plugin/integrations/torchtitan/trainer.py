@@ -19,6 +19,9 @@ their device copies (``prepare_plan``), while the current step runs. The step
 (``post_dataloading_process``) only shards input, labels and positions with the ready plan
 (``shard_packed_batch``); RoPE gets the sharded per-document positions and every attention
 layer the plan (``PackedBatch``). ``[varlen_cp] prefetch = false`` builds it inline instead.
+Each step's plan also goes to a ``varlen_cp.report.TrainingReport``: rank 0 logs the plan
+on the ``varlen_cp`` logger at the first step and when a choice changes, and every logged
+step adds its ``varlen_cp/...`` figures to torchtitan's metrics (``[varlen_cp] report``).
 
 Padding (the ``te`` layout's, position -1) never reaches a token reduction: its labels
 become ``IGNORE_INDEX`` (sharding), its attention rows see nothing and are seen by none,
@@ -56,6 +59,7 @@ from torchtitan.trainer import Trainer
 
 from ...plan import CPPlan
 from ...prepare import PlanPrefetcher, build_plan, prepare_plan
+from ...report import TrainingReport, layer_types
 from ...sharding import cu_seqlens_from_positions, shard_packed_batch
 from ...strategies import get_strategy
 from . import cpu_mode
@@ -91,10 +95,12 @@ def packed_cu_seqlens(positions: torch.Tensor | None, shape: tuple[int, int]) ->
 class VarlenCPMetrics(MetricsProcessor):
     """torchtitan's metrics, plus one JSON line per logged step (rank 0) for comparisons,
     plus ``max_logit/layer_N`` (max over heads and over all ranks) when the model tracks
-    max logits. The max-logit read is one small all-reduce and host copy per *logged* step,
-    outside forward/backward."""
+    max logits, plus the plan's ``varlen_cp/...`` figures (``varlen_cp.report.training``;
+    off with ``[varlen_cp] report = false``). The max-logit read is one small all-reduce
+    and host copy per *logged* step, outside forward/backward."""
 
     model_parts: list[torch.nn.Module] = []
+    varlen_report: TrainingReport | None = None
 
     @dataclass(kw_only=True, slots=True)
     class Config(MetricsProcessor.Config):
@@ -106,7 +112,8 @@ class VarlenCPMetrics(MetricsProcessor):
         ntokens = self.ntokens_since_last_log
         elapsed = time.perf_counter() - self.time_last_log
         max_logits = self.max_logit_metrics()
-        extra_metrics = {**(extra_metrics or {}), **max_logits}
+        plan_metrics = self.varlen_report.log_step(step) if self.varlen_report else {}
+        extra_metrics = {**(extra_metrics or {}), **max_logits, **plan_metrics}
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
         path = self.config.loss_file
         if path and (not dist.is_initialized() or dist.get_rank() == 0):
@@ -205,8 +212,18 @@ class VarlenCPTrainer(Trainer):
         for part in self.model_parts:
             bind_cp_group(part, self.cp_group)
             feed_real_rows(part)
+        self.varlen_report = self.make_report()
         if isinstance(self.metrics_processor, VarlenCPMetrics):
             self.metrics_processor.model_parts = list(self.model_parts)
+            self.metrics_processor.varlen_report = self.varlen_report
+
+    def make_report(self) -> TrainingReport:
+        """The plan's logs (rank 0) and metrics (``[varlen_cp] report``)."""
+        vc = self.config.varlen_cp
+        layers = layer_types(self.layer_masks, vc.strategy, vc.a2a_size)
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        return TrainingReport(layers, self.attn_shape, overlap_stages=vc.overlap_stages,
+                              enabled=vc.report and bool(self.attn_layers), log_block=rank0)
 
     # ------------------------------------------------------------------ the batch's plan
     def make_plan(self, input_dict: dict[str, Any], labels: torch.Tensor) -> CPPlan:
@@ -239,6 +256,7 @@ class VarlenCPTrainer(Trainer):
             self.metrics_processor.ntokens_since_last_log += labels.numel()
             self.metrics_processor.data_loading_times.append(time.perf_counter() - start)
             input_dict[PLAN_KEY] = PlannedBatch(plan)
+            self.varlen_report.on_batch(plan, prefetcher.last_timing, self.step)
             yield input_dict, labels
 
     def post_dataloading_process(self, input_dict: dict[str, Any], labels: torch.Tensor

@@ -1,0 +1,283 @@
+"""What ``varlen-cp-plan`` plans for: CP degree, options, layer types and head shape, read
+from a job file (the repo's configs/*.toml) and/or command-line flags.
+
+Job files:
+- torchtitan (``[parallelism]``, ``[varlen_cp]``, ``[model]``, ``[training]``): read with
+  the launcher's own section classes (``options.VarlenCPSection``, ``options.ModelSection``,
+  torchtitan-free), so a typo is the same error as at launch. The Llama 4 style model's
+  layer masks come from its fields (``Llama4Args.layer_mask``); torchtitan's own models
+  (``[model] name = "llama3"``, ...) are read from torchtitan's registry, which needs
+  torchtitan installed. Heads are split over ``tensor_parallel_degree``; the dtype is
+  ``[training] mixed_precision_param`` (torchtitan's default bfloat16); tokens per batch
+  ``seq_len`` x ``local_batch_size``.
+- megatron (``[gpt]`` / ``[parallel]`` sections): read with the megatron integration's
+  ``load_config`` and its layer resolution (needs megatron-core installed).
+
+Flags override the file (``--cp``, ``--layout``, ``--strategy``, ``--mask``, heads, ...);
+without a file they describe the job alone. Mask syntax (``--mask``, repeatable):
+``MASK[:LAYERS]`` with MASK a ``+``-joined list of ``causal`` (the default), ``full``
+(bidirectional), ``chunk=N`` (Llama 4 chunked attention), ``window=L`` (causal sliding
+window: L keys back) or ``window=L,R``; e.g. ``--mask chunk=8192:3 --mask causal:1``
+(Llama 4), ``--mask window=4096:5 --mask causal:1``, ``--mask full+window=128,128``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import CPConfig, AttnShape
+from ..masks import AttnMask
+from ..report import LayerType, layer_types
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job as the planner sees it. ``config``: the plan's options (layout, strategy, ...);
+    ``layers``: attention layer types with counts and strategies; ``rows`` x ``seq_len``
+    tokens per batch (None: not given)."""
+
+    source: str
+    cp: int
+    config: CPConfig
+    layers: tuple[LayerType, ...]
+    shape: AttnShape
+    seq_len: int | None = None
+    rows: int = 1
+
+
+def _int(value: Any, where: str, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{where} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def _section(cls: type, table: Any, name: str, path: Path) -> Any:
+    """``cls(**table)`` with errors that name the section and file."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{path}: [{name}] must be a table, got {table!r}")
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {unknown} in [{name}]; known keys: "
+                         f"{', '.join(sorted(known))}")
+    try:
+        return cls(**table)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: [{name}] {e}") from None
+
+
+def _counts(masks: list[AttnMask]) -> list[tuple[AttnMask, int]]:
+    """Masks with their layer counts, in first-use order."""
+    return [(m, masks.count(m)) for m in dict.fromkeys(masks)]
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--config: no such file {str(p)!r}")
+    try:
+        with p.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config: {p} is not valid TOML: {e}") from None
+
+
+def read_job(path: str | Path) -> Job:
+    """The job of a torchtitan or megatron TOML file (module docstring)."""
+    doc = read_toml(path)
+    if "gpt" in doc or "parallel" in doc:
+        return megatron_job(Path(path))
+    return torchtitan_job(doc, Path(path))
+
+
+def torchtitan_job(doc: dict[str, Any], path: Path) -> Job:
+    from ..integrations.torchtitan.options import ModelSection, VarlenCPSection
+
+    par = doc.get("parallelism", {})
+    cp = _int(par.get("context_parallel_degree", 1), f"{path}: [parallelism] "
+              "context_parallel_degree")
+    tp = _int(par.get("tensor_parallel_degree", 1), f"{path}: [parallelism] "
+              "tensor_parallel_degree")
+    vc = _section(VarlenCPSection, doc.get("varlen_cp", {}), "varlen_cp", path)
+    model = _section(ModelSection, doc.get("model", {}), "model", path)
+    training = doc.get("training", {})
+    seq_len = _int(training.get("seq_len", 2048), f"{path}: [training] seq_len")
+    rows = _int(training.get("local_batch_size", 1), f"{path}: [training] local_batch_size")
+    dtype_name = training.get("mixed_precision_param", "bfloat16")
+    if dtype_name not in DTYPES:
+        raise ValueError(f"{path}: [training] mixed_precision_param must be one of "
+                         f"{sorted(DTYPES)}, got {dtype_name!r}")
+    if model.is_stock:
+        masks, (hq, hkv, d, dv) = stock_layers(model.name, model.flavor, path)
+    else:
+        masks = [model.layer_mask(i) for i in range(model.n_layers)]
+        hq, hkv, d, dv = model.n_heads, model.n_kv_heads, model.head_dim_, model.head_dim_
+    shape = AttnShape(n_heads=max(hq // tp, 1), n_kv_heads=max(hkv // tp, 1), head_dim=d,
+                      head_dim_v=None if dv == d else dv, dtype=DTYPES[dtype_name])
+    config = CPConfig(**{f.name: getattr(vc, f.name) for f in dataclasses.fields(CPConfig)})
+    return Job(f"{path} (torchtitan, model {model.name})", cp, config,
+               tuple(layer_types(_counts(masks), vc.strategy, vc.a2a_size)), shape,
+               seq_len, rows)
+
+
+def stock_layers(name: str, flavor: str, path: Path
+                 ) -> tuple[list[AttnMask], tuple[int, int, int, int]]:
+    """Layer masks and head shape of torchtitan's model ``name`` / ``flavor`` (imports
+    torchtitan)."""
+    from ..integrations.torchtitan.train import missing_dependency
+
+    if missing_dependency() is not None:
+        raise ValueError(f"{path}: [model] name = {name!r} is one of torchtitan's models; "
+                         f"reading its layers needs torchtitan (pip install "
+                         f"\"varlen-cp[torchtitan]\"), or describe them with --mask, "
+                         f"--heads, --kv-heads and --head-dim")
+    from ..integrations.torchtitan import cpu_mode
+
+    if not cpu_mode.cuda_available():
+        try:
+            cpu_mode.enable_cpu_mode()  # before torchtitan picks its device
+        except RuntimeError:  # the host process imported torchtitan already: reading the
+            pass              # registry does not need it
+    from torchtitan.models.common.attention import BaseAttention, VarlenAttention
+
+    from ..integrations.torchtitan.attention import window_to_mask
+    from ..integrations.torchtitan.stock import _shape_of, stock_model_spec
+
+    spec = stock_model_spec(name, flavor)
+    masks, shapes = [], set()
+    for _, attn, _, _ in spec.model.traverse(BaseAttention.Config):
+        if isinstance(attn.inner_attention, VarlenAttention.Config):
+            masks.append(window_to_mask(tuple(attn.inner_attention.window_size)))
+            shapes.add(_shape_of(attn))
+    if not masks or len(shapes) != 1:
+        raise ValueError(f"{path}: model {name!r} ({flavor}) has {len(masks)} varlen "
+                         f"attention layers with shapes {sorted(shapes)}; varlen-cp-plan "
+                         f"needs at least one, all of one shape")
+    return masks, shapes.pop()
+
+
+def megatron_job(path: Path) -> Job:
+    try:
+        from ..integrations.megatron.config import load_config
+        from ..integrations.megatron.planning import attn_shape, report_layers
+    except ImportError as e:
+        raise ValueError(f"{path} is a megatron job file; reading it needs megatron-core "
+                         f"(pip install \"varlen-cp[megatron]\"): {e}") from None
+    job = load_config(path)
+    config = job.transformer_config(use_cpu_initialization=True)
+    cp = job.context_parallel_size
+    return Job(f"{path} (megatron)", cp, job.options, tuple(report_layers(config, job.options)),
+               attn_shape(config), job.data.seq_len, job.training.micro_batches)
+
+
+# ---- flags --------------------------------------------------------------------------------
+def parse_mask(text: str) -> tuple[AttnMask, int]:
+    """``MASK[:LAYERS]`` (module docstring) -> (AttnMask, layer count)."""
+    spec, _, layers = text.partition(":")
+    count = 1
+    if layers:
+        try:
+            count = int(layers)
+        except ValueError:
+            count = 0
+        if count < 1:
+            raise ValueError(f"--mask {text!r}: the layer count after ':' must be an int "
+                             f">= 1, got {layers!r}")
+    causal, window, chunk = True, (-1, -1), None
+    for term in spec.split("+"):
+        name, _, value = term.strip().partition("=")
+        try:
+            if name == "causal" and not value:
+                causal = True
+            elif name == "full" and not value:
+                causal = False
+            elif name == "chunk":
+                chunk = int(value)
+            elif name == "window":
+                ends = [int(v) for v in value.split(",")]
+                if len(ends) not in (1, 2):
+                    raise ValueError
+                window = (ends[0], ends[1] if len(ends) == 2 else 0)
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"--mask {text!r}: unknown term {term!r}; use causal, full, "
+                             f"chunk=N, window=L or window=L,R joined by '+', then "
+                             f"':LAYERS' (e.g. chunk=8192:3)") from None
+    try:
+        return AttnMask(causal=causal, window_size=window, chunk_size=chunk), count
+    except ValueError as e:
+        raise ValueError(f"--mask {text!r}: {e}") from None
+
+
+OPTION_FLAGS = ("layout", "strategy", "a2a_size", "overlap_stages", "tile_tokens",
+                "min_chunk_tokens", "pad_multiple")
+
+
+def with_flags(job: Job | None, args: Any) -> Job:
+    """``job`` (None: defaults) with the command-line flags applied; ValueError naming the
+    flag on a bad value or a missing one."""
+    if job is None:
+        if args.heads is None:
+            raise ValueError("--heads is required without --config (the model's query heads "
+                             "per tensor-parallel rank)")
+        job = Job("command line", 1, CPConfig(),
+                  tuple(layer_types([(AttnMask(), 1)], "p2p")),
+                  AttnShape(n_heads=args.heads, n_kv_heads=args.kv_heads or args.heads,
+                            head_dim=128))
+    cp = job.cp if args.cp is None else _int(args.cp, "--cp")
+    options = {k: getattr(args, k) for k in OPTION_FLAGS if getattr(args, k) is not None}
+    config = job.config
+    if options:
+        if "layout" in options and options["layout"] != config.layout:
+            # the other layout's options do not apply to the new one
+            options.setdefault("tile_tokens", None)
+            options.setdefault("pad_multiple", None)
+        if "strategy" in options and "a2a_size" not in options:
+            options["a2a_size"] = None
+        if "strategy" in options and "overlap_stages" not in options:
+            options["overlap_stages"] = None
+        try:
+            config = dataclasses.replace(config, **options)
+        except ValueError as e:
+            raise ValueError(f"--{str(e).split(' ', 1)[0].replace('_', '-')}: {e}") from None
+    layers = job.layers
+    if args.mask:
+        masks = [parse_mask(m) for m in args.mask]
+        strategy = config.strategy if isinstance(config.strategy, str) else layers[0].strategy
+        layers = tuple(layer_types(masks, strategy, config.a2a_size))
+    if "strategy" in options or "a2a_size" in options:
+        layers = tuple(dataclasses.replace(t, strategy=config.strategy,
+                                           a2a_size=config.a2a_size) for t in layers)
+    shape = job.shape
+    changes = {k: v for k, v in (("n_heads", args.heads), ("n_kv_heads", args.kv_heads),
+                                 ("head_dim", args.head_dim), ("head_dim_v", args.head_dim_v))
+               if v is not None}
+    if args.heads is not None and args.kv_heads is None and job.source == "command line":
+        changes["n_kv_heads"] = args.heads
+    if args.dtype is not None:
+        if args.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {args.dtype!r}")
+        changes["dtype"] = DTYPES[args.dtype]
+    if changes:
+        try:
+            shape = dataclasses.replace(shape, **changes)
+        except ValueError as e:
+            raise ValueError(f"heads: {e}") from None
+    seq_len = job.seq_len if args.seq_len is None else _int(args.seq_len, "--seq-len")
+    changed = job.source != "command line" and (options or args.mask or changes or args.cp)
+    return Job(f"{job.source} with command-line changes" if changed else job.source, cp,
+               config, layers, shape, seq_len, job.rows)
