@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from ..kernels.host_copy import one_to_device
 from ..masks import AttnMask
 from ..checks import is_int
 from .balanced import (MaskWeights, check_chunk_tokens, check_tile_tokens, describe,
@@ -110,6 +112,18 @@ def _check_balance(layout: str, masks: Any, tile_tokens: Any, chunk_tokens: Any
     tile = check_chunk_tokens(chunk_tokens) if chunk_tokens is not None else \
         check_tile_tokens(tile_tokens)
     return normalize_masks(masks), tile
+
+
+def mark_token_dim(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` with its ``dim`` marked dynamic for torch.compile: a rank's local token count
+    changes with every batch's documents, and a graph compiled for one count would
+    otherwise be recompiled for the next (dynamo's automatic dynamic shapes only switch
+    after one recompile). Only when dynamo is loaded (torch.compile imports it; loading it
+    here would cost seconds to a user who never compiles); a hint, never an error."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.maybe_mark_dynamic(x, dim)
+    return x
 
 
 class CPPlan:
@@ -274,9 +288,10 @@ class CPPlan:
     # ---- sharding ----------------------------------------------------------------------
     def _on(self, name: str, device: torch.device, make: Callable[[], torch.Tensor]
             ) -> torch.Tensor:
-        """Host index table ``make()`` copied once to ``device`` and cached."""
+        """Host index table ``make()`` copied once to ``device`` (from a pinned staging
+        buffer, without a sync) and cached."""
         return self.cached(("plan_index", name, self.cp_rank, device),
-                           lambda: make().to(device, non_blocking=True))
+                           lambda: one_to_device(make(), device))
 
     def _check_tokens(self, x: Any, dim: int, expected: int, what: str) -> int:
         if not isinstance(x, torch.Tensor):
@@ -292,14 +307,15 @@ class CPPlan:
 
     def shard(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """This rank's part of ``x``, whose ``dim`` is the global (unpadded) token dim;
-        padding tokens are zeros."""
+        padding tokens are zeros. The token dim is marked dynamic for torch.compile
+        (:func:`mark_token_dim`)."""
         dim = self._check_tokens(x, dim, self.total_tokens, "x")
         index = self.token_indices
         out = x.index_select(dim, self._on("shard", x.device, lambda: index.clamp(min=0)))
         if self.num_tokens and bool((index < 0).any()):
             pad = self._on("shard_pad", x.device, lambda: torch.nonzero(index < 0).flatten())
             out.index_fill_(dim, pad, 0)
-        return out
+        return mark_token_dim(out, dim)
 
     def _global_gather_index(self, stride: int | None) -> torch.Tensor:
         """Row of every global token in the concatenation of all ranks' local rows, each

@@ -16,7 +16,9 @@ place, without out-sized fp32 temporaries; fp32 from the first fold on). The pic
 the backward (the remote keys the queries see; with S = 1 the local ones too, as one call needs them
 in one tensor). Backward, with the FINAL out/lse and the same dlse in every call (ring-attention
 rule): each fetched stage's dK/dV is computed and posted home while the next stage
-computes (its arrivals folded one stage later, which bounds the returns in flight to two),
+computes (its arrivals folded one stage later, which bounds the returns in flight to two;
+a row several ranks return is summed in one fixed order, ``schedules.rounds``, so dK/dV are
+bitwise deterministic on CUDA too),
 the local call runs last, under the last return; dQ (fp32 when the rank makes more than one
 call) and the local dK/dV (fp32) accumulate here. No host sync anywhere: every size comes
 from the host tables.
@@ -153,10 +155,10 @@ def staged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
     pending: Pending | None = None
     rows = None
 
-    def fold(acc, pending, rows):
-        acc = _zeros(acc, t, width, q.device)
-        acc.index_add_(0, rows, pending.result().float())
-        return acc
+    def fold(acc, pending, rounds):
+        # the returns of a row fetched by several ranks, summed in one fixed order
+        # (``UniqueRounds``): no index_add_ with duplicate rows, deterministic on CUDA
+        return rounds.add_(_zeros(acc, t, width, q.device), pending.result().float())
 
     for s, stage in enumerate(tab.stages):
         k_s, v_s = fetched[2 * s], fetched[2 * s + 1]
@@ -176,7 +178,7 @@ def staged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
         del grads
         if pending is not None:  # the previous stage's returns travelled meanwhile
             acc = fold(acc, pending, rows)
-        pending, rows = posted, stage.in_rows
+        pending, rows = posted, stage.rounds
     if tab.local is not None:
         dq_0, dk_0, dv_0 = attn.bwd(dout, q, k, v, out, lse, tab.local, dlse)
         dq = _add(dq, dq_0, several)
