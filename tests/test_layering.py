@@ -1,7 +1,8 @@
 """The package's layering (README "Layout of the repository"): imports only go down.
 
 Floors, top to bottom:
-  (entry points) -> integrations -> {prepare} -> {config, attention} -> {strategies, sharding}
+  (entry points) -> integrations -> {prepare} -> {config, attention, graph_op, cp_call}
+  -> {strategies, sharding}
   -> {schedules} -> {plan} -> {masks, checks} -> kernels
 Read from the source with ``ast`` (no import side effects): every ``from .x import`` /
 ``from ..x import`` inside ``plugin/`` is resolved to its top-level part of the package, and
@@ -16,7 +17,8 @@ from pathlib import Path
 PLUGIN = Path(__file__).resolve().parent.parent / "plugin"
 FLOOR = {
     "train": 8,  # the torchtitan launcher (an entry point above the integrations)
-    "integrations": 7, "prepare": 6, "config": 5, "attention": 5, "strategies": 4,
+    "integrations": 7, "prepare": 6, "config": 5, "attention": 5, "graph_op": 5,
+    "cp_call": 5, "strategies": 4,
     "sharding": 4, "schedules": 3, "plan": 2, "masks": 1, "checks": 1, "kernels": 0,
 }
 

@@ -16,8 +16,10 @@ is not differentiable.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
 import sys
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -114,6 +116,20 @@ def _check_balance(layout: str, masks: Any, tile_tokens: Any, chunk_tokens: Any
     return normalize_masks(masks), tile
 
 
+# handle -> plan: how a compiled graph names a plan (``CPPlan.handle``) without holding it
+_PLANS: "weakref.WeakValueDictionary[int, CPPlan]" = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+
+
+def plan_of_handle(handle: torch.Tensor) -> "CPPlan":
+    """The live plan whose ``handle`` this is (a CPU int64 tensor: reading it is host
+    work)."""
+    plan = _PLANS.get(int(handle[0]))
+    if plan is None:
+        raise ValueError(f"plan: handle {int(handle[0])} names no live CPPlan")
+    return plan
+
+
 def mark_token_dim(x: torch.Tensor, dim: int) -> torch.Tensor:
     """``x`` with its ``dim`` marked dynamic for torch.compile: a rank's local token count
     changes with every batch's documents, and a graph compiled for one count would
@@ -158,6 +174,11 @@ class CPPlan:
         seg = tables.local_cu[:, 1:] - tables.local_cu[:, :-1]
         self._max_seg = (seg.amax(1) if self.n_docs else torch.zeros(cp_size)).tolist()
         self._cache: dict[Any, Any] = {}
+        # A graph input that names this plan (torch.compile: the plan is data, never a
+        # guard or a constant; ``varlen_cp.graph_op`` looks it up with plan_of_handle).
+        key = next(_HANDLES)
+        _PLANS[key] = self
+        self.handle = torch.tensor([key], dtype=torch.int64)
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int,

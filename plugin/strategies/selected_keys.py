@@ -43,7 +43,7 @@ from ..schedules.shape import Shape, make_shape
 from ..schedules.keys import device_table, table_key
 from ..schedules.staged import Stage, StagedTables, resolve_stages, staged_tables
 from .base import CallSpec, Strategy
-from .calls import Attn, dlse_or_none, head_max, maybe_max, no_max
+from .calls import Attn, dlse_or_none, head_max, no_max
 
 
 def unpack_key_grads(acc: torch.Tensor, k_shape: torch.Size, k_dtype: torch.dtype,
@@ -265,11 +265,9 @@ class SelectedKeysStrategy(Strategy):
         tables(plan, mask, block, self.name,
                resolve_stages(plan, mask, self.name, shape, overlap_stages), device)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Differentiable (out, lse, per-head max or None)."""
+    def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
+                 ) -> tuple[type[torch.autograd.Function], tuple]:
         shape = make_shape(q.shape[1], k.shape[1], q.shape[2], v.shape[2], q.element_size())
         stages = resolve_stages(spec.plan, spec.attn.mask, self.name, shape,
                                 spec.overlap_stages)
-        out, lse, max_part = StagedKeysAttention.apply(q, k, v, spec, self, stages)
-        return out, lse, maybe_max(max_part)
+        return StagedKeysAttention, (spec, self, stages)

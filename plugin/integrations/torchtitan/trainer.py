@@ -49,7 +49,9 @@ from torchtitan.distributed.spmd_types import annotate_input_spmd_types
 from torchtitan.models.common.attention import BaseAttention, VarlenAttention
 from torchtitan.trainer import Trainer
 
+from ...kernels.host_copy import one_to_device
 from ...plan import CPPlan
+from ...plan.cpplan import mark_token_dim
 from ...prepare import PlanPrefetcher, build_plan, prepare_plan
 from ...sharding import cu_seqlens_from_positions, shard_packed_batch
 from ...strategies import get_strategy
@@ -80,6 +82,20 @@ def packed_cu_seqlens(positions: torch.Tensor | None, shape: tuple[int, int]) ->
     pos = positions.detach().to("cpu").clone()
     pos[:, 0] = 0  # rows are packed back to back: every row starts a document
     return cu_seqlens_from_positions(pos.reshape(1, -1))
+
+
+def mark_dynamic_activations(model: torch.nn.Module) -> None:
+    """Mark the token dim of the activations that enter torch.compile'd regions as dynamic:
+    the embedding's output (into the compiled blocks) and the model's output (into the
+    compiled loss). A rank's local token count changes with every batch's documents;
+    unmarked, each compiled block would be recompiled once, at the second batch (dynamo's
+    automatic dynamic shapes), and again whenever a 0/1-sized dim appears."""
+    def hook(module: Any, args: Any, output: Any) -> Any:
+        return mark_token_dim(output, 1) if isinstance(output, torch.Tensor) else output
+
+    for module in (getattr(model, "tok_embeddings", None), model):
+        if module is not None:
+            module.register_forward_hook(hook)
 
 
 class VarlenCPMetrics(MetricsProcessor):
@@ -197,6 +213,8 @@ class VarlenCPTrainer(Trainer):
             self.cp_size, self.cp_rank = mesh.size(), mesh.get_local_rank()
         for part in self.model_parts:
             bind_cp_group(part, self.cp_group)
+            if config.compile.enable and self.attn_layers:
+                mark_dynamic_activations(part)
         if isinstance(self.metrics_processor, VarlenCPMetrics):
             self.metrics_processor.model_parts = list(self.model_parts)
 
@@ -246,14 +264,18 @@ class VarlenCPTrainer(Trainer):
         plan = planned.plan if isinstance(planned, PlannedBatch) else \
             self.make_plan(input_dict, labels)
         n = inputs.numel()
+        # The plan-agreement check runs here, on host tensors, before the model: the
+        # attention layers find it done (no collective or host read inside the forward).
         local = shard_packed_batch({"input": inputs.reshape(1, n), "labels": labels.reshape(1, n)},
-                                   plan, ignore_index=IGNORE_INDEX)
+                                   plan, ignore_index=IGNORE_INDEX,
+                                   validate=self.config.varlen_cp.validate and self.cp_size > 1,
+                                   group=self.cp_group)
         inputs, labels = local["input"], local["labels"]
         # RoPE takes the plan's per-document positions (no placeholder to shard). It reads
         # a cache row per position: padding tokens (-1, te layout) read row 0, their
         # attention rows see nothing anyway.
-        positions = plan.positions.to(inputs.device, torch.int64, non_blocking=True)
-        positions = positions.clamp(min=0).view(1, -1)
+        positions = one_to_device(plan.positions.clamp(min=0).to(torch.int64), inputs.device)
+        positions = mark_token_dim(positions.view(1, -1), 1)   # per-batch length (compile)
         self.ntokens_seen += labels.numel()
         extra_kwargs: dict[str, Any] = {"positions": positions,
                                         "attention_masks": PackedBatch(plan)}
