@@ -11,7 +11,7 @@ seconds of every batch (the first ones are compile time), and whether the compil
 gradients equal eager's on the same batches.
 
 Usage: python bench/compile_graphs.py [--strategies p2p,dispatch] [--backend aot_eager]
-[--batches 8] [--cp 2] [--out bench/results/compile.json]
+[--batches 8] [--cp 2] [--a2a-size 2] [--out bench/results/compile.json]
 Tests import :func:`run_rank` (tests/test_compile.py) with fewer batches.
 """
 
@@ -55,13 +55,15 @@ class Layer(torch.nn.Module):
     """Pre-norm attention block; ``functional``: call ``cp_varlen_attn`` directly instead
     of the module (both public entries get compiled)."""
 
-    def __init__(self, mask: AttnMask, strategy: str, group, functional: bool) -> None:
+    def __init__(self, mask: AttnMask, strategy: str, group, functional: bool,
+                 a2a_size: int | None = None) -> None:
         super().__init__()
         self.norm = torch.nn.LayerNorm(DIM)
         self.qkv = torch.nn.Linear(DIM, (HQ + 2 * HKV) * HEAD_DIM)
         self.proj = torch.nn.Linear(HQ * HEAD_DIM, DIM)
         self.mask, self.strategy, self.group, self.functional = mask, strategy, group, functional
-        self.attn = ContextParallelVarlenAttention(mask, strategy, group)
+        self.a2a_size = a2a_size
+        self.attn = ContextParallelVarlenAttention(mask, strategy, group, a2a_size=a2a_size)
 
     def forward(self, x: torch.Tensor, plan: CPPlan) -> torch.Tensor:
         t = x.shape[0]
@@ -69,17 +71,18 @@ class Layer(torch.nn.Module):
                                                 HKV * HEAD_DIM], dim=-1)
         q, k, v = q.view(t, HQ, HEAD_DIM), k.view(t, HKV, HEAD_DIM), v.view(t, HKV, HEAD_DIM)
         if self.functional:
-            o = cp_varlen_attn(q, k, v, plan, self.mask, self.group, self.strategy)
+            o = cp_varlen_attn(q, k, v, plan, self.mask, self.group, self.strategy,
+                               a2a_size=self.a2a_size)
         else:
             o = self.attn(q, k, v, plan)
         return x + self.proj(o.reshape(t, HQ * HEAD_DIM))
 
 
 class Model(torch.nn.Module):
-    def __init__(self, strategy: str, group) -> None:
+    def __init__(self, strategy: str, group, a2a_size: int | None = None) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList(
-            [Layer(m, strategy, group, functional=i % 2 == 1) for i, m in enumerate(MASKS)])
+            [Layer(m, strategy, group, i % 2 == 1, a2a_size) for i, m in enumerate(MASKS)])
 
     def forward(self, x: torch.Tensor, plan: CPPlan) -> torch.Tensor:
         for layer in self.layers:
@@ -114,7 +117,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_rank(rank: int, world: int, strategy: str, backend: str, n_batches: int,
-             layout: str = "dual_chunk", check_eager: bool = True) -> dict:
+             layout: str = "dual_chunk", check_eager: bool = True,
+             a2a_size: int | None = None) -> dict:
     """Compile the model with ``backend`` and run ``n_batches`` batches on this rank;
     returns the counters and timings, and the largest relative difference to eager (loss and
     every gradient, ``_rel``) and how many compiled calls' backward states are still held
@@ -125,7 +129,9 @@ def run_rank(rank: int, world: int, strategy: str, backend: str, n_batches: int,
     torch.manual_seed(0)
     torch._dynamo.reset()
     counters.clear()
-    model = Model(strategy, None)
+    import torch.distributed as dist
+    # an explicit CP group (its name is what the compiled op carries), not the default one
+    model = Model(strategy, dist.new_group(list(range(world))), a2a_size)
     compiled = torch.compile(model, backend=backend)
     graphs, breaks, seconds, diffs = [], [], [], []
     for i, docs in enumerate(document_mixes(n_batches)):
@@ -154,7 +160,8 @@ def _worker(rank, world, store, args, out):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=600))
     try:
-        res = [run_rank(rank, world, s, args.backend, args.batches, args.layout)
+        res = [run_rank(rank, world, s, args.backend, args.batches, args.layout,
+                        a2a_size=args.a2a_size if s == "a2a+p2p" else None)
                for s in args.strategies.split(",")]
         if rank == 0:
             out.put(res)
@@ -169,6 +176,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=8)
     p.add_argument("--cp", type=int, default=2)
     p.add_argument("--layout", default="dual_chunk")
+    p.add_argument("--a2a-size", type=int, default=None, help="a2a+p2p's Ulysses group size")
     p.add_argument("--out", default="")
     args = p.parse_args()
     import torch.multiprocessing as mp

@@ -16,9 +16,14 @@ sequence; a document starts where positions == 0 and at every row start, as torc
 ``create_varlen_metadata_for_document`` does), builds the batch's plan with the layer masks
 (``varlen_cp.prepare.build_plan``) and every table each mask's attention will need, with
 their device copies (``prepare_plan``), while the current step runs. The step
-(``post_dataloading_process``) only shards input, labels and positions with the ready plan
-(``shard_packed_batch``); RoPE gets the sharded per-document positions and every attention
-layer the plan (``PackedBatch``). ``[varlen_cp] prefetch = false`` builds it inline instead.
+(``post_dataloading_process``) checks that the CP ranks built the same plan (``validate``:
+one all-reduce of host tensors, before the model runs, so no attention layer syncs) and
+shards input, labels and positions with the ready plan (``shard_packed_batch``); RoPE gets
+the sharded per-document positions and every attention layer the plan (``PackedBatch``).
+``[varlen_cp] prefetch = false`` builds it inline instead. ``[compile] enable = true``: the
+blocks compile with the CP attention as one custom op (``varlen_cp.graph_op``); the token
+dim of what enters a compiled region is marked dynamic (``mark_dynamic_activations``), so
+later batches, with other local token counts, reuse the first batch's graphs.
 
 Loss normalisation: torchtitan counts the valid labels of the *unsharded* batch of each
 data-parallel rank (all CP ranks of a group see the same batch) and sums that over the
@@ -98,13 +103,22 @@ def mark_dynamic_activations(model: torch.nn.Module) -> None:
             module.register_forward_hook(hook)
 
 
+def compile_counters() -> dict[str, int]:
+    """Dynamo's counters of this process: compiled graphs and graph breaks so far."""
+    from torch._dynamo.utils import counters
+    return {"compiled_graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
+
+
 class VarlenCPMetrics(MetricsProcessor):
     """torchtitan's metrics, plus one JSON line per logged step (rank 0) for comparisons,
     plus ``max_logit/layer_N`` (max over heads and over all ranks) when the model tracks
     max logits. The max-logit read is one small all-reduce and host copy per *logged* step,
-    outside forward/backward."""
+    outside forward/backward. With ``[compile] enable``, each row also carries dynamo's
+    counters of this process so far: ``compiled_graphs`` and ``graph_breaks``."""
 
     model_parts: list[torch.nn.Module] = []
+    compile_enabled: bool = False
 
     @dataclass(kw_only=True, slots=True)
     class Config(MetricsProcessor.Config):
@@ -125,6 +139,8 @@ class VarlenCPMetrics(MetricsProcessor):
             row = {"step": step, "loss": global_avg_loss, "grad_norm": grad_norm, "tps": tps}
             if max_logits:
                 row["max_logit"] = max_logits
+            if self.compile_enabled:
+                row.update(compile_counters())
             with open(path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
@@ -217,6 +233,7 @@ class VarlenCPTrainer(Trainer):
                 mark_dynamic_activations(part)
         if isinstance(self.metrics_processor, VarlenCPMetrics):
             self.metrics_processor.model_parts = list(self.model_parts)
+            self.metrics_processor.compile_enabled = config.compile.enable
 
     # ------------------------------------------------------------------ the batch's plan
     def make_plan(self, input_dict: dict[str, Any], labels: torch.Tensor) -> CPPlan:
