@@ -87,3 +87,30 @@ def test_compiled_cp1_call_sink_lse_and_errors(one_thread):
     other = CPPlan.build(torch.tensor([0, 31]), cp_size=1, cp_rank=0)
     with pytest.raises(ValueError, match="local tokens"):
         compiled(*leaves, other)
+
+
+def test_compiled_module_learnable_sink_and_max_logit(one_thread):
+    """The module with a learnable sink and ``track_max_logit`` (a module attribute set in
+    forward): output, max logit and the sink's gradient equal eager's, one graph."""
+    from torch._dynamo.utils import counters
+    from varlen_cp import ContextParallelVarlenAttention
+    torch._dynamo.reset()
+    counters.clear()
+    module = ContextParallelVarlenAttention(AttnMask(causal=True), softmax_type="learnable",
+                                            n_heads=4, track_max_logit=True)
+    with torch.no_grad():
+        module.sink.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0]))
+    plan = CPPlan.build(torch.tensor([0, 5, 17, 30]), cp_size=1, cp_rank=0)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(30, 4, 8, generator=g).requires_grad_()
+    k, v = torch.randn(30, 2, 8, generator=g), torch.randn(30, 2, 8, generator=g)
+    results = []
+    for run in (torch.compile(module, backend="aot_eager"), module):
+        out = run(q, k, v, plan)
+        out.sum().backward()
+        results.append((out.detach(), module.max_logit.clone(), module.sink.grad.clone(),
+                        q.grad.clone()))
+        module.sink.grad = q.grad = None
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]

@@ -72,11 +72,14 @@ RUNS = {  # name: (processes, overrides)
     # learnable attention sinks (a trained parameter per layer, FSDP-sharded over cp) and
     # per-layer max logits in the metrics
     # torch.compile of every block (fullgraph, torchtitan's default) and of the loss: the CP
-    # call is one custom op (varlen_cp.graph_op); aot_eager and inductor (C++ on the host)
+    # call is one custom op (varlen_cp.graph_op); aot_eager and inductor (C++ on the host);
+    # layouts whose local token counts change from batch to batch
     "cp2_compile": (2, ["--parallelism.context_parallel_degree", "2",
-                        "--varlen_cp.strategy", "dispatch", *COMPILE, "aot_eager"]),
+                        "--varlen_cp.strategy", "dispatch", "--varlen_cp.layout", "dual_chunk",
+                        *COMPILE, "aot_eager"]),
     "cp2_compile_inductor": (2, ["--parallelism.context_parallel_degree", "2",
-                                 "--varlen_cp.strategy", "p2p", *COMPILE, "inductor"]),
+                                 "--varlen_cp.strategy", "p2p", "--varlen_cp.layout", "te",
+                                 *COMPILE, "inductor"]),
     "cp1_sink": (1, SINK),
     "cp2_sink": (2, SINK + ["--parallelism.context_parallel_degree", "2",
                             "--varlen_cp.strategy", "p2p"]),

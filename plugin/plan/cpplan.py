@@ -137,7 +137,7 @@ def mark_token_dim(x: torch.Tensor, dim: int) -> torch.Tensor:
     after one recompile). Only when dynamo is loaded (torch.compile imports it; loading it
     here would cost seconds to a user who never compiles); a hint, never an error."""
     dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is not None:
+    if dynamo is not None and not torch.compiler.is_compiling():  # marks are for inputs
         dynamo.maybe_mark_dynamic(x, dim)
     return x
 

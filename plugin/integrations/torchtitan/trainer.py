@@ -90,17 +90,27 @@ def packed_cu_seqlens(positions: torch.Tensor | None, shape: tuple[int, int]) ->
 
 
 def mark_dynamic_activations(model: torch.nn.Module) -> None:
-    """Mark the token dim of the activations that enter torch.compile'd regions as dynamic:
-    the embedding's output (into the compiled blocks) and the model's output (into the
-    compiled loss). A rank's local token count changes with every batch's documents;
-    unmarked, each compiled block would be recompiled once, at the second batch (dynamo's
-    automatic dynamic shapes), and again whenever a 0/1-sized dim appears."""
-    def hook(module: Any, args: Any, output: Any) -> Any:
+    """Mark the token dim of what enters torch.compile'd regions as dynamic: every tensor
+    argument of each compiled block (x [B, T, D], positions [B, T]; a forward pre-hook that
+    runs after FSDP's, whose hook hands the block a new view of its input) and the model's
+    output (into the compiled loss). A rank's local token count changes with every batch's
+    documents; unmarked, each compiled block would be recompiled at the first batch with
+    another count (dynamo's automatic dynamic shapes), and a 0/1-sized dim again."""
+    def mark_output(module: Any, args: Any, output: Any) -> Any:
         return mark_token_dim(output, 1) if isinstance(output, torch.Tensor) else output
 
-    for module in (getattr(model, "tok_embeddings", None), model):
-        if module is not None:
-            module.register_forward_hook(hook)
+    # A compiled module's hooks run under dynamo's frame callback (the block's forward is
+    # the compiled frame): kept out of it, the marks land on the tensors the frame gets.
+    @torch.compiler.disable
+    def mark_inputs(module: Any, args: Any, kwargs: Any) -> None:
+        for t in list(args) + list(kwargs.values()):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2:
+                mark_token_dim(t, 1)
+
+    model.register_forward_hook(mark_output)
+    for module in model.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module.register_forward_pre_hook(mark_inputs, with_kwargs=True)
 
 
 def compile_counters() -> dict[str, int]:
