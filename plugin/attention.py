@@ -15,8 +15,9 @@ returned its results on the current stream, joins them (no host sync). Attention
 strategy's partial results are merged, through ``apply_softmax_sink`` on (out, lse); that is
 why the strategies' LSE is differentiable.
 
-All argument checks run here, once per call and before any communication, so a bad call
-fails with a ValueError on every rank instead of hanging a collective; the strategies then
+All argument checks run once per call (``varlen_cp.cp_call.prepare_call``), before any
+communication, so a bad call fails with a ValueError on every rank instead of hanging a
+collective; the strategies then
 run on host tables built from the plan (``varlen_cp.schedules``) and call the kernels
 without re-checking per step. ``validate`` (the default): every rank of the group must have
 built the same plan (ranks that disagree would otherwise get silently wrong results or a
@@ -25,7 +26,10 @@ hung collective): ``varlen_cp.plan.agreement``, one 16-byte all-reduce of host t
 before the model runs; a call on a plan the step did not check runs it itself, on the
 host, at the first layer (later layers find it done). With cp_size == 1
 the call is the local differentiable op, after the same checks (a strategy's option and
-head rules included). Limits: self-attention only (q and k share the plan's token layout).
+head rules included). Under torch.compile the whole call (checks included, at run time) is
+one opaque custom op (``varlen_cp.graph_op``): no graph break, and a new plan is new data for
+the graph, not a recompile. Limits: self-attention only (q and k share the plan's token
+layout).
 A learnable sink is replicated on the CP ranks: each rank's ``sink.grad`` is its own
 queries' share, summed by the usual gradient all-reduce over the CP (and data) ranks, as
 for every other replicated parameter.
