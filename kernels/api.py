@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from . import environment, validation
+from .host_copy import one_to_device
 from .schedule import BlockSchedule, build_block_schedule
 from .sink import apply_softmax_sink, check_softmax_args, max_logit_of
 
@@ -183,9 +184,13 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 # ------------------------------------------------------------------------ argument prep
 def _to_device_int32(t: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
+    """int32 ``t`` on ``device``: host metadata is cast on the host and copied from a
+    pinned staging buffer (``host_copy``); device metadata is cast in place."""
     if t is None:
         return None
-    return t.to(device=device, dtype=torch.int32, non_blocking=True).contiguous()
+    if t.device.type == "cpu":
+        return one_to_device(t.to(torch.int32), device).contiguous()
+    return t.to(device=device, dtype=torch.int32).contiguous()
 
 
 def _on_host(*tensors: Optional[torch.Tensor]) -> bool:

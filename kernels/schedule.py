@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .host_copy import to_device
 from .mask_math import UNBOUNDED, implicit_positions, key_interval, query_interval
 
 # Segment keys are spread this far apart so one searchsorted serves every segment at once.
@@ -39,10 +40,11 @@ class BlockSchedule:
     visited_pairs: int
 
     def to(self, device: torch.device | str) -> "BlockSchedule":
-        """Copy the tables to ``device`` without waiting on the host (non_blocking)."""
-        return BlockSchedule(self.block_m, self.block_n,
-                             self.kv_range.to(device, non_blocking=True),
-                             self.q_range.to(device, non_blocking=True), self.visited_pairs)
+        """Copy the tables to ``device`` without waiting on the host: one non_blocking copy
+        from a pinned, reused staging buffer (``host_copy.to_device``)."""
+        kv_range, q_range = to_device([self.kv_range, self.q_range], device)
+        return BlockSchedule(self.block_m, self.block_n, kv_range, q_range,
+                             self.visited_pairs)
 
 
 def segment_ids(cu: torch.Tensor, total: int) -> torch.Tensor:

@@ -15,16 +15,21 @@ returned its results on the current stream, joins them (no host sync). Attention
 strategy's partial results are merged, through ``apply_softmax_sink`` on (out, lse); that is
 why the strategies' LSE is differentiable.
 
-All argument checks run here, once per call and before any communication, so a bad call
-fails with a ValueError on every rank instead of hanging a collective; the strategies then
+All argument checks run once per call (``varlen_cp.cp_call.prepare_call``), before any
+communication, so a bad call fails with a ValueError on every rank instead of hanging a
+collective; the strategies then
 run on host tables built from the plan (``varlen_cp.schedules``) and call the kernels
-without re-checking per step. With ``validate`` (the default) the first call on a plan also
-checks, with one 16-byte all-reduce, that every rank of the group built the same plan
-(ranks that disagree would otherwise get silently wrong results or a hung collective); the
-answer is remembered beside the plan (a weak map keyed by it, per group), so it costs one
-small collective and one host read per plan (per batch), not per layer. With cp_size == 1
+without re-checking per step. ``validate`` (the default): every rank of the group must have
+built the same plan (ranks that disagree would otherwise get silently wrong results or a
+hung collective): ``varlen_cp.plan.agreement``, one 16-byte all-reduce of host tensors per
+(plan, group), no device sync. The integrations run it in the step's sharding of the batch,
+before the model runs; a call on a plan the step did not check runs it itself, on the
+host, at the first layer (later layers find it done). With cp_size == 1
 the call is the local differentiable op, after the same checks (a strategy's option and
-head rules included). Limits: self-attention only (q and k share the plan's token layout).
+head rules included). Under torch.compile the whole call (checks included, at run time) is
+one opaque custom op (``varlen_cp.graph_op``): no graph break, and a new plan is new data for
+the graph, not a recompile. Limits: self-attention only (q and k share the plan's token
+layout).
 A learnable sink is replicated on the CP ranks: each rank's ``sink.grad`` is its own
 queries' share, summed by the usual gradient all-reduce over the CP (and data) ranks, as
 for every other replicated parameter.
@@ -32,115 +37,24 @@ for every other replicated parameter.
 
 from __future__ import annotations
 
-import math
-import struct
-import weakref
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from .checks import check_bool, check_choice, check_int
+from .checks import check_bool, check_choice
 from .config import AttnShape, check_overlap_stages
-from .kernels import SOFTMAX_TYPES, apply_softmax_sink, block_sizes_for, check_softmax_args
-from .kernels import resolve_backend
-from .kernels.validation import BACKENDS, check_qkv
+from .cp_call import (check_a2a_size, check_flags, check_inputs, check_scale,  # noqa: F401
+                      prepare_call, resolve_group, run_eager, strategy_for)
+from .graph_op import graph_call
+from .kernels import SOFTMAX_TYPES, apply_softmax_sink, block_sizes_for
+from .kernels.validation import BACKENDS
 from .masks import AttnMask
 from .plan import CPPlan
 from .plan.collective import check_group_type
 from .schedules.auto import choose_strategy
 from .schedules.shape import make_shape
-from .strategies import LOCAL, CallSpec, Strategy, get_strategy
-from .strategies.calls import Attn
-
-# ------------------------------------------------------------------------------- checks
-def _check_scale(softmax_scale: Any) -> None:
-    """None, or a positive float that stays finite and non-zero in fp32 (what the kernels
-    scale scores in: 1e39 is inf there, 1e-50 is 0)."""
-    if softmax_scale is None:
-        return
-    ok = isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
-    if ok:
-        try:
-            fp32 = struct.unpack("f", struct.pack("f", float(softmax_scale)))[0]
-        except OverflowError:  # beyond fp32 (or a float), e.g. 1e39 or 10**400
-            fp32 = math.inf
-        ok = math.isfinite(fp32) and fp32 > 0
-    if not ok:
-        raise ValueError(f"softmax_scale must be a finite positive float (in fp32) or None, "
-                         f"got {softmax_scale!r}")
-
-
-def _check_a2a_size(strategy: str, a2a_size: Any) -> None:
-    """``a2a_size`` is an option of "a2a+p2p" only, and a positive int (whether it divides
-    cp_size is the strategy's check, once the plan is known)."""
-    if a2a_size is not None and strategy != "a2a+p2p":
-        raise ValueError(f"a2a_size applies to strategy 'a2a+p2p' only, got "
-                         f"a2a_size={a2a_size!r} with strategy={strategy!r}")
-    check_int("a2a_size", a2a_size, 1, optional=True)
-
-
-def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any,
-                 mask: Any) -> None:
-    """Local q/k/v against each other (the kernels' own ``check_qkv``: shapes, dtypes,
-    devices, GQA, head dims) and against the plan (local token counts)."""
-    if not isinstance(plan, CPPlan):
-        raise ValueError(f"plan must be a varlen_cp.CPPlan, got {type(plan).__name__}")
-    if not isinstance(mask, AttnMask):
-        raise ValueError(f"mask must be a varlen_cp.AttnMask, got {type(mask).__name__}")
-    check_qkv(q, k, v)
-    n_local = plan.num_tokens_of(plan.cp_rank)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.shape[0] != n_local:
-            raise ValueError(f"{name} has {t.shape[0]} local tokens, but the plan gives "
-                             f"rank {plan.cp_rank} {n_local} tokens")
-
-
-def resolve_group(group: Any, plan: CPPlan) -> Any:
-    """The CP process group (``group``, else the default group) after checking that it is
-    one, that its size is the plan's cp_size and that this process is the plan's rank."""
-    check_group_type(group)
-    if plan.cp_size == 1 and group is None:
-        return None
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(f"group: torch.distributed is not initialized, but the plan has "
-                         f"cp_size={plan.cp_size} > 1")
-    group = dist.group.WORLD if group is None else group
-    size = dist.get_world_size(group)
-    if size != plan.cp_size:
-        raise ValueError(f"group: size {size} differs from the plan's cp_size={plan.cp_size}")
-    rank = dist.get_rank(group)
-    if rank != plan.cp_rank:
-        raise ValueError(f"plan: built for cp_rank={plan.cp_rank}, but this process is rank "
-                         f"{rank} of the group")
-    return group
-
-
-# plan -> the groups (as rank tuples) whose ranks were found to agree on it; weak, so a
-# plan's entry goes with the plan.
-_AGREED: "weakref.WeakKeyDictionary[CPPlan, set]" = weakref.WeakKeyDictionary()
-
-
-def check_plan_agreement(plan: CPPlan, group: Any, device: torch.device) -> None:
-    """All ranks of ``group`` built the same plan: MAX of [fp, -fp] gives max and -min of
-    the fingerprints in one all-reduce. Once per (plan, group): later calls return at once
-    (every rank of the group makes the same calls, so all skip or all join). Reads one
-    value back to the host (a sync)."""
-    ranks = tuple(dist.get_process_group_ranks(group))
-    done = _AGREED.setdefault(plan, set())
-    if ranks in done:
-        return
-    fp = plan.fingerprint()
-    t = torch.tensor([fp, -fp], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    hi, neg_lo = (int(x) for x in t.cpu())
-    if hi != -neg_lo:
-        raise ValueError(f"plan: ranks built different plans (fingerprints range "
-                         f"{-neg_lo}..{hi}); every rank must build the plan from the "
-                         f"same global cu_seqlens, cp_size and layout")
-    done.add(ranks)
-
+from .strategies import get_strategy
 
 def _results(out: torch.Tensor, lse: torch.Tensor, max_logit: torch.Tensor | None,
              return_lse: bool):
@@ -148,10 +62,6 @@ def _results(out: torch.Tensor, lse: torch.Tensor, max_logit: torch.Tensor | Non
     res = (out,) + ((lse,) if return_lse else ()) + \
         ((max_logit,) if max_logit is not None else ())
     return res if len(res) > 1 else out
-
-
-def _strategy_for(plan: CPPlan, strategy: str) -> Strategy:
-    return LOCAL if plan.cp_size == 1 else get_strategy(strategy)
 
 
 # -------------------------------------------------------------------------- ahead of time
@@ -185,7 +95,7 @@ def prepare_attention(plan: CPPlan, mask: AttnMask, strategy: str, shape: Any,
                          f"{type(shape).__name__}")
     device = _check_device(device)
     check_choice("backend", backend, BACKENDS)
-    _check_a2a_size(strategy, a2a_size)
+    check_a2a_size(strategy, a2a_size)
     check_overlap_stages(overlap_stages, strategy)
     if strategy != "auto":  # the call's own rule, so a bad option fails ahead of the step
         get_strategy(strategy).check_heads(shape.n_heads, shape.n_kv_heads, plan.cp_size,
@@ -199,7 +109,7 @@ def prepare_attention(plan: CPPlan, mask: AttnMask, strategy: str, shape: Any,
                                    n_kv_heads=shape.n_kv_heads, head_dim=shape.head_dim,
                                    head_dim_v=shape.value_dim,
                                    dtype_bytes=shape.dtype.itemsize)
-    chosen = _strategy_for(plan, strategy)
+    chosen = strategy_for(plan, strategy)
     chosen.prepare(plan, mask, block, device, cost_shape, a2a_size,
                    overlap_stages if chosen.staged else None)
     return "p2p" if strategy == "auto" else strategy
@@ -227,9 +137,10 @@ def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPl
     picks one of them): S kernel stages, the local keys first and the remote K/V in S - 1
     transfers, each in flight while the previous stage computes (1: one transfer, then one
     call; None: the cost model's choice, cached in the plan per mask and head shape; see
-    ``varlen_cp.schedules.staged``). ``validate`` (default True): on the first call with
-    this plan, check that all ranks built the same plan (one 16-byte all-reduce and a
-    host read, remembered for the plan); False skips it.
+    ``varlen_cp.schedules.staged``). ``validate`` (default True): all ranks must have built
+    the same plan; checked once per plan on the host (``varlen_cp.plan.agreement``: one
+    16-byte all-reduce of host tensors, no device sync), nothing to do when the step's
+    sharding already checked it; False skips it.
     ``softmax_type``: "vanilla", "off-by-one" (a zero sink logit per head) or "learnable"
     (``sink``: fp32 [Hq] logits on q's device, usually an ``nn.Parameter``; it gets this
     rank's share of the gradient).
@@ -240,54 +151,21 @@ def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPl
     batch (the same on every rank; -inf for a head that sees nothing; not differentiable).
     A tuple when more than one.
     """
-    if strategy != "auto":
-        get_strategy(strategy)  # validates the name before anything else
-    check_inputs(q, k, v, plan, mask)
-    _check_scale(softmax_scale)
-    for name, flag in (("return_lse", return_lse), ("return_max_logit", return_max_logit),
-                       ("validate", validate)):
-        check_bool(name, flag)
-    check_softmax_args(softmax_type, sink, q.shape[1], q.device)
-    _check_a2a_size(strategy, a2a_size)
-    check_overlap_stages(overlap_stages, strategy)
-    backend = resolve_backend(backend, q.device)
-    block = tuple(block_sizes_for(backend, q.device, q.shape[2], v.shape[2], dtype=q.dtype))
-    group = resolve_group(group, plan)
-    if strategy != "auto":  # the same rules at every cp, so cp=1 debugging catches them
-        get_strategy(strategy).check_heads(q.shape[1], k.shape[1], plan.cp_size, a2a_size)
-    if plan.cp_size > 1:
-        if strategy == "auto":  # closed-form costs, cached in the plan per (mask, shapes)
-            strategy = choose_strategy(plan, mask, n_heads=q.shape[1], n_kv_heads=k.shape[1],
-                                       head_dim=q.shape[2], head_dim_v=v.shape[2],
-                                       dtype_bytes=q.element_size())
-        if validate:
-            check_plan_agreement(plan, group, q.device)
-    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-    # The sink rescales by the merged LSE, so the strategy must hand it back.
-    need_lse = return_lse or softmax_type != "vanilla"
-    spec = CallSpec(plan, Attn(mask, scale, backend), group, block, need_lse,
-                    return_max_logit, a2a_size, overlap_stages)
-    out, lse, max_part = _strategy_for(plan, strategy).attention(q, k, v, spec)
+    if torch.compiler.is_compiling():  # one opaque custom op: no break, no recompile
+        check_flags(return_lse, return_max_logit, validate, softmax_type, sink, q.shape[1],
+                    q.device)
+        # The sink rescales by the merged LSE, so the op must hand it back.
+        need_lse = return_lse or softmax_type != "vanilla"
+        out, lse, max_logit = graph_call(q, k, v, plan, mask, group, strategy, softmax_scale,
+                                         backend, validate, a2a_size, need_lse,
+                                         return_max_logit, overlap_stages)
+    else:
+        chosen, spec = prepare_call(q, k, v, plan, mask, group, strategy, softmax_scale,
+                                    backend, validate, a2a_size, return_lse,
+                                    return_max_logit, overlap_stages, softmax_type, sink)
+        out, lse, max_logit = run_eager(q, k, v, chosen, spec)
     out, lse = apply_softmax_sink(out, lse, softmax_type, sink)
-    max_logit = None
-    if return_max_logit:
-        max_logit = _global_max(max_part, q.shape[1], q.device, group, plan.cp_size)
     return _results(out, lse, max_logit, return_lse)
-
-
-def _global_max(max_part: torch.Tensor | None, n_heads: int, device: torch.device,
-                group: Any, cp_size: int) -> torch.Tensor:
-    """One MAX all-reduce of this rank's per-head maxes over the CP group. Issued on the
-    current stream after the strategy returned, i.e. after every kernel that wrote
-    ``max_part`` was enqueued there (the strategies compute on the current stream)."""
-    if max_part is None:  # a rank that computed nothing still joins the collective
-        max_part = torch.full((n_heads,), float("-inf"), device=device)
-    if cp_size == 1:
-        return max_part.detach().float()
-    # A copy: the all-reduce writes in place, and the strategy's tensor is its own.
-    max_part = max_part.detach().to(torch.float32, copy=True)
-    dist.all_reduce(max_part, op=dist.ReduceOp.MAX, group=group)
-    return max_part
 
 
 class ContextParallelVarlenAttention(nn.Module):
@@ -315,8 +193,8 @@ class ContextParallelVarlenAttention(nn.Module):
         # fails when the model is built, not at its first forward.
         check_group_type(group)
         check_choice("backend", backend, BACKENDS)
-        _check_scale(softmax_scale)
-        _check_a2a_size(strategy, a2a_size)
+        check_scale(softmax_scale)
+        check_a2a_size(strategy, a2a_size)
         check_bool("track_max_logit", track_max_logit)
         check_bool("validate", validate)
         check_overlap_stages(overlap_stages, strategy)

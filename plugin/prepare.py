@@ -5,7 +5,8 @@ strategy's host tables lazily, at the first layer call of each mask, inside the 
 integrations instead call :func:`build_plan` + :func:`prepare_plan` for the NEXT batch while
 the current step runs (:class:`PlanPrefetcher`, a background thread fed by the data
 iterator), so the forward finds everything cached in the plan, device copies included
-(made with ``non_blocking=True``).
+(``non_blocking`` copies from pinned, reused staging buffers: ``varlen_cp.kernels.host_copy``,
+so the planner thread never waits for the GPU).
 
 Limits: the background thread shares the GIL with the training loop, so host planning still
 costs the loop a share of one core while it runs (milliseconds per batch); it never waits

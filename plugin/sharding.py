@@ -4,7 +4,9 @@ For torchtitan-style batches of [B=1, L] tensors ("input"/"tokens", "labels", "p
 every tensor is cut along its sequence dim by a ``CPPlan``; positions are replaced by the
 plan's (position within the document, what RoPE and the kernels need); labels of padding
 tokens (``te`` layout only) become ``ignore_index``. ``cu_seqlens_from_positions`` recovers
-the global ``cu_seqlens`` from torchtitan's per-document positions.
+the global ``cu_seqlens`` from torchtitan's per-document positions. With ``validate`` the
+step checks here, before the model runs, that every CP rank built the same plan (host
+tensors only: no device sync in the step); the attention layers then find it checked.
 
 Limits: host-side metadata only from CPU tensors; a batch dim > 1 is sharded with the same
 plan for every row (only meaningful when all rows share one document structure).
@@ -17,7 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .kernels.host_copy import one_to_device
 from .plan import CPPlan
+from .checks import check_bool
+from .plan.agreement import agree_on_plan
+from .plan.collective import check_group, check_group_type
+from .plan.cpplan import mark_token_dim
 
 POSITION_KEYS = ("positions", "position_ids")
 LABEL_KEYS = ("labels",)
@@ -34,19 +41,27 @@ def _plan_positions_like(x: torch.Tensor, plan: CPPlan, seq_dim: int) -> torch.T
     shape[seq_dim] = plan.num_tokens
     out_shape = list(x.shape)
     out_shape[seq_dim] = plan.num_tokens
-    pos = plan.positions.to(device=x.device, dtype=x.dtype, non_blocking=True)
-    return pos.view(shape).expand(out_shape).contiguous()
+    pos = one_to_device(plan.positions.to(x.dtype), x.device)
+    return mark_token_dim(pos.view(shape).expand(out_shape).contiguous(), seq_dim)
 
 
 def shard_packed_batch(batch: dict[str, Any], plan: CPPlan, *, seq_dim: int = 1,
-                       ignore_index: int = -100) -> dict[str, Any]:
+                       ignore_index: int = -100, validate: bool = False,
+                       group: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """This rank's part of a packed batch: a new dict, the input is not modified.
 
     Tensors with more than ``seq_dim`` dims are sharded along ``seq_dim`` (their size there
-    must be the plan's ``total_tokens``); other values (scalars, metadata, 1-D tensors such
-    as cu_seqlens when seq_dim=1) are passed through unchanged.
+    must be the plan's ``total_tokens``; the sharded token dim is marked dynamic for
+    torch.compile); other values (scalars, metadata, 1-D tensors such as cu_seqlens when
+    seq_dim=1) are passed through unchanged. ``validate``: first check that every rank of
+    ``group`` (the CP group; the default group when None) built the same plan
+    (``varlen_cp.plan.agreement``: host tensors only, once per plan), so that the model's
+    attention calls find it checked; ranks that disagree get a ValueError here, before the
+    model runs.
     """
     _check_plan(plan)
+    check_bool("validate", validate)
+    check_group_type(group)
     if not isinstance(batch, dict):
         raise ValueError(f"batch must be a dict of tensors, got {type(batch).__name__}")
     if not isinstance(seq_dim, int) or isinstance(seq_dim, bool) or seq_dim < 0:
@@ -64,6 +79,9 @@ def shard_packed_batch(batch: dict[str, Any], plan: CPPlan, *, seq_dim: int = 1,
                 and x.shape[seq_dim] != plan.total_tokens:
             raise ValueError(f"batch[{key!r}] has {x.shape[seq_dim]} tokens along seq_dim="
                              f"{seq_dim}, but the plan has total_tokens={plan.total_tokens}")
+    if validate and plan.cp_size > 1:
+        check_group(group, plan.cp_size, plan.cp_rank)
+        agree_on_plan(plan, group)
     padding = plan.token_indices < 0
     out: dict[str, Any] = {}
     for key, x in batch.items():
@@ -73,7 +91,7 @@ def shard_packed_batch(batch: dict[str, Any], plan: CPPlan, *, seq_dim: int = 1,
             out[key] = _plan_positions_like(x, plan, seq_dim)
         elif key in LABEL_KEYS and bool(padding.any()):
             local = plan.shard(x, dim=seq_dim)
-            pad = torch.nonzero(padding).flatten().to(x.device, non_blocking=True)
+            pad = one_to_device(torch.nonzero(padding).flatten(), x.device)
             out[key] = local.index_fill_(seq_dim, pad, ignore_index)
         else:
             out[key] = plan.shard(x, dim=seq_dim)

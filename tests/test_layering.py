@@ -1,8 +1,9 @@
 """The package's layering (README "Layout of the repository"): imports only go down.
 
 Floors, top to bottom:
-  (entry points: train, cli) -> integrations -> {prepare, report} -> {config, attention}
-  -> {strategies, sharding} -> {schedules} -> {plan} -> {masks, checks, mixes} -> kernels
+  (entry points: train, cli) -> integrations -> {prepare, report}
+  -> {config, attention, graph_op, cp_call} -> {strategies, sharding} -> {schedules} -> {plan}
+  -> {masks, checks, mixes} -> kernels
 Read from the source with ``ast`` (no import side effects): every ``from .x import`` /
 ``from ..x import`` inside ``plugin/`` is resolved to its top-level part of the package, and
 no part may import a part on a higher floor, nor be in an import cycle with another part.
@@ -18,8 +19,8 @@ FLOOR = {
     "train": 8,  # the torchtitan launcher (an entry point above the integrations)
     "cli": 8,    # varlen-cp-plan (reads the integrations' job files)
     "integrations": 7, "prepare": 6, "report": 6, "config": 5, "attention": 5,
-    "strategies": 4, "sharding": 4, "schedules": 3, "plan": 2, "masks": 1, "checks": 1,
-    "mixes": 1, "kernels": 0,
+    "graph_op": 5, "cp_call": 5, "strategies": 4, "sharding": 4, "schedules": 3, "plan": 2,
+    "masks": 1, "checks": 1, "mixes": 1, "kernels": 0,
 }
 
 

@@ -53,6 +53,7 @@ deterministic = true
 
 LAUNCHER = "varlen_cp.integrations.torchtitan.train"
 SINK = ["--model.softmax_type", "learnable", "--model.track_max_logit", "true"]
+COMPILE = ["--compile.enable", "true", "--compile.backend"]
 RUNS = {  # name: (processes, overrides)
     "cp1": (1, []),
     "cp2_p2p": (2, ["--parallelism.context_parallel_degree", "2",
@@ -71,6 +72,15 @@ RUNS = {  # name: (processes, overrides)
                       "--varlen_cp.layout", "te"]),
     # learnable attention sinks (a trained parameter per layer, FSDP-sharded over cp) and
     # per-layer max logits in the metrics
+    # torch.compile of every block (fullgraph, torchtitan's default) and of the loss: the CP
+    # call is one custom op (varlen_cp.graph_op); aot_eager and inductor (C++ on the host);
+    # layouts whose local token counts change from batch to batch
+    "cp2_compile": (2, ["--parallelism.context_parallel_degree", "2",
+                        "--varlen_cp.strategy", "dispatch", "--varlen_cp.layout", "dual_chunk",
+                        *COMPILE, "aot_eager"]),
+    "cp2_compile_inductor": (2, ["--parallelism.context_parallel_degree", "2",
+                                 "--varlen_cp.strategy", "p2p", "--varlen_cp.layout", "te",
+                                 *COMPILE, "inductor"]),
     "cp1_sink": (1, SINK + ["--varlen_cp.report", "false"]),  # and no plan in the log
     "cp2_sink": (2, SINK + ["--parallelism.context_parallel_degree", "2",
                             "--varlen_cp.strategy", "p2p"]),
@@ -134,6 +144,18 @@ def assert_same(ref: list[dict], got: list[dict], what: str) -> None:
 def test_cp2_matches_cp1(results, strategy):
     got = results[f"cp2_{strategy}"]
     assert_same(results["cp1"], got, strategy)
+
+
+@pytest.mark.parametrize("run", ["cp2_compile", "cp2_compile_inductor"])
+def test_compiled_cp2_matches_eager_cp1_without_breaks_or_new_graphs(results, run):
+    """[compile] enable = true at CP=2: the same losses and grad norms as eager CP=1, no
+    graph break, and every graph compiled in the first step (the Llama 4 style model's
+    chunked and global blocks, the loss); later batches, other documents, add none."""
+    got = results[run]
+    assert_same(results["cp1"], got, run)
+    assert all(r["graph_breaks"] == 0 for r in got), got
+    assert got[0]["compiled_graphs"] > 0
+    assert all(r["compiled_graphs"] == got[0]["compiled_graphs"] for r in got), got
 
 
 def test_learnable_sink_cp2_matches_cp1(results):

@@ -9,11 +9,25 @@ Not differentiable (tests, logits, metrics).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same call).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def group_timeout(group: Any) -> Any:
+    """The timeout ``group``'s collectives run with (a timedelta; None if torch does not
+    say)."""
+    group = dist.group.WORLD if group is None else group
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # no backend for that device, or no options on this torch
+            continue
+    return None
 
 
 def check_group_type(group: object) -> None:

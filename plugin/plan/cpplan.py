@@ -16,12 +16,16 @@ is not differentiable.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
+import sys
+import weakref
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from ..kernels.host_copy import one_to_device
 from ..masks import AttnMask
 from ..checks import is_int
 from .balanced import (MaskWeights, check_chunk_tokens, check_tile_tokens, describe,
@@ -112,6 +116,32 @@ def _check_balance(layout: str, masks: Any, tile_tokens: Any, chunk_tokens: Any
     return normalize_masks(masks), tile
 
 
+# handle -> plan: how a compiled graph names a plan (``CPPlan.handle``) without holding it
+_PLANS: "weakref.WeakValueDictionary[int, CPPlan]" = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+
+
+def plan_of_handle(handle: torch.Tensor) -> "CPPlan":
+    """The live plan whose ``handle`` this is (a CPU int64 tensor: reading it is host
+    work)."""
+    plan = _PLANS.get(int(handle[0]))
+    if plan is None:
+        raise ValueError(f"plan: handle {int(handle[0])} names no live CPPlan")
+    return plan
+
+
+def mark_token_dim(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` with its ``dim`` marked dynamic for torch.compile: a rank's local token count
+    changes with every batch's documents, and a graph compiled for one count would
+    otherwise be recompiled for the next (dynamo's automatic dynamic shapes only switch
+    after one recompile). Only when dynamo is loaded (torch.compile imports it; loading it
+    here would cost seconds to a user who never compiles); a hint, never an error."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None and not torch.compiler.is_compiling():  # marks are for inputs
+        dynamo.maybe_mark_dynamic(x, dim)
+    return x
+
+
 class CPPlan:
     """Token layout of one packed batch over ``cp_size`` ranks, seen from ``cp_rank``.
 
@@ -144,6 +174,11 @@ class CPPlan:
         seg = tables.local_cu[:, 1:] - tables.local_cu[:, :-1]
         self._max_seg = (seg.amax(1) if self.n_docs else torch.zeros(cp_size)).tolist()
         self._cache: dict[Any, Any] = {}
+        # A graph input that names this plan (torch.compile: the plan is data, never a
+        # guard or a constant; ``varlen_cp.graph_op`` looks it up with plan_of_handle).
+        key = next(_HANDLES)
+        _PLANS[key] = self
+        self.handle = torch.tensor([key], dtype=torch.int64)
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int,
@@ -292,9 +327,10 @@ class CPPlan:
     # ---- sharding ----------------------------------------------------------------------
     def _on(self, name: str, device: torch.device, make: Callable[[], torch.Tensor]
             ) -> torch.Tensor:
-        """Host index table ``make()`` copied once to ``device`` and cached."""
+        """Host index table ``make()`` copied once to ``device`` (from a pinned staging
+        buffer, without a sync) and cached."""
         return self.cached(("plan_index", name, self.cp_rank, device),
-                           lambda: make().to(device, non_blocking=True))
+                           lambda: one_to_device(make(), device))
 
     def _check_tokens(self, x: Any, dim: int, expected: int, what: str) -> int:
         if not isinstance(x, torch.Tensor):
@@ -310,14 +346,15 @@ class CPPlan:
 
     def shard(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """This rank's part of ``x``, whose ``dim`` is the global (unpadded) token dim;
-        padding tokens are zeros."""
+        padding tokens are zeros. The token dim is marked dynamic for torch.compile
+        (:func:`mark_token_dim`)."""
         dim = self._check_tokens(x, dim, self.total_tokens, "x")
         index = self.token_indices
         out = x.index_select(dim, self._on("shard", x.device, lambda: index.clamp(min=0)))
         if self.num_tokens and bool((index < 0).any()):
             pad = self._on("shard_pad", x.device, lambda: torch.nonzero(index < 0).flatten())
             out.index_fill_(dim, pad, 0)
-        return out
+        return mark_token_dim(out, dim)
 
     def _global_gather_index(self, stride: int | None) -> torch.Tensor:
         """Row of every global token in the concatenation of all ranks' local rows, each

@@ -16,6 +16,7 @@ from functools import cached_property
 import torch
 
 from ..kernels import BlockSchedule
+from ..kernels.host_copy import to_device
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..plan.runs import per_token
@@ -259,11 +260,14 @@ class KernelCall:
         return self.schedule.visited_pairs
 
     def to(self, device: torch.device) -> "KernelCall":
-        """Copy the tables to ``device`` once, without a sync."""
-        def mv(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=True)
-        return KernelCall(mv(self.cu_q), mv(self.cu_k), self.max_q, self.max_k,
-                          mv(self.q_pos), mv(self.k_pos), self.schedule.to(device))
+        """Copy the tables (the schedule's included) to ``device`` once, without a sync: one
+        non_blocking copy from a pinned, reused staging buffer (``to_device``)."""
+        s = self.schedule
+        cu_q, cu_k, q_pos, k_pos, kv_range, q_range = to_device(
+            [self.cu_q, self.cu_k, self.q_pos, self.k_pos, s.kv_range, s.q_range], device)
+        return KernelCall(cu_q, cu_k, self.max_q, self.max_k, q_pos, k_pos,
+                          BlockSchedule(s.block_m, s.block_n, kv_range, q_range,
+                                        s.visited_pairs))
 
 
 def block_schedule(q: Holder, k: Holder, mask: AttnMask, block: tuple[int, int]

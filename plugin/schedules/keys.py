@@ -11,6 +11,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from ..kernels.host_copy import one_to_device
 from ..masks import AttnMask
 from ..plan import CPPlan
 
@@ -46,9 +47,10 @@ def device_table(plan: CPPlan, key: TableKey, device: torch.device | str,
 
 
 def to_device(x: Any, device: torch.device) -> Any:
-    """Tensors (and objects with ``.to(device)``) inside ``x`` copied to ``device``."""
+    """Tensors (and objects with ``.to(device)``) inside ``x`` copied to ``device`` (host
+    tensors through pinned staging buffers: ``varlen_cp.kernels.host_copy``)."""
     if isinstance(x, torch.Tensor):
-        return x.to(device, non_blocking=True)
+        return one_to_device(x, device)
     if isinstance(x, tuple):
         return tuple(to_device(e, device) for e in x)
     if isinstance(x, list):

@@ -61,9 +61,11 @@ from ..masks import AttnMask
 from ..plan import CPPlan
 from ..plan.runs import span_pieces
 from .shape import Shape
+from ..kernels.host_copy import to_device
 from ..kernels.schedule import segment_ids
 from .holders import KernelCall, holder_from_counts, kernel_call, rank_holder
 from .keys import host_table, table_key
+from .rounds import UniqueRounds, rank_within
 from .selected import (fetch_counts, needed_spans, pair_counts, runs_by_document, select_keys,
                        sent_keys)
 
@@ -158,7 +160,13 @@ class Stage:
     local keys in the call too (S = 1), the fetched ones go to call slots
     ``remote_slots`` and local rows ``local_rows`` to ``local_slots``. Backward: the
     fetched keys' dK/dV go to their owners in ``back_order`` (call slots, ``back_splits``
-    to each), and the rows others return to this rank land on local rows ``in_rows``."""
+    to each), and the rows others return to this rank land on local rows ``in_rows``.
+
+    A local row that several ranks fetched comes back once from each: ``in_rows`` has
+    duplicates, and one ``index_add_`` over it would sum them with atomics on CUDA (bitwise
+    run-to-run differences). The fold instead adds the returns in ``rounds``: round j holds
+    the j-th return of every row (``rounds.rows`` unique within a round), the receive
+    buffer's rows in round order (``rounds.perm``), so every row sums in one fixed order."""
 
     call: KernelCall | None        # local queries x this stage's keys; None: no key here
     n_keys: int
@@ -172,13 +180,14 @@ class Stage:
     remote_slots: torch.Tensor | None = None   # S = 1: call slots of the fetched keys
     local_slots: torch.Tensor | None = None    # S = 1: call slots of the local keys
     local_rows: torch.Tensor | None = None     # S = 1: their local rows
+    rounds: UniqueRounds | None = None         # the deterministic fold of the returns
 
     def to(self, device: torch.device) -> "Stage":
-        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=True)
-        return replace(self, gather=mv(self.gather), back_order=mv(self.back_order),
-                       in_rows=mv(self.in_rows), remote_slots=mv(self.remote_slots),
-                       local_slots=mv(self.local_slots), local_rows=mv(self.local_rows),
+        names = ("gather", "back_order", "in_rows", "remote_slots", "local_slots",
+                 "local_rows")
+        moved = to_device([getattr(self, n) for n in names], device)
+        return replace(self, **dict(zip(names, moved)),
+                       rounds=None if self.rounds is None else self.rounds.to(device),
                        call=None if self.call is None else self.call.to(device))
 
 
@@ -198,15 +207,6 @@ class StagedTables:
     def to(self, device: torch.device) -> "StagedTables":
         return StagedTables(None if self.local is None else self.local.to(device),
                             tuple(s.to(device) for s in self.stages))
-
-
-def _rank_within(group: torch.Tensor) -> torch.Tensor:
-    """int64: index of each element among the elements of its group, in list order."""
-    order = torch.argsort(group, stable=True)
-    ordered = group[order]
-    out = torch.empty_like(group)
-    out[order] = torch.arange(group.numel()) - torch.searchsorted(ordered, ordered)
-    return out
 
 
 def _stage_of(group: torch.Tensor, index: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -245,7 +245,7 @@ def _build(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int], stag
         give = out_stage == p
         common = dict(back_splits=tuple(counts[p, rank].tolist()), in_rows=out_rows[give],
                       in_splits=tuple(torch.bincount(out_dest[give], minlength=cp).tolist()),
-                      lo=lo, hi=hi)
+                      lo=lo, hi=hi, rounds=UniqueRounds.of(out_rows[give]))
         if stages == 1:   # one call over every key: local ones too, in their call slots
             local = torch.nonzero(sel.owner == rank).flatten()
             order = torch.argsort(back_key[here], stable=True)
@@ -273,7 +273,7 @@ def dispatch_staged_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple
         sel = select_keys(plan, mask, rank)
         remote = torch.nonzero(sel.owner != rank).flatten()
         owner = sel.owner[remote]
-        index = _rank_within(owner)       # place in the owner's list (its send order)
+        index = rank_within(owner)       # place in the owner's list (its send order)
         stage = _stage_of(owner, index, ends[:, rank, :].t())
         mine = counts[:, rank, :]                                       # [P, o]
         buf_start = torch.cumsum(mine, 1) - mine        # owner's block in the buffer
@@ -281,7 +281,7 @@ def dispatch_staged_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple
         dest, rows = sent_keys(plan, mask, rank)
         out = dest != rank
         dest, rows = dest[out], rows[out]
-        out_stage = _stage_of(dest, _rank_within(dest), ends[:, :, rank].t())
+        out_stage = _stage_of(dest, rank_within(dest), ends[:, :, rank].t())
         # the buffer is grouped by owner in the owner's order: its row is the back key
         return _build(plan, mask, rank, block, stages, stage, row, row, out_stage, dest,
                       rows, counts, ())

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..kernels.host_copy import to_device
 from ..masks import AttnMask
 from ..plan import CPPlan
 from .holders import Holder, KernelCall, holder_from_counts, kernel_call
@@ -31,8 +32,8 @@ class UlyssesTables:
     holder: Holder           # the merged tokens (document order), host tensors
 
     def to(self, device: torch.device) -> "UlyssesTables":
-        return replace(self, order=self.order.to(device, non_blocking=True),
-                       inverse=self.inverse.to(device, non_blocking=True))
+        order, inverse = to_device([self.order, self.inverse], device)
+        return replace(self, order=order, inverse=inverse)
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from ..schedules.hybrid import heads_fit
 from ..schedules.keys import device_table, table_key
 from ..schedules.ulysses import UlyssesTables, group_call, ulysses_tables
 from .base import CallSpec, Strategy
-from .calls import dlse_or_none, empty_attn, head_max, maybe_max, no_max
+from .calls import dlse_or_none, empty_attn, head_max, no_max
 
 
 def check_head_split(n_heads: int, n_kv_heads: int, parts: int, what: str) -> None:
@@ -235,9 +235,7 @@ class A2A(Strategy):
         device_table(plan, table_key("ulysses_call", mask, block, spec.members), device,
                      lambda: group_call(plan, spec.members, mask, block))
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
+                 ) -> tuple[type[torch.autograd.Function], tuple]:
         cp = spec.plan.cp_size
-        ulysses = LocalSpec(spec, spec.group, cp, tuple(range(cp)))
-        out, lse, max_part = UlyssesAttention.apply(q, k, v, ulysses)
-        return out, lse, maybe_max(max_part)
+        return UlyssesAttention, (LocalSpec(spec, spec.group, cp, tuple(range(cp))),)

@@ -24,7 +24,6 @@ forward.
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,27 +33,17 @@ import torch.distributed as dist
 from ..checks import is_int
 from ..masks import AttnMask
 from ..plan import CPPlan
+from ..plan.collective import group_timeout
 from ..schedules.shape import Shape
 from ..schedules.hybrid import default_a2a_size, group_members, hybrid_ring_tables
 from ..schedules.keys import device_table, table_key
 from ..schedules.ulysses import ulysses_tables
 from .a2a import A2A, UlyssesAttention, UlyssesSpec, check_head_split
 from .base import CallSpec, Strategy
-from .calls import global_rank, maybe_max
+from .calls import global_rank
 from .p2p import P2P, Ring, ring_backward, ring_forward
 
 _SUBGROUPS: dict[tuple, tuple[Any, tuple[int, ...], Any]] = {}
-
-
-def group_timeout(group: Any) -> datetime.timedelta | None:
-    """The timeout ``group``'s collectives run with (None if torch does not say)."""
-    group = dist.group.WORLD if group is None else group
-    for device in ("cuda", "cpu"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout
-        except Exception:  # no backend for that device, or no options on this torch
-            continue
-    return None
 
 
 def ulysses_subgroup(cp_group: Any, size: int) -> tuple[Any, tuple[int, ...]]:
@@ -164,15 +153,13 @@ class A2AP2P(Strategy):
         device_table(plan, table_key("hybrid_ring", mask, block, size, g), device,
                      lambda: hybrid_ring_tables(plan, mask, size, g, block))
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
+                 ) -> tuple[type[torch.autograd.Function], tuple]:
         plan = spec.plan
         size = self._size(plan, q.shape[1], k.shape[1], spec.a2a_size)
         if size == 1:
-            return P2P().attention(q, k, v, spec)
+            return P2P().function(q, k, v, spec)
         if size == plan.cp_size:
-            return A2A().attention(q, k, v, spec)
+            return A2A().function(q, k, v, spec)
         sub, members = ulysses_subgroup(spec.group, size)
-        hybrid = HybridSpec(spec, sub, size, members, spec.group)
-        out, lse, max_part = UlyssesAttention.apply(q, k, v, hybrid)
-        return out, lse, maybe_max(max_part)
+        return UlyssesAttention, (HybridSpec(spec, sub, size, members, spec.group),)

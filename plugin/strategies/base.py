@@ -9,8 +9,12 @@ with:
   host table its ``attention`` will read, and their device copies (``varlen_cp.prepare``
   calls it ahead of the step); strategies with ``staged = True`` (dispatch, all_gather)
   also take ``overlap_stages`` there and read ``spec.overlap_stages``;
-- ``attention(q, k, v, spec) -> (out, lse, max_part)``: differentiable in q, k, v through
-  out AND lse (attention sinks compose on the merged lse); inputs already validated.
+- ``function(q, k, v, spec) -> (Function, args)``: its ``torch.autograd.Function`` and the
+  arguments after q, k, v. ``attention(q, k, v, spec) -> (out, lse, max_part)`` applies it:
+  differentiable in q, k, v through out AND lse (attention sinks compose on the merged
+  lse); inputs already validated. ``varlen_cp.graph_op`` runs the same Function's
+  ``forward`` / ``backward`` inside one custom op under torch.compile (a stand-in ctx), so
+  a Function keeps its backward state in ctx attributes and ``save_for_backward`` only;
   ``max_part`` (``spec.need_max``; else None): fp32 [Hq], the max scaled visible score over
   the (query row, head) pairs this rank computed, -inf elsewhere; one MAX all-reduce over
   the CP group (the caller's) makes it global. ``lse`` may be an [Hq, 0] stand-in when not
@@ -31,7 +35,7 @@ from ..masks import AttnMask
 from ..plan import CPPlan
 from ..schedules import cost
 from ..schedules.shape import Shape
-from .calls import Attn
+from .calls import Attn, maybe_max
 
 
 @dataclass(frozen=True)
@@ -65,9 +69,17 @@ class Strategy(ABC):
         """Build and cache this rank's host tables and their ``device`` copies."""
 
     @abstractmethod
+    def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
+                 ) -> tuple[type[torch.autograd.Function], tuple]:
+        """The autograd.Function of this call and its arguments after q, k, v; its forward
+        returns (out, lse, max_part or the ``calls.no_max`` stand-in)."""
+
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Differentiable (out, lse, max_part) of the local queries over all keys."""
+        fn, args = self.function(q, k, v, spec)
+        out, lse, max_part = fn.apply(q, k, v, *args)
+        return out, lse, maybe_max(max_part)
 
     # ---- costs (host only) -------------------------------------------------------------
     def bytes_sent_per_rank(self, plan: CPPlan, mask: AttnMask, *, head_dim: int,

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import max_logit_of, varlen_attn_unchecked
+from ..kernels import max_logit_of
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..schedules.shape import Shape
 from ..schedules.holders import KernelCall, kernel_call, rank_holder
 from ..schedules.keys import device_table, table_key
 from .base import CallSpec, Strategy
+from .calls import dlse_or_none, no_max
 
 
 def _local_call(plan: CPPlan, mask: AttnMask, block: tuple[int, int],
@@ -24,6 +25,31 @@ def _local_call(plan: CPPlan, mask: AttnMask, block: tuple[int, int],
         holder = rank_holder(plan, plan.cp_rank)
         return kernel_call(holder, holder, mask, block)
     return device_table(plan, table_key("local", mask, block), device, build)
+
+
+class LocalAttention(torch.autograd.Function):
+    """One kernel call over the local tokens: (out, lse, max_part); lse is differentiable,
+    max_part (or its empty stand-in) is not."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, spec: CallSpec):
+        c = _local_call(spec.plan, spec.attn.mask, spec.block, q.device)
+        out, lse, row_max = spec.attn.fwd(q, k, v, c, spec.need_max)
+        max_part = max_logit_of(row_max) if spec.need_max else no_max(q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec = spec
+        ctx.mark_non_differentiable(max_part)
+        ctx.set_materialize_grads(False)  # an unused lse gets no zero gradient
+        return out, lse, max_part
+
+    @staticmethod
+    def backward(ctx, dout, dlse, _dmax):
+        q, k, v, out, lse = ctx.saved_tensors
+        spec = ctx.spec
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        c = _local_call(spec.plan, spec.attn.mask, spec.block, q.device)
+        dq, dk, dv = spec.attn.bwd(dout, q, k, v, out, lse, c, dlse_or_none(dlse))
+        return dq, dk, dv, None
 
 
 class Local(Strategy):
@@ -36,11 +62,6 @@ class Local(Strategy):
                 overlap_stages: int | None = None) -> None:
         _local_call(plan, mask, block, device)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        c = _local_call(spec.plan, spec.attn.mask, spec.block, q.device)
-        causal, wl, wr, chunk = spec.attn.mask.params
-        out, lse, row_max = varlen_attn_unchecked(
-            q, k, v, c.cu_q, c.cu_k, c.max_q, c.max_k, spec.attn.scale, causal, wl, wr, chunk,
-            c.q_pos, c.k_pos, spec.attn.backend, c.schedule, spec.need_max)
-        return out, lse, None if row_max is None else max_logit_of(row_max)
+    def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
+                 ) -> tuple[type[torch.autograd.Function], tuple]:
+        return LocalAttention, (spec,)

@@ -41,7 +41,7 @@ from ..schedules.shape import Shape
 from ..schedules.keys import device_table, table_key
 from ..schedules.ring import RingTables, p2p_tables
 from .base import CallSpec, Strategy
-from .calls import (Attn, dlse_or_none, global_rank, head_max, maybe_max, no_max, pack_flat,
+from .calls import (Attn, dlse_or_none, global_rank, head_max, no_max, pack_flat,
                     unpack_flat)
 
 _TAG_KV, _TAG_ACC = 0, 1
@@ -212,7 +212,6 @@ class P2P(Strategy):
         device_table(plan, table_key("p2p", mask, block, rank), device,
                      lambda: p2p_tables(plan, mask, block, rank))
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        out, lse, max_part = P2PAttention.apply(q, k, v, spec)
-        return out, lse, maybe_max(max_part)
+    def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
+                 ) -> tuple[type[torch.autograd.Function], tuple]:
+        return P2PAttention, (spec,)

@@ -16,7 +16,9 @@ place, without out-sized fp32 temporaries; fp32 from the first fold on). The pic
 the backward (the remote keys the queries see; with S = 1 the local ones too, as one call needs them
 in one tensor). Backward, with the FINAL out/lse and the same dlse in every call (ring-attention
 rule): each fetched stage's dK/dV is computed and posted home while the next stage
-computes (its arrivals folded one stage later, which bounds the returns in flight to two),
+computes (its arrivals folded one stage later, which bounds the returns in flight to two;
+a row several ranks return is summed in one fixed order, ``schedules.rounds``, so dK/dV are
+bitwise deterministic on CUDA too),
 the local call runs last, under the last return; dQ (fp32 when the rank makes more than one
 call) and the local dK/dV (fp32) accumulate here. No host sync anywhere: every size comes
 from the host tables.
@@ -41,7 +43,7 @@ from ..schedules.shape import Shape, make_shape
 from ..schedules.keys import device_table, table_key
 from ..schedules.staged import Stage, StagedTables, resolve_stages, staged_tables
 from .base import CallSpec, Strategy
-from .calls import Attn, dlse_or_none, head_max, maybe_max, no_max
+from .calls import Attn, dlse_or_none, head_max, no_max
 
 
 def unpack_key_grads(acc: torch.Tensor, k_shape: torch.Size, k_dtype: torch.dtype,
@@ -153,10 +155,10 @@ def staged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
     pending: Pending | None = None
     rows = None
 
-    def fold(acc, pending, rows):
-        acc = _zeros(acc, t, width, q.device)
-        acc.index_add_(0, rows, pending.result().float())
-        return acc
+    def fold(acc, pending, rounds):
+        # the returns of a row fetched by several ranks, summed in one fixed order
+        # (``UniqueRounds``): no index_add_ with duplicate rows, deterministic on CUDA
+        return rounds.add_(_zeros(acc, t, width, q.device), pending.result().float())
 
     for s, stage in enumerate(tab.stages):
         k_s, v_s = fetched[2 * s], fetched[2 * s + 1]
@@ -176,7 +178,7 @@ def staged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
         del grads
         if pending is not None:  # the previous stage's returns travelled meanwhile
             acc = fold(acc, pending, rows)
-        pending, rows = posted, stage.in_rows
+        pending, rows = posted, stage.rounds
     if tab.local is not None:
         dq_0, dk_0, dv_0 = attn.bwd(dout, q, k, v, out, lse, tab.local, dlse)
         dq = _add(dq, dq_0, several)
@@ -263,11 +265,9 @@ class SelectedKeysStrategy(Strategy):
         tables(plan, mask, block, self.name,
                resolve_stages(plan, mask, self.name, shape, overlap_stages), device)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Differentiable (out, lse, per-head max or None)."""
+    def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
+                 ) -> tuple[type[torch.autograd.Function], tuple]:
         shape = make_shape(q.shape[1], k.shape[1], q.shape[2], v.shape[2], q.element_size())
         stages = resolve_stages(spec.plan, spec.attn.mask, self.name, shape,
                                 spec.overlap_stages)
-        out, lse, max_part = StagedKeysAttention.apply(q, k, v, spec, self, stages)
-        return out, lse, maybe_max(max_part)
+        return StagedKeysAttention, (spec, self, stages)

@@ -24,6 +24,7 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from ... import prepare
 from ...config import CPConfig
+from ...kernels.host_copy import one_to_device
 from ...masks import AttnMask
 from ...plan import CPPlan
 from ...prepare import AttnShape
@@ -120,8 +121,8 @@ def rope_index(plan: CPPlan, device: torch.device) -> torch.Tensor:
     """Each local token's position in its document (padding: 0) on ``device``: the rows of
     megatron's RoPE table that the tokens take (cached in the plan)."""
     return host_table(plan, table_key("megatron_rope_index", None, None, str(device)),
-                      lambda: plan.positions.clamp(min=0).to(device=device, dtype=torch.int64,
-                                                             non_blocking=True))
+                      lambda: one_to_device(plan.positions.clamp(min=0).to(torch.int64),
+                                            device))
 
 
 def prepare_model_plan(plan: CPPlan, options: VarlenCPOptions, model: ModelAttention,

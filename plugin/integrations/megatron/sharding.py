@@ -29,6 +29,7 @@ from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from ...plan import CPPlan
+from ...plan.agreement import agree_on_plan
 from ...schedules.keys import device_table, table_key
 from .moe import padding_mask
 from .options import VarlenCPOptions
@@ -181,6 +182,8 @@ def get_thd_batch_on_this_cp_rank(
         if x.dim() < 2 or x.shape[0] != 1 or x.shape[1] != n_global:
             raise ValueError(f"batch[{key!r}] must have shape [1, {n_global}, ...] (THD: one "
                              f"packed row), got {tuple(x.shape)}")
+    if options.validate and cp_size > 1:  # here, on host tensors: the layers find it done
+        agree_on_plan(plan, group)
     out: dict[str, Any] = {}
     for key, x in batch.items():
         if key in _META_KEYS:

@@ -17,10 +17,11 @@ changes:
   in torchtitan: the loss is normalised by the global token count). ``with_sum_reduction``
   appends it to a torchtitan model's own parallelize function.
 - ``cpu_overrides()``: config values CPU runs need: fp32 parameters (bf16 was ~3x slower on
-  an AVX2-only CPU and the fp32 CP=1 vs CP=N comparison needs fp32), no CUDA graphs, no
-  compile.
+  an AVX2-only CPU and the fp32 CP=1 vs CP=N comparison needs fp32), no CUDA graphs.
+  ``[compile] enable = true`` works on CPU too (inductor needs a C++ compiler; "aot_eager"
+  does not): the CP attention is one opaque custom op in the compiled blocks.
 Limits: nothing here makes CUDA-only kernels run on CPU (varlen_cp's torch backend does the
-attention); CUDA graphs, compile and float8 stay off.
+attention); CUDA graphs and float8 stay off.
 """
 
 from __future__ import annotations
@@ -119,7 +120,6 @@ def cpu_overrides() -> dict[str, dict[str, Any]]:
     """Config values (section -> key -> value) that CPU runs need; applied before the TOML."""
     return {
         "training": {"mixed_precision_param": "float32", "disable_cuda_graphs": True},
-        "compile": {"enable": False},
     }
 
 

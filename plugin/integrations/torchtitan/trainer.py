@@ -16,9 +16,14 @@ sequence; a document starts where positions == 0 and at every row start, as torc
 ``create_varlen_metadata_for_document`` does), builds the batch's plan with the layer masks
 (``varlen_cp.prepare.build_plan``) and every table each mask's attention will need, with
 their device copies (``prepare_plan``), while the current step runs. The step
-(``post_dataloading_process``) only shards input, labels and positions with the ready plan
-(``shard_packed_batch``); RoPE gets the sharded per-document positions and every attention
-layer the plan (``PackedBatch``). ``[varlen_cp] prefetch = false`` builds it inline instead.
+(``post_dataloading_process``) checks that the CP ranks built the same plan (``validate``:
+one all-reduce of host tensors, before the model runs, so no attention layer syncs) and
+shards input, labels and positions with the ready plan (``shard_packed_batch``); RoPE gets
+the sharded per-document positions and every attention layer the plan (``PackedBatch``).
+``[varlen_cp] prefetch = false`` builds it inline instead. ``[compile] enable = true``: the
+blocks compile with the CP attention as one custom op (``varlen_cp.graph_op``); the token
+dim of what enters a compiled region is marked dynamic (``mark_dynamic_activations``), so
+later batches, with other local token counts, reuse the first batch's graphs.
 Each step's plan also goes to a ``varlen_cp.report.TrainingReport``: rank 0 logs the plan
 on the ``varlen_cp`` logger at the first step and when a choice changes, and every logged
 step adds its ``varlen_cp/...`` figures to torchtitan's metrics (``[varlen_cp] report``).
@@ -57,7 +62,9 @@ from torchtitan.distributed.spmd_types import annotate_input_spmd_types
 from torchtitan.models.common.attention import BaseAttention, VarlenAttention
 from torchtitan.trainer import Trainer
 
+from ...kernels.host_copy import one_to_device
 from ...plan import CPPlan
+from ...plan.cpplan import mark_token_dim
 from ...prepare import PlanPrefetcher, build_plan, prepare_plan
 from ...report import TrainingReport, layer_types
 from ...sharding import cu_seqlens_from_positions, shard_packed_batch
@@ -92,15 +99,49 @@ def packed_cu_seqlens(positions: torch.Tensor | None, shape: tuple[int, int]) ->
     return cu_seqlens_from_positions(pos.reshape(1, -1))
 
 
+def mark_dynamic_activations(model: torch.nn.Module) -> None:
+    """Mark the token dim of what enters torch.compile'd regions as dynamic: every tensor
+    argument of each compiled block (x [B, T, D], positions [B, T]; a forward pre-hook that
+    runs after FSDP's, whose hook hands the block a new view of its input) and the model's
+    output (into the compiled loss). A rank's local token count changes with every batch's
+    documents; unmarked, each compiled block would be recompiled at the first batch with
+    another count (dynamo's automatic dynamic shapes), and a 0/1-sized dim again."""
+    def mark_output(module: Any, args: Any, output: Any) -> Any:
+        return mark_token_dim(output, 1) if isinstance(output, torch.Tensor) else output
+
+    # A compiled module's hooks run under dynamo's frame callback (the block's forward is
+    # the compiled frame): kept out of it, the marks land on the tensors the frame gets.
+    @torch.compiler.disable
+    def mark_inputs(module: Any, args: Any, kwargs: Any) -> None:
+        for t in list(args) + list(kwargs.values()):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2:
+                mark_token_dim(t, 1)
+
+    model.register_forward_hook(mark_output)
+    for module in model.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module.register_forward_pre_hook(mark_inputs, with_kwargs=True)
+
+
+def compile_counters() -> dict[str, int]:
+    """Dynamo's counters of this process: compiled graphs and graph breaks so far."""
+    from torch._dynamo.utils import counters
+    return {"compiled_graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
+
+
 class VarlenCPMetrics(MetricsProcessor):
     """torchtitan's metrics, plus one JSON line per logged step (rank 0) for comparisons,
     plus ``max_logit/layer_N`` (max over heads and over all ranks) when the model tracks
     max logits, plus the plan's ``varlen_cp/...`` figures (``varlen_cp.report.training``;
     off with ``[varlen_cp] report = false``). The max-logit read is one small all-reduce
-    and host copy per *logged* step, outside forward/backward."""
+    and host copy per *logged* step, outside forward/backward. With ``[compile] enable``,
+    each row also carries dynamo's counters of this process so far: ``compiled_graphs`` and
+    ``graph_breaks``."""
 
     model_parts: list[torch.nn.Module] = []
     varlen_report: TrainingReport | None = None
+    compile_enabled: bool = False
 
     @dataclass(kw_only=True, slots=True)
     class Config(MetricsProcessor.Config):
@@ -122,6 +163,8 @@ class VarlenCPMetrics(MetricsProcessor):
             row = {"step": step, "loss": global_avg_loss, "grad_norm": grad_norm, "tps": tps}
             if max_logits:
                 row["max_logit"] = max_logits
+            if self.compile_enabled:
+                row.update(compile_counters())
             with open(path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
@@ -212,10 +255,13 @@ class VarlenCPTrainer(Trainer):
         for part in self.model_parts:
             bind_cp_group(part, self.cp_group)
             feed_real_rows(part)
+            if config.compile.enable and self.attn_layers:
+                mark_dynamic_activations(part)
         self.varlen_report = self.make_report()
         if isinstance(self.metrics_processor, VarlenCPMetrics):
             self.metrics_processor.model_parts = list(self.model_parts)
             self.metrics_processor.varlen_report = self.varlen_report
+            self.metrics_processor.compile_enabled = config.compile.enable
 
     def make_report(self) -> TrainingReport:
         """The plan's logs (rank 0) and metrics (``[varlen_cp] report``)."""
@@ -273,14 +319,18 @@ class VarlenCPTrainer(Trainer):
         plan = planned.plan if isinstance(planned, PlannedBatch) else \
             self.make_plan(input_dict, labels)
         n = inputs.numel()
+        # The plan-agreement check runs here, on host tensors, before the model: the
+        # attention layers find it done (no collective or host read inside the forward).
         local = shard_packed_batch({"input": inputs.reshape(1, n), "labels": labels.reshape(1, n)},
-                                   plan, ignore_index=IGNORE_INDEX)
+                                   plan, ignore_index=IGNORE_INDEX,
+                                   validate=self.config.varlen_cp.validate and self.cp_size > 1,
+                                   group=self.cp_group)
         inputs, labels = local["input"], local["labels"]
         # RoPE takes the plan's per-document positions (no placeholder to shard). It reads
         # a cache row per position: padding tokens (-1, te layout) read row 0, their
         # attention rows see nothing anyway.
-        positions = plan.positions.to(inputs.device, torch.int64, non_blocking=True)
-        positions = positions.clamp(min=0).view(1, -1)
+        positions = one_to_device(plan.positions.clamp(min=0).to(torch.int64), inputs.device)
+        positions = mark_token_dim(positions.view(1, -1), 1)   # per-batch length (compile)
         # Real tokens only: the te layout's padding differs between CP=1 and CP=N.
         self.ntokens_seen += plan.num_real_tokens
         extra_kwargs: dict[str, Any] = {"positions": positions,

@@ -1,0 +1,169 @@
+"""One context-parallel attention call: its checks, and the call itself, in two forms.
+
+``prepare_call`` runs every check of ``cp_varlen_attn`` that involves the plan, the group or
+the tensors (local token counts, GQA, the strategy's head rules, the plan agreement), picks
+the strategy ("auto" from the plan's costs) and returns it with the call's ``CallSpec``,
+all before any communication. Then either:
+- ``run_eager``: the strategy's autograd.Function, as every eager call has run it;
+- ``varlen_cp.graph_op``: the same Function's forward and backward inside ONE opaque custom
+  op, which is what torch.compile sees (no plan, group or table ever reaches a graph).
+``global_max`` is the one MAX all-reduce that makes a max logit global, in both forms.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .checks import check_bool, check_int
+from .config import check_overlap_stages
+from .kernels import block_sizes_for, check_softmax_args, resolve_backend
+from .kernels.validation import check_qkv
+from .masks import AttnMask
+from .plan import CPPlan
+from .plan.agreement import agree_on_plan
+from .plan.collective import check_group_type
+from .schedules.auto import choose_strategy
+from .strategies import LOCAL, CallSpec, Strategy, get_strategy
+from .strategies.calls import Attn
+
+
+# ------------------------------------------------------------------------------- checks
+def check_scale(softmax_scale: Any) -> None:
+    """None, or a positive float that stays finite and non-zero in fp32 (what the kernels
+    scale scores in: 1e39 is inf there, 1e-50 is 0)."""
+    if softmax_scale is None:
+        return
+    ok = isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
+    if ok:
+        try:
+            fp32 = struct.unpack("f", struct.pack("f", float(softmax_scale)))[0]
+        except OverflowError:  # beyond fp32 (or a float), e.g. 1e39 or 10**400
+            fp32 = math.inf
+        ok = math.isfinite(fp32) and fp32 > 0
+    if not ok:
+        raise ValueError(f"softmax_scale must be a finite positive float (in fp32) or None, "
+                         f"got {softmax_scale!r}")
+
+
+def check_a2a_size(strategy: str, a2a_size: Any) -> None:
+    """``a2a_size`` is an option of "a2a+p2p" only, and a positive int (whether it divides
+    cp_size is the strategy's check, once the plan is known)."""
+    if a2a_size is not None and strategy != "a2a+p2p":
+        raise ValueError(f"a2a_size applies to strategy 'a2a+p2p' only, got "
+                         f"a2a_size={a2a_size!r} with strategy={strategy!r}")
+    check_int("a2a_size", a2a_size, 1, optional=True)
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any,
+                 mask: Any) -> None:
+    """Local q/k/v against each other (the kernels' own ``check_qkv``: shapes, dtypes,
+    devices, GQA, head dims) and against the plan (local token counts)."""
+    if not isinstance(plan, CPPlan):
+        raise ValueError(f"plan must be a varlen_cp.CPPlan, got {type(plan).__name__}")
+    if not isinstance(mask, AttnMask):
+        raise ValueError(f"mask must be a varlen_cp.AttnMask, got {type(mask).__name__}")
+    check_qkv(q, k, v)
+    n_local = plan.num_tokens_of(plan.cp_rank)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[0] != n_local:
+            raise ValueError(f"{name} has {t.shape[0]} local tokens, but the plan gives "
+                             f"rank {plan.cp_rank} {n_local} tokens")
+
+
+def resolve_group(group: Any, plan: CPPlan) -> Any:
+    """The CP process group (``group``, else the default group) after checking that it is
+    one, that its size is the plan's cp_size and that this process is the plan's rank."""
+    check_group_type(group)
+    if plan.cp_size == 1 and group is None:
+        return None
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"group: torch.distributed is not initialized, but the plan has "
+                         f"cp_size={plan.cp_size} > 1")
+    group = dist.group.WORLD if group is None else group
+    size = dist.get_world_size(group)
+    if size != plan.cp_size:
+        raise ValueError(f"group: size {size} differs from the plan's cp_size={plan.cp_size}")
+    rank = dist.get_rank(group)
+    if rank != plan.cp_rank:
+        raise ValueError(f"plan: built for cp_rank={plan.cp_rank}, but this process is rank "
+                         f"{rank} of the group")
+    return group
+
+
+def strategy_for(plan: CPPlan, strategy: str) -> Strategy:
+    return LOCAL if plan.cp_size == 1 else get_strategy(strategy)
+
+
+# ------------------------------------------------------------------------------ the call
+def check_flags(return_lse: Any, return_max_logit: Any, validate: Any, softmax_type: Any,
+                sink: Any, n_heads: int, device: torch.device) -> None:
+    """The call's flags and its sink (metadata only: also traced under torch.compile)."""
+    for name, flag in (("return_lse", return_lse), ("return_max_logit", return_max_logit),
+                       ("validate", validate)):
+        check_bool(name, flag)
+    check_softmax_args(softmax_type, sink, n_heads, device)
+
+
+def prepare_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any, mask: Any,
+                 group: Any, strategy: str, softmax_scale: Any, backend: str, validate: bool,
+                 a2a_size: Any, return_lse: bool, need_max: bool, overlap_stages: Any,
+                 softmax_type: str = "vanilla", sink: Any = None
+                 ) -> tuple[Strategy, CallSpec]:
+    """Every check of the call (ValueError, before any communication), the plan agreement
+    (``validate``), and the strategy that will run with its spec. The strategy returns the
+    LSE when ``return_lse`` or a sink needs it."""
+    if strategy != "auto":
+        get_strategy(strategy)  # validates the name before anything else
+    check_inputs(q, k, v, plan, mask)
+    check_scale(softmax_scale)
+    check_flags(return_lse, need_max, validate, softmax_type, sink, q.shape[1], q.device)
+    need_lse = return_lse or softmax_type != "vanilla"
+    check_a2a_size(strategy, a2a_size)
+    check_overlap_stages(overlap_stages, strategy)
+    backend = resolve_backend(backend, q.device)
+    block = tuple(block_sizes_for(backend, q.device, q.shape[2], v.shape[2], dtype=q.dtype))
+    group = resolve_group(group, plan)
+    if strategy != "auto":  # the same rules at every cp, so cp=1 debugging catches them
+        get_strategy(strategy).check_heads(q.shape[1], k.shape[1], plan.cp_size, a2a_size)
+    if plan.cp_size > 1:
+        if strategy == "auto":  # closed-form costs, cached in the plan per (mask, shapes)
+            strategy = choose_strategy(plan, mask, n_heads=q.shape[1], n_kv_heads=k.shape[1],
+                                       head_dim=q.shape[2], head_dim_v=v.shape[2],
+                                       dtype_bytes=q.element_size())
+        if validate:  # on the host, and a no-op when the step's sharding checked it
+            agree_on_plan(plan, group)
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    spec = CallSpec(plan, Attn(mask, scale, backend), group, block, need_lse, need_max,
+                    a2a_size, overlap_stages)
+    return strategy_for(plan, strategy), spec
+
+
+def global_max(max_part: torch.Tensor | None, n_heads: int, device: torch.device,
+               group: Any, cp_size: int) -> torch.Tensor:
+    """One MAX all-reduce of this rank's per-head maxes over the CP group. Issued on the
+    current stream after the strategy returned, i.e. after every kernel that wrote
+    ``max_part`` was enqueued there (the strategies compute on the current stream)."""
+    if max_part is None:  # a rank that computed nothing still joins the collective
+        max_part = torch.full((n_heads,), float("-inf"), device=device)
+    if cp_size == 1:
+        return max_part.detach().float()
+    # A copy: the all-reduce writes in place, and the strategy's tensor is its own.
+    max_part = max_part.detach().to(torch.float32, copy=True)
+    dist.all_reduce(max_part, op=dist.ReduceOp.MAX, group=group)
+    return max_part
+
+
+def run_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, strategy: Strategy,
+              spec: CallSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(out, lse, global max logit or None): the strategy's autograd.Function."""
+    out, lse, max_part = strategy.attention(q, k, v, spec)
+    max_logit = None
+    if spec.need_max:
+        max_logit = global_max(max_part, q.shape[1], q.device, spec.group,
+                               spec.plan.cp_size)
+    return out, lse, max_logit
