@@ -121,6 +121,10 @@ def test_schedules_match_the_per_token_builder(layout):
                         _reference_schedule(q, k, mask, block)
                     _same_real_rows(got.kv_range, want.kv_range, k)
                     _same_real_rows(got.q_range, want.q_range, q)
+                    # the full (unmasked) sub-ranges too, and no padding inside any range
+                    _same_real_rows(got.kv_full, want.kv_full, k)
+                    _same_real_rows(got.q_full, want.q_full, q)
+                    assert not got.padded  # (the per-token builder may end on padding)
                     if layout != "te":  # no padding: identical
                         assert got.visited_pairs == want.visited_pairs
                 # every call of the ring, computed together
@@ -132,6 +136,8 @@ def test_schedules_match_the_per_token_builder(layout):
                             want = _reference_schedule(holders[r], src, mask, block)
                             _same_real_rows(call.schedule.kv_range, want.kv_range, src)
                             _same_real_rows(call.schedule.q_range, want.q_range, holders[r])
+                            _same_real_rows(call.schedule.kv_full, want.kv_full, src)
+                            _same_real_rows(call.schedule.q_full, want.q_full, holders[r])
                 if cp == 4:
                     groups = group_holders(plan, 2)
                     tab = hybrid_ring_tables(plan, mask, 2, 1, block)

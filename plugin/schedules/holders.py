@@ -185,6 +185,13 @@ def call_schedules(qset: HolderSet, q: int, kset: HolderSet, ks: list[int], mask
     slot = (torch.arange(n).repeat_interleave(seg.numel()) * (n_seg * nqb)
             + (seg * nqb + b).repeat(n))
     kv.view(-1, 2)[slot] = torch.stack([start, end], -1).to(torch.int32)
+    # Full ranges: the keys that every real row sees, [lo(last row), hi(first row)] (the
+    # same search with the rows swapped); the kernels run those tiles without a mask.
+    flipped = (None, blocks[1], None, None, blocks[5], blocks[4])
+    fstart, fend = _search(qset, flipped, kset, kt.repeat_interleave(seg.numel()),
+                           mask.key_interval)
+    kv_full = torch.zeros_like(kv)
+    kv_full.view(-1, 2)[slot] = torch.stack([fstart, fend], -1).to(torch.int32)
     visited = (rows.repeat(n) * (end - start)).view(n, -1).sum(1).tolist() if n else []
     # q_range: each call's key blocks, against the one query holder.
     which, kseg, kb, _, kfirst, klast = kset.blocks_of(bn, kt)
@@ -194,11 +201,21 @@ def call_schedules(qset: HolderSet, q: int, kset: HolderSet, ks: list[int], mask
     size = n_seg * nkb
     at = torch.cumsum(size, 0) - size
     q_range = torch.zeros(int(size.sum()), 2, dtype=torch.int32)
-    q_range[at[which] + kseg * nkb[which] + kb] = torch.stack([qstart, qend], -1).to(torch.int32)
+    kslot = at[which] + kseg * nkb[which] + kb
+    q_range[kslot] = torch.stack([qstart, qend], -1).to(torch.int32)
+    fstart, fend = _search(kset, (None, kseg, None, None, klast, kfirst), qset,
+                           torch.full_like(kseg, q), mask.query_interval)
+    q_full = torch.zeros_like(q_range)
+    q_full[kslot] = torch.stack([fstart, fend], -1).to(torch.int32)
     out = []
     for i, k in enumerate(ks):
-        qr = q_range[int(at[i]):int(at[i]) + int(size[i])].view(n_seg, int(nkb[i]), 2)
-        out.append(BlockSchedule(bm, bn, kv[i].view(n_seg, nqb, 2), qr, int(visited[i])))
+        rows = slice(int(at[i]), int(at[i]) + int(size[i]))
+        shape = (n_seg, int(nkb[i]), 2)
+        # Padding trails each segment and the searches stop before it: no visited range
+        # holds padding, so the kernels bound their loads by the ranges alone.
+        out.append(BlockSchedule(bm, bn, kv[i].view(n_seg, nqb, 2), q_range[rows].view(shape),
+                                 int(visited[i]), kv_full=kv_full[i].view(n_seg, nqb, 2),
+                                 q_full=q_full[rows].view(shape), padded=False))
     return out
 
 
