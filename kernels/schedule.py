@@ -115,8 +115,9 @@ def _ranges_in(pos, seg, cu, n_seg, blo, bhi, n_blocks):
     if _sorted(pos, seg):
         lo_key = torch.clamp(blo, min=-1) + block_seg * _SEGMENT_STRIDE
         hi_key = torch.clamp(bhi, max=UNBOUNDED) + block_seg * _SEGMENT_STRIDE
-        start = torch.searchsorted(key, lo_key) - starts[block_seg]
-        end = torch.searchsorted(key, hi_key, right=True) - starts[block_seg]
+        start, end = _trim_padding(pos, torch.searchsorted(key, lo_key),
+                                   torch.searchsorted(key, hi_key, right=True))
+        start, end = start - starts[block_seg], end - starts[block_seg]
     else:  # unsorted positions: visit the whole segment, the kernel's mask stays exact
         start = torch.zeros_like(blo)
         end = lens[block_seg].clone()
@@ -125,6 +126,25 @@ def _ranges_in(pos, seg, cu, n_seg, blo, bhi, n_blocks):
     start = torch.where(empty, 0, start)
     end = torch.where(empty, 0, end)
     return torch.stack([start, end], dim=-1).to(torch.int32).view(n_seg, n_blocks, 2)
+
+
+def _trim_padding(pos, start, end):
+    """Absolute ranges [start, end) shrunk to their first and last real token: padding at
+    a range's ends is never visible, and a range that holds none lets the kernels bound
+    their loads by the range alone (as the CP holders' ranges do)."""
+    n = pos.numel()
+    if n == 0:
+        return start, end
+    idx = torch.arange(n)
+    last_real = torch.cummax(torch.where(pos >= 0, idx, -1), 0).values
+    next_real = torch.flip(torch.cummin(torch.flip(torch.where(pos >= 0, idx, n), [0]), 0)
+                           .values, [0])
+    live = end > start
+    new_end = last_real[(end - 1).clamp(0, n - 1)] + 1
+    new_start = next_real[start.clamp(0, n - 1)]
+    end = torch.where(live, new_end, end)
+    start = torch.where(live, torch.minimum(new_start, end), start)
+    return start, torch.maximum(end, start)
 
 
 def _sorted(pos, seg) -> bool:

@@ -209,6 +209,56 @@ def test_unsorted_positions(schedule):
                 schedule=schedule, seed=5))
 
 
+# ------------------------------------------------------------------ full and boundary tiles
+
+LONG = [(150, 150), (97, 130), (64, 64), (0, 7), (5, 0)]
+
+
+def _trailing_padding(lengths: list[int], pad: int) -> torch.Tensor:
+    """Sorted positions 0.. per segment, its last ``pad`` tokens padding (the CP layouts'
+    invariant: no padding inside a visited range, so loads follow the ranges alone)."""
+    parts = [torch.cat([torch.arange(max(n - pad, 0)), torch.full((min(pad, n),), -1)])
+             for n in lengths]
+    return torch.cat(parts).to(torch.int32)
+
+
+@pytest.mark.parametrize("mask,heads,mode", [
+    ("causal", (6, 2), "implicit"),
+    ((True, (100, -1), 0), (2, 2), "trailing_padding"),
+    ((False, (-1, -1), 48), (4, 1), "random_padding"),
+    ("full", (2, 1), "implicit"),
+])
+def test_full_and_boundary_tiles(mask, heads, mode):
+    """Segments of several 32-wide tiles: the unmasked full-tile loops run most tiles, the
+    masked boundary loops the diagonal, window and chunk edges, in one call; GQA walks its
+    heads in dK/dV's flat (head, query tile) loop. Schedules with padding only after each
+    segment's real tokens (padded=False: loads bounded by ranges) and anywhere (padded)."""
+    c = Case(mask=mask, segments=LONG, heads=heads, seed=20)
+    q, k, v, dout, cu_q, cu_k, max_q, max_k, _, _ = _inputs(c)
+    q_pos = k_pos = None
+    if mode == "trailing_padding":
+        q_pos = _trailing_padding([a for a, _ in LONG], 3)
+        k_pos = _trailing_padding([b for _, b in LONG], 5)
+    elif mode == "random_padding":
+        gen = torch.Generator().manual_seed(21)
+        q_pos = _positions([a for a, _ in LONG], [max(a, b) for a, b in LONG], gen, False)
+        k_pos = _positions([b for _, b in LONG], [max(a, b) for a, b in LONG], gen, False)
+    schedule = q_pos is not None
+    if schedule:
+        causal, (wl, wr), chunk = mask
+        sched = build_block_schedule(cu_q, cu_k, max_q, max_k, causal=causal, window_left=wl,
+                                     window_right=wr, chunk_size=chunk, q_positions=q_pos,
+                                     k_positions=k_pos, block_m=32, block_n=32)
+        assert sched.padded == (mode == "random_padding")
+        if not sched.padded:  # (padding inside every range leaves no full tile)
+            full = sched.kv_full[..., 1] - sched.kv_full[..., 0]
+            assert int((full >= 64).sum()) >= 2, "the case must have blocks with full tiles"
+    got = _run_kernels(q, k, v, dout, cu_q, cu_k, max_q, max_k, mask, q_pos, k_pos, schedule)
+    ref = _reference(q, k, v, dout, cu_q, cu_k, mask, q_pos, k_pos, torch.float64)
+    plain = _reference(q, k, v, dout, cu_q, cu_k, mask, q_pos, k_pos, torch.float32)
+    _compare(got, ref, plain, torch.float32)
+
+
 # ------------------------------------------------------------------ dtypes, dims, GQA
 
 
