@@ -35,9 +35,19 @@ def work_list(ranges: torch.Tensor) -> torch.Tensor:
     ``[start, end)`` is not empty, longest range first (ties in block order): the order the
     kernels' programs start in, so the longest tiles do not trail the launch."""
     span = (ranges[..., 1].to(torch.int64) - ranges[..., 0]).flatten()
-    live = torch.nonzero(span > 0).flatten()
-    order = torch.argsort(span[live], descending=True, stable=True)
-    return live[order].to(torch.int32)
+    return work_lists(torch.zeros_like(span), torch.arange(span.numel()), span, 1)[0]
+
+
+def work_lists(call: torch.Tensor, flat: torch.Tensor, span: torch.Tensor, n_calls: int
+               ) -> list[torch.Tensor]:
+    """:func:`work_list` of several calls at once from their blocks' entries (call index,
+    flat block index, range length), e.g. only the live blocks a planner has listed:
+    one sort for all calls, O(entries log entries) instead of a scan of every table."""
+    live = span > 0
+    call, flat, span = call[live], flat[live], span[live]
+    order = torch.argsort(call * (span.max() + 1 if span.numel() else 1) - span, stable=True)
+    counts = torch.bincount(call, minlength=n_calls).tolist()
+    return [part.to(torch.int32) for part in torch.split(flat[order], counts)]
 
 
 @dataclass(frozen=True)

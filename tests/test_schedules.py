@@ -21,6 +21,7 @@ from tests.reference import reference_mask
 from varlen_cp import AttnMask, CPPlan
 from varlen_cp.config import CPConfig
 from varlen_cp.kernels import build_block_schedule
+from varlen_cp.kernels.schedule import work_list
 from varlen_cp.plan.runs import pair_work
 from varlen_cp.prepare import AttnShape, prepare_plan
 from varlen_cp.schedules.holders import block_schedule, rank_holders
@@ -125,6 +126,9 @@ def test_schedules_match_the_per_token_builder(layout):
                     _same_real_rows(got.kv_full, want.kv_full, k)
                     _same_real_rows(got.q_full, want.q_full, q)
                     assert not got.padded  # (the per-token builder may end on padding)
+                    # work lists made from the live blocks = made from the whole tables
+                    assert torch.equal(got.q_tiles, work_list(got.kv_range))
+                    assert torch.equal(got.k_tiles, work_list(got.q_range))
                     if layout != "te":  # no padding: identical
                         assert got.visited_pairs == want.visited_pairs
                 # every call of the ring, computed together
