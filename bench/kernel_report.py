@@ -21,7 +21,8 @@ on the device, no schedule). Masks: causal. ``--tutorial PATH`` also compiles th
 Triton's fused-attention tutorial (python/tutorials/06-fused-attention.py of a triton
 checkout; its ``_attn_fwd`` with block pointers) the same way, for comparison.
 
-    python bench/kernel_report.py            # full table, sm90 + sm80: ~20 min on 2 cores
+    python bench/kernel_report.py            # full table, sm90 + sm80: 144 compiles, ~2 min
+                                             # on 2 idle cores (20+ on a busy shared host)
     python bench/kernel_report.py --quick    # the sm90 bf16 rows the CI targets check
 
 Writes bench/results/kernel_report.json and prints a markdown table. TRITON_INTERPRET must

@@ -7,7 +7,8 @@
 strategies, per ring step and layer): no checks, no host sync, no copies. Measured around
 no-op kernels at 1K documents on one CPU core: the public halves cost ~55 us per call (the
 twin used to re-check another ~30-40 us, now skipped), the unchecked ones ~15 us (the
-custom-op dispatch itself).
+custom-op dispatch itself). ``varlen_bwd_stats`` gives the backward's per-row terms
+(delta, base-2 LSE), which a CP backward computes once per layer for all its steps.
 
 The LSE output is differentiable (its gradient enters the backward as delta -= dlse), which
 lets attention sinks (``sink.apply_softmax_sink``) be applied after the op, or after a CP

@@ -12,7 +12,7 @@ without the interpreter), once per test session; each test then reads the figure
 - no spills at head dim <= 128, and wgmma (no mma.sync) in every kernel at every head dim;
 - shared memory within sm80's and sm90's limits, fp32 inputs included.
 
-~2-4 minutes on 2 cores (23 compiles, two at a time).
+23 compiles, two at a time: ~30 s on 2 idle cores, up to ~4 min on a busy shared host.
 """
 
 from __future__ import annotations
