@@ -7,7 +7,8 @@
 strategies, per ring step and layer): no checks, no host sync, no copies. Measured around
 no-op kernels at 1K documents on one CPU core: the public halves cost ~55 us per call (the
 twin used to re-check another ~30-40 us, now skipped), the unchecked ones ~15 us (the
-custom-op dispatch itself).
+custom-op dispatch itself). ``varlen_bwd_stats`` gives the backward's per-row terms
+(delta, base-2 LSE), which a CP backward computes once per layer for all its steps.
 
 The LSE output is differentiable (its gradient enters the backward as delta -= dlse), which
 lets attention sinks (``sink.apply_softmax_sink``) be applied after the op, or after a CP
@@ -84,8 +85,8 @@ def block_sizes_for(backend: str, device, head_dim: int, head_dim_v: int, *,
     """
     backend = validation.check_backend(backend, torch.device(device))
     if backend == "triton":
-        from .triton_common import triton_block_sizes
-        return triton_block_sizes(head_dim, head_dim_v, dtype)
+        from .triton_common import device_arch, triton_block_sizes
+        return triton_block_sizes(head_dim, head_dim_v, dtype, device_arch(device))
     # The twin walks query blocks of DEFAULT_BLOCK_M rows and takes any key range, so one
     # size serves both ends of the schedule.
     from .torch_attn import DEFAULT_BLOCK_M
@@ -93,15 +94,20 @@ def block_sizes_for(backend: str, device, head_dim: int, head_dim_v: int, *,
 
 
 def _schedule_args(schedule: Optional[BlockSchedule]):
+    """A schedule as the custom ops' arguments (tensors, ints and a bool: opaque to compile)."""
     if schedule is None:
-        return None, None, 0, 0
-    return schedule.kv_range, schedule.q_range, schedule.block_m, schedule.block_n
+        return None, None, None, None, None, None, 0, 0, True
+    return (schedule.kv_range, schedule.q_range, schedule.kv_full, schedule.q_full,
+            schedule.q_tiles, schedule.k_tiles, schedule.block_m, schedule.block_n,
+            schedule.padded)
 
 
-def _unpack_schedule(kv_range, q_range, block_m, block_n) -> Optional[BlockSchedule]:
+def _unpack_schedule(kv_range, q_range, kv_full, q_full, q_tiles, k_tiles, block_m, block_n,
+                     padded) -> Optional[BlockSchedule]:
     if kv_range is None:
         return None
-    return BlockSchedule(block_m, block_n, kv_range, q_range, visited_pairs=-1)
+    return BlockSchedule(block_m, block_n, kv_range, q_range, -1, kv_full, q_full, q_tiles,
+                         k_tiles, padded)
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -112,14 +118,17 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: tor
             chunk_size: int, q_positions: Optional[torch.Tensor],
             k_positions: Optional[torch.Tensor], backend: str,
             kv_range: Optional[torch.Tensor], q_range: Optional[torch.Tensor],
-            block_m: int, block_n: int, return_max: bool
+            kv_full: Optional[torch.Tensor], q_full: Optional[torch.Tensor],
+            q_tiles: Optional[torch.Tensor], k_tiles: Optional[torch.Tensor],
+            block_m: int, block_n: int, padded: bool, return_max: bool
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # A custom op has a fixed number of outputs: without return_max the row max is an empty
     # [Hq, 0] stand-in that costs nothing.
     fwd, _ = _backend_module(backend)
     res = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
               causal, window_left, window_right, chunk_size, q_positions, k_positions,
-              _unpack_schedule(kv_range, q_range, block_m, block_n), return_max=return_max)
+              _unpack_schedule(kv_range, q_range, kv_full, q_full, q_tiles, k_tiles, block_m,
+                               block_n, padded), return_max=return_max)
     if return_max:
         return res
     out, lse = res
@@ -129,7 +138,7 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: tor
 @_fwd_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
       window_left, window_right, chunk_size, q_positions, k_positions, backend, kv_range,
-      q_range, block_m, block_n, return_max):
+      q_range, kv_full, q_full, q_tiles, k_tiles, block_m, block_n, padded, return_max):
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
     row_max = q.new_empty(q.shape[1], q.shape[0] if return_max else 0, dtype=torch.float32)
@@ -145,12 +154,16 @@ def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             chunk_size: int, q_positions: Optional[torch.Tensor],
             k_positions: Optional[torch.Tensor], backend: str,
             kv_range: Optional[torch.Tensor], q_range: Optional[torch.Tensor],
-            block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            kv_full: Optional[torch.Tensor], q_full: Optional[torch.Tensor],
+            q_tiles: Optional[torch.Tensor], k_tiles: Optional[torch.Tensor],
+            block_m: int, block_n: int, padded: bool, stats: Optional[torch.Tensor]
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _, bwd = _backend_module(backend)
     return bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                max_seqlen_k, softmax_scale, causal, window_left, window_right, chunk_size,
-               q_positions, k_positions, _unpack_schedule(kv_range, q_range, block_m, block_n),
-               dlse=dlse)
+               q_positions, k_positions,
+               _unpack_schedule(kv_range, q_range, kv_full, q_full, q_tiles, k_tiles, block_m,
+                                block_n, padded), dlse=dlse, stats=stats)
 
 
 @_bwd_op.register_fake
@@ -160,23 +173,23 @@ def _(dout, q, k, v, out, lse, *rest):
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, wl, wr, chunk, q_pos, k_pos, backend,
-     kv_range, q_range, block_m, block_n, _return_max) = inputs
+     *tables, block_m, block_n, padded, _return_max) = inputs
     out, lse, row_max = output
     ctx.mark_non_differentiable(row_max)  # the max logit is a statistic, not a loss term
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, q_pos, k_pos, kv_range, q_range)
-    ctx.meta = (max_q, max_k, scale, causal, wl, wr, chunk, backend, block_m, block_n)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, q_pos, k_pos, *tables)
+    ctx.meta = (max_q, max_k, scale, causal, wl, wr, chunk, backend, block_m, block_n, padded)
 
 
 def _backward(ctx, dout, dlse, _drow_max):
-    q, k, v, out, lse, cu_q, cu_k, q_pos, k_pos, kv_range, q_range = ctx.saved_tensors
-    max_q, max_k, scale, causal, wl, wr, chunk, backend, block_m, block_n = ctx.meta
+    q, k, v, out, lse, cu_q, cu_k, q_pos, k_pos, *tables = ctx.saved_tensors
+    max_q, max_k, scale, causal, wl, wr, chunk, backend, block_m, block_n, padded = ctx.meta
     # Either output may be unused by the loss (e.g. only lse): its gradient is then None.
     dout = torch.zeros_like(out) if dout is None else dout.contiguous()
     dlse = None if dlse is None else dlse.float().contiguous()
     dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k,
-                         scale, causal, wl, wr, chunk, q_pos, k_pos, backend, kv_range,
-                         q_range, block_m, block_n)
-    return (dq, dk, dv) + (None,) * 17
+                         scale, causal, wl, wr, chunk, q_pos, k_pos, backend, *tables,
+                         block_m, block_n, padded, None)
+    return (dq, dk, dv) + (None,) * 22
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -206,8 +219,9 @@ def _auto_schedule(q, v, cu_q, cu_k, max_q, max_k, mask, q_pos, k_pos, backend):
     if (backend != "triton" or (q_pos is None and k_pos is None)
             or torch.compiler.is_compiling() or not _on_host(cu_q, cu_k, q_pos, k_pos)):
         return None
-    from .triton_common import triton_block_sizes
-    block_m, block_n = triton_block_sizes(q.shape[-1], v.shape[-1], q.dtype)
+    from .triton_common import device_arch, triton_block_sizes
+    block_m, block_n = triton_block_sizes(q.shape[-1], v.shape[-1], q.dtype,
+                                          device_arch(q.device))
     causal, wl, wr, chunk = mask
     sched = build_block_schedule(cu_q, cu_k, max_q, max_k, causal=causal, window_left=wl,
                                  window_right=wr, chunk_size=chunk, q_positions=q_pos,
@@ -334,7 +348,7 @@ def varlen_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     with torch.no_grad():
         return _bwd_op(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
                        out.contiguous(), lse.contiguous(),
-                       None if dlse is None else dlse.contiguous(), *args)
+                       None if dlse is None else dlse.contiguous(), *args, None)
 
 
 # ------------------------------------------------------------- validated-once entries
@@ -374,18 +388,50 @@ def varlen_bwd_unchecked(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          window_right: int, chunk_size: int,
                          q_positions: Optional[torch.Tensor],
                          k_positions: Optional[torch.Tensor], backend: str,
-                         schedule: Optional[BlockSchedule]
+                         schedule: Optional[BlockSchedule],
+                         stats: Optional[torch.Tensor] = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``varlen_attn_bwd`` without validation: (dq, dk, dv). The contract of
     ``varlen_fwd_unchecked``, plus ``dout`` like out, ``lse`` and ``dlse`` (or None) fp32
-    [Hq, total_q]."""
+    [Hq, total_q]. ``stats``: :func:`varlen_bwd_stats` of the same dout, out, lse, dlse
+    and backend (then ``dlse`` is not read), computed once for every call that shares them
+    (the steps of a CP backward); None computes it here."""
     with torch.no_grad():
         return _bwd_op(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
                        out.contiguous(), lse.contiguous(),
                        None if dlse is None else dlse.contiguous(), cu_seqlens_q,
                        cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale),
                        bool(causal), window_left, window_right, chunk_size, q_positions,
-                       k_positions, backend, *_schedule_args(schedule))
+                       k_positions, backend, *_schedule_args(schedule), stats)
+
+
+@torch.library.custom_op("varlen_cp::bwd_stats", mutates_args=())
+def _stats_op(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+              dlse: Optional[torch.Tensor], backend: str) -> torch.Tensor:
+    if backend == "triton":
+        from .triton_bwd import triton_bwd_stats
+        return triton_bwd_stats(dout, out, lse, dlse)
+    from .torch_attn import torch_bwd_stats
+    return torch_bwd_stats(dout, out, lse, dlse)
+
+
+@_stats_op.register_fake
+def _(dout, out, lse, dlse, backend):
+    wide = out.dtype == torch.float64 and backend == "torch"  # the twin's fp64 accumulation
+    return lse.new_empty((2, *lse.shape), dtype=torch.float64 if wide else torch.float32)
+
+
+def varlen_bwd_stats(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                     dlse: Optional[torch.Tensor], backend: str) -> torch.Tensor:
+    """[2, Hq, total_q]: delta = rowsum(dO * O) - dlse, and the LSE in base 2, with 0 and
+    +inf on rows whose lse is -inf; fp32 (fp64 for the twin's fp64 inputs). The per-row
+    terms every backward call of one layer shares: a CP backward computes them once and
+    passes them to each step's :func:`varlen_bwd_unchecked`, instead of each step
+    recomputing delta (with fp32 temporaries the size of the output). Unchecked, like
+    that entry; ``backend`` as resolved there."""
+    with torch.no_grad():
+        return _stats_op(dout.contiguous(), out.contiguous(), lse.contiguous(),
+                         None if dlse is None else dlse.float().contiguous(), backend)
 
 
 def varlen_attn_unchecked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

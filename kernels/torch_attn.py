@@ -74,6 +74,9 @@ def _host(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.detach().to("cpu", torch.int64)
 
 
+_LOG2E = 1.4426950408889634  # the stats hold the LSE in base 2, as the Triton kernels read it
+
+
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -405,14 +408,15 @@ def torch_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
               max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
               window_right: int, chunk_size: int, q_positions: Tensor | None,
               k_positions: Tensor | None, schedule: BlockSchedule | None = None, *,
-              dlse: Tensor | None = None, check: bool = True
+              dlse: Tensor | None = None, stats: Tensor | None = None, check: bool = True
               ) -> tuple[Tensor, Tensor, Tensor]:
     """FA2 backward from the given (possibly merged) out/lse. -> (dq, dk, dv), input dtypes.
 
     ``out``/``lse`` are never recomputed: with the final merged ones of a ring step this
     yields that step's partial gradients. dK/dV are summed over each GQA group.
     ``dlse`` [Hq, Tq] (None = 0) is the gradient of the LSE output: since dlse/dS = P it
-    enters as delta = rowsum(dO * O) - dlse.
+    enters as delta = rowsum(dO * O) - dlse. ``stats``: :func:`torch_bwd_stats` of these
+    arguments, computed once by a caller that makes several calls with them.
     """
     cu_q, cu_k = _host(cu_seqlens_q), _host(cu_seqlens_k)
     if check:
@@ -429,14 +433,13 @@ def torch_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     dq = torch.zeros(tq + 1, hq, q.shape[-1], dtype=acc, device=q.device)
     dk = torch.zeros(tk + 1, hkv, k.shape[-1], dtype=acc, device=k.device)
     dv = torch.zeros(tk + 1, hkv, v.shape[-1], dtype=acc, device=v.device)
-    delta_TH = (dout.to(acc) * out.to(acc)).sum(dim=-1)          # rowsum(dO * O)
-    if dlse is not None:
-        delta_TH = delta_TH - lse_grad_rows(dlse, lse).t().to(acc)
-    # lse = -inf means the row sees no key anywhere: +inf there makes P = exp(s - inf) = 0,
-    # and delta 0 keeps a non-finite rowsum(dO * O) of such a row out of 0 * (dP - delta).
-    empty_TH = lse.t() == float("-inf")
-    lse_TH = lse.t().to(acc).masked_fill(empty_TH, float("inf"))
-    delta_TH = delta_TH.masked_fill(empty_TH, 0.0)
+    if stats is None:
+        stats = torch_bwd_stats(dout, out, lse, dlse)
+    delta_TH = stats[0].t().to(acc)
+    # Rows that see no key anywhere: lse +inf makes P = exp(s - inf) = 0 (their delta is 0).
+    # The natural-log lse, not the stats' base-2 copy: a round trip through log2(e) moved
+    # P = 1 of a single visible key by an fp16 ulp of dV.
+    lse_TH = lse.t().to(acc).masked_fill(lse.t() == float("-inf"), float("inf"))
     q_pos, k_pos = _positions(cu_q, cu_k, tq, tk, q_positions, k_positions, q.device)
     explicit = (q_positions is not None, k_positions is not None)
     for g in _groups(sched, cu_q, cu_k, tq, tk, hq, q.device):
@@ -454,3 +457,19 @@ def torch_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         dk.index_add_(0, g.k_scatter, _tokens_major(dk_g, g, g.mk, hkv))
         dv.index_add_(0, g.k_scatter, _tokens_major(dv_g, g, g.mk, hkv))
     return dq[:tq].to(q.dtype), dk[:tk].to(k.dtype), dv[:tk].to(v.dtype)
+
+
+@torch.no_grad()
+def torch_bwd_stats(dout: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None = None
+                    ) -> Tensor:
+    """[2, Hq, Tq] in the accumulation dtype: delta = rowsum(dO * O) - dlse and lse * log2(e)
+    (the Triton kernels' layout), 0 and +inf on rows whose lse is -inf: such a row sees no
+    key, P = exp(s - inf) = 0 there, and 0 keeps a non-finite rowsum(dO * O) out of
+    0 * (dP - delta)."""
+    acc = _acc_dtype(out.dtype)
+    delta = (dout.to(acc) * out.to(acc)).sum(dim=-1).t()
+    if dlse is not None:
+        delta = delta - lse_grad_rows(dlse, lse).to(acc)
+    dead = lse == float("-inf")
+    return torch.stack([delta.masked_fill(dead, 0.0),
+                        (lse.to(acc) * _LOG2E).masked_fill(dead, float("inf"))])

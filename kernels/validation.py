@@ -151,9 +151,13 @@ def check_schedule(schedule, n_seg: int, max_q: int, max_k: int) -> None:
         return
     nqb = -(-max(max_q, 1) // schedule.block_m)
     nkb = -(-max(max_k, 1) // schedule.block_n)
-    if tuple(schedule.kv_range.shape) != (n_seg, nqb, 2):
-        _fail(f"schedule.kv_range has shape {tuple(schedule.kv_range.shape)}, expected "
-              f"{(n_seg, nqb, 2)} for {n_seg} segments, max_seqlen_q={max_q}")
-    if tuple(schedule.q_range.shape) != (n_seg, nkb, 2):
-        _fail(f"schedule.q_range has shape {tuple(schedule.q_range.shape)}, expected "
-              f"{(n_seg, nkb, 2)} for {n_seg} segments, max_seqlen_k={max_k}")
+    for name, blocks, side, mx in (("kv_range", nqb, "q", max_q), ("kv_full", nqb, "q", max_q),
+                                   ("q_range", nkb, "k", max_k), ("q_full", nkb, "k", max_k)):
+        table = getattr(schedule, name, None)
+        if table is not None and tuple(table.shape) != (n_seg, blocks, 2):
+            _fail(f"schedule.{name} has shape {tuple(table.shape)}, expected "
+                  f"{(n_seg, blocks, 2)} for {n_seg} segments, max_seqlen_{side}={mx}")
+    for name in ("q_tiles", "k_tiles"):
+        if getattr(schedule, name, None) is None:
+            _fail(f"schedule.{name} is missing: build the schedule from host tensors "
+                  f"(BlockSchedule lists the non-empty blocks from host ranges)")

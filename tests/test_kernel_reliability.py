@@ -268,10 +268,11 @@ def test_resolve_backend():
 
 def test_block_sizes_for_takes_the_dtype():
     """fp32 at padded head dim 256 uses 32x32 tiles: 64x32 needs 192-200 KB of shared
-    memory in dQ / dK-dV (ptxas, sm80), more than an A100 has."""
+    memory in dQ / dK-dV (ptxas, sm80), more than an A100 has. 16-bit MLA keeps 64-key
+    blocks (a 32-key block made its dK/dV fall back to mma.sync on sm90)."""
     assert block_sizes_for("triton", "cpu", 128, 128) == (64, 64)
-    assert block_sizes_for("triton", "cpu", 192, 128) == (64, 32)
-    assert block_sizes_for("triton", "cpu", 192, 128, dtype=torch.bfloat16) == (64, 32)
+    assert block_sizes_for("triton", "cpu", 192, 128) == (64, 64)
+    assert block_sizes_for("triton", "cpu", 192, 128, dtype=torch.bfloat16) == (64, 64)
     assert block_sizes_for("triton", "cpu", 256, 256, dtype=torch.float32) == (32, 32)
     assert block_sizes_for("triton", "cpu", 128, 128, dtype=torch.float32) == (64, 64)
     assert block_sizes_for("torch", "cpu", 256, 256, dtype=torch.float32) == \

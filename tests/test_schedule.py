@@ -3,7 +3,7 @@
 import itertools
 
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.reference import reference_mask
@@ -78,3 +78,68 @@ def test_schedule_rejects_device_tensors_that_are_not_host():
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         build_block_schedule(torch.tensor([0, 4], device=meta), torch.tensor([0, 4]), 4, 4,
                              causal=True, window_left=-1, window_right=-1, chunk_size=0)
+
+
+@settings(max_examples=60)
+@given(lens=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=4),
+       mask=mask_st, explicit=st.booleans(), pad_frac=st.sampled_from([0.0, 0.15]),
+       bm=st.sampled_from([4, 8, 16]), bn=st.sampled_from([4, 8]), seed=st.integers(0, 99))
+def test_full_ranges_are_visible_to_every_real_row(lens, mask, explicit, pad_frac, bm, bn,
+                                                    seed):
+    """kv_full / q_full: every (real row of the block, token in the range) pair is visible
+    and no token in the range is padding (the kernels drop the mask there); with sorted
+    positions the range is exactly the tokens every real row sees, when those are not
+    split by padding."""
+    g = torch.Generator().manual_seed(seed)
+    lq, lk = [a for a, _ in lens], [b for _, b in lens]
+    cu_q, cu_k = _batch(lq, lk)
+    if explicit:
+        qp = torch.cat([torch.arange(n) + 3 for n in lq]).long()
+        kp = torch.cat([torch.arange(n) for n in lk]).long()
+        qp[torch.rand(qp.numel(), generator=g) < pad_frac] = -1
+        kp[torch.rand(kp.numel(), generator=g) < pad_frac] = -1
+    else:
+        qp, kp = implicit_positions(cu_q, cu_k, sum(lq), sum(lk))
+    causal, wl, wr, chunk = mask
+    sch = build_block_schedule(cu_q, cu_k, max(lq), max(lk), causal=causal, window_left=wl,
+                               window_right=wr, chunk_size=chunk,
+                               q_positions=qp if explicit else None,
+                               k_positions=kp if explicit else None, block_m=bm, block_n=bn)
+    for s in range(len(lq)):
+        q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
+        vis = reference_mask(qp[q0:q1], kp[k0:k1], causal=causal, window_size=(wl, wr),
+                             chunk_size=chunk, q_padding=explicit, k_padding=explicit)
+        real_q = qp[q0:q1] >= 0 if explicit else torch.ones(q1 - q0, dtype=torch.bool)
+        real_k = kp[k0:k1] >= 0 if explicit else torch.ones(k1 - k0, dtype=torch.bool)
+        for side, full, block, v, real_rows, real_cols in (
+                ("kv", sch.kv_full, bm, vis, real_q, real_k),
+                ("q", sch.q_full, bn, vis.t(), real_k, real_q)):
+            for b in range(full.shape[1]):
+                start, end = full[s, b].tolist()
+                rows = torch.arange(min(b * block, v.shape[0]), min((b + 1) * block, v.shape[0]))
+                rows = rows[real_rows[rows]]
+                if end > start:
+                    assert rows.numel(), (side, s, b)
+                    assert bool(real_cols[start:end].all()), (side, s, b, "padding inside")
+                    assert bool(v[rows][:, start:end].all()), (side, s, b, "not visible")
+                if rows.numel() == 0:
+                    continue
+                every = v[rows].all(0).nonzero().flatten()
+                if every.numel():
+                    lo, hi = int(every.min()), int(every.max()) + 1
+                    if bool(real_cols[lo:hi].all()):  # not split by padding: exact
+                        assert (start, end) == (lo, hi), (side, s, b, (start, end), (lo, hi))
+
+
+def test_work_lists_are_the_nonempty_blocks_longest_first():
+    """q_tiles / k_tiles list exactly the blocks with a non-empty range, longest first."""
+    lq, lk = [70, 0, 5, 33], [70, 9, 0, 40]
+    cu_q, cu_k = _batch(lq, lk)
+    sch = build_block_schedule(cu_q, cu_k, max(lq), max(lk), causal=True, window_left=20,
+                               window_right=-1, chunk_size=0, block_m=16, block_n=16)
+    for tiles, ranges in ((sch.q_tiles, sch.kv_range), (sch.k_tiles, sch.q_range)):
+        span = (ranges[..., 1] - ranges[..., 0]).flatten()
+        assert tiles.dtype == torch.int32
+        assert sorted(tiles.tolist()) == torch.nonzero(span > 0).flatten().tolist()
+        spans = span[tiles.long()].tolist()
+        assert spans == sorted(spans, reverse=True)

@@ -21,6 +21,7 @@ from tests.reference import reference_mask
 from varlen_cp import AttnMask, CPPlan
 from varlen_cp.config import CPConfig
 from varlen_cp.kernels import build_block_schedule
+from varlen_cp.kernels.schedule import work_list
 from varlen_cp.plan.runs import pair_work
 from varlen_cp.prepare import AttnShape, prepare_plan
 from varlen_cp.schedules.holders import block_schedule, rank_holders
@@ -121,6 +122,13 @@ def test_schedules_match_the_per_token_builder(layout):
                         _reference_schedule(q, k, mask, block)
                     _same_real_rows(got.kv_range, want.kv_range, k)
                     _same_real_rows(got.q_range, want.q_range, q)
+                    # the full (unmasked) sub-ranges too, and no padding inside any range
+                    _same_real_rows(got.kv_full, want.kv_full, k)
+                    _same_real_rows(got.q_full, want.q_full, q)
+                    assert not got.padded  # (the per-token builder may end on padding)
+                    # work lists made from the live blocks = made from the whole tables
+                    assert torch.equal(got.q_tiles, work_list(got.kv_range))
+                    assert torch.equal(got.k_tiles, work_list(got.q_range))
                     if layout != "te":  # no padding: identical
                         assert got.visited_pairs == want.visited_pairs
                 # every call of the ring, computed together
@@ -132,6 +140,8 @@ def test_schedules_match_the_per_token_builder(layout):
                             want = _reference_schedule(holders[r], src, mask, block)
                             _same_real_rows(call.schedule.kv_range, want.kv_range, src)
                             _same_real_rows(call.schedule.q_range, want.q_range, holders[r])
+                            _same_real_rows(call.schedule.kv_full, want.kv_full, src)
+                            _same_real_rows(call.schedule.q_full, want.q_full, holders[r])
                 if cp == 4:
                     groups = group_holders(plan, 2)
                     tab = hybrid_ring_tables(plan, mask, 2, 1, block)

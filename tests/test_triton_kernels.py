@@ -8,12 +8,8 @@ checks out, lse, dq, dk, dv with the tolerance rule of DESIGN.md: error vs fp64 
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
@@ -213,6 +209,56 @@ def test_unsorted_positions(schedule):
                 schedule=schedule, seed=5))
 
 
+# ------------------------------------------------------------------ full and boundary tiles
+
+LONG = [(150, 150), (97, 130), (64, 64), (0, 7), (5, 0)]
+
+
+def _trailing_padding(lengths: list[int], pad: int) -> torch.Tensor:
+    """Sorted positions 0.. per segment, its last ``pad`` tokens padding (the CP layouts'
+    invariant: no padding inside a visited range, so loads follow the ranges alone)."""
+    parts = [torch.cat([torch.arange(max(n - pad, 0)), torch.full((min(pad, n),), -1)])
+             for n in lengths]
+    return torch.cat(parts).to(torch.int32)
+
+
+@pytest.mark.parametrize("mask,heads,mode", [
+    ("causal", (6, 2), "implicit"),
+    ((True, (100, -1), 0), (2, 2), "trailing_padding"),
+    ((False, (-1, -1), 48), (4, 1), "random_padding"),
+    ("full", (2, 1), "implicit"),
+])
+def test_full_and_boundary_tiles(mask, heads, mode):
+    """Segments of several 32-wide tiles: the unmasked full-tile loops run most tiles, the
+    masked boundary loops the diagonal, window and chunk edges, in one call; GQA walks its
+    heads in dK/dV's flat (head, query tile) loop. Schedules with padding only after each
+    segment's real tokens (padded=False: loads bounded by ranges) and anywhere (padded)."""
+    c = Case(mask=mask, segments=LONG, heads=heads, seed=20)
+    q, k, v, dout, cu_q, cu_k, max_q, max_k, _, _ = _inputs(c)
+    q_pos = k_pos = None
+    if mode == "trailing_padding":
+        q_pos = _trailing_padding([a for a, _ in LONG], 3)
+        k_pos = _trailing_padding([b for _, b in LONG], 5)
+    elif mode == "random_padding":
+        gen = torch.Generator().manual_seed(21)
+        q_pos = _positions([a for a, _ in LONG], [max(a, b) for a, b in LONG], gen, False)
+        k_pos = _positions([b for _, b in LONG], [max(a, b) for a, b in LONG], gen, False)
+    schedule = q_pos is not None
+    if schedule:
+        causal, (wl, wr), chunk = mask
+        sched = build_block_schedule(cu_q, cu_k, max_q, max_k, causal=causal, window_left=wl,
+                                     window_right=wr, chunk_size=chunk, q_positions=q_pos,
+                                     k_positions=k_pos, block_m=32, block_n=32)
+        assert sched.padded == (mode == "random_padding")
+        if not sched.padded:  # (padding inside every range leaves no full tile)
+            full = sched.kv_full[..., 1] - sched.kv_full[..., 0]
+            assert int((full >= 64).sum()) >= 2, "the case must have blocks with full tiles"
+    got = _run_kernels(q, k, v, dout, cu_q, cu_k, max_q, max_k, mask, q_pos, k_pos, schedule)
+    ref = _reference(q, k, v, dout, cu_q, cu_k, mask, q_pos, k_pos, torch.float64)
+    plain = _reference(q, k, v, dout, cu_q, cu_k, mask, q_pos, k_pos, torch.float32)
+    _compare(got, ref, plain, torch.float32)
+
+
 # ------------------------------------------------------------------ dtypes, dims, GQA
 
 
@@ -319,10 +365,14 @@ def test_strided_views():
 
 def test_block_sizes():
     for d, dv in ((32, 32), (64, 64), (80, 80), (128, 128), (192, 128), (256, 256), (48, 32)):
-        bm, bn = triton_block_sizes(d, dv)
-        assert bm >= 32 and bn >= 32
-        assert bm & (bm - 1) == 0 and bn & (bn - 1) == 0
-    assert triton_block_sizes(192, 128) == (64, 32)  # padded to 256: smaller key tile
+        for arch in (None, 80, 90):
+            bm, bn = triton_block_sizes(d, dv, arch=arch)
+            assert bm >= 32 and bn >= 32
+            assert bm & (bm - 1) == 0 and bn & (bn - 1) == 0
+    # Key blocks of 64 rows at MLA's 192/128: one wgmma warp group (32 fell back to
+    # mma.sync on sm90); fp32 at padded 256 stays within an A100's shared memory.
+    assert triton_block_sizes(192, 128, arch=90) == (64, 64)
+    assert triton_block_sizes(256, 256, torch.float32, arch=80) == (32, 32)
 
 
 def test_bad_schedule_and_blocks_raise():
@@ -337,85 +387,7 @@ def test_bad_schedule_and_blocks_raise():
         triton_fwd(q, k, v, *args, block_sizes=(24, 32))
 
 
-# ------------------------------------------------------------------ GPU compilation
-
-# Compiles the real kernels to cubin for sm80 / sm90 with triton's bundled ptxas, which
-# needs no GPU but does need the interpreter off, hence a subprocess. The interpreter runs
-# the Python body of a kernel, so it cannot catch code that the compiler rejects, nor
-# shared memory beyond a GPU's limit (a launch failure on real hardware).
-_COMPILE_SCRIPT = r"""
-import json, sys
-import torch
-import triton
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    import triton.backends.nvidia  # noqa: F401
-except ImportError as exc:
-    print(json.dumps({"skip": f"no triton nvidia backend: {exc}"}))
-    sys.exit(0)
-from varlen_cp.kernels import triton_bwd as B, triton_fwd as F
-from varlen_cp.kernels.triton_common import launch_options, triton_block_sizes
-
-DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-POINTERS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
-INT_POINTERS = {"CU_Q", "CU_K", "QPOS", "KPOS", "KV_RANGE", "Q_RANGE"}
-FP32_POINTERS = {"LSE", "DELTA", "RMAX"}
-KERNELS = {"fwd": F._fwd_kernel, "dq": B._dq_kernel, "dkdv": B._dkdv_kernel}
-results = []
-for kind, dt, d, dv, arch, mode in json.loads(sys.argv[1]):
-    fn = KERNELS[kind]
-    bm, bn = triton_block_sizes(d, dv, DT[dt])
-    consts = F.kernel_constants(DT[dt], d, dv, bm, bn, True, 64, -1, 0, mode != "implicit",
-                                mode != "implicit", mode == "schedule")
-    consts["STORE_MAX"] = True  # the forward's max-logit store compiles too (fwd only)
-    sig, constexprs, attrs = {}, {}, {}
-    for i, p in enumerate(fn.params):
-        if p.is_constexpr:
-            sig[p.name], constexprs[p.name] = "constexpr", consts[p.name]
-            continue
-        sig[p.name] = ("*" + dt if p.name in POINTERS else "*fp32" if p.name in FP32_POINTERS
-                       else "*i32" if p.name in INT_POINTERS
-                       else "fp32" if p.name in ("scale", "qk_scale") else "i32")
-        if sig[p.name].startswith("*") or p.name.startswith("stride"):
-            attrs[(i,)] = [["tt.divisibility", 16]]  # what the launcher specializes on
-    kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs),
-                            target=GPUTarget("cuda", arch, 32),
-                            options=launch_options(DT[dt], d, dv, kind))
-    results.append({"config": [kind, dt, d, dv, arch, mode],
-                    "shared": kernel.metadata.shared, "cubin": len(kernel.asm["cubin"])})
-print(json.dumps({"results": results}))
-"""
-
-# Shared memory one block may use: A100 (sm80) 163 KB, H100 (sm90) 227 KB.
-_SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the kernels")
-def test_kernels_compile_for_gpus():
-    """Every kernel and tile mode compiles for sm80/sm90 within shared memory limits."""
-    configs = [
-        ("fwd", "bf16", 128, 128, 90, "implicit"), ("dq", "bf16", 128, 128, 90, "scan"),
-        ("dkdv", "bf16", 128, 128, 90, "schedule"), ("fwd", "fp16", 192, 128, 80, "scan"),
-        ("dq", "fp16", 64, 64, 80, "schedule"), ("dkdv", "bf16", 256, 256, 80, "implicit"),
-        ("dkdv", "fp16", 80, 80, 80, "scan"),
-        # fp32 at padded d = 256 fits an A100 only with its dtype-aware 32x32 tiles.
-        ("dkdv", "fp32", 256, 256, 80, "implicit"), ("dq", "fp32", 192, 192, 80, "schedule"),
-    ]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[1]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(configs)],
-                          capture_output=True, text=True, env=env, timeout=540)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "skip" in report:
-        pytest.skip(report["skip"])
-    assert len(report["results"]) == len(configs)
-    for r in report["results"]:
-        arch = r["config"][4]
-        assert r["cubin"] > 0, r
-        assert r["shared"] <= _SMEM_LIMIT[arch], f"{r['config']}: {r['shared']} bytes shared"
+# GPU compilation (sm80 / sm90 without a GPU, the static targets): tests/test_kernel_static.py
 
 
 # ------------------------------------------------------------------ GPU only

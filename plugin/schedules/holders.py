@@ -17,6 +17,7 @@ import torch
 
 from ..kernels import BlockSchedule
 from ..kernels.host_copy import to_device
+from ..kernels.schedule import work_lists
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..plan.runs import per_token
@@ -186,6 +187,13 @@ def call_schedules(qset: HolderSet, q: int, kset: HolderSet, ks: list[int], mask
     slot = (torch.arange(n).repeat_interleave(seg.numel()) * (n_seg * nqb)
             + (seg * nqb + b).repeat(n))
     kv.view(-1, 2)[slot] = torch.stack([start, end], -1).to(torch.int32)
+    # Full ranges: the keys that every real row sees, [lo(last row), hi(first row)] (the
+    # same search with the rows swapped); the kernels run those tiles without a mask.
+    flipped = (None, blocks[1], None, None, blocks[5], blocks[4])
+    fstart, fend = _search(qset, flipped, kset, kt.repeat_interleave(seg.numel()),
+                           mask.key_interval)
+    kv_full = torch.zeros_like(kv)
+    kv_full.view(-1, 2)[slot] = torch.stack([fstart, fend], -1).to(torch.int32)
     visited = (rows.repeat(n) * (end - start)).view(n, -1).sum(1).tolist() if n else []
     # q_range: each call's key blocks, against the one query holder.
     which, kseg, kb, _, kfirst, klast = kset.blocks_of(bn, kt)
@@ -195,11 +203,27 @@ def call_schedules(qset: HolderSet, q: int, kset: HolderSet, ks: list[int], mask
     size = n_seg * nkb
     at = torch.cumsum(size, 0) - size
     q_range = torch.zeros(int(size.sum()), 2, dtype=torch.int32)
-    q_range[at[which] + kseg * nkb[which] + kb] = torch.stack([qstart, qend], -1).to(torch.int32)
+    kslot = at[which] + kseg * nkb[which] + kb
+    q_range[kslot] = torch.stack([qstart, qend], -1).to(torch.int32)
+    fstart, fend = _search(kset, (None, kseg, None, None, klast, kfirst), qset,
+                           torch.full_like(kseg, q), mask.query_interval)
+    q_full = torch.zeros_like(q_range)
+    q_full[kslot] = torch.stack([fstart, fend], -1).to(torch.int32)
+    # Work lists from the live blocks listed above, not from a scan of every table entry
+    # (the tables are n_seg x blocks: at 1K documents that scan cost ~2 ms per call).
+    call = torch.arange(n).repeat_interleave(seg.numel())
+    q_tiles = work_lists(call, (seg * nqb + b).repeat(n), end - start, n)
+    k_tiles = work_lists(which, kseg * nkb[which] + kb, qend - qstart, n)
     out = []
     for i, k in enumerate(ks):
-        qr = q_range[int(at[i]):int(at[i]) + int(size[i])].view(n_seg, int(nkb[i]), 2)
-        out.append(BlockSchedule(bm, bn, kv[i].view(n_seg, nqb, 2), qr, int(visited[i])))
+        rows = slice(int(at[i]), int(at[i]) + int(size[i]))
+        shape = (n_seg, int(nkb[i]), 2)
+        # Padding trails each segment and the searches stop before it: no visited range
+        # holds padding, so the kernels bound their loads by the ranges alone.
+        out.append(BlockSchedule(bm, bn, kv[i].view(n_seg, nqb, 2), q_range[rows].view(shape),
+                                 int(visited[i]), kv_full=kv_full[i].view(n_seg, nqb, 2),
+                                 q_full=q_full[rows].view(shape), q_tiles=q_tiles[i],
+                                 k_tiles=k_tiles[i], padded=False))
     return out
 
 
@@ -263,11 +287,10 @@ class KernelCall:
         """Copy the tables (the schedule's included) to ``device`` once, without a sync: one
         non_blocking copy from a pinned, reused staging buffer (``to_device``)."""
         s = self.schedule
-        cu_q, cu_k, q_pos, k_pos, kv_range, q_range = to_device(
-            [self.cu_q, self.cu_k, self.q_pos, self.k_pos, s.kv_range, s.q_range], device)
+        cu_q, cu_k, q_pos, k_pos, *tables = to_device(
+            [self.cu_q, self.cu_k, self.q_pos, self.k_pos, *s.tables()], device)
         return KernelCall(cu_q, cu_k, self.max_q, self.max_k, q_pos, k_pos,
-                          BlockSchedule(s.block_m, s.block_n, kv_range, q_range,
-                                        s.visited_pairs))
+                          s.with_tables(tables))
 
 
 def block_schedule(q: Holder, k: Holder, mask: AttnMask, block: tuple[int, int]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..kernels import max_logit_of, varlen_bwd_unchecked, varlen_fwd_unchecked
+from ..kernels import max_logit_of, varlen_bwd_stats, varlen_bwd_unchecked, varlen_fwd_unchecked
 from ..masks import AttnMask
 from ..schedules.holders import KernelCall
 
@@ -41,13 +41,20 @@ class Attn:
 
     def bwd(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out: torch.Tensor, lse: torch.Tensor, c: KernelCall,
-            dlse: torch.Tensor | None = None
+            dlse: torch.Tensor | None = None, stats: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This call's (dq, dk, dv) given the FINAL out/lse and their gradients."""
+        """This call's (dq, dk, dv) given the FINAL out/lse and their gradients.
+        ``stats``: :meth:`bwd_stats` of the same dout, out, lse, dlse (None: made here)."""
         causal, wl, wr, chunk = self.mask.params
         return varlen_bwd_unchecked(dout, q, k, v, out, lse, dlse, c.cu_q, c.cu_k, c.max_q,
                                     c.max_k, self.scale, causal, wl, wr, chunk, c.q_pos,
-                                    c.k_pos, self.backend, c.schedule)
+                                    c.k_pos, self.backend, c.schedule, stats)
+
+    def bwd_stats(self, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  dlse: torch.Tensor | None = None) -> torch.Tensor:
+        """The backward's per-row terms (delta, base-2 LSE) of the FINAL out/lse: the same
+        for every step of a layer's backward, so computed once and passed to :meth:`bwd`."""
+        return varlen_bwd_stats(dout, out, lse, dlse, self.backend)
 
 
 def empty_attn(q: torch.Tensor, dv: int, need_max: bool

@@ -132,6 +132,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     acc = torch.zeros(cur.numel(), dtype=torch.float32, device=q.device)  # our dK/dV
     pending: tuple[list, list[torch.Tensor], torch.Tensor | None] = ([], [], None)
+    stats = attn.bwd_stats(dout, out, lse, dlse)  # one delta pass per layer, not per step
     for t in range(tab.n_steps):
         kv_works, nxt = [], None
         if t + 1 < tab.n_steps:
@@ -141,7 +142,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         if call is not None:
             src = tab.source(me, t)
             k_t, v_t = unpack_flat(cur, _kv_shapes(tab.sizes[src], k, v))
-            dq_t, dk_t, dv_t = attn.bwd(dout, q, k_t, v_t, out, lse, call, dlse)
+            dq_t, dk_t, dv_t = attn.bwd(dout, q, k_t, v_t, out, lse, call, dlse, stats)
             dq += dq_t
             if t == 0:
                 acc += pack_flat(dk_t, dv_t, dtype=torch.float32)

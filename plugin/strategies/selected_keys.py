@@ -154,6 +154,7 @@ def staged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
     dq, several = None, tab.n_calls > 1
     pending: Pending | None = None
     rows = None
+    stats = attn.bwd_stats(dout, out, lse, dlse)  # one delta pass per layer, not per stage
 
     def fold(acc, pending, rounds):
         # the returns of a row fetched by several ranks, summed in one fixed order
@@ -165,7 +166,7 @@ def staged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
         if stage.call is None:  # no key of ours in this stage: nothing to return
             grads = k_s.new_zeros(stage.n_keys, width)
         else:
-            dq_s, dk_s, dv_s = attn.bwd(dout, q, k_s, v_s, out, lse, stage.call, dlse)
+            dq_s, dk_s, dv_s = attn.bwd(dout, q, k_s, v_s, out, lse, stage.call, dlse, stats)
             dq = _add(dq, dq_s, several)
             del dq_s
             grads = torch.cat([dk_s.reshape(stage.n_keys, -1), dv_s.reshape(stage.n_keys, -1)],
@@ -180,7 +181,7 @@ def staged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
             acc = fold(acc, pending, rows)
         pending, rows = posted, stage.rounds
     if tab.local is not None:
-        dq_0, dk_0, dv_0 = attn.bwd(dout, q, k, v, out, lse, tab.local, dlse)
+        dq_0, dk_0, dv_0 = attn.bwd(dout, q, k, v, out, lse, tab.local, dlse, stats)
         dq = _add(dq, dq_0, several)
         del dq_0
         acc = _zeros(acc, t, width, q.device)
