@@ -104,7 +104,10 @@ def test_cpu_target_is_a_no_op():
 def fake_cuda_stager(monkeypatch):
     """The fake stager as the process-wide one, and any direct host -> CUDA copy an error
     (without a driver it would raise something less clear)."""
+    from varlen_cp.kernels import triton_common
     fake = FakeCuda()
+    # block sizes ask the device for its architecture: an H100 stands in for the fake one
+    monkeypatch.setattr(triton_common, "_cuda_arch", lambda index: 90)
     old = host_copy.set_stager(fake.stager())
     original_to = torch.Tensor.to
 
@@ -160,3 +163,28 @@ def test_plan_index_and_kernel_metadata_copies_go_through_the_stager(fake_cuda_s
     cu = _to_device_int32(torch.tensor([0, 5, 9]), CUDA)
     assert cu.dtype == torch.int32 and cu.tolist() == [0, 5, 9]
     assert fake_cuda_stager.device_buffers == n0 + 2
+
+
+def test_kernel_call_copy_keeps_every_schedule_table(fake_cuda_stager, one_thread):
+    """A CP kernel call's device copy holds every table of its tile schedule (ranges, full
+    ranges, work lists, the padding flag), equal to the host's, in one staged copy: a table
+    left behind would make the kernels fall back to masked tiles or a device-built list."""
+    import dataclasses
+
+    from varlen_cp.schedules.holders import rank_holder, kernel_call
+    plan = CPPlan.build(torch.tensor([0] + DOCS).cumsum(0), cp_size=2, cp_rank=0,
+                        layout="dual_chunk", min_chunk_tokens=4)
+    holder = rank_holder(plan, 0)
+    host = kernel_call(holder, rank_holder(plan, 1), AttnMask(causal=True), (32, 32))
+    n0 = fake_cuda_stager.device_buffers
+    dev = host.to(CUDA)
+    assert fake_cuda_stager.device_buffers == n0 + 1
+    for f in dataclasses.fields(host.schedule):
+        a, b = getattr(host.schedule, f.name), getattr(dev.schedule, f.name)
+        if isinstance(a, torch.Tensor):
+            assert isinstance(b, torch.Tensor) and torch.equal(a, b), f.name
+        else:
+            assert a == b, f.name
+    assert host.schedule.q_tiles is not None and host.schedule.kv_full is not None
+    for name in ("cu_q", "cu_k", "q_pos", "k_pos"):
+        assert torch.equal(getattr(host, name), getattr(dev, name))
