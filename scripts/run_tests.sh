@@ -22,8 +22,14 @@ if [[ -z "${PYTHON:-}" ]]; then
 fi
 export PYTHON
 
+# -q unless the caller sets the verbosity: a second -q (-qq) would hide pytest's result line.
+QUIET=(-q)
+for arg in "$@"; do
+  case "$arg" in -q* | -v* | --quiet | --verbose) QUIET=() ;; esac
+done
+
 set +e
-"$PYTHON" -m pytest -q --timeout=900 "$@"
+"$PYTHON" -m pytest "${QUIET[@]}" --timeout=900 "$@"
 rc=$?
 set -e
 if [[ "$rc" -eq 5 ]]; then

@@ -25,11 +25,18 @@ if [[ -x "$VENV/bin/python" ]] && complete; then
   echo "$VENV/bin/python"
   exit 0
 fi
-echo "setup_env: installing varlen-cp[test,torchtitan,megatron] into $VENV (takes minutes the first time)" >&2
+echo "setup_env: installing varlen-cp[test,torchtitan,megatron,bench] into $VENV (a few minutes, once)" >&2
 python3 -m venv "$VENV"
-# (pip warns about every package the machine's extra local indexes lack: not errors, filtered)
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
-  -e ".[test,torchtitan,megatron,bench]" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+# Progress on stderr (the last stdout line stays the python path): one line per package pip
+# collects, then what it installed. pip's warnings about every package the machine's extra
+# local indexes lack are not errors: filtered.
+START=$(date +%s)
+"$VENV/bin/python" -m pip install --progress-bar off --disable-pip-version-check \
+  -e ".[test,torchtitan,megatron,bench]" 2>&1 \
+  | grep --line-buffered -v "is ignored: it is neither" \
+  | grep --line-buffered -E "^(Collecting|Installing|Successfully|ERROR|error)" \
+  | sed -u "s/^/setup_env: /" >&2 || true
+echo "setup_env: done in $(( $(date +%s) - START )) s" >&2
 
 complete || { echo "setup_env: $VENV is incomplete after install" >&2; exit 1; }
 echo "$VENV/bin/python"

@@ -316,13 +316,17 @@ class CPPlan:
 
     def real_rows(self, device: torch.device | str) -> torch.Tensor | None:
         """int64 [num_real_tokens]: the local rows of this rank's real tokens, on
-        ``device`` (copied once, ``non_blocking``, and cached); None when the rank holds
-        no padding (every row is real), so callers skip the gather."""
-        if self.num_real_tokens == self.num_tokens:
+        ``device`` (copied once, ``non_blocking``, and cached); None for layouts that never
+        pad (every row is real), so callers skip the gather. A ``te`` plan always gives the
+        rows, all of them when this batch happens to need no padding here: whether a batch
+        pads must not change a compiled model's code path (a second graph), and the row
+        count, which changes with every batch, is marked dynamic for the same reason."""
+        if self.layout != "te":
             return None
         index = self.token_indices
-        return self._on("real_rows", torch.device(device),
+        rows = self._on("real_rows", torch.device(device),
                         lambda: torch.nonzero(index >= 0).flatten())
+        return mark_token_dim(rows, 0)
 
     # ---- sharding ----------------------------------------------------------------------
     def _on(self, name: str, device: torch.device, make: Callable[[], torch.Tensor]
