@@ -1,6 +1,6 @@
 """varlen-cp: context-parallel attention for packed variable-length sequences.
 
-Layers (see docs/design.md): ``varlen_cp.kernels`` (local varlen attention, no process groups),
+Layers (see DESIGN.md): ``varlen_cp.kernels`` (local varlen attention, no process groups),
 ``masks`` (the mask spec), ``plan`` (host-side layouts and schedules), ``strategies`` (one
 file per CP communication strategy), ``attention`` (the public CP op and module),
 ``sharding`` (batch sharding hooks), ``integrations`` (torchtitan, megatron adapters).

@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 # single-process reference. Left to the main stack: the torch twin's and the reliability
 # suites, the integrations (torchtitan 0.3.0 needs torch 2.14), and the cross-check of the
 # schedule builders against their per-token twin (85 of test_schedules.py's 109 s under
-# load; pure integer math). Measured cost: docs/install.md, "Supported versions".
+# load; pure integer math). Measured cost: README "Supported versions".
 TESTS=(
   tests/test_environment.py
   tests/test_packaging.py
