@@ -8,7 +8,7 @@ sliding window (4096, 0) and with chunks of 8192 (causal, Llama 4). bf16, d 128,
 and 16 K/V heads (plain multi-head attention, as flash-attn's own benchmarks run it, so
 every baseline takes the same inputs).
 
-CP replay: 8K tokens per GPU (DESIGN.md's simulation point) at cp 8 and 64, 32 query and 8
+CP replay: 8K tokens per GPU (docs/design.md's simulation point) at cp 8 and 64, 32 query and 8
 K/V heads, d 128, bf16; one long document and 1000 log-normal documents per 128K tokens;
 causal, SWA (4096, 0) and chunked 8192; ``dispatch`` and ``all_gather`` on the ``balanced``
 layout (the integrations' default), ``p2p`` on ``dual_chunk`` (the layout its ring stops
@@ -121,7 +121,7 @@ def tflops(flops: float, ms: float | None) -> float | None:
 # ----------------------------------------------------------------------------- cases
 def kernel_shape(dry_run: bool) -> Shape:
     # The dry run runs on Triton's CPU interpreter, which computes bf16 wrongly and fails
-    # its atomics: fp16 there (DESIGN.md); small heads and head dim keep it to seconds.
+    # its atomics: fp16 there (docs/design.md); small heads and head dim keep it to seconds.
     if dry_run:
         return Shape(1, 1, 32, 32, torch.float16)
     return Shape(16, 16, 128, 128, torch.bfloat16)

@@ -1,6 +1,6 @@
 """Local varlen attention kernels: Triton for GPUs, a PyTorch twin for CPUs.
 
-No process groups and no framework imports live here (DESIGN.md's lowest layer).
+No process groups and no framework imports live here (docs/design.md's lowest layer).
 Public: ``varlen_attn`` (differentiable, flash_attn_varlen_func-like), ``varlen_attn_fwd`` /
 ``varlen_attn_bwd`` (the validated non-autograd halves), ``varlen_fwd_unchecked`` /
 ``varlen_bwd_unchecked`` (the same, unvalidated, for CP strategies that validated once),

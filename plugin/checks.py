@@ -1,7 +1,7 @@
 """Argument checks shared by every layer of the package: one wording for one mistake.
 
 Each raises ``ValueError`` naming the field and the value, before anything is computed or
-communicated (DESIGN.md). No torch and no package imports, so any module may use them.
+communicated (docs/design.md). No torch and no package imports, so any module may use them.
 """
 
 from __future__ import annotations

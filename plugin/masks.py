@@ -1,6 +1,6 @@
 """Attention masks as data: the spec every layer of the plugin shares.
 
-An ``AttnMask`` is the (causal, window, chunk) triple of DESIGN.md's mask table. It is frozen
+An ``AttnMask`` is the (causal, window, chunk) triple of docs/design.md's mask table. It is frozen
 and hashable, so plans cache per-mask schedules under it (Llama 4's chunked and global layers
 share one plan). The interval math is delegated to ``varlen_cp.kernels.mask_math`` so that the
 kernels, the planner and this spec can never disagree.

@@ -1,5 +1,5 @@
 """Named synthetic document-length mixes, for any token count: at 128K tokens they are the
-lists ``bench/plan.py`` reports on (README "Layouts"); ``varlen-cp-plan --mix NAME`` plans
+lists ``bench/plan.py`` reports on (docs/layouts.md); ``varlen-cp-plan --mix NAME`` plans
 them, and the host benchmarks and layout tests draw from them.
 
 Each mix is a function ``total -> list of document lengths`` summing to exactly ``total``,

@@ -1,6 +1,6 @@
 """Build a batch's plan and every host table its attention calls need, ahead of the step.
 
-A training step must never wait for the host (DESIGN.md). ``cp_varlen_attn`` builds a
+A training step must never wait for the host (docs/design.md). ``cp_varlen_attn`` builds a
 strategy's host tables lazily, at the first layer call of each mask, inside the step; the
 integrations instead call :func:`build_plan` + :func:`prepare_plan` for the NEXT batch while
 the current step runs (:class:`PlanPrefetcher`, a background thread fed by the data

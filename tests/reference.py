@@ -1,4 +1,4 @@
-"""Dense reference attention, written directly from the mask table in DESIGN.md.
+"""Dense reference attention, written directly from the mask table in docs/design.md.
 
 Deliberately independent of the library: it loops over segments, builds the full score
 matrix in the requested dtype, and evaluates the mask with explicit comparisons (it does not

@@ -1,4 +1,4 @@
-"""The package's layering (README "Layout of the repository"): imports only go down.
+"""The package's layering (docs/design.md, "Folders and floors"): imports only go down.
 
 Floors, top to bottom:
   (entry points: train, cli) -> integrations -> {prepare, report}

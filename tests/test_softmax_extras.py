@@ -2,7 +2,7 @@
 
 Checks out, lse (with the sink), the max logit and the gradients of q, k, v and the sink
 against the dense fp64 reference (tests/reference.py, where a sink is an extra score
-column), with DESIGN.md's tolerance rule; a loss on the LSE checks the kernels' dlse path.
+column), with docs/design.md's tolerance rule; a loss on the LSE checks the kernels' dlse path.
 Triton runs under the interpreter on CPUs, so shapes stay tiny (one 32-row tile per side).
 """
 

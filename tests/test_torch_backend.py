@@ -1,6 +1,6 @@
 """The pure-PyTorch twin (torch_fwd / torch_bwd) vs the dense fp64 reference.
 
-Each case checks out, lse, dq, dk, dv with the tolerance rule of DESIGN.md: error vs fp64 at
+Each case checks out, lse, dq, dk, dv with the tolerance rule of docs/design.md: error vs fp64 at
 most 2x (out, lse) / 3x (grads) that of plain PyTorch in the inputs' dtype, plus a floor.
 Cases run twice: with the twin's own schedule, and with a tiny one (16-row blocks, 24-key
 chunks) so that multi-block, multi-chunk and grouped paths run on small shapes. Also:

@@ -2,7 +2,7 @@
 
 On CPU the kernels run under TRITON_INTERPRET=1 (~10 ms per tile iteration), so shapes stay
 tiny and tiles are 32 wide; bf16 and large shapes run only where CUDA exists. Each case
-checks out, lse, dq, dk, dv with the tolerance rule of DESIGN.md: error vs fp64 at most 2x
+checks out, lse, dq, dk, dv with the tolerance rule of docs/design.md: error vs fp64 at most 2x
 (out, lse) / 3x (grads) that of plain PyTorch in the inputs' dtype, plus a small floor.
 """
 

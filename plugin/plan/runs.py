@@ -6,7 +6,7 @@ A *run* is a maximal stretch of consecutive real positions of one document held 
 document is one run; a long one a few per rank), so pairing runs is cheap where pairing
 tokens or rank pairs is not.
 
-Three facts from DESIGN.md's mask table make runs enough:
+Three facts from docs/design.md's mask table make runs enough:
 - every real query sees itself, and both ends of its key interval never decrease with its
   position, so the keys seen by the queries of a run form ONE contiguous span
   ``[lo(first), hi(last)]`` (:func:`key_spans`);

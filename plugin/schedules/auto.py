@@ -28,7 +28,7 @@ candidate's runtime tables are built, so choosing costs a few milliseconds per p
 (``bench/plan.py`` measures it). Visible pairs stand for the kernels' work (tiles add a
 few percent at the edges of windows and chunks, the same for every strategy).
 
-What that gives (README "which strategy when"): long documents with full or causal masks
+What that gives (docs/strategies.md): long documents with full or causal masks
 are compute-bound, so the least traffic wins among the near-equal times: a2a, p2p or
 (staged, fewer bytes than the ring) dispatch; sliding windows, chunked attention and many short
 documents make dispatch's traffic a small fraction of anyone else's (it fetches only visible K/V);

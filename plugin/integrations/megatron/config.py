@@ -127,15 +127,36 @@ def _dataclass_from(section: str, cls: type, table: dict[str, Any]) -> Any:
     return cls(**values)
 
 
+def _model_keys() -> set[str]:
+    """[model]: every TransformerConfig field not owned elsewhere, plus ``activation``."""
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    return (fields - _RESERVED_MODEL_KEYS) | {"activation"}
+
+
+def _gpt_keys() -> set[str]:
+    """[gpt]: the GPTModel constructor's arguments that a job file may set."""
+    params = inspect.signature(GPTModel.__init__).parameters
+    return set(params) - {"self", "config", "transformer_layer_spec", "pre_process",
+                          "post_process", "pg_collection", "vp_stage"}
+
+
+def section_keys() -> dict[str, set[str]]:
+    """Every key each section of a job file accepts (the validators' own sets; the docs
+    test checks the keys the documentation names against them)."""
+    return {"model": _model_keys(), "gpt": _gpt_keys(), "parallel": set(_PARALLEL_KEYS),
+            "varlen_cp": {f.name for f in dataclasses.fields(VarlenCPOptions)},
+            "training": {f.name for f in dataclasses.fields(TrainingArgs)},
+            "data": {f.name for f in dataclasses.fields(SyntheticDataConfig)}}
+
+
 def _model_section(table: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """[model] -> TransformerConfig kwargs and layer-spec kwargs."""
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     reserved = sorted(set(table) & _RESERVED_MODEL_KEYS)
     if reserved:
         raise ValueError(f"[model]: key(s) {reserved} belong elsewhere: parallel sizes and "
                          f"cp_comm_type in [parallel], the activation as "
                          f"activation = {sorted(ACTIVATIONS)}")
-    _check_keys("model", table, (fields - _RESERVED_MODEL_KEYS) | {"activation"})
+    _check_keys("model", table, _model_keys())
     missing = [k for k in _REQUIRED_MODEL_KEYS if k not in table]
     if missing:
         raise ValueError(f"[model]: {missing} required")
@@ -157,10 +178,7 @@ def _model_section(table: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
 
 
 def _gpt_section(table: dict[str, Any]) -> dict[str, Any]:
-    params = inspect.signature(GPTModel.__init__).parameters
-    allowed = set(params) - {"self", "config", "transformer_layer_spec", "pre_process",
-                             "post_process", "pg_collection", "vp_stage"}
-    _check_keys("gpt", table, allowed)
+    _check_keys("gpt", table, _gpt_keys())
     for key in ("vocab_size", "max_sequence_length"):
         if key not in table:
             raise ValueError(f"[gpt]: {key} is required")
