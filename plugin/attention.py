@@ -19,10 +19,10 @@ strategy's partial results are merged, through ``apply_softmax_sink`` on (out, l
 why the strategies' LSE is differentiable.
 
 Every check that needs the call's tensors, plan or group runs once per call
-(``varlen_cp.cp_call.prepare_call``), before any communication, so a bad call fails with a ValueError on every rank instead of hanging a
-collective; the strategies then
-run on host tables built from the plan (``varlen_cp.schedules``) and call the kernels
-without re-checking per step. ``validate`` (the default): every rank of the group must have
+(``varlen_cp.cp_call.prepare_call``), before any communication, so a bad call fails with a
+ValueError on every rank instead of hanging a collective; the strategies then run on host
+tables built from the plan (``varlen_cp.schedules``) and call the kernels without
+re-checking per step. ``validate`` (the default): every rank of the group must have
 built the same plan (ranks that disagree would otherwise get silently wrong results or a
 hung collective): ``varlen_cp.plan.agreement``, one 16-byte all-reduce of host tensors per
 (plan, group), no device sync. The integrations run it in the step's sharding of the batch,

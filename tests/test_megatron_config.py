@@ -394,8 +394,13 @@ def test_module_sink_and_max_logit_match_dense(softmax_type: str) -> None:
                                  layer_number=1, attn_mask_type=AttnMaskType.causal,
                                  attention_type="self", cp_comm_type=None,
                                  softmax_scale=None, pg_collection=None)
+    # the adapter IS the module: its call, the layer's options, megatron's sink parameter
+    from varlen_cp import ContextParallelVarlenAttention
+    assert isinstance(core, ContextParallelVarlenAttention) and core.sink is None
+    assert core.options == AttnOptions() and core.softmax_type == softmax_type
     if softmax_type == "learnable":
         assert core.softmax_offset.shape == (4,) and core.softmax_offset.dtype == torch.float32
+        assert [n for n, _ in core.named_parameters()] == ["softmax_offset"]
         with torch.no_grad():
             core.softmax_offset.copy_(torch.tensor([-1.0, 0.5, 2.0, 0.0]))
         sink = core.softmax_offset.detach()

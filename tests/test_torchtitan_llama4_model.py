@@ -86,6 +86,10 @@ def test_inner_attention_config_and_protocol():
     model = build_model(n_layers=2, attention_chunk_size=8, nope_layer_interval=2)
     inner = [m for m in model.modules() if isinstance(m, VarlenCPInnerAttention)]
     assert [m.mask for m in inner] == [AttnMask(causal=True, chunk_size=8), AttnMask(causal=True)]
+    # the adapter IS the module (its call, its options), not a copy of it
+    from varlen_cp import ContextParallelVarlenAttention
+    assert all(isinstance(m, ContextParallelVarlenAttention) for m in inner)
+    assert all(m.options == AttnOptions(backend="torch") for m in inner)
     assert isinstance(model.layers["1"].attention.rope, NoRoPE)
     model.verify_module_protocol()  # torchtitan's check that every submodule is a Module
 

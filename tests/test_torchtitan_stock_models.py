@@ -207,8 +207,6 @@ warmup_steps = 1
 min_doc_len = 8
 doc_len_alpha = 1.1
 alphabet = 128
-[varlen_cp]
-min_chunk_tokens = 8
 [metrics]
 log_freq = 1
 [debug]
@@ -273,7 +271,8 @@ def train_worker(rank: int, world: int, cases: dict, tmp: str) -> dict:
             out[name] = [json.loads(line) for line in loss_file.read_text().splitlines()]
             # what the plans were built for: the model's masks, balanced by "balanced"
             plan = trainer.make_plan(*trainer.dataloader.batch(0))
-            out[f"{name}:masks"] = (repr(trainer.layer_masks), repr(plan.masks))
+            out[f"{name}:masks"] = (repr(trainer.layer_masks),
+                                    repr(getattr(plan.layout_spec, "masks", ())))
     return out
 
 
