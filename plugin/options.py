@@ -99,8 +99,3 @@ class AttnOptions:
         check_bool("validate", self.validate)
         for option in TAKES:
             check_taken(option, getattr(self, option), (self.strategy,))
-
-    @property
-    def staged(self) -> bool:
-        """Whether the strategy stages its transfers (and so reads ``overlap_stages``)."""
-        return takes(self.strategy, "overlap_stages")

@@ -1,7 +1,9 @@
 """CPPlan: which tokens each context-parallel rank holds, built on the host once per batch.
 
-``CPPlan.build`` takes the GLOBAL packed batch's ``cu_seqlens`` (a CPU int tensor) and is
-pure integer math: no process group, no device, identical on every rank. Every layer of the
+``CPPlan.build`` takes the GLOBAL packed batch's ``cu_seqlens`` (a CPU int tensor) and a
+layout spec (``plan/layout_spec.py``, default ``Balanced()``: the spec checked its own
+options; the build checks the batch and what involves cp) and is pure integer math: no
+process group, no device, identical on every rank. Every layer of the
 model shares one plan; derived tables (per-mask schedules, index maps on a device) are
 memoized with :meth:`CPPlan.cached`, so Llama 4's chunked and global layers reuse it.
 
