@@ -20,8 +20,10 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from varlen_cp import AttnMask, AttnOptions, CPPlan
+from tests.reference import reference_attn
+from varlen_cp import AttnMask, AttnOptions, CPPlan, cp_varlen_attn
 from varlen_cp.kernels import varlen_attn
+from varlen_cp.plan import layout_spec
 
 # ------------------------------------------------------------------------ the CP grid
 DOCS = [1, 2, 37, 9, 0, 130, 5, 23]            # 207 tokens
@@ -51,7 +53,6 @@ def small_plan(docs, world, rank, layout, mask=None, tile_tokens=8):
     grid of ``tile_tokens``."""
     spec = {"dual_chunk": {"min_chunk_tokens": 4},
             "balanced": {"masks": mask, "tile_tokens": tile_tokens}}.get(layout, {})
-    from varlen_cp.plan import layout_spec
     return CPPlan.build(cu(docs), cp_size=world, cp_rank=rank,
                         layout=layout_spec(layout, **spec))
 
@@ -79,7 +80,6 @@ def single_device(q, k, v, dout, docs, mask):
 def dense(inputs, docs, mask, dtype, low):
     """tests.reference attention in ``dtype`` (fp64: the truth; ``low``: plain PyTorch),
     from the same ``low``-rounded inputs; returns out, lse, dq, dk, dv."""
-    from tests.reference import reference_attn
     c = cu(docs)
     q, k, v = (t.to(low).to(dtype).requires_grad_() for t in inputs[:3])
     out, lse = reference_attn(q, k, v, c, c, causal=mask.causal,
@@ -89,23 +89,18 @@ def dense(inputs, docs, mask, dtype, low):
     return out.detach(), lse, q.grad, k.grad, v.grad
 
 
-def cp_run(rank, world, docs, layout, mask, options, inputs, dtype=torch.float32,
-           no_host_reads=False, plan=None):
+def cp_run(rank, world, docs, layout, mask, options: AttnOptions, inputs,
+           dtype=torch.float32, no_host_reads=False):
     """CP forward + backward on this rank with ``options`` (an ``AttnOptions``); returns
     the plan and (out, lse, dq, dk, dv) of the local tokens."""
     q, k, v, dout = inputs
-    plan = small_plan(docs, world, rank, layout, mask) if plan is None else plan
+    plan = small_plan(docs, world, rank, layout, mask)
     ql, kl, vl = (plan.shard(t).to(dtype).requires_grad_() for t in (q, k, v))
     dout_l = plan.shard(dout).to(dtype)
     with forbid_host_reads() if no_host_reads else contextlib.nullcontext():
-        out, lse = _cp_call(ql, kl, vl, plan, mask, options)
+        out, lse = cp_varlen_attn(ql, kl, vl, plan, mask, None, options, return_lse=True)
         out.backward(dout_l)
     return plan, out.detach(), lse, ql.grad, kl.grad, vl.grad
-
-
-def _cp_call(q, k, v, plan, mask, options: AttnOptions):
-    from varlen_cp.attention import cp_varlen_attn
-    return cp_varlen_attn(q, k, v, plan, mask, None, options, return_lse=True)
 
 
 def check_padding(plan, out, lse, grads):
