@@ -58,9 +58,7 @@ from .plan.collective import check_group_type
 from .schedules.auto import choose_strategy
 from .schedules.shape import make_shape
 
-DEFAULT_OPTIONS = AttnOptions()
-
-_DEPRECATED = ("strategy", "backend", "validate", "a2a_size", "overlap_stages")
+DEFAULT_OPTIONS = AttnOptions()  # one shared instance: the common call builds nothing
 
 
 def resolve_options(options: Any, **deprecated: Any) -> AttnOptions:
