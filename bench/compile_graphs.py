@@ -29,8 +29,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from varlen_cp import AttnMask, ContextParallelVarlenAttention, CPPlan, cp_varlen_attn  # noqa: E402
+from varlen_cp import (AttnMask, AttnOptions, ContextParallelVarlenAttention,  # noqa: E402
+                       CPPlan, cp_varlen_attn)
 from varlen_cp import graph_op  # noqa: E402
+from varlen_cp.plan import DualChunk  # noqa: E402
 
 DIM, HQ, HKV, HEAD_DIM = 32, 4, 2, 8
 MASKS = (AttnMask(causal=True, chunk_size=16), AttnMask(causal=True))
@@ -61,9 +63,9 @@ class Layer(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(DIM)
         self.qkv = torch.nn.Linear(DIM, (HQ + 2 * HKV) * HEAD_DIM)
         self.proj = torch.nn.Linear(HQ * HEAD_DIM, DIM)
-        self.mask, self.strategy, self.group, self.functional = mask, strategy, group, functional
-        self.a2a_size = a2a_size
-        self.attn = ContextParallelVarlenAttention(mask, strategy, group, a2a_size=a2a_size)
+        self.mask, self.group, self.functional = mask, group, functional
+        self.options = AttnOptions(strategy=strategy, a2a_size=a2a_size)
+        self.attn = ContextParallelVarlenAttention(mask, self.options, group)
 
     def forward(self, x: torch.Tensor, plan: CPPlan) -> torch.Tensor:
         t = x.shape[0]
@@ -71,8 +73,7 @@ class Layer(torch.nn.Module):
                                                 HKV * HEAD_DIM], dim=-1)
         q, k, v = q.view(t, HQ, HEAD_DIM), k.view(t, HKV, HEAD_DIM), v.view(t, HKV, HEAD_DIM)
         if self.functional:
-            o = cp_varlen_attn(q, k, v, plan, self.mask, self.group, self.strategy,
-                               a2a_size=self.a2a_size)
+            o = cp_varlen_attn(q, k, v, plan, self.mask, self.group, self.options)
         else:
             o = self.attn(q, k, v, plan)
         return x + self.proj(o.reshape(t, HQ * HEAD_DIM))
@@ -92,8 +93,9 @@ class Model(torch.nn.Module):
 
 def _batch(docs: list[int], world: int, rank: int, layout: str, seed: int):
     cu = torch.tensor([0] + docs).cumsum(0)
-    plan = CPPlan.build(cu, cp_size=world, cp_rank=rank, layout=layout,
-                        **({"min_chunk_tokens": 8} if layout != "balanced" else {}))
+    plan = CPPlan.build(cu, cp_size=world, cp_rank=rank,
+                        layout=DualChunk(min_chunk_tokens=8) if layout == "dual_chunk"
+                        else layout)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(sum(docs), DIM, generator=g)
     target = torch.randn(sum(docs), DIM, generator=g)

@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from varlen_cp.masks import AttnMask  # noqa: E402
-from varlen_cp.plan import CPPlan  # noqa: E402
+from varlen_cp.plan import Balanced, CPPlan  # noqa: E402
 from varlen_cp.schedules.hybrid import default_a2a_size, heads_fit  # noqa: E402
 from varlen_cp.schedules.selected import fetched_tokens  # noqa: E402
 from varlen_cp.strategies import STRATEGIES, get_strategy  # noqa: E402
@@ -232,7 +232,7 @@ def ulysses_memory(plan: CPPlan, shape: Shape, size: int) -> int:
 
 def overlap_row(docs: list[int], cp: int, mname: str, mask: AttnMask, shape: Shape) -> dict:
     cu = torch.tensor([0] + docs).cumsum(0)
-    plan = CPPlan.build(cu, cp_size=cp, cp_rank=0, layout="balanced", masks=mask)
+    plan = CPPlan.build(cu, cp_size=cp, cp_rank=0, layout=Balanced(masks=mask))
     model = h100(cp)
     pairs = [plan.work_of(r, mask) for r in range(cp)]
     flops = (2 * (shape.head_dim + shape.head_dim_v) + 6 * shape.head_dim

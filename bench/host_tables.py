@@ -93,12 +93,8 @@ def auto_ms(cu: torch.Tensor, cp: int, rank: int, plan_kwargs: dict, masks,
 def table_ms_for(plan: CPPlan, repeats: int = 3) -> dict[str, float]:
     """Per strategy: ms of rebuilding ``plan`` (same batch, layout and rank) and that
     strategy's tables for the plan's masks (causal when it has none); plus "auto"."""
-    masks = plan.masks or ((AttnMask(), 1),)
-    kw = {"layout": plan.layout, "min_chunk_tokens": plan.min_chunk_tokens}
-    if plan.layout == "balanced":
-        kw.update(masks=list(plan.masks) or None, tile_tokens=plan.tile_tokens)
-    if plan.layout == "te":
-        kw["pad_multiple"] = plan.pad_multiple
+    masks = getattr(plan.layout_spec, "masks", None) or ((AttnMask(), 1),)
+    kw = {"layout": plan.layout_spec}
     out = {name: plan_and_tables_ms(plan.cu_seqlens, plan.cp_size, plan.cp_rank, kw, masks,
                                     name, repeats) for name in STRATEGIES}
     out["auto"] = auto_ms(plan.cu_seqlens, plan.cp_size, plan.cp_rank, kw, masks, repeats)

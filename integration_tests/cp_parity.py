@@ -93,13 +93,15 @@ def _single_device(inputs, cu, docs, mask, scale, dtype, device):
 
 def _context_parallel(ctx: JobContext, inputs, cu, layout, mask, strategy, scale, dtype,
                       opts, validate):
-    from varlen_cp import CPPlan
+    from varlen_cp import AttnOptions, CPPlan
     from varlen_cp.attention import cp_varlen_attn
-    plan = CPPlan.build(cu, cp_size=ctx.world, cp_rank=ctx.rank, layout=layout,
-                        min_chunk_tokens=4)
+    from varlen_cp.plan import DualChunk
+    plan = CPPlan.build(cu, cp_size=ctx.world, cp_rank=ctx.rank,
+                        layout=DualChunk(min_chunk_tokens=4) if layout == "dual_chunk"
+                        else layout)
     q, k, v = (plan.shard(t).to(ctx.device, dtype, copy=True).requires_grad_() for t in inputs[:3])
-    out, lse = cp_varlen_attn(q, k, v, plan, mask, None, strategy, scale, return_lse=True,
-                              validate=validate, **opts)
+    options = AttnOptions(strategy=strategy, validate=validate, **opts)
+    out, lse = cp_varlen_attn(q, k, v, plan, mask, None, options, scale, return_lse=True)
     out.backward(plan.shard(inputs[3]).to(ctx.device, dtype))
     # Reported after the gathers below: raising here would leave the other ranks waiting
     # in them.

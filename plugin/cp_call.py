@@ -3,7 +3,9 @@
 ``prepare_call`` runs every check of ``cp_varlen_attn`` that involves the plan, the group or
 the tensors (local token counts, GQA, the strategy's head rules, the plan agreement), picks
 the strategy ("auto" from the plan's costs) and returns it with the call's ``CallSpec``,
-all before any communication. Then either:
+all before any communication. The options themselves (``varlen_cp.AttnOptions``) were
+checked when they were built; :func:`check_heads` is their one rule that needs the head
+counts and cp. Then either:
 - ``run_eager``: the strategy's autograd.Function, as every eager call has run it;
 - ``varlen_cp.graph_op``: the same Function's forward and backward inside ONE opaque custom
   op, which is what torch.compile sees (no plan, group or table ever reaches a graph).
@@ -19,11 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checks import check_bool, check_int
-from .config import check_overlap_stages
+from .checks import check_bool
 from .kernels import block_sizes_for, check_softmax_args, resolve_backend
 from .kernels.validation import check_qkv
 from .masks import AttnMask
+from .options import AttnOptions
 from .plan import CPPlan
 from .plan.agreement import agree_on_plan
 from .plan.collective import check_group_type
@@ -50,13 +52,22 @@ def check_scale(softmax_scale: Any) -> None:
                          f"got {softmax_scale!r}")
 
 
-def check_a2a_size(strategy: str, a2a_size: Any) -> None:
-    """``a2a_size`` is an option of "a2a+p2p" only, and a positive int (whether it divides
-    cp_size is the strategy's check, once the plan is known)."""
-    if a2a_size is not None and strategy != "a2a+p2p":
-        raise ValueError(f"a2a_size applies to strategy 'a2a+p2p' only, got "
-                         f"a2a_size={a2a_size!r} with strategy={strategy!r}")
-    check_int("a2a_size", a2a_size, 1, optional=True)
+def check_options(options: Any) -> AttnOptions:
+    """``options`` if it is a ``varlen_cp.AttnOptions`` (whose fields it checked itself)."""
+    if not isinstance(options, AttnOptions):
+        raise ValueError(f"options must be a varlen_cp.AttnOptions, got "
+                         f"{type(options).__name__}")
+    return options
+
+
+def check_heads(options: AttnOptions, n_heads: int, n_kv_heads: int, cp_size: int) -> None:
+    """The strategy's head rule for these options (the Ulysses split of "a2a", and an
+    ``a2a_size`` that divides cp and splits the heads for "a2a+p2p"): ValueError
+    otherwise. "auto" only considers strategies that fit. Run at every cp, so cp=1
+    debugging catches a rule that cp>1 would break."""
+    if options.strategy != "auto":
+        get_strategy(options.strategy).check_heads(n_heads, n_kv_heads, cp_size,
+                                                   options.a2a_size)
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any,
@@ -100,46 +111,41 @@ def strategy_for(plan: CPPlan, strategy: str) -> Strategy:
 
 
 # ------------------------------------------------------------------------------ the call
-def check_flags(return_lse: Any, return_max_logit: Any, validate: Any, softmax_type: Any,
-                sink: Any, n_heads: int, device: torch.device) -> None:
+def check_flags(return_lse: Any, return_max_logit: Any, softmax_type: Any, sink: Any,
+                n_heads: int, device: torch.device) -> None:
     """The call's flags and its sink (metadata only: also traced under torch.compile)."""
-    for name, flag in (("return_lse", return_lse), ("return_max_logit", return_max_logit),
-                       ("validate", validate)):
+    for name, flag in (("return_lse", return_lse), ("return_max_logit", return_max_logit)):
         check_bool(name, flag)
     check_softmax_args(softmax_type, sink, n_heads, device)
 
 
 def prepare_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any, mask: Any,
-                 group: Any, strategy: str, softmax_scale: Any, backend: str, validate: bool,
-                 a2a_size: Any, return_lse: bool, need_max: bool, overlap_stages: Any,
-                 softmax_type: str = "vanilla", sink: Any = None
+                 group: Any, options: AttnOptions, softmax_scale: Any, return_lse: bool,
+                 need_max: bool, softmax_type: str = "vanilla", sink: Any = None
                  ) -> tuple[Strategy, CallSpec]:
     """Every check of the call (ValueError, before any communication), the plan agreement
-    (``validate``), and the strategy that will run with its spec. The strategy returns the
-    LSE when ``return_lse`` or a sink needs it."""
-    if strategy != "auto":
-        get_strategy(strategy)  # validates the name before anything else
+    (``options.validate``), and the strategy that will run with its spec. The strategy
+    returns the LSE when ``return_lse`` or a sink needs it."""
+    check_options(options)
     check_inputs(q, k, v, plan, mask)
     check_scale(softmax_scale)
-    check_flags(return_lse, need_max, validate, softmax_type, sink, q.shape[1], q.device)
+    check_flags(return_lse, need_max, softmax_type, sink, q.shape[1], q.device)
     need_lse = return_lse or softmax_type != "vanilla"
-    check_a2a_size(strategy, a2a_size)
-    check_overlap_stages(overlap_stages, strategy)
-    backend = resolve_backend(backend, q.device)
+    backend = resolve_backend(options.backend, q.device)
     block = tuple(block_sizes_for(backend, q.device, q.shape[2], v.shape[2], dtype=q.dtype))
     group = resolve_group(group, plan)
-    if strategy != "auto":  # the same rules at every cp, so cp=1 debugging catches them
-        get_strategy(strategy).check_heads(q.shape[1], k.shape[1], plan.cp_size, a2a_size)
+    check_heads(options, q.shape[1], k.shape[1], plan.cp_size)
+    strategy = options.strategy
     if plan.cp_size > 1:
         if strategy == "auto":  # closed-form costs, cached in the plan per (mask, shapes)
             strategy = choose_strategy(plan, mask, n_heads=q.shape[1], n_kv_heads=k.shape[1],
                                        head_dim=q.shape[2], head_dim_v=v.shape[2],
                                        dtype_bytes=q.element_size())
-        if validate:  # on the host, and a no-op when the step's sharding checked it
+        if options.validate:  # on the host, and a no-op when the step's sharding checked it
             agree_on_plan(plan, group)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     spec = CallSpec(plan, Attn(mask, scale, backend), group, block, need_lse, need_max,
-                    a2a_size, overlap_stages)
+                    options)
     return strategy_for(plan, strategy), spec
 
 

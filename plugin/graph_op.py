@@ -8,8 +8,8 @@ op ``varlen_cp::cp_attention`` with a fake implementation (output shapes from q,
 alone) and a registered autograd formula whose backward is ``varlen_cp::cp_attention_bwd``.
 What the graph sees: q, k, v, the plan's ``handle`` (a 1-element CPU int64 tensor that names
 the plan in a weak registry, ``CPPlan.handle``: a graph input like any tensor, so a new
-plan is new data, never a guard or a constant) and the call's constant options (mask,
-strategy, scale, backend, flags, group name). At run time the op looks the plan up, runs
+plan is new data, never a guard or a constant) and the call's constants (the mask's and the
+``AttnOptions``' fields, scale, flags, group name). At run time the op looks the plan up, runs
 every check of the eager call (``cp_call.prepare_call``, before any communication) and the
 strategy's own autograd.Function ``forward`` with a stand-in ctx; the max logit's
 all-reduce runs inside too. The sink (``apply_softmax_sink``) is plain differentiable
@@ -39,6 +39,7 @@ import torch
 
 from .cp_call import global_max, prepare_call
 from .masks import AttnMask
+from .options import AttnOptions
 from .plan.cpplan import plan_of_handle
 
 # token -> the stand-in ctx of one forward, until autograd frees the token
@@ -112,8 +113,10 @@ def _cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: tor
         group = _resolve_process_group(group_name)
     mask = AttnMask(causal=causal, window_size=(window_left, window_right),
                     chunk_size=chunk_size or None)
-    chosen, spec = prepare_call(q, k, v, plan, mask, group, strategy, softmax_scale, backend,
-                                validate, a2a_size, need_lse, need_max, overlap_stages)
+    options = AttnOptions(strategy=strategy, backend=backend, validate=validate,
+                          a2a_size=a2a_size, overlap_stages=overlap_stages)
+    chosen, spec = prepare_call(q, k, v, plan, mask, group, options, softmax_scale, need_lse,
+                                need_max)
     # (the sink, if any, was checked while tracing and is applied outside the op)
     fn, args = chosen.function(q, k, v, spec)
     ctx = _SavedCall()
@@ -197,16 +200,17 @@ _cp_attention.register_autograd(_backward, setup_context=_setup_context)
 
 # --------------------------------------------------------------------------- the entry
 def graph_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any, mask: AttnMask,
-               group: Any, strategy: str, softmax_scale: Any, backend: str, validate: bool,
-               a2a_size: Any, need_lse: bool, need_max: bool, overlap_stages: Any
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+               group: Any, options: AttnOptions, softmax_scale: Any, need_lse: bool,
+               need_max: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(out, lse, global max logit or None) of one CP call as the custom op; what dynamo
-    traces here reads only the plan's handle, the mask's fields and the group's name."""
+    traces here reads only the plan's handle, the mask's and the options' fields and the
+    group's name (the op rebuilds the options from their fields)."""
     save = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                         or v.requires_grad)
     causal, window_left, window_right, chunk_size = mask.params
     out, lse, max_logit, _token = _cp_attention(
-        q, k, v, plan.handle, strategy, causal, window_left, window_right, chunk_size,
-        softmax_scale, backend, validate, need_lse, need_max, a2a_size, overlap_stages,
-        "" if group is None else group.group_name, save)
+        q, k, v, plan.handle, options.strategy, causal, window_left, window_right, chunk_size,
+        softmax_scale, options.backend, options.validate, need_lse, need_max,
+        options.a2a_size, options.overlap_stages, "" if group is None else group.group_name,
+        save)
     return out, lse, (max_logit if need_max else None)

@@ -24,8 +24,10 @@ from typing import Any, Callable, Generic, Iterable, Iterator, Sequence, TypeVar
 import torch
 
 from .checks import check_bool, check_int
-from .config import STAGED_STRATEGIES, AttnShape, CPConfig
+from .config import AttnShape, CPConfig
+from .cp_call import check_options
 from .masks import AttnMask
+from .options import AttnOptions
 from .plan import CPPlan
 from .plan.balanced import normalize_masks
 
@@ -44,33 +46,29 @@ def build_plan(cu_seqlens: torch.Tensor, config: CPConfig, *, cp_size: int, cp_r
         raise ValueError(f"config must be a varlen_cp.CPConfig, got {type(config).__name__}")
     masks = None if layer_masks is None else normalize_masks(list(layer_masks))
     return CPPlan.build(cu_seqlens, cp_size=cp_size, cp_rank=cp_rank,
-                        **config.plan_kwargs(masks))
+                        layout=config.layout_spec(masks))
 
 
 def prepare_plan(plan: CPPlan, config: CPConfig, layer_masks: LayerMasks, shape: AttnShape,
-                 device: torch.device | str, strategies: Sequence[str] | None = None,
-                 a2a_sizes: Sequence[int | None] | None = None) -> CPPlan:
+                 device: torch.device | str,
+                 options: Sequence[AttnOptions] | None = None) -> CPPlan:
     """Build (and cache in ``plan``) every host table, and its copy on ``device``, that
-    ``cp_varlen_attn`` will need for each mask of ``layer_masks`` with ``config``'s options
-    (for models with per-layer strategies: ``strategies[i]`` and ``a2a_sizes[i]`` for mask
-    i, instead of ``config.strategy`` / ``config.a2a_size``). Returns ``plan``. Pure host
-    work plus non-blocking copies: no collective, no sync."""
+    ``cp_varlen_attn`` will need for each mask of ``layer_masks`` with
+    ``config.attn_options`` (for models with per-layer strategies: ``options[i]``, an
+    ``AttnOptions``, for mask i). Returns ``plan``. Pure host work plus non-blocking
+    copies: no collective, no sync."""
     from .attention import prepare_attention  # the attention floor owns strategy choice
 
     if not isinstance(config, CPConfig):
         raise ValueError(f"config must be a varlen_cp.CPConfig, got {type(config).__name__}")
     masks = [m for m, _ in normalize_masks(list(layer_masks))]
-    for name, per_mask in (("strategies", strategies), ("a2a_sizes", a2a_sizes)):
-        if per_mask is not None and len(per_mask) != len(masks):
-            raise ValueError(f"{name} must have one entry per mask ({len(masks)}), got "
-                             f"{len(per_mask)}")
-    for i, mask in enumerate(masks):
-        name = config.strategy if strategies is None else strategies[i]
-        a2a = config.a2a_size if a2a_sizes is None else a2a_sizes[i]
-        staged = name in STAGED_STRATEGIES   # per-layer lists mix staged and other layers
-        prepare_attention(plan, mask, name, shape, device, backend=config.backend,
-                          a2a_size=a2a if name == "a2a+p2p" else None,
-                          overlap_stages=config.overlap_stages if staged else None)
+    if options is None:
+        options = [config.attn_options] * len(masks)
+    elif len(options) != len(masks):
+        raise ValueError(f"options must have one entry per mask ({len(masks)}), got "
+                         f"{len(options)}")
+    for mask, opts in zip(masks, options):
+        prepare_attention(plan, mask, check_options(opts), shape, device)
     return plan
 
 

@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 # all_gather, a2a, a2a+p2p, dispatch, staged overlap) at 2-4 ranks against the
 # single-process reference. Left to the main stack: the torch twin's and the reliability
 # suites, the integrations (torchtitan 0.3.0 needs torch 2.14), and the cross-check of the
-# schedule builders against their per-token twin (85 of test_schedules.py's 109 s under
+# schedule builders against their per-token twin (85 of test_cp_schedules.py's 109 s under
 # load; pure integer math). Measured cost: README "Supported versions".
 TESTS=(
   tests/test_environment.py
@@ -26,10 +26,10 @@ TESTS=(
   tests/test_triton_kernels.py
   tests/test_api.py
   tests/test_merge.py
-  tests/test_schedule.py
+  tests/test_tile_schedule.py
   tests/test_plan.py
-  tests/test_schedules.py
-  --deselect tests/test_schedules.py::test_schedules_match_the_per_token_builder
+  tests/test_cp_schedules.py
+  --deselect tests/test_cp_schedules.py::test_schedules_match_the_per_token_builder
   tests/test_cp_strategies.py
   tests/test_cp_dispatch.py
   tests/test_cp_overlap.py

@@ -4,7 +4,7 @@ Balance is asserted per mask (not on a sum) with ``CPPlan.work_of``, which count
 plan's token tables and mask_math, independently of the layout's closed forms; those closed
 forms and the layout's fold units are checked against tests/reference.py's dense mask; the
 K/V floor of bench/plan.py against a dense count. Plans are checked for the invariants of
-tests/test_plan.py, determinism, cuts on the tile grid (a bounded number of finer cuts),
+tests/helpers.py, determinism, cuts on the tile grid (a bounded number of finer cuts),
 short documents kept whole, and bad input.
 """
 
@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from bench.mixes import fill, lognormal
+from tests.helpers import FIXED_MIXES, check_balanced, check_invariants
 from tests.reference import reference_mask
-from tests.test_plan import FIXED_MIXES, check_balanced, check_invariants
 from varlen_cp import AttnMask, CPPlan
 from varlen_cp.plan import balanced as B
-from varlen_cp.plan.balanced import DEFAULT_CHUNK_TOKENS, DEFAULT_TILE_TOKENS, prefix_work
+from varlen_cp.plan import Balanced
+from varlen_cp.plan.balanced import DEFAULT_TILE_TOKENS, prefix_work
 from varlen_cp.plan.balanced.items import cut_items
 from varlen_cp.plan.balanced.profile import profile_of
 from varlen_cp.plan.balanced.units import unit_runs, units_of
@@ -218,7 +219,7 @@ def test_fetch_below_dual_chunk() -> None:
         for masks in (LLAMA4, GEMMA):
             for cp in (8, 16):
                 bal = CPPlan.build(cu, cp_size=cp, cp_rank=0, layout="balanced", masks=masks)
-                dual = CPPlan.build(cu, cp_size=cp, cp_rank=0)
+                dual = CPPlan.build(cu, cp_size=cp, cp_rank=0, layout="dual_chunk")
                 tb, td = bench.rank_tables(bal), bench.rank_tables(dual)
                 for m in _masks(masks):
                     b, d = max(bench.kv_floor(tb, m, cp)), max(bench.kv_floor(td, m, cp))
@@ -397,16 +398,16 @@ def test_invariants_long_documents(masks) -> None:
 
 def test_defaults_and_attributes() -> None:
     plan = CPPlan.build(_cu([100, 50]), cp_size=2, cp_rank=0, layout="balanced")
-    assert plan.masks == ((CAUSAL, 1.0),)
-    assert plan.tile_tokens == plan.chunk_tokens == DEFAULT_TILE_TOKENS == DEFAULT_CHUNK_TOKENS
-    plan = CPPlan.build(_cu([100, 50]), cp_size=2, cp_rank=0, layout="balanced",
-                        masks=SMALL_SWA, chunk_tokens=32)
-    assert plan.masks == ((SMALL_SWA, 1.0),) and plan.tile_tokens == 32
+    assert plan.layout_spec == Balanced(masks=((CAUSAL, 1.0),),
+                                        tile_tokens=DEFAULT_TILE_TOKENS)
+    plan = CPPlan.build(_cu([100, 50]), cp_size=2, cp_rank=0,
+                        layout=Balanced(masks=SMALL_SWA, tile_tokens=32))
+    assert plan.layout_spec.masks == ((SMALL_SWA, 1.0),) and plan.layout_spec.tile_tokens == 32
     plan = CPPlan.build(_cu([100, 50]), cp_size=2, cp_rank=0, layout="balanced",
                         tile_tokens=16)
-    assert plan.tile_tokens == plan.chunk_tokens == 16
-    other = CPPlan.build(_cu([100, 50]), cp_size=2, cp_rank=0)
-    assert other.masks == () and other.tile_tokens == 0
+    assert plan.layout_spec.tile_tokens == 16
+    other = CPPlan.build(_cu([100, 50]), cp_size=2, cp_rank=0, layout="dual_chunk")
+    assert not hasattr(other.layout_spec, "masks")
 
 
 def test_builds_are_deterministic() -> None:
@@ -431,15 +432,11 @@ def test_builds_are_deterministic() -> None:
     ({"masks": [(CAUSAL, math.inf)]}, "weight"),
     ({"masks": [(CAUSAL, True)]}, "weight"),
     ({"masks": [(CAUSAL, "1")]}, "weight"),
-    ({"chunk_tokens": 0}, "chunk_tokens"),
-    ({"chunk_tokens": 2.0}, "chunk_tokens"),
-    ({"chunk_tokens": True}, "chunk_tokens"),
     ({"tile_tokens": 0}, "tile_tokens"),
     ({"tile_tokens": 64.0}, "tile_tokens"),
     ({"tile_tokens": False}, "tile_tokens"),
-    ({"tile_tokens": 64, "chunk_tokens": 64}, "tile_tokens and chunk_tokens"),
     ({"layout": "dual_chunk", "masks": [CAUSAL]}, "masks"),
-    ({"layout": "contiguous", "chunk_tokens": 64}, "chunk_tokens"),
+    ({"layout": "contiguous", "tile_tokens": 64}, "tile_tokens"),
     ({"layout": "te", "tile_tokens": 64}, "tile_tokens"),
 ])
 def test_bad_input(kw, name) -> None:

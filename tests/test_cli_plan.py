@@ -170,7 +170,7 @@ def test_torchtitan_job_file(capsys, tmp_path, one_thread):
     rep = json.loads((tmp_path / "rep.json").read_text())
     cus = lengths.pack(lengths.mix_lengths("lognormal_1k", 4 * 1024), 1024)
     check_batch_against_plan(rep["batches"][0], cus[0], 2,
-                             CPConfig(layout="balanced", min_chunk_tokens=32),
+                             CPConfig(layout="balanced"),
                              [(AttnMask(chunk_size=128), 3), (AttnMask(), 1)],
                              2 * 32 * 4, out)
     assert "llama4_debug_cp2.toml (torchtitan, model llama4_style)" in out

@@ -30,11 +30,13 @@ import contextlib
 import pytest
 import torch
 
-from tests import test_cp_softmax_extras as extras
 from tests.dist_utils import run_distributed
-from tests.test_cp_strategies import (HEADS, MASKS, _ByteCounter, _check_padding,
-                                      _compare_fp32, _cu, _gather, _global_inputs, _plan,
-                                      _single_device, forbid_host_reads)
+from tests.helpers import (EXTRAS_MASKS, HEADS, MASKS, NAMES, SOFTMAX_TYPES, ByteCounter,
+                           check_padding, compare_fp32, cu, dense, extras_errors,
+                           extras_inputs, extras_loss, extras_padding_errors,
+                           extras_reference, forbid_host_reads, gather, global_inputs,
+                           no_communication, single_device, sink_arg, small_plan)
+from varlen_cp import AttnOptions
 from varlen_cp.config import CPConfig
 from varlen_cp.attention import ContextParallelVarlenAttention, cp_varlen_attn
 from varlen_cp.masks import AttnMask
@@ -124,14 +126,14 @@ def test_stage_tables_deliver_exactly_the_keys(one_thread):
     docs = [300, 17, 1, 90, 0, 5, 411]
     for layout in ("balanced", "dual_chunk", "te", "contiguous"):
         for cp in (2, 3, 4):
-            plan = _plan(docs, cp, 0, layout)
+            plan = small_plan(docs, cp, 0, layout)
             for mname, mask in MASKS.items():
                 for name in STRATS:
                     for stages in (1, 2, 3, 5):
                         _simulate(plan, mask, name, stages)
     # one document per rank: dispatch moves nothing, the local call is the whole attention
     # (all_gather still gathers: the collective is what it is)
-    plan = CPPlan.build(_cu([50, 50]), cp_size=2, cp_rank=0, layout="contiguous")
+    plan = CPPlan.build(cu([50, 50]), cp_size=2, cp_rank=0, layout="contiguous")
     for stages in (1, 2):
         tab = staged.staged_tables("dispatch", plan, MASKS["causal"], 0, (16, 16), stages)
         assert tab.stages == () and tab.local is not None
@@ -141,7 +143,7 @@ def test_stage_tables_deliver_exactly_the_keys(one_thread):
 def test_stage_counts(one_thread):
     """Summed over transfers: the fetch counts; dispatch cuts every (rank, owner) list
     evenly; all_gather's slices are equal."""
-    plan = _plan([300, 17, 1, 90, 0, 5, 411], 4, 0, "dual_chunk")
+    plan = small_plan([300, 17, 1, 90, 0, 5, 411], 4, 0, "dual_chunk")
     mask = MASKS["causal"]
     fetch = selected.fetch_counts(plan, mask).clone()
     fetch.fill_diagonal_(0)
@@ -154,7 +156,7 @@ def test_stage_counts(one_thread):
         sizes = [hi - lo for lo, hi in staged.gather_stage_rows(plan, stages)]
         assert max(sizes) - min(sizes) <= 1
     # 1000 rows over 7 stages that no one fills: empty stages are dropped everywhere
-    tiny = CPPlan.build(_cu([6]), cp_size=2, cp_rank=0, layout="contiguous")
+    tiny = CPPlan.build(cu([6]), cp_size=2, cp_rank=0, layout="contiguous")
     assert staged.dispatch_stage_counts(tiny, mask, 7).shape[0] == 3
 
 
@@ -162,7 +164,7 @@ def test_staged_time_by_hand(one_thread):
     """One 400-token document, contiguous over 4 ranks, causal window 7: ranks 1..3 fetch
     the 7 keys before their slice (28 visible pairs with them), rank 0 nothing. S = 1 is
     transfer + compute; S = 2 overlaps the transfer with the local call."""
-    plan = CPPlan.build(_cu([400]), cp_size=4, cp_rank=0, layout="contiguous")
+    plan = CPPlan.build(cu([400]), cp_size=4, cp_rank=0, layout="contiguous")
     mask = AttnMask(causal=True, window_size=(7, 0))
     shape = make_shape(8, 2, 64, 64, 2)
     model = CostModel(flops_per_s=1e12, bytes_per_s=1e9, stage_latency_s=1e-6,
@@ -187,7 +189,7 @@ def test_staged_time_by_hand(one_thread):
         assert two.forward_s == pytest.approx(max(c0, x) + c1)
         assert two.backward_s == pytest.approx(b1 + max(b0, y))
     # Slow links: stages hide the transfer; fast links: one call, no fold.
-    plan = CPPlan.build(_cu([4096] * 4), cp_size=4, cp_rank=0, layout="dual_chunk")
+    plan = CPPlan.build(cu([4096] * 4), cp_size=4, cp_rank=0, layout="dual_chunk")
     big = make_shape(32, 8, 128, 128, 2)
     causal = AttnMask(causal=True)
     slow = CostModel(flops_per_s=4e14, bytes_per_s=1e10)
@@ -202,9 +204,11 @@ def test_staged_time_by_hand(one_thread):
 
 
 def test_overlap_stages_is_validated():
-    plan = CPPlan.build(_cu([3]), cp_size=1, cp_rank=0)
+    plan = CPPlan.build(cu([3]), cp_size=1, cp_rank=0)
     q = torch.zeros(3, 2, D)
     for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="overlap_stages"):
+            AttnOptions(strategy="dispatch", overlap_stages=bad)
         with pytest.raises(ValueError, match="overlap_stages"):
             cp_varlen_attn(q, q, q, plan, AttnMask(), strategy="dispatch", overlap_stages=bad)
         with pytest.raises(ValueError, match="overlap_stages"):
@@ -213,12 +217,16 @@ def test_overlap_stages_is_validated():
             ContextParallelVarlenAttention(AttnMask(), "all_gather", overlap_stages=bad)
     for strategy in ("p2p", "a2a", "a2a+p2p"):
         with pytest.raises(ValueError, match="overlap_stages applies"):
+            AttnOptions(strategy=strategy, overlap_stages=2)
+        with pytest.raises(ValueError, match="overlap_stages applies"):
             cp_varlen_attn(q, q, q, plan, AttnMask(), strategy=strategy, overlap_stages=2)
         with pytest.raises(ValueError, match="overlap_stages applies"):
             CPConfig(strategy=strategy, overlap_stages=2)
     for strategy in ("dispatch", "all_gather", "auto"):
-        assert CPConfig(strategy=strategy, overlap_stages=3).overlap_stages == 3
-        cp_varlen_attn(q, q, q, plan, AttnMask(), strategy=strategy, overlap_stages=3)
+        assert CPConfig(strategy=strategy, overlap_stages=3).attn_options == \
+            AttnOptions(strategy=strategy, overlap_stages=3)
+        cp_varlen_attn(q, q, q, plan, AttnMask(), None,
+                       AttnOptions(strategy=strategy, overlap_stages=3))
 
 
 def test_prepare_plan_builds_what_attention_reads(one_thread):
@@ -228,7 +236,7 @@ def test_prepare_plan_builds_what_attention_reads(one_thread):
     mask = MASKS["swa"]
     for stages in (None, 3):
         for name in STRATS:
-            plan = _plan(DOCS, 2, 0, "balanced")
+            plan = small_plan(DOCS, 2, 0, "balanced")
             prepare_plan(plan, CPConfig(strategy=name, overlap_stages=stages), [(mask, 1)],
                          AttnShape(n_heads=4, n_kv_heads=2, head_dim=D, head_dim_v=DV,
                                    dtype=torch.float32), "cpu")
@@ -242,42 +250,43 @@ def test_prepare_plan_builds_what_attention_reads(one_thread):
 def _run(rank, world, layout, mask, strategy, stages, inputs, dtype=torch.float32,
          backend="torch", no_host_reads=True, docs=DOCS):
     q, k, v, dout = inputs
-    plan = _plan(docs, world, rank, layout)
+    plan = small_plan(docs, world, rank, layout)
     ql, kl, vl = (plan.shard(t).to(dtype).requires_grad_() for t in (q, k, v))
     def guard():
         return forbid_host_reads() if no_host_reads else contextlib.nullcontext()
-    with guard(), _ByteCounter() as fwd:
-        out, lse = cp_varlen_attn(ql, kl, vl, plan, mask, None, strategy, return_lse=True,
-                                  backend=backend, validate=False, overlap_stages=stages)
-    with guard(), _ByteCounter() as bwd:
+    with guard(), ByteCounter() as fwd:
+        out, lse = cp_varlen_attn(ql, kl, vl, plan, mask, None, AttnOptions(
+            strategy=strategy, backend=backend, validate=False, overlap_stages=stages),
+            return_lse=True)
+    with guard(), ByteCounter() as bwd:
         out.backward(plan.shard(dout).to(dtype))
     return plan, (out.detach(), lse, ql.grad, kl.grad, vl.grad), (fwd.total, bwd.total)
 
 
 def _extras_case(rank, world, strategy, stages, c):
     """LSE gradient, sink (cycling the softmax types) and max logit under staging."""
-    mname = list(extras.MASKS)[c % len(extras.MASKS)]
-    mask = extras.MASKS[mname]
-    softmax_type = extras.SOFTMAX_TYPES[c % 3]
+    mname = list(EXTRAS_MASKS)[c % len(EXTRAS_MASKS)]
+    mask = EXTRAS_MASKS[mname]
+    softmax_type = SOFTMAX_TYPES[c % 3]
     layout = LAYOUTS[c % 3]
     hq, hkv = HEADS[world][c % 2]
-    inputs = extras._inputs(DOCS, hq, hkv, seed=400 + c)
-    ref = extras._single_device(inputs, DOCS, mask, softmax_type, True)
-    plan = _plan(DOCS, world, rank, layout)
+    inputs = extras_inputs(DOCS, hq, hkv, seed=400 + c)
+    ref = extras_reference(inputs, DOCS, mask, softmax_type, True)
+    plan = small_plan(DOCS, world, rank, layout)
     ql, kl, vl = (plan.shard(t).requires_grad_() for t in inputs[:3])
-    sink = extras._sink_arg(softmax_type, inputs[5])
+    sink = sink_arg(softmax_type, inputs[5])
     with forbid_host_reads():
         out, lse, max_logit = cp_varlen_attn(
-            ql, kl, vl, plan, mask, None, strategy, return_lse=True, backend="torch",
-            return_max_logit=True, softmax_type=softmax_type, sink=sink,
-            overlap_stages=stages, validate=False)
-        extras._loss(out, lse, plan.shard(inputs[3]), plan.shard(inputs[4], dim=1)).backward()
+            ql, kl, vl, plan, mask, None, AttnOptions(strategy=strategy, backend="torch",
+                                                      overlap_stages=stages, validate=False),
+            return_lse=True, return_max_logit=True, softmax_type=softmax_type, sink=sink)
+        extras_loss(out, lse, plan.shard(inputs[3]), plan.shard(inputs[4], dim=1)).backward()
     got = dict(out=out.detach(), lse=lse.detach(), dq=ql.grad, dk=kl.grad, dv=vl.grad,
                max_logit=max_logit, dsink=None if sink is None else sink.grad)
     what = f"[extras {strategy} S={stages} cp={world} {layout} {mname} {softmax_type}]"
-    return ([f"{what} {e}" for e in extras._check_padding(plan, got, softmax_type,
+    return ([f"{what} {e}" for e in extras_padding_errors(plan, got, softmax_type,
                                                              inputs[5])]
-            + extras._compare(plan, got, ref, got["dsink"], world, what))
+            + extras_errors(plan, got, ref, got["dsink"], world, what))
 
 
 def cases_worker(rank, world):
@@ -288,12 +297,12 @@ def cases_worker(rank, world):
                 (lay, m) for lay in LAYOUTS for m in MASKS.items()):
             stages = STAGES[(i + si + world) % 3]
             hq, hkv = HEADS[world][i % 2]
-            inputs = _global_inputs(DOCS, hq, hkv, seed=i)
-            ref = _single_device(*inputs, DOCS, mask)
+            inputs = global_inputs(DOCS, hq, hkv, seed=i)
+            ref = single_device(*inputs, DOCS, mask)
             plan, local, sent = _run(rank, world, layout, mask, strategy, stages, inputs)
             what = f"[{strategy} S={stages} cp={world} {layout} {mname} {hq}/{hkv}]"
-            _check_padding(plan, local[0], local[1], local[2:])
-            errors += _compare_fp32(_gather(plan, local), ref, what)
+            check_padding(plan, local[0], local[1], local[2:])
+            errors += compare_fp32(gather(plan, local), ref, what)
             want = mod.bytes_sent_per_rank(plan, mask, head_dim=D, head_dim_v=DV,
                                            n_heads=hq, n_kv_heads=hkv, dtype_bytes=4)
             if sent != (want["fwd"][rank], want["bwd"][rank]):
@@ -306,8 +315,8 @@ def cases_worker(rank, world):
         # one document per rank: nothing to fetch anywhere (the local call is all)
         for stages in (1, 2):
             docs = [48] * world
-            inputs = _global_inputs(docs, *HEADS[world][0], seed=700 + stages)
-            ref = _single_device(*inputs, docs, MASKS["causal"])
+            inputs = global_inputs(docs, *HEADS[world][0], seed=700 + stages)
+            ref = single_device(*inputs, docs, MASKS["causal"])
             plan, local, sent = _run(rank, world, "contiguous", MASKS["causal"], strategy,
                                      stages, inputs, docs=docs)
             want = get_strategy(strategy).bytes_sent_per_rank(
@@ -315,7 +324,7 @@ def cases_worker(rank, world):
                 n_kv_heads=HEADS[world][0][1], dtype_bytes=4)
             if sent != (want["fwd"][rank], want["bwd"][rank]):
                 errors.append(f"[{strategy} S={stages} nothing remote] sent {sent}")
-            errors += _compare_fp32(_gather(plan, local), ref, f"[{strategy} S={stages} "
+            errors += compare_fp32(gather(plan, local), ref, f"[{strategy} S={stages} "
                                     f"nothing remote]")
             if strategy == "dispatch" and sent != (0, 0):
                 errors.append(f"[{strategy} S={stages} nothing remote] sent {sent}")
@@ -323,13 +332,13 @@ def cases_worker(rank, world):
     if world == 2:
         errors += _triton_case(rank, world)
         errors += _order_case(rank, world)
-        plan = _plan(DOCS, world, rank, "dual_chunk")
-        q = plan.shard(_global_inputs(DOCS, 2, 1, seed=0)[0])
-        with extras._no_communication():   # rejected before any collective
+        plan = small_plan(DOCS, world, rank, "dual_chunk")
+        q = plan.shard(global_inputs(DOCS, 2, 1, seed=0)[0])
+        with no_communication():   # rejected before any collective
             for bad in (0, 1.5):
                 with pytest.raises(ValueError, match="overlap_stages"):
                     cp_varlen_attn(q, q[:, :1], q[:, :1], plan, MASKS["causal"], None,
-                                   "dispatch", overlap_stages=bad)
+                                   "dispatch", overlap_stages=bad)  # the old keywords
             with pytest.raises(ValueError, match="overlap_stages applies"):
                 cp_varlen_attn(q, q[:, :1], q[:, :1], plan, MASKS["causal"], None, "p2p",
                                overlap_stages=2)
@@ -350,17 +359,16 @@ def _triton_case(rank, world):
     """fp16 on the Triton interpreter, 2 stages, vs the fp64 reference (flash-attn's rule:
     2x / 3x the error of plain PyTorch in fp16, plus a floor)."""
     from tests.reference import assert_close_to_reference
-    from tests.test_cp_strategies import NAMES, _dense
     mask = MASKS["chunk_causal"]
     hq, hkv = HEADS[world][1]
-    inputs = _global_inputs(DOCS16, hq, hkv, seed=500)
-    ref64 = _dense(inputs, DOCS16, mask, torch.float64, torch.float16)
-    plain = _dense(inputs, DOCS16, mask, torch.float16, torch.float16)
+    inputs = global_inputs(DOCS16, hq, hkv, seed=500)
+    ref64 = dense(inputs, DOCS16, mask, torch.float64, torch.float16)
+    plain = dense(inputs, DOCS16, mask, torch.float16, torch.float16)
     plan, local, _ = _run(rank, world, "dual_chunk", mask, "dispatch", 2,
                           [t.half() for t in inputs], torch.float16, "triton",
                           no_host_reads=False, docs=DOCS16)
     errors = []
-    for name, g, r, p in zip(NAMES, _gather(plan, local), ref64, plain):
+    for name, g, r, p in zip(NAMES, gather(plan, local), ref64, plain):
         factor, floor = (2, 1e-3) if name in ("out", "lse") else (3, 2e-3)
         try:
             assert_close_to_reference(f"[triton dispatch S=2] {name}", g, r, p,
@@ -453,14 +461,15 @@ def _order_case(rank, world):
     errors = []
     mask = MASKS["causal"]                      # dual_chunk, causal: every rank fetches
     hq, hkv = HEADS[world][0]
-    q, k, v, dout = _global_inputs(DOCS, hq, hkv, seed=600)
+    q, k, v, dout = global_inputs(DOCS, hq, hkv, seed=600)
     for strategy in STRATS:
         for stages in (2, 3):
-            plan = _plan(DOCS, world, rank, "dual_chunk")
+            plan = small_plan(DOCS, world, rank, "dual_chunk")
             ql, kl, vl = (plan.shard(t).requires_grad_() for t in (q, k, v))
             with _Recorder() as fwd:
-                out = cp_varlen_attn(ql, kl, vl, plan, mask, None, strategy,
-                                     backend="torch", validate=False, overlap_stages=stages)
+                out = cp_varlen_attn(ql, kl, vl, plan, mask, None, AttnOptions(
+                    strategy=strategy, backend="torch", validate=False,
+                    overlap_stages=stages))
             with _Recorder() as bwd:
                 out.backward(plan.shard(dout))
             tab = staged.staged_tables(strategy, plan, mask, rank, (64, 64), stages)

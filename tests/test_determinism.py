@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_cp_strategies import _compare_fp32, _gather, _global_inputs, _single_device
+from tests.helpers import compare_fp32, gather, global_inputs, single_device
+from varlen_cp import AttnOptions
 from varlen_cp.masks import AttnMask
 from varlen_cp.plan import CPPlan
 from varlen_cp.schedules.staged import staged_tables
@@ -34,8 +35,8 @@ def _cu(docs):
     return torch.tensor([0] + docs).cumsum(0)
 
 
-def _plan(world, rank, layout="dual_chunk"):
-    return CPPlan.build(_cu(DOCS), cp_size=world, cp_rank=rank, layout=layout,
+def _plan(world, rank):
+    return CPPlan.build(_cu(DOCS), cp_size=world, cp_rank=rank, layout="dual_chunk",
                         min_chunk_tokens=4)
 
 
@@ -102,8 +103,8 @@ def _run_once(rank, world, strategy, mask, inputs, opts):
     q, k, v, dout = inputs
     plan = _plan(world, rank)
     ql, kl, vl = (plan.shard(t).requires_grad_() for t in (q, k, v))
-    out, lse = cp_varlen_attn(ql, kl, vl, plan, mask, None, strategy, return_lse=True,
-                              backend="torch", validate=False, **opts)
+    out, lse = cp_varlen_attn(ql, kl, vl, plan, mask, None, AttnOptions(
+        strategy=strategy, backend="torch", validate=False, **opts), return_lse=True)
     out.backward(plan.shard(dout))
     return plan, (out.detach(), lse.detach(), ql.grad, kl.grad, vl.grad)
 
@@ -117,8 +118,8 @@ def determinism_worker(rank, world):
     try:
         for i, (strategy, opts) in enumerate(cases):
             for mname, mask in MASKS.items():
-                inputs = _global_inputs(DOCS, 3, 3, seed=i)
-                ref = _single_device(*inputs, DOCS, mask)
+                inputs = global_inputs(DOCS, 3, 3, seed=i)
+                ref = single_device(*inputs, DOCS, mask)
                 with no_duplicate_index_add():
                     plan, first = _run_once(rank, world, strategy, mask, inputs, opts)
                     _, second = _run_once(rank, world, strategy, mask, inputs, opts)
@@ -126,7 +127,7 @@ def determinism_worker(rank, world):
                 for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), first, second):
                     if not torch.equal(a, b):
                         errors.append(f"{what} {name}: two runs differ")
-                errors += _compare_fp32(_gather(plan, first), ref, what)
+                errors += compare_fp32(gather(plan, first), ref, what)
                 n += 1
     finally:
         torch.use_deterministic_algorithms(False)

@@ -2,8 +2,8 @@
 
 Floors, top to bottom:
   (entry points: train, cli) -> integrations -> {prepare, report}
-  -> {config, attention, graph_op, cp_call} -> {strategies, sharding} -> {schedules} -> {plan}
-  -> {masks, checks, mixes} -> kernels
+  -> {config, attention, graph_op, cp_call} -> {strategies, sharding} -> options
+  -> schedules -> plan -> {masks, checks, mixes} -> kernels
 Read from the source with ``ast`` (no import side effects): every ``from .x import`` /
 ``from ..x import`` inside ``plugin/`` is resolved to its top-level part of the package, and
 no part may import a part on a higher floor, nor be in an import cycle with another part.
@@ -16,11 +16,12 @@ from pathlib import Path
 
 PLUGIN = Path(__file__).resolve().parent.parent / "plugin"
 FLOOR = {
-    "train": 8,  # the torchtitan launcher (an entry point above the integrations)
-    "cli": 8,    # varlen-cp-plan (reads the integrations' job files)
-    "integrations": 7, "prepare": 6, "report": 6, "config": 5, "attention": 5,
-    "graph_op": 5, "cp_call": 5, "strategies": 4, "sharding": 4, "schedules": 3, "plan": 2,
-    "masks": 1, "checks": 1, "mixes": 1, "kernels": 0,
+    "train": 9,  # the torchtitan launcher (an entry point above the integrations)
+    "cli": 9,    # varlen-cp-plan (reads the integrations' job files)
+    "integrations": 8, "prepare": 7, "report": 7, "config": 6, "attention": 6,
+    "graph_op": 6, "cp_call": 6, "strategies": 5, "sharding": 5,
+    "options": 4,  # AttnOptions: held by the strategies' call spec, so below them
+    "schedules": 3, "plan": 2, "masks": 1, "checks": 1, "mixes": 1, "kernels": 0,
 }
 
 
@@ -179,3 +180,64 @@ def test_balanced_modules_import_only_earlier_ones() -> None:
         deps = {d for d in graph[f"plan.balanced.{name}"] if d.startswith("plan.balanced")}
         later = deps - {f"plan.balanced.{m}" for m in order[:i]}
         assert not later, f"plan.balanced.{name} imports {sorted(later)}"
+
+
+# ---- tests --------------------------------------------------------------------------------
+TESTS = Path(__file__).resolve().parent
+
+
+def _test_module_imports(path: Path) -> set[str]:
+    """The modules of tests/ that ``path`` imports (``tests.x`` / ``from tests import x`` /
+    ``from .x import``, at any depth of the file: inside functions too)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = "tests" if node.level == 1 else (node.module or "")
+            if node.level == 1 and node.module:
+                base = f"tests.{node.module}"
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        out.update(n.split(".")[1] for n in names
+                   if n.startswith("tests.") and len(n.split(".")) > 1)
+    return out
+
+
+def test_finder_sees_test_imports(tmp_path) -> None:
+    src = tmp_path / "test_x.py"
+    src.write_text("import tests.test_a\nfrom tests import test_b, helpers\n"
+                   "def f():\n    from tests.test_c import g\n    from .test_d import h\n")
+    assert _test_module_imports(src) == {"test_a", "test_b", "helpers", "test_c", "test_d"}
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared helpers live in tests/helpers.py (and reference.py, dist_utils.py): a test
+    module that imports another runs that module's setup and couples their fixtures."""
+    offenders = {}
+    for path in sorted(TESTS.glob("*.py")):
+        imported = {m for m in _test_module_imports(path) if m.startswith("test_")}
+        if imported:
+            offenders[path.name] = sorted(imported)
+    assert not offenders, f"test modules importing test modules: {offenders}"
+
+
+def _one_edit_apart(a: str, b: str) -> bool:
+    """Whether ``b`` is ``a`` with one letter added, removed or changed."""
+    if abs(len(a) - len(b)) > 1 or a == b:
+        return False
+    if len(a) == len(b):
+        return sum(x != y for x, y in zip(a, b)) == 1
+    short, long_ = sorted((a, b), key=len)
+    return any(long_[:i] + long_[i + 1:] == short for i in range(len(long_)))
+
+
+def test_test_file_names_differ_by_more_than_a_letter() -> None:
+    """test_schedule.py (the kernels' tiles) beside test_schedules.py (the CP schedules)
+    said nothing of either: a name says what it tests."""
+    assert _one_edit_apart("test_plan", "test_plans") and not _one_edit_apart("ab", "ba")
+    names = sorted(p.stem for p in TESTS.glob("test_*.py"))
+    close = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]
+             if _one_edit_apart(a, b)]
+    assert not close, close

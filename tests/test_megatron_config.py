@@ -20,7 +20,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from tests.reference import reference_attn  # noqa: E402
-from varlen_cp import CPPlan  # noqa: E402
+from varlen_cp import AttnOptions, CPPlan  # noqa: E402
+from varlen_cp.plan import Balanced  # noqa: E402
 from megatron.core.transformer.attention import SelfAttention  # noqa: E402
 
 import varlen_cp.config as cp_config  # noqa: E402
@@ -170,23 +171,28 @@ def test_swap_errors() -> None:
 # -------------------------------------------------------------------------------- options
 @pytest.mark.parametrize("kwargs, match", [
     ({"strategy": "ring"}, "strategy must be one of"),
-    ({"strategy": []}, "empty"),
-    ({"strategy": ["p2p", "nccl"]}, r"strategy\[1\]"),
+    ({"strategy": ()}, "non-empty tuple"),
+    ({"strategy": ("p2p", "nccl")}, r"strategy\[1\]"),
+    ({"strategy": ["p2p", "a2a"]}, r"strategy must be .* got a list: pass tuple"),
     ({"layout": "zigzag"}, "layout must be one of"),
     ({"backend": "cuda"}, "backend must be one of"),
     ({"chunk_size": -1}, "chunk_size"),
     ({"chunk_size": 1.5}, "chunk_size"),
     ({"chunk_layers": "nope"}, "chunk_layers"),
-    ({"chunk_layers": []}, "chunk_layers"),
-    ({"chunk_layers": [1, 2]}, "chunk_layers"),
+    ({"chunk_layers": ()}, "chunk_layers"),
+    ({"chunk_layers": (1, 2)}, "chunk_layers"),
+    ({"chunk_layers": [True, False]}, r"chunk_layers must be .* got a list: pass tuple"),
     ({"a2a_size": 0}, "a2a_size"),
     ({"validate": 1}, "validate"),
-    ({"min_chunk_tokens": 0}, "min_chunk_tokens"),
+    ({"min_chunk_tokens": 0, "layout": "dual_chunk"}, "min_chunk_tokens"),
     ({"pad_multiple": 0}, "pad_multiple"),
     ({"pad_multiple": 8, "layout": "dual_chunk"}, "pad_multiple applies"),
     ({"tile_tokens": 8, "layout": "te"}, "tile_tokens applies"),
     ({"a2a_size": 2, "strategy": "p2p"}, "a2a_size applies"),
-    ({"a2a_size": 2, "strategy": ["p2p", "a2a"]}, "a2a_size applies"),
+    ({"a2a_size": 2, "strategy": ("p2p", "a2a")}, "a2a_size applies"),
+    ({"overlap_stages": 2, "strategy": ("p2p", "a2a")}, "overlap_stages applies"),
+    ({"overlap_stages": 0}, "overlap_stages"),
+    ({"min_chunk_tokens": 8}, "min_chunk_tokens applies to layout 'dual_chunk' only"),
     ({"prefetch": "yes"}, "prefetch must be a bool"),
 ])
 def test_options_reject(kwargs, match) -> None:
@@ -203,14 +209,23 @@ def test_options_are_cp_config_plus_megatron_extras() -> None:
     assert (opts.strategy, opts.layout, opts.chunk_size, opts.chunk_layers) == \
         (None, "balanced", 0, "rope")
     assert (opts.validate, opts.prefetch) == (CPConfig().validate, CPConfig().prefetch)
-    per_layer = VarlenCPOptions(strategy=["a2a+p2p", "dispatch"], a2a_size=2,
-                                chunk_layers=[1, 0], layout="balanced", tile_tokens=128)
-    assert per_layer.strategy == ("a2a+p2p", "dispatch")
+    per_layer = VarlenCPOptions(strategy=("a2a+p2p", "dispatch"), a2a_size=2,
+                                overlap_stages=3, chunk_layers=(1, 0), layout="balanced",
+                                tile_tokens=128)
     assert per_layer.chunk_layers == (True, False)
     assert hash(per_layer) == hash(VarlenCPOptions(strategy=("a2a+p2p", "dispatch"),
-                                                   a2a_size=2, chunk_layers=(True, False),
+                                                   a2a_size=2, overlap_stages=3,
+                                                   chunk_layers=(True, False),
                                                    tile_tokens=128))
-    assert per_layer.plan_kwargs(None)["tile_tokens"] == 128
+    assert per_layer.layout_spec() == Balanced(tile_tokens=128)
+    # each layer's AttnOptions: the options its strategy takes, the shared ones
+    assert per_layer.layer_options("a2a+p2p", 2) == AttnOptions(strategy="a2a+p2p", a2a_size=2)
+    assert per_layer.layer_options("dispatch", 2) == AttnOptions(strategy="dispatch",
+                                                                 overlap_stages=3)
+    with pytest.raises(ValueError, match="layer_options"):
+        per_layer.attn_options  # noqa: B018  (per layer only)
+    assert VarlenCPOptions(strategy="dispatch", overlap_stages=2).attn_options == \
+        AttnOptions(strategy="dispatch", overlap_stages=2)
     import varlen_cp.integrations.megatron.core_attention as core_mod
     import varlen_cp.integrations.megatron.options as opt_mod
     for mod in (opt_mod, core_mod):  # the name lists live in varlen_cp.config only
@@ -227,7 +242,7 @@ def test_layer_masks_follow_megatron_config() -> None:
     assert [m.chunk_size for m in masks] == [32, 32, 32, None]  # layer 4 is NoPE: global
     all_layers = VarlenCPOptions(chunk_size=32, chunk_layers="all")
     assert layer_mask(cfg, all_layers, 4, AttnMaskType.causal).chunk_size == 32
-    listed = VarlenCPOptions(chunk_size=8, chunk_layers=[True, False, False, True])
+    listed = VarlenCPOptions(chunk_size=8, chunk_layers=(True, False, False, True))
     assert [layer_mask(cfg, listed, n, AttnMaskType.causal).chunk_size
             for n in (1, 2, 3, 4)] == [8, None, None, 8]
     assert not layer_mask(cfg, opts, 1, AttnMaskType.no_mask).causal
@@ -244,7 +259,7 @@ def test_layer_strategy_resolution() -> None:
     assert layer_strategy(cfg, VarlenCPOptions(), 1, "a2a") == "a2a"
     assert layer_strategy(cfg, VarlenCPOptions(strategy="all_gather"), 1, "a2a") == \
         "all_gather"
-    per_layer = VarlenCPOptions(strategy=["p2p", "a2a", "all_gather", "a2a+p2p"])
+    per_layer = VarlenCPOptions(strategy=("p2p", "a2a", "all_gather", "a2a+p2p"))
     assert [layer_strategy(cfg, per_layer, n, None) for n in (1, 2, 3, 4)] == \
         ["p2p", "a2a", "all_gather", "a2a+p2p"]
     listed = _config(cp_comm_type=["a2a", "p2p", "p2p", "all_gather"])
@@ -261,7 +276,7 @@ def test_layer_strategy_resolution() -> None:
     ({"softmax_type": "softmax-plus"}, {}, "softmax_type must be one of"),
     ({}, {"attention_type": "cross"}, "attention_type"),
     ({}, {"options": {"chunk_size": 8}}, "options must be"),
-    ({}, {"options": VarlenCPOptions(strategy=["p2p", "a2a"])}, "num_layers=4"),
+    ({}, {"options": VarlenCPOptions(strategy=("p2p", "a2a"))}, "num_layers=4"),
     ({"context_parallel_size": 2}, {}, "context_parallel_size=2"),
     ({"context_parallel_size": 2}, {"rope_from_plan": False}, "megatron's own THD RoPE"),
 ])
@@ -379,8 +394,13 @@ def test_module_sink_and_max_logit_match_dense(softmax_type: str) -> None:
                                  layer_number=1, attn_mask_type=AttnMaskType.causal,
                                  attention_type="self", cp_comm_type=None,
                                  softmax_scale=None, pg_collection=None)
+    # the adapter IS the module: its call, the layer's options, megatron's sink parameter
+    from varlen_cp import ContextParallelVarlenAttention
+    assert isinstance(core, ContextParallelVarlenAttention) and core.sink is None
+    assert core.options == AttnOptions() and core.softmax_type == softmax_type
     if softmax_type == "learnable":
         assert core.softmax_offset.shape == (4,) and core.softmax_offset.dtype == torch.float32
+        assert [n for n, _ in core.named_parameters()] == ["softmax_offset"]
         with torch.no_grad():
             core.softmax_offset.copy_(torch.tensor([-1.0, 0.5, 2.0, 0.0]))
         sink = core.softmax_offset.detach()

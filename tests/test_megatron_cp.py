@@ -97,7 +97,7 @@ def _build(extra: dict, opts: dict, cp: int, state: dict | None, spec_kwargs=Non
 
 
 def _options(model):
-    return model.decoder.layers[0].self_attention.core_attention.options
+    return model.decoder.layers[0].self_attention.core_attention.varlen_options
 
 
 def _thd_batch():

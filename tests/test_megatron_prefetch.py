@@ -24,7 +24,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 
 from tests.dist_utils import run_distributed  # noqa: E402
 from varlen_cp.schedules.keys import table_key  # noqa: E402
-from varlen_cp import AttnMask  # noqa: E402
+from varlen_cp import AttnMask, AttnOptions  # noqa: E402
 from varlen_cp.integrations.megatron import (PrefetchedTHDBatches,  # noqa: E402
                                              VarlenCPOptions, get_thd_batch_on_this_cp_rank,
                                              model_attention)
@@ -53,21 +53,22 @@ def test_model_attention_from_megatron_config() -> None:
     """Llama 4 style: SWA on odd layers, NoPE (global) every 4th, chunked RoPE layers."""
     cfg = TransformerConfig(**BASE, window_size=(16, 0), window_attn_skip_freq=2,
                             no_rope_freq=4, bf16=True)
-    opts = VarlenCPOptions(chunk_size=32, strategy=["dispatch", "p2p", "dispatch", "a2a+p2p"],
-                           a2a_size=2)
+    opts = VarlenCPOptions(chunk_size=32, strategy=("dispatch", "p2p", "dispatch", "a2a+p2p"),
+                           a2a_size=2, overlap_stages=3)
     model = model_attention(cfg, opts)
     swa_chunk = AttnMask(window_size=(16, 0), chunk_size=32)
     assert model.layer_masks == ((swa_chunk, 2), (AttnMask(chunk_size=32), 1),
                                  (AttnMask(), 1))
-    assert model.calls == ((swa_chunk, "dispatch", None),
-                           (AttnMask(chunk_size=32), "p2p", None),
-                           (AttnMask(), "a2a+p2p", 2))
+    # each layer's options: a2a_size and overlap_stages only where its strategy takes them
+    assert model.calls == ((swa_chunk, AttnOptions(strategy="dispatch", overlap_stages=3)),
+                           (AttnMask(chunk_size=32), AttnOptions(strategy="p2p")),
+                           (AttnMask(), AttnOptions(strategy="a2a+p2p", a2a_size=2)))
     s = model.shape
     assert (s.n_heads, s.n_kv_heads, s.head_dim, s.value_dim, s.dtype) == \
         (4, 2, 16, 16, torch.bfloat16)
     # no per-layer strategy: megatron's cp_comm_type decides
     listed = TransformerConfig(**BASE, cp_comm_type="all_gather")
-    assert {c[1] for c in model_attention(listed).calls} == {"all_gather"}
+    assert {c[1].strategy for c in model_attention(listed).calls} == {"all_gather"}
 
 
 def test_hook_balances_the_models_layer_masks() -> None:
@@ -84,8 +85,8 @@ def test_hook_balances_the_models_layer_masks() -> None:
 
     two = plan_batch(cu, opts, 2, 0, model=model_attention(cfg, opts))
     assert two.layout == "balanced"
-    assert two.masks == ((AttnMask(chunk_size=8), 3.0), (AttnMask(), 1.0))
-    assert plan_batch(cu, opts, 2, 0).masks == ((AttnMask(), 1.0),)
+    assert two.layout_spec.masks == ((AttnMask(chunk_size=8), 3.0), (AttnMask(), 1.0))
+    assert plan_batch(cu, opts, 2, 0).layout_spec.masks == ((AttnMask(), 1.0),)
 
 
 # ------------------------------------------------------------------- PrefetchedTHDBatches

@@ -34,7 +34,7 @@ if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
 
 from tests.dist_utils import run_distributed  # noqa: E402
-from tests.test_torchtitan_models import DIM, MAX_LEN, VOCAB  # noqa: E402
+from tests.helpers import DIM, MAX_LEN, VOCAB  # noqa: E402
 
 STEPS = 8
 LOAD_BALANCE_COEFF = 1e-2
@@ -49,9 +49,10 @@ def tiny_moe_config(name: str):
     from torchtitan.models.common.moe import MoE
 
     if name == "llama4_style":
+        from varlen_cp import AttnOptions
         from varlen_cp.integrations.torchtitan.model import Llama4Args, build_llama4_config
 
-        return build_llama4_config(Llama4Args(**LLAMA4), strategy="a2a")
+        return build_llama4_config(Llama4Args(**LLAMA4), AttnOptions(strategy="a2a"))
     if name == "deepseek_v3":
         # The debug flavor's router (8 experts, top 3, one shared expert) on both layers.
         from torchtitan.models import deepseek_v3 as m
@@ -76,7 +77,7 @@ def tiny_moe_config(name: str):
                                         scaling="yarn", rope_factor=40.0, beta_fast=32.0,
                                         beta_slow=1.0, original_seq_len=4096)))
     else:
-        from tests.test_torchtitan_models import tiny_model_config
+        from tests.helpers import tiny_model_config
 
         config = tiny_model_config(name)
     for _, moe, _, _ in config.traverse(MoE.Config):
@@ -107,7 +108,7 @@ def _moe_layers(model) -> dict:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_padding_is_not_routed(name):
-    from tests.test_torchtitan_models import _spec, fp32, with_varlen_cp
+    from tests.helpers import fp32, model_spec, with_varlen_cp
     from varlen_cp.integrations.torchtitan.attention import PackedBatch
     from varlen_cp.integrations.torchtitan.moe import feed_real_rows, padding_free_moe_for
     from varlen_cp.integrations.torchtitan.trainer import packed_cu_seqlens
@@ -117,7 +118,7 @@ def test_padding_is_not_routed(name):
     if name != "llama4_style":
         config = with_varlen_cp(config, backend="torch")
     config = fp32(config)  # routed experts in fp32, as the trainer runs them on CPU
-    holder = _spec(config)
+    holder = model_spec(config)
     padding_free_moe_for(holder)  # what the trainer does to every model's MoE configs
     torch.manual_seed(0)
     model = holder.model.build()
@@ -214,7 +215,7 @@ def train_worker(rank: int, world: int, cases: dict, tmp: str) -> dict:
     cpu_mode.enable_cpu_mode()
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     logging.getLogger().setLevel(logging.WARNING)
-    from tests.test_torchtitan_models import reuse_parallel_dims
+    from tests.helpers import reuse_parallel_dims
     from varlen_cp.integrations.torchtitan.config import load_config
 
     reuse_parallel_dims()
@@ -303,7 +304,7 @@ def test_every_moe_of_the_debug_flavors_is_padding_free():
     e.g. gpt_oss's, kept as the parent), once; parameter and buffer names are unchanged."""
     from torchtitan.models.common.moe import MoE
 
-    from tests.test_torchtitan_models import _spec
+    from tests.helpers import model_spec
     from varlen_cp.integrations.torchtitan.moe import padding_free_moe_for
     from varlen_cp.integrations.torchtitan.stock import stock_model_spec
 
@@ -318,7 +319,7 @@ def test_every_moe_of_the_debug_flavors_is_padding_free():
             == [True] * n_moe, name
     tiny = tiny_moe_config("gpt_oss")
     plain = tiny.layers[0].moe.build()
-    padding_free_moe_for(_spec(tiny))
+    padding_free_moe_for(model_spec(tiny))
     ours = tiny.layers[0].moe.build()
     assert type(ours).__name__ == "PaddingFreeGptOssMoE"
     assert list(ours.state_dict()) == list(plain.state_dict())

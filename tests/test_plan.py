@@ -16,20 +16,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import FIXED_MIXES, check_balanced, check_invariants
 from tests.reference import reference_mask
 from varlen_cp import AttnMask
-from varlen_cp.plan import LAYOUTS, CPPlan, pair_segments
+from varlen_cp.plan import LAYOUTS, TE, Balanced, CPPlan, DualChunk, pair_segments
 
-FIXED_MIXES = [
-    [],  # empty batch
-    [0],
-    [1],
-    [5, 0, 1, 7],  # zero-length doc in the middle
-    [2, 3],  # fewer tokens than some cp sizes
-    [300, 1, 17, 0, 64, 129],  # one long document, odd lengths
-    [1] * 13,
-    [97, 96, 95, 33, 2, 1, 250],
-]
 MASKS = [AttnMask(causal=True), AttnMask(causal=False), AttnMask(window_size=(7, 0)),
          AttnMask(causal=False, window_size=(3, 5)), AttnMask(causal=False, chunk_size=16),
          AttnMask(causal=True, chunk_size=10)]
@@ -42,40 +33,6 @@ def _cu(lengths: list[int]) -> torch.Tensor:
 def _plans(lengths, cp, layout, **kw) -> list[CPPlan]:
     return [CPPlan.build(_cu(lengths), cp_size=cp, cp_rank=r, layout=layout, **kw)
             for r in range(cp)]
-
-
-def check_invariants(plan: CPPlan, lengths: list[int]) -> None:
-    """The layout-independent contract of a plan, checked token by token."""
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    total = cu[-1]
-    assert plan.total_tokens == total and plan.n_docs == len(lengths)
-    held = []
-    for r in range(plan.cp_size):
-        idx, pos, lcu = plan.token_indices_of(r), plan.positions_of(r), \
-            plan.local_cu_seqlens_of(r)
-        assert idx.dtype == torch.int64 and pos.dtype == torch.int32 and lcu.dtype == torch.int32
-        assert idx.shape == pos.shape == (plan.num_tokens_of(r),)
-        assert lcu.shape == (len(lengths) + 1,) and int(lcu[0]) == 0
-        assert int(lcu[-1]) == plan.num_tokens_of(r)
-        seg = (lcu[1:] - lcu[:-1]).tolist()
-        assert min(seg, default=0) >= 0
-        assert plan.max_local_seqlen_of(r) == max(seg, default=0)
-        for d, (a, b) in enumerate(zip(lcu[:-1].tolist(), lcu[1:].tolist())):
-            s_idx, s_pos = idx[a:b].tolist(), pos[a:b].tolist()
-            real = [i >= 0 for i in s_idx]
-            assert real == sorted(real, reverse=True), "padding must come last in its doc"
-            for i, p in zip(s_idx, s_pos):
-                if i < 0:
-                    assert p == -1
-                else:
-                    assert cu[d] <= i < cu[d + 1] and p == i - cu[d]
-            real_pos = [p for p in s_pos if p >= 0]
-            assert all(x < y for x, y in zip(real_pos, real_pos[1:]))
-        held += [i for i in idx.tolist() if i >= 0]
-    assert sorted(held) == list(range(total)), "every global token exactly once"
-    assert plan.padded_total_tokens == sum(plan.num_tokens_of(r) for r in range(plan.cp_size))
 
 
 def check_dual_chunk(plans: list[CPPlan], lengths: list[int], min_chunk: int) -> None:
@@ -159,20 +116,9 @@ def check_contiguous(plans: list[CPPlan], lengths: list[int]) -> None:
     assert max(counts) - min(counts) <= 1
 
 
-def check_balanced(plans: list[CPPlan], lengths: list[int]) -> None:
-    """No padding and token counts within 2% of the mean, plus one token (cuts move to
-    tile and document boundaries within a token budget; tiny batches cut exactly)."""
-    p0 = plans[0]
-    total = sum(lengths)
-    assert p0.padded_total_tokens == total
-    counts = [p0.num_tokens_of(r) for r in range(p0.cp_size)]
-    mean = total / p0.cp_size
-    assert all(abs(c - mean) <= 0.02 * mean + 1 for c in counts), (counts, mean)
-
-
 def check_all(lengths: list[int], cp: int, layout: str, min_chunk: int) -> None:
-    kw = {"te": {}, "balanced": {"chunk_tokens": 4 * min_chunk}}.get(
-        layout, {"min_chunk_tokens": min_chunk})
+    kw = {"dual_chunk": {"min_chunk_tokens": min_chunk},
+          "balanced": {"tile_tokens": 4 * min_chunk}}.get(layout, {})
     plans = _plans(lengths, cp, layout, **kw)
     for r, p in enumerate(plans):
         assert p.cp_rank == r and p.layout == layout and p.cp_size == cp
@@ -245,8 +191,8 @@ def brute_force_work(plan: CPPlan, rank: int, lengths: list[int], mask: AttnMask
 def test_work_matches_brute_force(layout: str) -> None:
     lengths = [300, 1, 17, 0, 64, 129, 40]
     for cp in (1, 3, 4):
-        plan = _plans(lengths, cp, layout, **({} if layout == "te" else
-                                              {"min_chunk_tokens": 8}))[0]
+        plan = _plans(lengths, cp, layout, **({"min_chunk_tokens": 8}
+                                              if layout == "dual_chunk" else {}))[0]
         for mask in MASKS:
             work = [brute_force_work(plan, r, lengths, mask) for r in range(cp)]
             assert [plan.work_of(r, mask) for r in range(cp)] == work
@@ -285,17 +231,68 @@ def _bad_build(**over):
     ({"cp_rank": -1}, "cp_rank"),
     ({"cp_rank": 2}, "cp_rank"),
     ({"layout": "ring"}, "layout"),
-    ({"min_chunk_tokens": 0}, "min_chunk_tokens"),
+    ({"layout": DualChunk, "min_chunk_tokens": 0}, "layout"),
+    ({"layout": "dual_chunk", "min_chunk_tokens": 0}, "min_chunk_tokens"),
+    ({"min_chunk_tokens": 4}, "min_chunk_tokens applies to layout 'dual_chunk' only"),
     ({"layout": "te", "pad_multiple": 6}, "pad_multiple"),
-    ({"layout": "dual_chunk", "pad_multiple": 4}, "pad_multiple"),
+    ({"layout": TE(pad_multiple=6)}, "multiple of 2[*]cp_size=4"),
+    ({"layout": "dual_chunk", "pad_multiple": 4}, "pad_multiple applies to layout 'te'"),
     ({"layout": "dual_chunk", "masks": [AttnMask()]}, "masks"),
-    ({"layout": "te", "chunk_tokens": 128}, "chunk_tokens"),
-    ({"layout": "balanced", "chunk_tokens": 0}, "chunk_tokens"),
+    ({"layout": "te", "tile_tokens": 128}, "tile_tokens"),
+    ({"layout": "balanced", "tile_tokens": 0}, "tile_tokens"),
     ({"layout": "balanced", "masks": [(AttnMask(), 0.0)]}, "masks"),
+    ({"layout": Balanced(), "tile_tokens": 8}, "layout spec"),
 ])
 def test_build_rejects_bad_input(over, name) -> None:
     with pytest.raises(ValueError, match=name):
         _bad_build(**over)
+
+
+def test_chunk_tokens_alias_is_gone() -> None:
+    """``chunk_tokens`` was the old name of ``tile_tokens`` (dropped, not deprecated)."""
+    with pytest.raises(TypeError, match="chunk_tokens"):
+        _bad_build(layout="balanced", chunk_tokens=8)
+
+
+def test_layout_specs_hold_only_their_own_options() -> None:
+    """One frozen class per layout with only its fields; a name is that layout's defaults;
+    the flat (deprecated) options map onto the named layout's spec and an option of another
+    layout is refused; the default is balanced for causal attention."""
+    from dataclasses import FrozenInstanceError, fields
+
+    from varlen_cp.plan import Contiguous, layout_spec
+    assert {s.name: {f.name for f in fields(s)} for s in (Balanced, DualChunk, TE,
+                                                            Contiguous)} == {
+        "balanced": {"masks", "tile_tokens"}, "dual_chunk": {"min_chunk_tokens"},
+        "te": {"pad_multiple"}, "contiguous": set()}
+    assert set(LAYOUTS) == {"balanced", "dual_chunk", "te", "contiguous"}
+    spec = Balanced(masks=[(AttnMask(chunk_size=8), 3), AttnMask()])
+    assert spec.masks == ((AttnMask(chunk_size=8), 3.0), (AttnMask(), 1.0))
+    assert spec == Balanced(masks=((AttnMask(chunk_size=8), 3.0), (AttnMask(), 1.0)))
+    assert hash(spec) == hash(Balanced(masks=spec.masks))
+    with pytest.raises(FrozenInstanceError):
+        spec.tile_tokens = 8
+    assert Balanced().masks == ((AttnMask(), 1.0),) and Balanced().tile_tokens == 64
+    assert layout_spec("dual_chunk", min_chunk_tokens=4, tile_tokens=None) == \
+        DualChunk(min_chunk_tokens=4)
+    for name, option, owner in (("balanced", "min_chunk_tokens", "dual_chunk"),
+                                ("contiguous", "tile_tokens", "balanced"),
+                                ("dual_chunk", "pad_multiple", "te")):
+        with pytest.raises(ValueError, match=f"{option} applies to layout '{owner}' only, "
+                                             f"got {option}=8 with layout='{name}'"):
+            layout_spec(name, **{option: 8})
+    cu = _cu([300, 1, 17, 0, 64, 129])
+    default = CPPlan.build(cu, cp_size=3, cp_rank=1)
+    assert default.layout == "balanced" and default.layout_spec == Balanced()
+    assert torch.equal(default.token_indices,
+                       CPPlan.build(cu, cp_size=3, cp_rank=1, layout=Balanced(
+                           masks=AttnMask())).token_indices)
+    flat = CPPlan.build(cu, cp_size=3, cp_rank=1, layout="dual_chunk", min_chunk_tokens=4)
+    assert flat.layout_spec == DualChunk(min_chunk_tokens=4)
+    assert torch.equal(flat.token_indices, CPPlan.build(
+        cu, cp_size=3, cp_rank=1, layout=DualChunk(min_chunk_tokens=4)).token_indices)
+    assert CPPlan.build(cu, cp_size=3, cp_rank=1, layout="te").layout_spec == \
+        TE(pad_multiple=6)   # resolved: 2 * cp
 
 
 def test_accessors_reject_bad_rank_and_mask() -> None:
@@ -322,12 +319,18 @@ def test_fingerprint_and_cache() -> None:
     others = [CPPlan.build(_cu([5, 1, 16]), cp_size=3, cp_rank=0),
               CPPlan.build(cu, cp_size=2, cp_rank=0),
               CPPlan.build(cu, cp_size=3, cp_rank=0, layout="te"),
-              CPPlan.build(cu, cp_size=3, cp_rank=0, min_chunk_tokens=2),
-              CPPlan.build(cu, cp_size=3, cp_rank=0, layout="balanced"),
-              CPPlan.build(cu, cp_size=3, cp_rank=0, layout="balanced", chunk_tokens=8),
-              CPPlan.build(cu, cp_size=3, cp_rank=0, layout="balanced",
-                           masks=[(AttnMask(chunk_size=4), 3.0), (AttnMask(), 1.0)])]
-    assert len({p.fingerprint() for p in others} | {fp}) == 8
+              CPPlan.build(cu, cp_size=3, cp_rank=0, layout=TE(pad_multiple=12)),
+              CPPlan.build(cu, cp_size=3, cp_rank=0, layout="dual_chunk"),
+              CPPlan.build(cu, cp_size=3, cp_rank=0, layout=DualChunk(min_chunk_tokens=2)),
+              CPPlan.build(cu, cp_size=3, cp_rank=0, layout=Balanced(tile_tokens=8)),
+              CPPlan.build(cu, cp_size=3, cp_rank=0, layout=Balanced(
+                  masks=[(AttnMask(chunk_size=4), 3.0), (AttnMask(), 1.0)]))]
+    assert len({p.fingerprint() for p in others} | {fp}) == 9
+    # the default is balanced for causal attention, and a name is its layout's defaults
+    assert CPPlan.build(cu, cp_size=3, cp_rank=0, layout=Balanced(masks=AttnMask()),
+                        ).fingerprint() == fp
+    assert others[2].fingerprint() == CPPlan.build(cu, cp_size=3, cp_rank=0,
+                                                   layout=TE(pad_multiple=6)).fingerprint()
 
     plan = others[0]
     calls = []

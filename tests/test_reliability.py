@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+from tests.helpers import AllReduceCounter
+from varlen_cp import AttnOptions
 from varlen_cp.attention import ContextParallelVarlenAttention, cp_varlen_attn
 from varlen_cp.kernels import varlen_attn
 from varlen_cp.masks import AttnMask
@@ -118,23 +120,6 @@ def test_ranks_that_disagree_get_a_value_error(tmp_path):
 
 
 # ---------------------------------------------------------------- once per (plan, group)
-class _AllReduceCounter:
-    """Counts dist.all_reduce calls (and their bytes) while active."""
-
-    def __init__(self):
-        self.saved, self.calls = dist.all_reduce, []
-
-    def __enter__(self):
-        def counted(tensor, *args, **kwargs):
-            self.calls.append(tensor.numel() * tensor.element_size())
-            return self.saved(tensor, *args, **kwargs)
-        dist.all_reduce = counted
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_reduce = self.saved
-
-
 def once_worker(rank, world):
     """Per strategy: a 'model' of 3 layers x 2 masks, forward and backward, on one plan; a
     second step on the same plan; a module on it; then a new plan (checked again) and
@@ -143,8 +128,9 @@ def once_worker(rank, world):
     inputs = _inputs(sum(docs))
     counts = {}
     for strategy in ALL:
-        plan = CPPlan.build(_cu(docs), cp_size=world, cp_rank=rank, min_chunk_tokens=4)
-        with _AllReduceCounter() as c:
+        plan = CPPlan.build(_cu(docs), cp_size=world, cp_rank=rank, layout="dual_chunk",
+                            min_chunk_tokens=4)
+        with AllReduceCounter() as c:
             for _step in range(2):
                 q, k, v, dout = _local(plan, inputs)
                 x = q
@@ -155,7 +141,8 @@ def once_worker(rank, world):
             module = ContextParallelVarlenAttention(CHUNK, strategy=strategy)
             module(*_local(plan, inputs, grad=False)[:3], plan)
             counts[f"{strategy}/module"] = len(c.calls)
-            fresh = CPPlan.build(_cu(docs), cp_size=world, cp_rank=rank, min_chunk_tokens=4)
+            fresh = CPPlan.build(_cu(docs), cp_size=world, cp_rank=rank, layout="dual_chunk",
+                                 min_chunk_tokens=4)
             cp_varlen_attn(*_local(fresh, inputs, grad=False)[:3], fresh, CAUSAL, None,
                            strategy)
             cp_varlen_attn(*_local(fresh, inputs, grad=False)[:3], fresh, CHUNK, None,
@@ -459,20 +446,23 @@ def test_prepare_rejects_bad_arguments(one_thread):
 
     plan = CPPlan.build(_cu([5, 9]), cp_size=2, cp_rank=0)
     shape = AttnShape(n_heads=4, n_kv_heads=2, head_dim=8, dtype=torch.float32)
-    cases = [((plan, CAUSAL, "p2p", {"n_heads": 4}, "cpu"), {}, "shape"),
-             (("plan", CAUSAL, "p2p", shape, "cpu"), {}, "plan"),
-             ((plan, "causal", "p2p", shape, "cpu"), {}, "mask"),
-             ((plan, CAUSAL, "p2p", shape, "gpu:x"), {}, "device"),
-             ((plan, CAUSAL, "p2p", shape, "cpu"), {"backend": "cuda"}, "backend"),
-             ((plan, CAUSAL, "p2p", shape, "cpu"), {"a2a_size": 2}, "a2a_size applies"),
-             ((plan, CAUSAL, "a2a+p2p", shape, "cpu"), {"a2a_size": 3}, "a2a_size"),
-             ((plan, CAUSAL, "a2a", AttnShape(n_heads=3, n_kv_heads=1, head_dim=8), "cpu"),
-              {}, "Hq=3")]
+    p2p = AttnOptions()
+    cases = [lambda: (plan, CAUSAL, p2p, {"n_heads": 4}, "cpu"), "shape",
+             lambda: ("plan", CAUSAL, p2p, shape, "cpu"), "plan",
+             lambda: (plan, "causal", p2p, shape, "cpu"), "mask",
+             lambda: (plan, CAUSAL, p2p, shape, "gpu:x"), "device",
+             lambda: (plan, CAUSAL, "p2p", shape, "cpu"), "options must be",
+             lambda: (plan, CAUSAL, AttnOptions(backend="cuda"), shape, "cpu"), "backend",
+             lambda: (plan, CAUSAL, AttnOptions(a2a_size=2), shape, "cpu"), "a2a_size applies",
+             lambda: (plan, CAUSAL, AttnOptions(strategy="a2a+p2p", a2a_size=3), shape, "cpu"),
+             "a2a_size",
+             lambda: (plan, CAUSAL, AttnOptions(strategy="a2a"),
+                      AttnShape(n_heads=3, n_kv_heads=1, head_dim=8), "cpu"), "Hq=3"]
     if not torch.cuda.is_available():
-        cases.append(((plan, CAUSAL, "p2p", shape, "cuda"), {}, "CUDA is not available"))
-    for args, kw, match in cases:
+        cases += [lambda: (plan, CAUSAL, p2p, shape, "cuda"), "CUDA is not available"]
+    for args, match in zip(cases[::2], cases[1::2]):
         with pytest.raises(ValueError, match=match):
-            prepare_attention(*args, **kw)
+            prepare_attention(*args())
     with pytest.raises(ValueError, match="Hq=3"):
         prepare_plan(plan, CPConfig(strategy="a2a"), [(CAUSAL, 1)],
                      AttnShape(n_heads=3, n_kv_heads=1, head_dim=8), "cpu")

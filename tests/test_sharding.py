@@ -29,7 +29,7 @@ def _positions(lengths: list[int]) -> torch.Tensor:
 
 
 def _plans(lengths, cp, layout) -> list[CPPlan]:
-    kw = {} if layout == "te" else {"min_chunk_tokens": 4}
+    kw = {"min_chunk_tokens": 4} if layout == "dual_chunk" else {}
     return [CPPlan.build(_cu(lengths), cp_size=cp, cp_rank=r, layout=layout, **kw)
             for r in range(cp)]
 
@@ -129,7 +129,8 @@ def test_positions_to_plan_pipeline() -> None:
     positions = _positions(lengths).unsqueeze(0)
     cu = cu_seqlens_from_positions(positions)
     for layout in ("dual_chunk", "contiguous"):
-        plan = CPPlan.build(cu, cp_size=2, cp_rank=1, layout=layout, min_chunk_tokens=4)
+        plan = CPPlan.build(cu, cp_size=2, cp_rank=1, layout=layout,
+                            **({"min_chunk_tokens": 4} if layout == "dual_chunk" else {}))
         out = shard_packed_batch({"positions": positions}, plan)
         assert torch.equal(out["positions"], plan.shard(positions, dim=1))
 

@@ -3,7 +3,7 @@ host tensors, and the attention calls of the model find it done.
 
 The whole step (``shard_packed_batch`` with ``validate=True``, then every layer's
 ``cp_varlen_attn`` forward and backward with the default ``validate=True``) runs under
-``forbid_host_reads`` (tests/test_cp_strategies.py: a host read of device data raises), with
+``forbid_host_reads`` (tests/helpers.py: a host read of device data raises), with
 the collectives counted: the sharding makes exactly the one 16-byte all-reduce, the
 attention calls none beyond their strategy's own (p2p, a2a, all_gather and dispatch make no
 all-reduce at all). Before, the check ran inside the first attention call, with a host read
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.test_cp_strategies import forbid_host_reads
-from tests.test_reliability import _AllReduceCounter
+from tests.helpers import AllReduceCounter, forbid_host_reads
+from varlen_cp import AttnOptions
 from varlen_cp.attention import cp_varlen_attn
 from varlen_cp.masks import AttnMask
 from varlen_cp.plan import CPPlan
@@ -45,15 +45,17 @@ def _batch(total, seed=0):
 def step_worker(rank, world):
     counts = {}
     for strategy in STRATEGIES:
-        plan = CPPlan.build(_cu(DOCS), cp_size=world, cp_rank=rank, min_chunk_tokens=4)
+        plan = CPPlan.build(_cu(DOCS), cp_size=world, cp_rank=rank, layout="dual_chunk",
+                            min_chunk_tokens=4)
         with forbid_host_reads():
-            with _AllReduceCounter() as sharding:
+            with AllReduceCounter() as sharding:
                 local = shard_packed_batch(_batch(sum(DOCS)), plan, validate=True)
             q, k, v = (local[n][0].requires_grad_() for n in ("q", "k", "v"))
-            with _AllReduceCounter() as layers:
+            with AllReduceCounter() as layers:
                 x = q
                 for mask in MASKS + MASKS:        # 4 layers, 2 masks, default validate
-                    x = cp_varlen_attn(x, k, v, plan, mask, None, strategy)
+                    x = cp_varlen_attn(x, k, v, plan, mask, None,
+                                       AttnOptions(strategy=strategy))
                 x.backward(local["dout"][0])
         counts[strategy] = (list(sharding.calls), list(layers.calls))
     return counts

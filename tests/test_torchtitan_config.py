@@ -188,7 +188,7 @@ layout = "te"
     assert isinstance(cfg.activation_checkpoint, FullAC.Config)
     assert cfg.varlen_cp.strategy == "all_gather" and cfg.varlen_cp.layout == "te"
     layers = cfg.model_spec.model.layers
-    assert len(layers) == 2 and layers[0].attention.inner_attention.strategy == "all_gather"
+    assert len(layers) == 2 and layers[0].attention.inner_attention.options.strategy == "all_gather"
     # CPU mode defaults: fp32 parameters
     assert cfg.training.mixed_precision_param == "float32"
 
@@ -261,6 +261,7 @@ def test_softmax_type_and_track_max_logit_keys(tmp_path):
 def test_varlen_cp_section_is_cpconfig_plus_enable(tmp_path):
     from dataclasses import fields
 
+    from varlen_cp import AttnOptions
     from varlen_cp.config import CPConfig
     from varlen_cp.integrations.torchtitan.options import VarlenCPSection
 
@@ -273,12 +274,21 @@ def test_varlen_cp_section_is_cpconfig_plus_enable(tmp_path):
     assert (vc.strategy, vc.a2a_size, vc.layout, vc.tile_tokens, vc.prefetch, vc.validate) \
         == ("a2a+p2p", 1, "balanced", 128, False, False)
     inner = cfg.model_spec.model.layers[0].attention.inner_attention
-    assert (inner.strategy, inner.a2a_size, inner.validate) == ("a2a+p2p", 1, False)
+    assert inner.options == vc.attn_options == AttnOptions(strategy="a2a+p2p", a2a_size=1,
+                                                           validate=False)
     # CPConfig's own cross-field checks, named with the section
     expect_error(tmp_path, "[varlen_cp]\nlayout = \"dual_chunk\"\ntile_tokens = 128\n",
                  match=["[varlen_cp]", "job.toml", "varlen_cp.tile_tokens", "balanced"])
-    expect_error(tmp_path, "[varlen_cp]\nmin_chunk_tokens = 0\n",
+    expect_error(tmp_path, "[varlen_cp]\nlayout = \"dual_chunk\"\nmin_chunk_tokens = 0\n",
                  match=["varlen_cp.min_chunk_tokens", ">= 1"])
+    # an option of another layout is refused, not ignored (the default layout: balanced)
+    expect_error(tmp_path, "[varlen_cp]\nmin_chunk_tokens = 64\n",
+                 match=["varlen_cp.min_chunk_tokens applies to layout 'dual_chunk' only",
+                        "layout='balanced'"])
+    # the strategy's head rule, with the model's heads, before anything is built
+    expect_error(tmp_path, "[varlen_cp]\nstrategy = \"a2a\"\n",
+                 "--parallelism.context_parallel_degree", "3",
+                 match=["job.toml", "varlen_cp.strategy 'a2a'", "Hq=8 must be divisible by 3"])
     expect_error(tmp_path, "[varlen_cp]\nprefetch = 1\n",
                  match=["varlen_cp.prefetch", "bool", "job.toml"])
 

@@ -55,7 +55,7 @@ def timing_worker(rank: int, world: int, tmp: str) -> dict[str, list[float]]:
     cpu_mode.enable_cpu_mode()
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     logging.getLogger().setLevel(logging.WARNING)
-    from tests.test_torchtitan_models import reuse_parallel_dims
+    from tests.helpers import reuse_parallel_dims
     from varlen_cp.integrations.torchtitan import trainer as trainer_module
     from varlen_cp.integrations.torchtitan.config import load_config
 

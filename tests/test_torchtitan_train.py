@@ -30,8 +30,6 @@ attention_chunk_size = 64
 nope_layer_interval = 4
 use_qk_norm = true
 max_seq_len = 512
-[varlen_cp]
-min_chunk_tokens = 16
 [training]
 seq_len = 512
 steps = 3
@@ -77,6 +75,7 @@ RUNS = {  # name: (processes, overrides)
     # layouts whose local token counts change from batch to batch
     "cp2_compile": (2, ["--parallelism.context_parallel_degree", "2",
                         "--varlen_cp.strategy", "dispatch", "--varlen_cp.layout", "dual_chunk",
+                        "--varlen_cp.min_chunk_tokens", "16",
                         *COMPILE, "aot_eager"]),
     "cp2_compile_inductor": (2, ["--parallelism.context_parallel_degree", "2",
                                  "--varlen_cp.strategy", "p2p", "--varlen_cp.layout", "te",

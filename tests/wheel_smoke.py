@@ -53,7 +53,7 @@ def _cp_worker(rank: int, store: str) -> None:
     torch.set_num_threads(1)  # first: two ranks share the machine's cores
     import torch.distributed as dist
 
-    from varlen_cp import AttnMask, CPPlan, cp_varlen_attn
+    from varlen_cp import AttnMask, AttnOptions, CPPlan, cp_varlen_attn
     from varlen_cp.kernels import varlen_attn
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
@@ -69,7 +69,8 @@ def _cp_worker(rank: int, store: str) -> None:
 
         plan = CPPlan.build(cu, cp_size=2, cp_rank=rank)
         local = [plan.shard(x).detach().requires_grad_() for x in (q, k, v)]
-        out = cp_varlen_attn(*local, plan, AttnMask(causal=True), strategy="p2p")
+        out = cp_varlen_attn(*local, plan, AttnMask(causal=True),
+                             options=AttnOptions(strategy="p2p"))
         out.backward(plan.shard(dout))
         err = max((plan.unshard(out.detach(), group=None) - ref).abs().max().item(),
                   *((g.grad - plan.shard(r.grad)).abs().max().item()

@@ -244,8 +244,8 @@ def with_flags(job: Job | None, args: Any) -> Job:
     if options:
         if "layout" in options and options["layout"] != config.layout:
             # the other layout's options do not apply to the new one
-            options.setdefault("tile_tokens", None)
-            options.setdefault("pad_multiple", None)
+            for key in ("min_chunk_tokens", "tile_tokens", "pad_multiple"):
+                options.setdefault(key, None)
         if "strategy" in options and "a2a_size" not in options:
             options["a2a_size"] = None
         if "strategy" in options and "overlap_stages" not in options:

@@ -42,12 +42,13 @@ from pathlib import Path
 from typing import Any
 
 from ..config import LAYOUTS, STRATEGY_NAMES
+from ..cp_call import check_heads
 from ..mixes import MIXES
+from ..options import AttnOptions
 from ..prepare import build_plan
 from ..report import PlanReport, plan_report
 from ..report.text import fmt_bytes, fmt_time, headline, layer_table, rank_lines, table
 from ..schedules.auto import CostModel
-from ..strategies import get_strategy
 from . import jobs, lengths, plots
 
 PROG = "varlen-cp-plan"
@@ -121,9 +122,8 @@ def check_job(job: jobs.Job) -> None:
     if job.cp == 1:
         return
     for t in job.layers:
-        if t.strategy != "auto":
-            get_strategy(t.strategy).check_heads(job.shape.n_heads, job.shape.n_kv_heads,
-                                                 job.cp, t.a2a_size)
+        check_heads(AttnOptions(strategy=t.strategy, a2a_size=t.a2a_size), job.shape.n_heads,
+                    job.shape.n_kv_heads, job.cp)
 
 
 def sweep_values(text: str | None, job: jobs.Job, tokens: int) -> list[int]:

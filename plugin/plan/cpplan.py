@@ -1,7 +1,9 @@
 """CPPlan: which tokens each context-parallel rank holds, built on the host once per batch.
 
-``CPPlan.build`` takes the GLOBAL packed batch's ``cu_seqlens`` (a CPU int tensor) and is
-pure integer math: no process group, no device, identical on every rank. Every layer of the
+``CPPlan.build`` takes the GLOBAL packed batch's ``cu_seqlens`` (a CPU int tensor) and a
+layout spec (``plan/layout_spec.py``, default ``Balanced()``: the spec checked its own
+options; the build checks the batch and what involves cp) and is pure integer math: no
+process group, no device, identical on every rank. Every layer of the
 model shares one plan; derived tables (per-mask schedules, index maps on a device) are
 memoized with :meth:`CPPlan.cached`, so Llama 4's chunked and global layers reuse it.
 
@@ -28,10 +30,9 @@ import torch.distributed as dist
 from ..kernels.host_copy import one_to_device
 from ..masks import AttnMask
 from ..checks import is_int
-from .balanced import (MaskWeights, check_chunk_tokens, check_tile_tokens, describe,
-                       normalize_masks)
 from .collective import check_group, gather_padded
-from .layouts import LAYOUTS, layout_pieces
+from .layout_spec import TE, LayoutSpec, layout_spec
+from .layouts import layout_pieces
 from .runs import Runs, pair_work
 from .tables import TokenTables, expand_pieces
 
@@ -75,45 +76,21 @@ def _check_total(total: int, what: str) -> None:
                          f"{MAX_TOTAL_TOKENS} (2**31 - 1) of the plan's int32 tables")
 
 
-def _check_params(cp_size: Any, cp_rank: Any, layout: Any, min_chunk_tokens: Any,
-                  pad_multiple: Any) -> int:
-    """Validate the scalar build arguments; returns the resolved ``pad_multiple``."""
+def _check_params(cp_size: Any, cp_rank: Any, spec: LayoutSpec) -> LayoutSpec:
+    """Validate the ranks and the spec's rules that involve cp; returns the spec with
+    ``te``'s ``pad_multiple`` resolved (its other fields were checked when it was built)."""
     if not is_int(cp_size) or cp_size < 1:
         raise ValueError(f"cp_size must be an int >= 1, got {cp_size!r}")
     if not is_int(cp_rank) or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if not is_int(min_chunk_tokens) or min_chunk_tokens < 1:
-        raise ValueError(f"min_chunk_tokens must be an int >= 1, got {min_chunk_tokens!r}")
-    if pad_multiple is None:
-        return 2 * cp_size
-    if layout != "te":
-        raise ValueError(f"pad_multiple applies to layout 'te' only, got "
-                         f"pad_multiple={pad_multiple!r} with layout={layout!r}")
-    if not is_int(pad_multiple) or pad_multiple < 1 or pad_multiple % (2 * cp_size):
+    if not isinstance(spec, TE):
+        return spec
+    if spec.pad_multiple is None:
+        return TE(pad_multiple=2 * cp_size)
+    if spec.pad_multiple % (2 * cp_size):
         raise ValueError(f"pad_multiple must be a positive multiple of 2*cp_size="
-                         f"{2 * cp_size}, got {pad_multiple!r}")
-    return pad_multiple
-
-
-def _check_balance(layout: str, masks: Any, tile_tokens: Any, chunk_tokens: Any
-                   ) -> tuple[MaskWeights, int]:
-    """Resolved (masks, tile_tokens) of the ``balanced`` layout; ((), 0) for the others."""
-    if layout != "balanced":
-        for name, value in (("masks", masks), ("tile_tokens", tile_tokens),
-                            ("chunk_tokens", chunk_tokens)):
-            if value is not None:
-                raise ValueError(f"{name} applies to layout 'balanced' only, got "
-                                 f"{name}={value!r} with layout={layout!r}")
-        return (), 0
-    if tile_tokens is not None and chunk_tokens is not None:
-        raise ValueError(f"tile_tokens and chunk_tokens (its old name) are the same "
-                         f"parameter, got both: tile_tokens={tile_tokens!r}, "
-                         f"chunk_tokens={chunk_tokens!r}")
-    tile = check_chunk_tokens(chunk_tokens) if chunk_tokens is not None else \
-        check_tile_tokens(tile_tokens)
-    return normalize_masks(masks), tile
+                         f"{2 * cp_size}, got {spec.pad_multiple!r}")
+    return spec
 
 
 # handle -> plan: how a compiled graph names a plan (``CPPlan.handle``) without holding it
@@ -149,19 +126,13 @@ class CPPlan:
     plan's tables: treat them as read-only.
     """
 
-    def __init__(self, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, layout: str,
-                 min_chunk_tokens: int, pad_multiple: int, padded_lengths: torch.Tensor,
-                 tables: TokenTables, *, masks: MaskWeights = (), chunk_tokens: int = 0
-                 ) -> None:
+    def __init__(self, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int,
+                 spec: LayoutSpec, padded_lengths: torch.Tensor, tables: TokenTables) -> None:
         self.cu_seqlens = cu_seqlens
         self.cp_size = cp_size
         self.cp_rank = cp_rank
-        self.layout = layout
-        self.min_chunk_tokens = min_chunk_tokens
-        self.pad_multiple = pad_multiple
-        self.masks = masks  # balanced only: ((AttnMask, weight), ...) it balances for
-        self.tile_tokens = chunk_tokens  # balanced only: documents are cut on this grid
-        self.chunk_tokens = chunk_tokens  # the old name of tile_tokens
+        self.layout_spec = spec  # the layout and its options (te: pad_multiple resolved)
+        self.layout = spec.name
         self.n_docs = cu_seqlens.numel() - 1
         self.doc_lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         self.max_document_length = int(self.doc_lengths.max()) if self.n_docs else 0
@@ -182,34 +153,31 @@ class CPPlan:
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int,
-              layout: str = "dual_chunk", min_chunk_tokens: int = 64,
+              layout: LayoutSpec | str = "balanced", min_chunk_tokens: int | None = None,
               pad_multiple: int | None = None, masks: Any = None,
-              tile_tokens: int | None = None, chunk_tokens: int | None = None) -> "CPPlan":
+              tile_tokens: int | None = None) -> "CPPlan":
         """Plan the layout of the global batch ``cu_seqlens`` (CPU int [n_docs+1]).
 
-        min_chunk_tokens: ``dual_chunk`` cuts documents of >= 2*cp*min_chunk_tokens tokens.
-        pad_multiple: ``te`` only; each document is padded to a multiple of it (a multiple
-        of 2*cp_size; default 2*cp_size, e.g. 2*cp*tp for Megatron's sequence parallel).
-        masks: ``balanced`` only; the model's masks, each an AttnMask or (AttnMask, layer
-        count), e.g. Llama 4's ``[(AttnMask(chunk_size=8192), 3), (AttnMask(), 1)]``
-        (default causal). Every mask's work is balanced on its own (each layer type waits
-        for its own slowest rank); the layer counts only set priorities.
-        tile_tokens: ``balanced`` only; documents are cut at multiples of it (default 64,
-        the Triton kernels' query block) or at their ends, apart from at most a few finer
-        cuts per rank boundary where balance needs them (see plan/balanced/).
-        chunk_tokens: the old name of ``tile_tokens`` (give one or neither).
+        layout: a layout spec (``varlen_cp.plan.Balanced(masks=..., tile_tokens=...)``,
+        ``DualChunk(min_chunk_tokens=...)``, ``TE(pad_multiple=...)``, ``Contiguous()``;
+        see ``plan/layout_spec.py``), or a layout name for that layout with its default
+        options. Default: ``balanced`` for causal attention, what the integrations use
+        (pass the model's masks in ``Balanced(masks=...)`` to balance each of them).
+        min_chunk_tokens, pad_multiple, masks, tile_tokens: deprecated (kept for one
+        release): the options of the layout named by ``layout``, given flat; an option of
+        another layout is a ValueError.
         """
         cu = _check_cu_seqlens(cu_seqlens)
-        pad = _check_params(cp_size, cp_rank, layout, min_chunk_tokens, pad_multiple)
-        masks, chunk = _check_balance(layout, masks, tile_tokens, chunk_tokens)
+        spec = layout_spec(layout, **{k: v for k, v in (
+            ("min_chunk_tokens", min_chunk_tokens), ("pad_multiple", pad_multiple),
+            ("masks", masks), ("tile_tokens", tile_tokens)) if v is not None})
+        spec = _check_params(cp_size, cp_rank, spec)
         lengths = cu[1:] - cu[:-1]
-        pieces = layout_pieces(lengths, cp_size, layout, min_chunk_tokens=min_chunk_tokens,
-                               pad_multiple=pad, masks=masks, chunk_tokens=chunk)
-        if layout == "te":  # padding adds up to pad_multiple - 1 tokens per document
+        pieces = layout_pieces(lengths, cp_size, spec)
+        if isinstance(spec, TE):  # padding adds up to pad_multiple - 1 tokens per document
             _check_total(int(pieces.padded_lengths.sum()), "cu_seqlens (padded)")
         tables = expand_pieces(pieces, lengths, cp_size)
-        return cls(cu, cp_size, cp_rank, layout, min_chunk_tokens, pad, pieces.padded_lengths,
-                   tables, masks=masks, chunk_tokens=chunk)
+        return cls(cu, cp_size, cp_rank, spec, pieces.padded_lengths, tables)
 
     def __repr__(self) -> str:
         return (f"CPPlan(layout={self.layout!r}, cp_size={self.cp_size}, "
@@ -459,12 +427,10 @@ class CPPlan:
         return self._cache[key]
 
     def fingerprint(self) -> int:
-        """Stable 63-bit hash of (cu_seqlens, cp_size, layout, params), the same on every
-        rank (cp_rank excluded) and across processes, for the cross-rank check."""
+        """Stable 63-bit hash of (cu_seqlens, cp_size, layout spec), the same on every rank
+        (cp_rank excluded) and across processes, for the cross-rank check."""
         h = hashlib.blake2b(digest_size=8)
-        params = (self.cp_size, self.layout, self.min_chunk_tokens, self.pad_multiple)
-        if self.layout == "balanced":  # other layouts keep their earlier fingerprints
-            params += tuple(describe(self.masks, self.chunk_tokens))
-        h.update(repr(params).encode())
+        # A spec's repr is its class and fields (masks: AttnMask reprs), no addresses.
+        h.update(repr((self.cp_size, self.layout_spec)).encode())
         h.update(struct.pack(f"<{self.n_docs + 1}q", *self.cu_seqlens.tolist()))
         return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)

@@ -5,7 +5,7 @@ rank. Positions here are *padded* positions (only the ``te`` layout pads; a padd
 at or beyond the document's length is a padding token). ``tables.expand_pieces`` turns pieces
 into per-token tables, so a layout only decides the runs and never touches single tokens.
 
-- ``dual_chunk`` (default): documents of at least ``2 * cp * min_chunk_tokens`` tokens
+- ``dual_chunk``: documents of at least ``2 * cp * min_chunk_tokens`` tokens
   ("long") are cut into ``2 * cp`` chunks (sizes differ by at most one token, no padding)
   and rank r holds chunks r and 2*cp-1-r, which balances causal work. Every other document
   is one *item*, or, when it is longer than ``spread_limit`` (an eighth of a rank's token
@@ -18,7 +18,7 @@ into per-token tables, so a layout only decides the runs and never touches singl
   2*cp-1-r (``thd_get_partitioned_indices``).
 - ``contiguous``: rank r holds the r-th of cp near-equal contiguous slices of the packed
   sequence (sizes differ by at most one); documents are cut at the slice boundaries.
-- ``balanced``: tokens and the work of EACH of the model's masks equal on every rank
+- ``balanced`` (the default): tokens and the work of EACH of the model's masks equal on every rank
   (Llama 4's chunked and global layers alike), documents cut where the cut costs little
   K/V to fetch: a rank holds few contiguous stretches of a document, long bodies go to
   ranks in whole shares, mirrored or chunk-pair pieces only where balance needs them
@@ -45,8 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from .balanced import MaskWeights, balanced_runs
-
-LAYOUTS = ("dual_chunk", "te", "contiguous", "balanced")
+from .layout_spec import TE, Balanced, Contiguous, DualChunk, LayoutSpec
 
 
 @dataclass(frozen=True)
@@ -230,17 +229,15 @@ def balanced_pieces(lengths: torch.Tensor, cp_size: int, masks: MaskWeights,
     return Pieces(rank, doc, start, length, lengths.clone())
 
 
-def layout_pieces(lengths: torch.Tensor, cp_size: int, layout: str, *, min_chunk_tokens: int,
-                  pad_multiple: int, masks: MaskWeights = (), chunk_tokens: int = 0) -> Pieces:
-    """Pieces of ``layout`` for documents of ``lengths`` (int64, CPU); inputs validated.
-    ``masks`` and ``chunk_tokens`` (the tile size) are the resolved parameters of
-    ``balanced``."""
-    if layout == "balanced":
-        return balanced_pieces(lengths, cp_size, masks, chunk_tokens)
-    if layout == "dual_chunk":
-        return dual_chunk_pieces(lengths, cp_size, min_chunk_tokens)
-    if layout == "te":
-        return te_pieces(lengths, cp_size, pad_multiple)
-    if layout == "contiguous":
+def layout_pieces(lengths: torch.Tensor, cp_size: int, spec: LayoutSpec) -> Pieces:
+    """Pieces of the layout ``spec`` (``te``: its ``pad_multiple`` resolved) for documents
+    of ``lengths`` (int64, CPU); inputs validated."""
+    if isinstance(spec, Balanced):
+        return balanced_pieces(lengths, cp_size, spec.masks, spec.tile_tokens)
+    if isinstance(spec, DualChunk):
+        return dual_chunk_pieces(lengths, cp_size, spec.min_chunk_tokens)
+    if isinstance(spec, TE):
+        return te_pieces(lengths, cp_size, spec.pad_multiple)
+    if isinstance(spec, Contiguous):
         return contiguous_pieces(lengths, cp_size)
-    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    raise ValueError(f"layout must be a layout spec, got {spec!r}")

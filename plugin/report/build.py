@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..config import STAGED_STRATEGIES, AttnShape
+from ..options import takes
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..schedules import cost
@@ -161,7 +162,7 @@ def layer_report(plan: CPPlan, layer: LayerType, shape: AttnShape, *,
     if plan.cp_size == 1:
         sent = [0]
     else:
-        a2a = layer.a2a_size if name == "a2a+p2p" else None
+        a2a = layer.a2a_size if takes(name, "a2a_size") else None
         by_pass = cost.bytes_sent(name, plan, mask, cs, a2a)
         sent = [f + b for f, b in zip(by_pass["fwd"], by_pass["bwd"])]
     table = auto_pick = None
@@ -208,5 +209,5 @@ def plan_report(plan: CPPlan, layers: Sequence[LayerType], shape: AttnShape, *,
 def layer_types(layer_masks: Sequence[tuple[AttnMask, int]], strategy: str,
                 a2a_size: int | None = None) -> list[LayerType]:
     """One ``LayerType`` per (mask, layer count) with the model's one strategy."""
-    return [LayerType(mask, int(n), strategy, a2a_size if strategy == "a2a+p2p" else None)
+    return [LayerType(mask, int(n), strategy, a2a_size if takes(strategy, "a2a_size") else None)
             for mask, n in layer_masks]

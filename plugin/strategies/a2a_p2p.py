@@ -156,7 +156,7 @@ class A2AP2P(Strategy):
     def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
                  ) -> tuple[type[torch.autograd.Function], tuple]:
         plan = spec.plan
-        size = self._size(plan, q.shape[1], k.shape[1], spec.a2a_size)
+        size = self._size(plan, q.shape[1], k.shape[1], spec.options.a2a_size)
         if size == 1:
             return P2P().function(q, k, v, spec)
         if size == plan.cp_size:

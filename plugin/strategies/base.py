@@ -8,7 +8,7 @@ with:
 - ``prepare(plan, mask, block, device, shape, a2a_size)``: build and cache in the plan every
   host table its ``attention`` will read, and their device copies (``varlen_cp.prepare``
   calls it ahead of the step); strategies with ``staged = True`` (dispatch, all_gather)
-  also take ``overlap_stages`` there and read ``spec.overlap_stages``;
+  also take ``overlap_stages`` there and read ``spec.options.overlap_stages``;
 - ``function(q, k, v, spec) -> (Function, args)``: its ``torch.autograd.Function`` and the
   arguments after q, k, v. ``attention(q, k, v, spec) -> (out, lse, max_part)`` applies it:
   differentiable in q, k, v through out AND lse (attention sinks compose on the merged
@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..masks import AttnMask
+from ..options import AttnOptions
 from ..plan import CPPlan
 from ..schedules import cost
 from ..schedules.shape import Shape
@@ -40,7 +41,8 @@ from .calls import Attn, maybe_max
 
 @dataclass(frozen=True)
 class CallSpec:
-    """Everything but the tensors of one ``cp_varlen_attn`` call, as a strategy sees it."""
+    """Everything but the tensors of one ``cp_varlen_attn`` call, as a strategy sees it;
+    ``options`` as the caller gave them (checked, and against the heads and cp)."""
 
     plan: CPPlan
     attn: Attn
@@ -48,8 +50,7 @@ class CallSpec:
     block: tuple[int, int]           # tile sizes the schedules are built with
     need_lse: bool = True
     need_max: bool = False
-    a2a_size: int | None = None
-    overlap_stages: int | None = None  # dispatch / all_gather: None = the cost model's
+    options: AttnOptions = AttnOptions()
 
 
 class Strategy(ABC):

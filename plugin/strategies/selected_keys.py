@@ -270,5 +270,5 @@ class SelectedKeysStrategy(Strategy):
                  ) -> tuple[type[torch.autograd.Function], tuple]:
         shape = make_shape(q.shape[1], k.shape[1], q.shape[2], v.shape[2], q.element_size())
         stages = resolve_stages(spec.plan, spec.attn.mask, self.name, shape,
-                                spec.overlap_stages)
+                                spec.options.overlap_stages)
         return StagedKeysAttention, (spec, self, stages)

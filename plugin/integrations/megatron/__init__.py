@@ -1,8 +1,9 @@
 """megatron-core integration: context-parallel varlen attention through the layer spec.
 
 - ``VarlenCPCoreAttention``: a core-attention module (megatron's builder and forward
-  protocols), THD and sbhd, every mask, CP strategies "p2p", "all_gather", "a2a", "a2a+p2p",
-  "dispatch", "auto".
+  protocols; a ``varlen_cp.ContextParallelVarlenAttention`` with the layer's mask and
+  ``AttnOptions``), THD and sbhd, every mask, CP strategies "p2p", "all_gather", "a2a",
+  "a2a+p2p", "dispatch", "auto".
 - ``VarlenCPSelfAttention``: megatron's ``SelfAttention`` whose THD RoPE takes each token's
   position from the plan, so every layout (default "balanced") is correct.
 - ``swap_core_attention(spec, options)`` / ``get_varlen_cp_layer_spec(options, ...)``: both.
@@ -11,8 +12,9 @@
 - ``PrefetchedTHDBatches(source, config=..., options=...)``: the data iterator that builds
   the next batch's plan and tables on a background thread.
 - ``VarlenCPOptions``: ``varlen_cp.CPConfig`` plus megatron's extras (chunked attention,
-  per-layer strategies); ``model_attention(config, options)``: the layer masks, strategies
-  and head shape the planner uses.
+  per-layer strategies, each layer's ``AttnOptions`` from ``layer_options``);
+  ``model_attention(config, options)``: the layer masks, options and head shape the
+  planner uses.
 - ``clip_qk_step(model)``: QK-clip after the optimizer step (megatron's ``clip_qk`` on the
   max logits that ``config.qk_clip`` / ``log_max_attention_logit`` make each layer record);
   ``config.softmax_type`` "off-by-one" / "learnable" adds an attention sink.

@@ -1,6 +1,8 @@
 """``VarlenCPCoreAttention``: a megatron-core core-attention module backed by varlen_cp.
 
-It follows megatron's builder protocol (``config, layer_number, attn_mask_type,
+It is a ``varlen_cp.ContextParallelVarlenAttention`` (the layer's mask and ``AttnOptions``,
+resolved from megatron's config and ``VarlenCPOptions`` at build time, and its ``attend``);
+it follows megatron's builder protocol (``config, layer_number, attn_mask_type,
 attention_type, cp_comm_type, softmax_scale, pg_collection``, plus ``options`` from the
 spec's params) and forward protocol (``query, key, value, attention_mask, *,
 attn_mask_type, attention_bias, packed_seq_params``), so it drops into any GPT layer spec in
@@ -36,12 +38,11 @@ from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from ...attention import cp_varlen_attn
+from ...attention import ContextParallelVarlenAttention
 from ...checks import check_choice
 from ...config import SOFTMAX_TYPES
 from ...masks import AttnMask
 from ...plan import CPPlan
-from ...config import STAGED_STRATEGIES
 from .options import (CAUSAL_TYPES, VarlenCPOptions, layer_a2a_size, layer_mask,
                       layer_strategy)
 from .rope import apply_plan_rope
@@ -81,7 +82,7 @@ def _tracks_max_logit(config: Any) -> bool:
                 or getattr(config, "log_max_attention_logit", False))
 
 
-class VarlenCPCoreAttention(MegatronModule):
+class VarlenCPCoreAttention(MegatronModule, ContextParallelVarlenAttention):
     """Core attention of one layer: mask and strategy resolved from the config at build."""
 
     def __init__(self, config: Any, layer_number: int, attn_mask_type: AttnMaskType,
@@ -89,7 +90,6 @@ class VarlenCPCoreAttention(MegatronModule):
                  softmax_scale: float | None = None, cp_comm_type: str | None = None,
                  pg_collection: Any = None, options: VarlenCPOptions | None = None,
                  rope_from_plan: bool = True, **unused: Any) -> None:
-        super().__init__(config=config)
         options = VarlenCPOptions() if options is None else options
         if not isinstance(options, VarlenCPOptions):
             raise ValueError(f"options must be a VarlenCPOptions, got "
@@ -105,28 +105,33 @@ class VarlenCPCoreAttention(MegatronModule):
             raise ValueError(f"attention_dropout={attention_dropout!r} is not supported by "
                              f"varlen_cp; use 0.0")
         options.check_num_layers(config.num_layers)
-        self.options = options
-        self.layer_number = max(1, int(layer_number))
-        self.attn_mask_type = attn_mask_type
-        self.mask = layer_mask(config, options, self.layer_number, attn_mask_type)
-        self.strategy = layer_strategy(config, options, self.layer_number, cp_comm_type)
-        self.a2a_size = layer_a2a_size(config, options, self.strategy)
-        # the option of a staged strategy; layers of other strategies in a per-layer list
-        self.overlap_stages = (options.overlap_stages if self.strategy in STAGED_STRATEGIES
-                               else None)
+        layer_number = max(1, int(layer_number))
+        strategy = layer_strategy(config, options, layer_number, cp_comm_type)
         scale = softmax_scale if softmax_scale is not None else config.softmax_scale
         # apply_query_key_layer_scaling divides the scale by the layer number and multiplies
         # it back inside megatron's fp16 softmax: no net effect, so it is ignored here.
-        self.softmax_scale = (float(scale) if scale is not None
-                              else 1.0 / math.sqrt(config.kv_channels))
-        self.cp_group, self.cp_size, self.cp_rank = cp_group_and_rank(
-            _cp_group(pg_collection))
-        if self.cp_size != config.context_parallel_size:
+        scale = float(scale) if scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        group, cp_size, cp_rank = cp_group_and_rank(_cp_group(pg_collection))
+        if cp_size != config.context_parallel_size:
             raise ValueError(f"config.context_parallel_size={config.context_parallel_size} "
-                             f"differs from the CP group's size {self.cp_size}")
+                             f"differs from the CP group's size {cp_size}")
+        # One nn.Module.__init__, through the module's; MegatronModule.__init__ only sets
+        # ``config`` (its super() call would reach the module's __init__ without a mask).
+        ContextParallelVarlenAttention.__init__(
+            self, layer_mask(config, options, layer_number, attn_mask_type),
+            options.layer_options(strategy, layer_a2a_size(config, options, strategy)), group,
+            softmax_scale=scale, track_max_logit=_tracks_max_logit(config))
+        self.config = config
+        self.varlen_options = options
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.cp_size, self.cp_rank = cp_size, cp_rank
         self._init_softmax_extras(config)
 
     def _init_softmax_extras(self, config: Any) -> None:
+        """The sink is megatron's parameter ``softmax_offset`` (the module's own ``sink``
+        stays None), named and initialised as in megatron's DotProductAttention, so
+        checkpoints interchange."""
         self.softmax_type = getattr(config, "softmax_type", "vanilla")
         self.softmax_offset: torch.nn.Parameter | None = None
         if self.softmax_type == "learnable":
@@ -135,11 +140,12 @@ class VarlenCPCoreAttention(MegatronModule):
             if config.perform_initialization:
                 config.init_method(offset)
             self.softmax_offset = torch.nn.Parameter(offset)
-        self.track_max_logit = _tracks_max_logit(config)
-        self.max_logit: torch.Tensor | None = None
         self.current_max_attn_logits: torch.Tensor | None = None
 
-    def _record_max_logit(self, max_logit: torch.Tensor) -> None:
+    def sink_tensor(self) -> torch.Tensor | None:
+        return None if self.softmax_offset is None else self.softmax_offset.float()
+
+    def record_max_logit(self, max_logit: torch.Tensor) -> None:
         """Last forward's value, and the running max over micro-batches that megatron's
         ``clip_qk`` reads (and resets to None after each optimizer step)."""
         value = max_logit.detach()
@@ -150,21 +156,7 @@ class VarlenCPCoreAttention(MegatronModule):
     def _mask_for(self, attn_mask_type: AttnMaskType | None) -> AttnMask:
         if attn_mask_type is None or attn_mask_type == self.attn_mask_type:
             return self.mask
-        return layer_mask(self.config, self.options, self.layer_number, attn_mask_type)
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan,
-                mask: AttnMask) -> torch.Tensor:
-        sink = self.softmax_offset.float() if self.softmax_offset is not None else None
-        res = cp_varlen_attn(q, k, v, plan, mask, self.cp_group, self.strategy,
-                             self.softmax_scale, backend=self.options.backend,
-                             validate=self.options.validate, a2a_size=self.a2a_size,
-                             overlap_stages=self.overlap_stages,
-                             return_max_logit=self.track_max_logit,
-                             softmax_type=self.softmax_type, sink=sink)
-        if not self.track_max_logit:
-            return res
-        self._record_max_logit(res[1])
-        return res[0]
+        return layer_mask(self.config, self.varlen_options, self.layer_number, attn_mask_type)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
@@ -184,7 +176,7 @@ class VarlenCPCoreAttention(MegatronModule):
                                  f"{tuple(query.shape)}")
             plan = plan_from_packed_seq_params(packed_seq_params, self.cp_size, self.cp_rank)
             query, key = self._rope(query, key, plan, packed_seq_params)
-            out = self._attend(query, key, value, plan, mask)
+            out = self.attend(query, key, value, plan, mask=mask)[0]
             return out.reshape(out.shape[0], -1)
         return self._forward_sbhd(query, key, value, attention_mask, attn_mask_type, mask)
 
@@ -194,7 +186,7 @@ class VarlenCPCoreAttention(MegatronModule):
         megatron applied its own THD RoPE, which is right only for TE's layout."""
         rope = getattr(params, "varlen_cp_rope", None)
         if rope is not None:
-            return apply_plan_rope(query, key, rope, self.config, self.cp_group)
+            return apply_plan_rope(query, key, rope, self.config, self.group)
         if plan.cp_size > 1 and plan.layout != "te":
             raise ValueError(
                 f"layout {plan.layout!r} needs RoPE positions from the plan, but this layer's "
@@ -225,10 +217,9 @@ class VarlenCPCoreAttention(MegatronModule):
         def thd(x: torch.Tensor) -> torch.Tensor:  # [s, b, h, d] -> [b*s, h, d], row-major
             return x.transpose(0, 1).reshape(b * s, x.shape[2], x.shape[3])
 
-        out = self._attend(thd(query), thd(key), thd(value), plan, mask)
+        out = self.attend(thd(query), thd(key), thd(value), plan, mask=mask)[0]
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 
     def extra_repr(self) -> str:
-        return (f"layer={self.layer_number}, mask={self.mask}, strategy={self.strategy!r}, "
-                f"cp_size={self.cp_size}, backend={self.options.backend!r}, "
-                f"softmax_type={self.softmax_type!r}")
+        return (f"layer={self.layer_number}, mask={self.mask}, options={self.options}, "
+                f"cp_size={self.cp_size}, softmax_type={self.softmax_type!r}")

@@ -1,9 +1,12 @@
 """The ``[varlen_cp]`` options of a megatron-core model and how they resolve per layer.
 
-``VarlenCPOptions`` is ``varlen_cp.CPConfig`` (strategy, layout, backend, a2a_size, validate,
-min_chunk_tokens, tile_tokens, pad_multiple, prefetch, report: declared and validated there) plus
-what only megatron needs: Llama 4 chunked attention (``chunk_size``, ``chunk_layers``) and a
-strategy that may be a per-layer list or None (follow megatron's ``cp_comm_type``).
+``VarlenCPOptions`` is ``varlen_cp.CPConfig`` (strategy, layout, backend, a2a_size,
+overlap_stages, validate, min_chunk_tokens, tile_tokens, pad_multiple, prefetch, report:
+declared and validated there) plus what only megatron needs: Llama 4 chunked attention
+(``chunk_size``, ``chunk_layers``) and a strategy that may be a per-layer tuple or None
+(follow megatron's ``cp_comm_type``). Each layer runs with its own ``varlen_cp.AttnOptions``
+(``VarlenCPOptions.layer_options``): the layer's strategy, and the strategy-bound options
+(``a2a_size``, ``overlap_stages``) only where that strategy takes them.
 
 Megatron's own config says what it can: causal or not (the layer's ``attn_mask_type``),
 sliding windows (``window_size``, ``window_attn_skip_freq``), RoPE-free layers
@@ -13,7 +16,8 @@ attention goes on the RoPE layers and the NoPE layers stay global, as in Llama 4
 
 Limits: ``cp_comm_type`` given as a per-layer list crashes megatron-core 0.16.1 itself with
 CP > 1 (TransformerLayer indexes the list with the 1-based layer number); put a per-layer
-list in ``VarlenCPOptions.strategy`` instead, which is indexed correctly.
+tuple in ``VarlenCPOptions.strategy`` instead, which is indexed correctly (the TOML loader
+moves a ``cp_comm_type`` list there).
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ from typing import Any
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from ...checks import check_choice, check_int, is_int
-from ...config import STAGED_STRATEGIES, STRATEGY_NAMES, CPConfig
+from ...checks import check_int, is_int
+from ...config import CPConfig
 from ...masks import AttnMask
+from ...options import TAKES, AttnOptions, check_strategy, check_taken, takes
 
 CHUNK_LAYER_MODES = ("rope", "all")
 CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal,
@@ -40,7 +45,7 @@ class VarlenCPOptions(CPConfig):
 
     Fields that differ from ``CPConfig``:
 
-    strategy:     a name, a per-layer list of names, or None (default) to follow
+    strategy:     a name, a per-layer tuple of names, or None (default) to follow
                   megatron's ``cp_comm_type`` (itself defaulting to "p2p").
     layout:       "balanced" (default): every layer type's attention work and the tokens
                   equal on every rank, no padding. RoPE positions come from the plan (the
@@ -58,7 +63,7 @@ class VarlenCPOptions(CPConfig):
 
     chunk_size:   Llama 4 chunked attention size in tokens; 0 = none.
     chunk_layers: where chunking applies: "rope" (layers that use RoPE, see megatron's
-                  ``no_rope_freq``), "all", or a per-layer list of bools.
+                  ``no_rope_freq``), "all", or a per-layer tuple of bools.
     """
 
     strategy: str | tuple[str, ...] | None = None
@@ -67,64 +72,72 @@ class VarlenCPOptions(CPConfig):
     chunk_layers: str | tuple[bool, ...] = "rope"
 
     def __post_init__(self) -> None:
-        strategy = self._check_strategy()
-        if isinstance(strategy, str):
-            super().__post_init__()
-        else:
-            # CPConfig knows one strategy per model: it checks the shared fields with the
-            # strategy-bound options set aside; their rules against the layers' strategies
-            # (a list, or megatron's cp_comm_type when None) are checked here.
-            kept = {"strategy": strategy, "a2a_size": self.a2a_size,
-                    "overlap_stages": self.overlap_stages}
-            for name, value in (("strategy", "p2p"), ("a2a_size", None),
-                                ("overlap_stages", None)):
-                object.__setattr__(self, name, value)
-            try:
-                super().__post_init__()
-            finally:
-                for name, value in kept.items():
-                    object.__setattr__(self, name, value)
-            check_int("a2a_size", self.a2a_size, 1, optional=True)
-            check_int("overlap_stages", self.overlap_stages, 1, optional=True)
-            names = strategy or ()
-            if self.overlap_stages is not None and strategy is not None and not (
-                    set(names) & set(STAGED_STRATEGIES)):
-                raise ValueError(f"overlap_stages applies to strategies "
-                                 f"{STAGED_STRATEGIES} only, got overlap_stages="
-                                 f"{self.overlap_stages!r} with strategy={strategy!r}")
+        super().__post_init__()
         check_int("chunk_size", self.chunk_size, 0)
         self._check_chunk_layers()
 
-    def _check_strategy(self) -> str | tuple[str, ...] | None:
+    def _check_attention(self) -> None:
+        """One strategy: ``CPConfig``'s rules. A per-layer tuple, or None (megatron's
+        ``cp_comm_type``, known when the model is built): each strategy-bound option must
+        be taken by one of the layers' strategies (None: any may), and the shared options
+        hold for every layer."""
+        if isinstance(self.strategy, str):
+            super()._check_attention()
+            return
+        names = self.per_layer_strategies()
+        for option in TAKES:
+            check_taken(option, getattr(self, option), names)
+        for name in dict.fromkeys(names or ("p2p",)):
+            self.layer_options(name)
+
+    def per_layer_strategies(self) -> tuple[str, ...] | None:
+        """The per-layer strategy names (checked), or None for megatron's ``cp_comm_type``."""
         s = self.strategy
-        if isinstance(s, (list, tuple)):
-            if not s:
-                raise ValueError("strategy must not be an empty list")
-            s = tuple(check_choice(f"strategy[{i}]", name, STRATEGY_NAMES)
-                      for i, name in enumerate(s))
-        elif s is not None:
-            check_choice("strategy", s, STRATEGY_NAMES)
-        names = s if isinstance(s, tuple) else (s,)
-        if self.a2a_size is not None and s is not None and "a2a+p2p" not in names:
-            raise ValueError(f"a2a_size applies to strategy 'a2a+p2p' only, got "
-                             f"a2a_size={self.a2a_size!r} with strategy={s!r}")
-        return s
+        if s is None:
+            return None
+        if isinstance(s, str):
+            return (check_strategy(s),)
+        if not isinstance(s, tuple) or not s:
+            got = f"a {type(s).__name__}" if isinstance(s, list) else repr(s)
+            raise ValueError(f"strategy must be a strategy name, a non-empty tuple of names "
+                             f"(one per layer; hashable, as the options are) or None, got "
+                             f"{got}" + (": pass tuple(...)" if isinstance(s, list) else ""))
+        return tuple(check_strategy(name, f"strategy[{i}]") for i, name in enumerate(s))
+
+    @property
+    def attn_options(self) -> AttnOptions:
+        """The options of every layer, when they share one strategy (else ValueError: ask
+        ``layer_options`` per layer)."""
+        if not isinstance(self.strategy, str):
+            raise ValueError(f"VarlenCPOptions.strategy={self.strategy!r} is resolved per "
+                             f"layer: use layer_options(strategy) for each layer")
+        return super().attn_options
+
+    def layer_options(self, strategy: str, a2a_size: int | None = None) -> AttnOptions:
+        """The ``AttnOptions`` of a layer that runs ``strategy``: the shared options, plus
+        ``a2a_size`` (this layer's, see ``layer_a2a_size``) and ``overlap_stages`` where
+        ``strategy`` takes them."""
+        return AttnOptions(strategy=strategy, backend=self.backend, validate=self.validate,
+                           a2a_size=a2a_size if takes(strategy, "a2a_size") else None,
+                           overlap_stages=(self.overlap_stages
+                                           if takes(strategy, "overlap_stages") else None))
 
     def _check_chunk_layers(self) -> None:
         c = self.chunk_layers
         if isinstance(c, str):
             if c not in CHUNK_LAYER_MODES:
-                raise ValueError(f"chunk_layers must be one of {CHUNK_LAYER_MODES} or a list "
+                raise ValueError(f"chunk_layers must be one of {CHUNK_LAYER_MODES} or a tuple "
                                  f"of bools, got {c!r}")
             return
-        if not isinstance(c, (list, tuple)) or not c or not all(
+        if not isinstance(c, tuple) or not c or not all(
                 isinstance(x, bool) or x in (0, 1) for x in c):
-            raise ValueError(f"chunk_layers must be one of {CHUNK_LAYER_MODES} or a "
-                             f"non-empty list of bools, got {c!r}")
-        object.__setattr__(self, "chunk_layers", tuple(bool(x) for x in c))
+            got = f"a {type(c).__name__}" if isinstance(c, list) else repr(c)
+            raise ValueError(f"chunk_layers must be one of {CHUNK_LAYER_MODES} or a non-empty "
+                             f"tuple of bools (one per layer), got {got}"
+                             + (": pass tuple(...)" if isinstance(c, list) else ""))
 
     def check_num_layers(self, num_layers: int) -> None:
-        """Per-layer lists must have one entry per transformer layer."""
+        """Per-layer tuples must have one entry per transformer layer."""
         for name in ("strategy", "chunk_layers"):
             value = getattr(self, name)
             if isinstance(value, tuple) and len(value) != num_layers:
@@ -158,7 +171,8 @@ def layer_is_chunked(config: Any, options: VarlenCPOptions, layer_number: int) -
         return True
     if options.chunk_layers == "rope":
         return uses_rope(config, layer_number)
-    return _per_layer(options.chunk_layers, layer_number, "VarlenCPOptions.chunk_layers")
+    return bool(_per_layer(options.chunk_layers, layer_number,
+                           "VarlenCPOptions.chunk_layers"))
 
 
 def layer_mask(config: Any, options: VarlenCPOptions, layer_number: int,
@@ -196,19 +210,17 @@ def layer_strategy(config: Any, options: VarlenCPOptions, layer_number: int,
     cfg = getattr(config, "cp_comm_type", None)
     if isinstance(cfg, (list, tuple)):
         name = _per_layer(cfg, layer_number, "config.cp_comm_type")
-        check_choice(f"config.cp_comm_type[{layer_number - 1}]", name, STRATEGY_NAMES)
-        return name
+        return check_strategy(name, f"config.cp_comm_type[{layer_number - 1}]")
     name = cfg if cfg is not None else cp_comm_type
     if name is None:
         return "p2p"
-    check_choice("cp_comm_type", name, STRATEGY_NAMES)
-    return name
+    return check_strategy(name, "cp_comm_type")
 
 
 def layer_a2a_size(config: Any, options: VarlenCPOptions, strategy: str) -> int | None:
     """Ulysses group size for "a2a+p2p": the options', else megatron's
     ``hierarchical_context_parallel_sizes[0]``, else None (the strategy's default)."""
-    if strategy != "a2a+p2p":
+    if not takes(strategy, "a2a_size"):
         return None
     if options.a2a_size is not None:
         return options.a2a_size

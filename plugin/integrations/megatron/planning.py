@@ -2,8 +2,9 @@
 
 ``model_attention(config, options)`` reads the layer masks (causal, ``window_size`` /
 ``window_attn_skip_freq``, the options' chunked layers, ``no_rope_freq``), each layer's
-strategy (options, else ``cp_comm_type``) and the head shape from megatron's
-``TransformerConfig``, exactly as ``VarlenCPCoreAttention`` resolves them at build time.
+``AttnOptions`` (its strategy: options, else ``cp_comm_type``) and the head shape from
+megatron's ``TransformerConfig``, exactly as ``VarlenCPCoreAttention`` resolves them at
+build time.
 ``plan_batch`` builds the batch's plan with those masks (the ``balanced`` layout balances each
 of them) through ``varlen_cp.prepare.build_plan`` and, given a device, every host table and
 device copy the layers' attention calls and the RoPE lookup will need
@@ -26,6 +27,7 @@ from ... import prepare
 from ...config import CPConfig
 from ...kernels.host_copy import one_to_device
 from ...masks import AttnMask
+from ...options import AttnOptions
 from ...plan import CPPlan
 from ...prepare import AttnShape
 from ...report import LayerType
@@ -40,11 +42,11 @@ _SINGLE_RANK = CPConfig(layout="contiguous", validate=False, prefetch=False)
 @dataclass(frozen=True)
 class ModelAttention:
     """layer_masks: the distinct layer masks with their layer counts (``build_plan``);
-    calls: the distinct (mask, strategy, a2a_size) of the layers (``prepare_plan``);
+    calls: the distinct (mask, AttnOptions) of the layers (``prepare_plan``);
     shape: heads per tensor-parallel rank, head dims and dtype."""
 
     layer_masks: tuple[tuple[AttnMask, int], ...]
-    calls: tuple[tuple[AttnMask, str, int | None], ...]
+    calls: tuple[tuple[AttnMask, AttnOptions], ...]
     shape: AttnShape
 
 
@@ -84,12 +86,13 @@ def model_attention(config: Any, options: VarlenCPOptions | None = None,
         raise ValueError(f"options must be a VarlenCPOptions, got {type(options).__name__}")
     options.check_num_layers(config.num_layers)
     counts: dict[AttnMask, int] = {}
-    calls: dict[tuple[AttnMask, str, int | None], None] = {}
+    calls: dict[tuple[AttnMask, AttnOptions], None] = {}
     for n in range(1, config.num_layers + 1):
         mask = layer_mask(config, options, n, attn_mask_type)
         strategy = layer_strategy(config, options, n, None)
         counts[mask] = counts.get(mask, 0) + 1
-        calls[(mask, strategy, layer_a2a_size(config, options, strategy))] = None
+        layer = options.layer_options(strategy, layer_a2a_size(config, options, strategy))
+        calls[(mask, layer)] = None
     return ModelAttention(layer_masks=tuple(counts.items()), calls=tuple(calls),
                           shape=attn_shape(config))
 
@@ -130,9 +133,9 @@ def prepare_model_plan(plan: CPPlan, options: VarlenCPOptions, model: ModelAtten
     """Every table the model's attention layers, the RoPE lookup and the MoE routers'
     padding mask need, on ``device``."""
     device = resolve_device(device)
-    masks, strategies, a2a_sizes = zip(*model.calls) if model.calls else ((), (), ())
+    masks, layers = zip(*model.calls) if model.calls else ((), ())
     prepare.prepare_plan(plan, options, [(m, 1) for m in masks], model.shape, device,
-                         strategies=list(strategies), a2a_sizes=list(a2a_sizes))
+                         options=list(layers))
     rope_index(plan, device)
     padding_mask(plan, device)  # for the MoE routers (moe.py)
     return plan

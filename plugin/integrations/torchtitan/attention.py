@@ -3,15 +3,18 @@
 torchtitan's attention modules (``GQAttention``, gpt_oss's and DeepSeek's ``Attention``)
 project q/k/v, apply RoPE with the batch's positions and call
 ``inner_attention(q_BLNH, k_BLNH, v_BLNH, attention_masks=..., scale=..., [enable_gqa=...,
-out_transform=...])``. ``VarlenCPInnerAttention`` is that inner module: its config carries
-the layer's mask (causal / window / chunk: Llama 4's chunked and global layers, or gpt_oss's
-window and global layers, differ only here), the CP strategy and the kernel backend;
+out_transform=...])``. ``VarlenCPInnerAttention`` is that inner module, a
+``varlen_cp.ContextParallelVarlenAttention`` (its forward unpacks torchtitan's arguments and
+calls the module's ``attend``): its config carries the layer's mask (causal / window /
+chunk: Llama 4's chunked and global layers, or gpt_oss's window and global layers, differ
+only here) and the attention options (``varlen_cp.AttnOptions``: strategy, backend, ...);
 ``attention_masks`` carries a ``PackedBatch`` holding the batch's ``CPPlan``, built once per
 step on the host and shared by every layer.
 
 ``varlen_cp_attention`` is a torchtitan ``@override`` of ``VarlenAttention.Config``: it turns
-each layer's ``window_size`` into that layer's ``AttnMask`` and the CP options (``CPConfig``)
-into the replacement config. The trainer applies it before the model config's own
+each layer's ``window_size`` into that layer's ``AttnMask`` and its keyword arguments (the
+``AttnOptions`` fields, ``CPConfig.attn_options`` as JSON-able values) into the replacement
+config. The trainer applies it before the model config's own
 ``update_from_config``, whose "Varlen attention is not supported with CP" check then sees
 varlen-cp's attention (a different class) and passes: only this attention bypasses it.
 The module always declares its own sharding (q/k/v stay sequence-sharded on CP, head-sharded
@@ -37,7 +40,7 @@ Limits: B must be 1 (the trainer packs the batch's rows into one sequence).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import spmd_types as spmd
@@ -53,8 +56,9 @@ from torchtitan.models.gpt_oss.model import Attention as GptOssAttention
 from torchtitan.protocols.module import Module
 from torchtitan.protocols.sharding import LocalMapConfig, ShardingConfig
 
-from ...attention import ContextParallelVarlenAttention, cp_varlen_attn
+from ...attention import ContextParallelVarlenAttention
 from ...masks import AttnMask
+from ...options import AttnOptions
 from ...plan import CPPlan
 
 
@@ -76,12 +80,8 @@ class VarlenCPInnerAttention(Module, ContextParallelVarlenAttention):
         window_right: int = -1
         chunk_size: int = 0
         """Llama 4 chunked attention: keys in the same chunk of this size (0 = off)."""
-        strategy: str = "p2p"
-        backend: str = "auto"
-        validate: bool = True
-        a2a_size: int | None = None
-        overlap_stages: int | None = None
-        """dispatch / all_gather: stages of the K/V transfer (None: the cost model's)."""
+        options: AttnOptions = field(default_factory=AttnOptions)
+        """How the CP call runs (strategy, backend, validate, a2a_size, overlap_stages)."""
         softmax_type: str = "vanilla"
         """"vanilla", "off-by-one" (a zero sink logit) or "learnable" (``sink`` parameter)."""
         n_heads: int = 0
@@ -103,11 +103,8 @@ class VarlenCPInnerAttention(Module, ContextParallelVarlenAttention):
         # nn.Module.__init__ runs once, through ContextParallelVarlenAttention's super() chain.
         # "auto" is resolved per (plan, mask) inside cp_varlen_attn, from the plan's costs.
         ContextParallelVarlenAttention.__init__(
-            self, config.mask(), strategy=config.strategy, group=None, backend=config.backend,
-            a2a_size=config.a2a_size, overlap_stages=config.overlap_stages,
-            softmax_type=config.softmax_type,
+            self, config.mask(), config.options, softmax_type=config.softmax_type,
             n_heads=config.n_heads or None, track_max_logit=config.track_max_logit)
-        self.validate = config.validate
 
     def forward(  # pyrefly: ignore[bad-override]
         self,
@@ -128,24 +125,18 @@ class VarlenCPInnerAttention(Module, ContextParallelVarlenAttention):
             raise ValueError(f"VarlenCPInnerAttention expects the packed batch as B=1, got "
                              f"q of shape {tuple(q_BLNH.shape)}")
         q, k, v = q_BLNH[0], k_BLNH[0], v_BLNH[0]
-        softmax_type, sink = self.softmax_type, self._sink_arg()
+        softmax: dict[str, Any] = {}
         owner_sinks = _gpt_oss_sinks(out_transform)
         if owner_sinks is not None:  # gpt_oss: its sinks are this layer's learnable sink
-            softmax_type, sink, out_transform = "learnable", _local(owner_sinks).float(), None
-        want_lse, track = out_transform is not None, self.track_max_logit
+            softmax = {"softmax_type": "learnable", "sink": _local(owner_sinks).float()}
+            out_transform = None
+        want_lse = out_transform is not None
         with spmd.no_typecheck():
-            res = cp_varlen_attn(q, k, v, attention_masks.plan, self.mask, self.group,
-                                 self.strategy, scale, return_lse=want_lse,
-                                 backend=self.backend, validate=self.validate,
-                                 a2a_size=self.a2a_size, overlap_stages=self.overlap_stages,
-                                 return_max_logit=track,
-                                 softmax_type=softmax_type, sink=sink)
-            res = res if isinstance(res, tuple) else (res,)
-            out = res[0].unsqueeze(0)
-            if track:
-                self.max_logit = res[-1].detach()
+            out, lse = self.attend(q, k, v, attention_masks.plan, softmax_scale=scale,
+                                   return_lse=want_lse, **softmax)
+            out = out.unsqueeze(0)
             if want_lse:  # the exact global LSE of each local query, as [1, T_local, Hq]
-                out = out_transform(out, res[1].transpose(0, 1).unsqueeze(0))
+                out = out_transform(out, lse.transpose(0, 1).unsqueeze(0))
         return out
 
     def reset_parameters(self) -> None:
@@ -156,7 +147,7 @@ class VarlenCPInnerAttention(Module, ContextParallelVarlenAttention):
             with torch.no_grad():
                 sink.zero_()
 
-    def _sink_arg(self) -> torch.Tensor | None:
+    def sink_tensor(self) -> torch.Tensor | None:
         """The learnable sink as the op wants it: a plain fp32 tensor. Under FSDP/TP the
         parameter may be a DTensor; its local value is this rank's heads, and the op's
         gradient flows back through ``to_local``."""
@@ -230,17 +221,21 @@ def window_to_mask(window_size: tuple[int, int]) -> AttnMask:
 
 @override(target=VarlenAttention.Config,
           description="varlen-cp: context-parallel varlen attention for packed documents")
-def varlen_cp_attention(cfg: VarlenAttention.Config, *, strategy: str = "p2p",
-                        backend: str = "auto", validate: bool = True,
-                        a2a_size: int | None = None, overlap_stages: int | None = None
+def varlen_cp_attention(cfg: VarlenAttention.Config, **options: Any
                         ) -> VarlenCPInnerAttention.Config:
     """torchtitan ``@override``: a layer's ``VarlenAttention.Config`` -> varlen-cp's, with
-    the layer's mask from its ``window_size`` and the CP options (``CPConfig`` fields)."""
+    the layer's mask from its ``window_size`` and ``options``, the ``varlen_cp.AttnOptions``
+    fields (strategy, backend, validate, a2a_size, overlap_stages; unknown keys are a
+    ValueError)."""
+    known = set(asdict(AttnOptions()))
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"varlen_cp_attention: unknown option(s) {unknown}; the options are "
+                         f"{sorted(known)}")
     mask = window_to_mask(tuple(cfg.window_size))
     return derive(cfg, VarlenCPInnerAttention.Config, causal=mask.causal,
                   window_left=mask.window_size[0], window_right=mask.window_size[1],
-                  strategy=strategy, backend=backend, validate=validate, a2a_size=a2a_size,
-                  overlap_stages=overlap_stages)
+                  options=AttnOptions(**options))
 
 
 OVERRIDE_TARGET = f"{__name__}.varlen_cp_attention"

@@ -364,9 +364,7 @@ def _model_spec(config: Any, settings: list[Setting], src: str) -> Any:
 
     args, vc = config.model, config.varlen_cp
     if not args.is_stock:
-        return llama4_model_spec(args, strategy=vc.strategy, backend=vc.backend,
-                                 validate=vc.validate, a2a_size=vc.a2a_size,
-                                 overlap_stages=vc.overlap_stages)
+        return llama4_model_spec(args, options=vc.attn_options)
     for s in settings:
         if s.path[1] in LLAMA4_ONLY_KEYS:
             raise ConfigError(f"{s.where()}: model.{s.path[1]} applies to the llama4_style "
@@ -384,6 +382,7 @@ def _finish(config: Any, by_section: dict[str, list[Setting]]) -> Any:
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
+    from ...cp_call import check_heads
     from .data import SyntheticPackedDataLoader, SyntheticTokenizer
     from .stock import _shape_of
 
@@ -401,10 +400,14 @@ def _finish(config: Any, by_section: dict[str, list[Setting]]) -> Any:
         raise ConfigError(f"{src}: pipeline parallelism is not supported by varlen_cp")
     spec = _model_spec(config, by_section.get("model", []), src)
     model = spec.model
-    n_heads = _shape_of(model.first_attention)[0]
-    if cp > 1 and vc.strategy == "a2a" and n_heads % cp:
-        raise ConfigError(f"{src}: varlen_cp.strategy 'a2a' needs the model's n_heads "
-                          f"({n_heads}) divisible by context_parallel_degree ({cp})")
+    if cp > 1:  # the strategy's own head rule (Ulysses' split), before anything is built
+        n_heads, n_kv_heads = _shape_of(model.first_attention)[:2]
+        tp = par.tensor_parallel_degree   # heads per TP rank, as the trainer's AttnShape
+        try:
+            check_heads(vc.attn_options, max(n_heads // tp, 1), max(n_kv_heads // tp, 1), cp)
+        except ValueError as e:
+            raise ConfigError(f"{src}: varlen_cp.strategy {vc.strategy!r} with the model's "
+                              f"heads and context_parallel_degree {cp}: {e}") from e
     seq_len = config.training.seq_len
     if seq_len > model.max_seq_len:
         raise ConfigError(f"{src}: training.seq_len ({seq_len}) exceeds the model's "

@@ -57,6 +57,7 @@ from torchtitan.protocols.sharding import ShardingConfig
 
 from ...config import SOFTMAX_TYPES
 from ...masks import AttnMask
+from ...options import AttnOptions
 from .attention import VarlenCPInnerAttention, inner_attention_sharding, layer_max_logits
 from .llama4_args import Llama4Args
 from .moe import padding_free_config
@@ -220,12 +221,12 @@ def _rope_config(args: Llama4Args, nope: bool) -> RoPE.Config:
                       original_max_position_embeddings=args.rope_original_max_position)
 
 
-def _inner_attention(mask: AttnMask, args: Llama4Args, **cp: object
+def _inner_attention(mask: AttnMask, args: Llama4Args, options: AttnOptions
                      ) -> VarlenCPInnerAttention.Config:
     return VarlenCPInnerAttention.Config(
         causal=mask.causal, window_left=mask.window_size[0], window_right=mask.window_size[1],
-        chunk_size=mask.chunk_size or 0, softmax_type=args.softmax_type, n_heads=args.n_heads,
-        track_max_logit=args.track_max_logit, **cp)
+        chunk_size=mask.chunk_size or 0, options=options, softmax_type=args.softmax_type,
+        n_heads=args.n_heads, track_max_logit=args.track_max_logit)
 
 
 def _moe_config(args: Llama4Args, layer_id: int) -> object:
@@ -250,14 +251,10 @@ def _moe_config(args: Llama4Args, layer_id: int) -> object:
     ))
 
 
-def build_llama4_config(args: Llama4Args, *, strategy: str = "p2p", backend: str = "auto",
-                        validate: bool = True, a2a_size: int | None = None,
-                        overlap_stages: int | None = None) -> Llama4Model.Config:
-    """The torchtitan model config for ``args``, with varlen-cp attention in every layer
-    (``strategy``, ``backend``, ``validate``, ``a2a_size``, ``overlap_stages``: the
-    ``CPConfig`` options)."""
-    cp = {"strategy": strategy, "backend": backend, "validate": validate, "a2a_size": a2a_size,
-          "overlap_stages": overlap_stages}
+def build_llama4_config(args: Llama4Args, options: AttnOptions = AttnOptions()
+                        ) -> Llama4Model.Config:
+    """The torchtitan model config for ``args``, with varlen-cp attention in every layer,
+    run with ``options`` (``CPConfig.attn_options``)."""
     layers = []
     for i in range(args.n_layers):
         nope = args.is_nope_layer(i)
@@ -269,7 +266,7 @@ def build_llama4_config(args: Llama4Args, *, strategy: str = "p2p", backend: str
             dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
             head_dim=args.head_dim or None, wqkv_param_init=_linear_init(),
             wo_param_init=_linear_init(_depth_std(i)),
-            inner_attention=_inner_attention(args.layer_mask(i), args, **cp),
+            inner_attention=_inner_attention(args.layer_mask(i), args, options),
             fuse_qkv=True, rope=_rope_config(args, nope), qk_norm=qk_norm)
         wqkv = attention.qkv_linear.wqkv
         wqkv.param_init = _agnostic(wqkv.param_init)  # torchtitan's fused init, unsharded
@@ -302,15 +299,15 @@ def build_llama4_config(args: Llama4Args, *, strategy: str = "p2p", backend: str
     )
 
 
-def llama4_model_spec(args: Llama4Args, **cp: object) -> ModelSpec:
-    """The torchtitan ``ModelSpec`` ("registration") of the Llama 4 style model (``cp``: the
-    CP options of ``build_llama4_config``)."""
+def llama4_model_spec(args: Llama4Args, options: AttnOptions = AttnOptions()) -> ModelSpec:
+    """The torchtitan ``ModelSpec`` ("registration") of the Llama 4 style model, its
+    attention run with ``options``."""
     from .parallelize import parallelize_llama4
 
     return ModelSpec(
         name=args.name,
         flavor=f"{args.n_layers}L-{args.dim}d",
-        model=build_llama4_config(args, **cp),
+        model=build_llama4_config(args, options),
         parallelize_fn=parallelize_llama4,
         pipelining_fn=None,
         post_optimizer_build_fn=register_moe_load_balancing_hook if args.num_experts else None,

@@ -3,8 +3,9 @@
 Its own module so that the trainer and the config loader both import it and not each other;
 no torchtitan import, so ``varlen-cp-plan`` validates job files with it.
 ``VarlenCPSection`` IS ``varlen_cp.config.CPConfig``
-(strategy, layout, backend, a2a_size, validate, min_chunk_tokens, tile_tokens,
-pad_multiple, prefetch, report; validated there) plus the one torchtitan extra, ``enable``.
+(strategy, layout, backend, a2a_size, overlap_stages, validate, min_chunk_tokens,
+tile_tokens, pad_multiple, prefetch, report; validated there, through the ``AttnOptions`` and
+layout spec it composes) plus the one torchtitan extra, ``enable``.
 ``ModelSection`` is the project's Llama 4 style model (``Llama4Args``) plus ``flavor``:
 ``name`` = one of ``STOCK_MODELS`` picks torchtitan's own model of that name and flavor,
 and the Llama 4 fields then do not apply.

@@ -48,7 +48,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -68,7 +68,6 @@ from ...plan.cpplan import mark_token_dim
 from ...prepare import PlanPrefetcher, build_plan, prepare_plan
 from ...report import TrainingReport, layer_types
 from ...sharding import cu_seqlens_from_positions, shard_packed_batch
-from ...strategies import get_strategy
 from . import cpu_mode
 from .attention import (OVERRIDE_TARGET, PackedBatch, VarlenCPInnerAttention, bind_cp_group,
                         layer_max_logits)
@@ -194,8 +193,7 @@ def install_varlen_cp(config: Any) -> None:
     spec, vc = config.model_spec, config.varlen_cp
     model_config = spec.model
     if any(model_config.traverse(VarlenAttention.Config)):
-        kwargs = {"strategy": vc.strategy, "backend": vc.backend, "validate": vc.validate,
-                  "a2a_size": vc.a2a_size, "overlap_stages": vc.overlap_stages}
+        kwargs = asdict(vc.attn_options)  # the override's kwargs travel as JSON-able values
         apply_overrides(OverrideConfig(imports=[(OVERRIDE_TARGET, kwargs)]), config)
     others = [f"{fqn}.inner_attention ({type(a.inner_attention).__qualname__})"
               for fqn, a, _, _ in model_config.traverse(BaseAttention.Config)
@@ -238,11 +236,6 @@ class VarlenCPTrainer(Trainer):
             padding_free_moe_for(config)  # the plan's padding is never routed (moe.py)
             self.attn_shape = attention_shape(self.attn_layers, tp=par.tensor_parallel_degree,
                                               dtype=config.training.mixed_precision_param)
-            strategy = get_strategy(vc.strategy) if vc.strategy != "auto" else None
-            if strategy is not None and par.context_parallel_degree > 1:
-                opts = {} if vc.a2a_size is None else {"a2a_size": vc.a2a_size}
-                strategy.check_heads(self.attn_shape.n_heads, self.attn_shape.n_kv_heads,
-                                     par.context_parallel_degree, **opts)
         self._prefetcher: PlanPrefetcher | None = None
         super().__init__(config)
         pd = self.parallel_dims

@@ -128,11 +128,9 @@ so cutting the body list by excess (two units a rank) balances both:
 [[8.0, 68.0, 196.0], [8.0, 68.0, 196.0], [8.0, 68.0, 196.0], [8.0, 68.0, 196.0]]
 """
 
-from .args import (DEFAULT_CHUNK_TOKENS, DEFAULT_TILE_TOKENS, TOKEN_TOL, WORK_TOL,
-                   MaskWeights, check_chunk_tokens, check_tile_tokens, describe,
-                   normalize_masks, prefix_work)
+from .args import (DEFAULT_TILE_TOKENS, TOKEN_TOL, WORK_TOL, MaskWeights, normalize_masks,
+                   prefix_work)
 from .solve import balanced_runs
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "DEFAULT_TILE_TOKENS", "TOKEN_TOL", "WORK_TOL",
-           "MaskWeights", "balanced_runs", "check_chunk_tokens", "check_tile_tokens",
-           "describe", "normalize_masks", "prefix_work"]
+__all__ = ["DEFAULT_TILE_TOKENS", "TOKEN_TOL", "WORK_TOL", "MaskWeights", "balanced_runs",
+           "normalize_masks", "prefix_work"]

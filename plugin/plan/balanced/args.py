@@ -1,14 +1,16 @@
 """The balanced layout's arguments and targets: the model's masks with their layer counts,
-the tile size, the balance the layout aims at, and the exact work of a document's prefix.
+the default tile size, the balance the layout aims at, and the exact work of a document's
+prefix.
 
-Everything here is checked or computed before any planning; the other modules of the
+Everything here is checked or computed before any planning (the layout's spec,
+``plan.layout_spec.Balanced``, checks its fields with these); the other modules of the
 package take these values as given.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -16,7 +18,6 @@ from ...masks import AttnMask
 from ..runs import prefix_pairs
 
 DEFAULT_TILE_TOKENS = 64  # the Triton kernels' query block (kernels/triton_common.py)
-DEFAULT_CHUNK_TOKENS = DEFAULT_TILE_TOKENS  # the old name of the same parameter
 
 # Targets, max / mean over ranks minus 1: tokens, and each mask's work. An attempt that
 # meets both is taken (solve.py); the snap budgets (phases.py) are shares of these.
@@ -50,25 +51,6 @@ def normalize_masks(masks: Any) -> MaskWeights:
             raise ValueError(f"masks[{i}] weight must be a finite number > 0, got {weight!r}")
         out.append((mask, float(weight)))
     return tuple(out)
-
-
-def check_tile_tokens(tile_tokens: Any, name: str = "tile_tokens") -> int:
-    """The resolved tile size; ValueError naming ``name`` unless an int >= 1."""
-    if tile_tokens is None:
-        return DEFAULT_TILE_TOKENS
-    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {tile_tokens!r}")
-    return tile_tokens
-
-
-def check_chunk_tokens(chunk_tokens: Any) -> int:
-    """Old name of :func:`check_tile_tokens` (``chunk_tokens`` is the tile size)."""
-    return check_tile_tokens(chunk_tokens, "chunk_tokens")
-
-
-def describe(masks: MaskWeights, tile_tokens: int) -> Sequence[Any]:
-    """Stable description of the layout's parameters (for the plan's fingerprint)."""
-    return (tuple((m.params, w) for m, w in masks), tile_tokens)
 
 
 def prefix_work(doc_len: torch.Tensor, stop: torch.Tensor, mask: AttnMask) -> torch.Tensor:

@@ -155,7 +155,7 @@ def test_schedules_match_the_per_token_builder(layout):
 def prepare_worker(rank, world):
     """Per strategy: prepare_plan, then forward + backward of every mask, counting the
     plan-cache entries the call itself had to build (none may be missing)."""
-    from tests.test_cp_strategies import _global_inputs
+    from tests.helpers import global_inputs
     from varlen_cp.attention import cp_varlen_attn
 
     masks = [(AttnMask(chunk_size=64), 3), (AttnMask(), 1)]
@@ -173,7 +173,7 @@ def prepare_worker(rank, world):
         plan = CPPlan.build(_cu(DOCS), cp_size=world, cp_rank=rank,
                             **config.plan_kwargs(masks))
         prepare_plan(plan, config, masks, shape, "cpu")
-        q, k, v, dout = (plan.shard(t) for t in _global_inputs(DOCS, 4, 2, seed=0))
+        q, k, v, dout = (plan.shard(t) for t in global_inputs(DOCS, 4, 2, seed=0))
         q.requires_grad_()
         CPPlan.cached = counting
         try:

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("torchtitan")
 
-from varlen_cp import AttnMask  # noqa: E402
+from varlen_cp import AttnMask, AttnOptions  # noqa: E402
 from varlen_cp.integrations.torchtitan.attention import (PackedBatch,  # noqa: E402
                                                          VarlenCPInnerAttention)
 from varlen_cp.integrations.torchtitan.model import (Llama4Args, NoRoPE,  # noqa: E402
@@ -21,7 +21,7 @@ TINY = dict(dim=32, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden_dim=64,
 
 def build_model(**kw):
     torch.manual_seed(0)
-    cfg = build_llama4_config(Llama4Args(**{**TINY, **kw}), backend="torch")
+    cfg = build_llama4_config(Llama4Args(**{**TINY, **kw}), AttnOptions(backend="torch"))
     model = cfg.build()
     model.init_weights(buffer_device=torch.device("cpu"))
     return model
@@ -86,6 +86,10 @@ def test_inner_attention_config_and_protocol():
     model = build_model(n_layers=2, attention_chunk_size=8, nope_layer_interval=2)
     inner = [m for m in model.modules() if isinstance(m, VarlenCPInnerAttention)]
     assert [m.mask for m in inner] == [AttnMask(causal=True, chunk_size=8), AttnMask(causal=True)]
+    # the adapter IS the module (its call, its options), not a copy of it
+    from varlen_cp import ContextParallelVarlenAttention
+    assert all(isinstance(m, ContextParallelVarlenAttention) for m in inner)
+    assert all(m.options == AttnOptions(backend="torch") for m in inner)
     assert isinstance(model.layers["1"].attention.rope, NoRoPE)
     model.verify_module_protocol()  # torchtitan's check that every submodule is a Module
 

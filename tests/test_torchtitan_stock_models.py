@@ -7,7 +7,8 @@
 - CP=1, in process: on the same packed batch (2 rows of documents) the model with
   varlen-cp's attention gives torchtitan's own FlexAttention logits (its varlen path needs
   CUDA; Flex has no CPU backward), and the logits and every parameter gradient of a dense
-  reference attention (tests/reference.py), for each model scaled down for CPU.
+  reference attention (tests/reference.py), for each model scaled down for CPU
+  (tests/helpers.py).
 - Training: CP=2 (gloo, 2 processes) and CP=1 give the same losses and grad norms (relative
   1e-4, fp32, 3 steps) for p2p, dispatch and a2a (and dispatch on the balanced layout, which
   balances gpt_oss's window and global layers at once), through the real trainer
@@ -30,132 +31,10 @@ if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
 
 from tests.dist_utils import run_distributed  # noqa: E402
+from tests.helpers import (VOCAB, WINDOW, fp32, reuse_parallel_dims,  # noqa: E402
+                           tiny_model_config, with_varlen_cp)
 
-# Nothing from torchtitan at import time: the training workers import this module and must
-# switch torchtitan to CPU before its first import.
 MODELS = ("llama3", "qwen3", "gpt_oss", "deepseek_v3")
-VOCAB, DIM, MAX_LEN = 256, 64, 1024
-WINDOW = 24  # gpt_oss's sliding window, scaled down like the rest (the real one is 128)
-
-
-# ------------------------------------------------------------------------ tiny models
-def tiny_model_config(name: str, attn_backend: str = "varlen"):
-    """torchtitan's ``name`` debug model scaled down for CPU, built with torchtitan's own
-    builders (same modules, inits and layer pattern as the debug flavor)."""
-    from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
-
-    def common(m) -> dict:
-        """Embedding, final norm and output head as torchtitan's own builders make them."""
-        return dict(dim=DIM, vocab_size=VOCAB,
-                    tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
-                                                    param_init=m._EMBEDDING_INIT),
-                    norm=RMSNorm.Config(normalized_shape=DIM, param_init=m._NORM_INIT),
-                    lm_head=Linear.Config(in_features=DIM, out_features=VOCAB,
-                                          param_init=m._output_linear_init(DIM)))
-
-    if name == "llama3":
-        from torchtitan.models import llama3 as m
-        from torchtitan.models.llama3.model import Llama3Model
-
-        return Llama3Model.Config(
-            **common(m),
-            layers=m._build_llama3_layers(
-                n_layers=2, dim=DIM, n_heads=4, n_kv_heads=2, hidden_dim=128,
-                rope=ComplexRoPE.Config(dim=DIM // 4, max_seq_len=MAX_LEN, theta=500000,
-                                        scaling="llama"),
-                attn_backend=attn_backend))
-    if name == "qwen3":
-        from torchtitan.models import qwen3 as m
-        from torchtitan.models.qwen3.model import Qwen3Model
-
-        return Qwen3Model.Config(
-            dim=DIM, vocab_size=VOCAB, norm=m._qwen3_norm(DIM), enable_weight_tying=True,
-            tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
-                                            param_init=m._EMBEDDING_SKIP_INIT),
-            lm_head=Linear.Config(in_features=DIM, out_features=VOCAB,
-                                  param_init=m._LINEAR_INIT),
-            layers=m._build_qwen3_layers(
-                n_layers=2, dim=DIM, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=128,
-                attn_backend=attn_backend,
-                rope=CosSinRoPE.Config(dim=32, max_seq_len=MAX_LEN, theta=1000000.0)))
-    if name == "gpt_oss":
-        from torchtitan.models import gpt_oss as m
-        from torchtitan.models.common.moe import TokenChoiceTopKRouter
-        from torchtitan.models.gpt_oss.model import GptOssModel, GptOssTransformerBlock
-        from torchtitan.models.gpt_oss.moe import GptOssMoE
-
-        rope = CosSinRoPE.Config(dim=16, max_seq_len=MAX_LEN, theta=150000.0, scaling="yarn",
-                                 rope_factor=32, beta_fast=32.0, beta_slow=1.0,
-                                 truncate=False, original_seq_len=4096)
-        layers = []
-        for i in range(2):  # even layers: sliding window; odd layers: global (as the flavor)
-            experts = m._make_gptoss_experts_config(dim=DIM, hidden_dim=32, num_experts=4,
-                                                    layer_id=i, top_k=2,
-                                                    moe_comm_backend="standard")
-            router = TokenChoiceTopKRouter.Config(
-                num_experts=4, score_func="softmax", route_norm=True, top_k=2,
-                gate=Linear.Config(in_features=DIM, out_features=4, bias=True,
-                                   param_init=m._depth_init(i)))
-            layers.append(GptOssTransformerBlock.Config(
-                attention=m._make_gptoss_attn_config(
-                    dim=DIM, layer_id=i, attn_backend=attn_backend, n_heads=4, n_kv_heads=2,
-                    head_dim=16, sliding_window_size=WINDOW if i % 2 == 0 else None,
-                    rope=rope),
-                attention_norm=RMSNorm.Config(normalized_shape=DIM, param_init=m._NORM_INIT),
-                ffn_norm=RMSNorm.Config(normalized_shape=DIM, param_init=m._NORM_INIT),
-                moe=GptOssMoE.Config(num_experts=4, load_balance_coeff=1e-3,
-                                     routed_experts=experts, router=router)))
-        return GptOssModel.Config(
-            **common(m),
-            layers=layers)
-    if name == "deepseek_v3":
-        from torchtitan.models import deepseek_v3 as m
-        from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
-
-        return DeepSeekV3Model.Config(
-            **common(m),
-            # MLA with q/k head dim 24 + 8 = 32 and v head dim 16 (the flavor: 192 / 128);
-            # layer 0 dense, layer 1 MoE (as the flavor's first dense layers, then MoE).
-            layers=m._build_dsv3_layers(
-                n_layers=2, n_dense_layers=1, dim=DIM, n_heads=4, q_lora_rank=0,
-                kv_lora_rank=32, qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=16,
-                mscale=0.70, dense_hidden_dim=128, moe_hidden_dim=32, num_experts=4,
-                num_shared_experts=1, router_top_k=2, router_score_func="softmax",
-                attn_backend=attn_backend, moe_comm_backend="standard",
-                non_blocking_capacity_factor=None,
-                rope=ComplexRoPE.Config(dim=8, max_seq_len=MAX_LEN, theta=10000.0,
-                                        scaling="yarn", rope_factor=40.0, beta_fast=32.0,
-                                        beta_slow=1.0, original_seq_len=4096)))
-    raise ValueError(name)
-
-
-def _spec(model_config):
-    from torchtitan.protocols.model_spec import ModelSpec
-
-    return ModelSpec(name="x", flavor="x", model=model_config, parallelize_fn=None,
-                     pipelining_fn=None, post_optimizer_build_fn=None, state_dict_adapter=None)
-
-
-def fp32(model_config):
-    """Routed experts in fp32, as the trainer runs them on CPU (torchtitan's own gpt_oss
-    experts return bf16, which its combine step refuses in an fp32 model)."""
-    from varlen_cp.integrations.torchtitan.stock import fp32_experts_for
-
-    holder = _spec(model_config)
-    fp32_experts_for(holder, compute=True)
-    return holder.model
-
-
-def with_varlen_cp(model_config, **cp):
-    """``model_config`` with every varlen inner attention swapped for varlen-cp's, through
-    the same torchtitan override the trainer applies."""
-    from torchtitan.config.override import OverrideConfig, apply_overrides
-
-    from varlen_cp.integrations.torchtitan.attention import OVERRIDE_TARGET
-
-    holder = _spec(model_config)
-    apply_overrides(OverrideConfig(imports=[(OVERRIDE_TARGET, cp)]), holder)
-    return holder.model
 
 
 # ------------------------------------------------------------------------ structure
@@ -183,7 +62,7 @@ def test_stock_debug_flavors_masks_and_shapes():
         assert s.dtype == torch.bfloat16
         if name == "gpt_oss":
             assert [layer.mask.window_size[0] for layer in layers] == [127, -1, 127, -1]
-        assert all(a.inner_attention.strategy == "dispatch"
+        assert all(a.inner_attention.options.strategy == "dispatch"
                    for a in (layer_cfg.attention for layer_cfg in model.layers))
 
 
@@ -328,8 +207,6 @@ warmup_steps = 1
 min_doc_len = 8
 doc_len_alpha = 1.1
 alphabet = 128
-[varlen_cp]
-min_chunk_tokens = 8
 [metrics]
 log_freq = 1
 [debug]
@@ -353,24 +230,6 @@ LAUNCHES = {  # name: (processes, cases); all launched at once
     "fsdp": (2, {"qwen3/fsdp": ("qwen3", FSDP)}),
     "fsdp_cp2": (4, {"qwen3/fsdp": ("qwen3", [*FSDP, *CP2, "--varlen_cp.layout", "te"])}),
 }
-
-
-def reuse_parallel_dims() -> None:
-    """Every trainer of this process gets the first one's ``ParallelDims`` (and device
-    mesh), as in one torchtitan run: a new mesh per trainer trips FSDP's "same mesh" check,
-    through torch's global mesh caches. The cases of one launch share their parallelism."""
-    from torchtitan.trainer import Trainer
-
-    from varlen_cp.integrations.torchtitan.trainer import VarlenCPTrainer
-
-    dims = []
-
-    def init_distributed(trainer):
-        if not dims:
-            dims.append(Trainer.init_distributed(trainer))
-        return dims[0]
-
-    VarlenCPTrainer.init_distributed = init_distributed
 
 
 def train_worker(rank: int, world: int, cases: dict, tmp: str) -> dict:
@@ -412,7 +271,8 @@ def train_worker(rank: int, world: int, cases: dict, tmp: str) -> dict:
             out[name] = [json.loads(line) for line in loss_file.read_text().splitlines()]
             # what the plans were built for: the model's masks, balanced by "balanced"
             plan = trainer.make_plan(*trainer.dataloader.batch(0))
-            out[f"{name}:masks"] = (repr(trainer.layer_masks), repr(plan.masks))
+            out[f"{name}:masks"] = (repr(trainer.layer_masks),
+                                    repr(getattr(plan.layout_spec, "masks", ())))
     return out
 
 

@@ -1,0 +1,101 @@
+"""AttnOptions: how one context-parallel attention call runs, declared and checked once.
+
+The five runtime options (strategy, backend, validate, a2a_size, overlap_stages) travel as
+ONE frozen object down the spine: ``CPConfig.attn_options`` (the integrations' TOML) ->
+``ContextParallelVarlenAttention`` / ``cp_varlen_attn`` (and the compiled op) -> the
+strategies' ``CallSpec``. Everything that can be said about them without the tensors is
+checked here, in ``__post_init__``, so the layers below take the object as given; the
+rules that need the head counts and cp (the Ulysses head split, an ``a2a_size`` that
+divides cp) are the strategies' own (``Strategy.check_heads``, called through
+``varlen_cp.cp_call.check_heads``).
+
+Which strategy takes which option is :data:`TAKES`, read by :class:`AttnOptions` and by
+megatron's per-layer strategy lists (:func:`check_taken`). The strategy names and which
+strategies stage their transfers come from the schedules' lists
+(``schedules.cost.STRATEGIES``, ``schedules.staged.STAGED``), the layer below, so that
+``varlen_cp.strategies`` can hold this object in its call spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .checks import check_bool, check_choice, check_int
+from .kernels.validation import BACKENDS
+from .schedules.cost import STRATEGIES
+from .schedules.staged import STAGED
+
+STRATEGY_NAMES: tuple[str, ...] = (*STRATEGIES, "auto")
+"""Every value of ``strategy``: the strategies, and "auto" (chosen per plan and mask)."""
+
+STAGED_STRATEGIES: tuple[str, ...] = (*STAGED, "auto")
+"""Strategies that take ``overlap_stages`` ("auto" passes it on when it picks one)."""
+
+TAKES: dict[str, tuple[str, ...]] = {
+    "a2a_size": ("a2a+p2p",),
+    "overlap_stages": STAGED_STRATEGIES,
+}
+"""The strategy-bound options and the strategies that take them."""
+
+
+def check_strategy(value: Any, name: str = "strategy") -> str:
+    """``value`` if it is a strategy name (``STRATEGY_NAMES``); ValueError naming ``name``."""
+    return check_choice(name, value, STRATEGY_NAMES)
+
+
+def check_taken(option: str, value: Any, strategies: Sequence[str] | None) -> Any:
+    """``value`` of the strategy-bound ``option`` (None, or an int >= 1) if one of
+    ``strategies`` takes it (None: the strategies are not known yet, e.g. megatron's
+    ``cp_comm_type``); ValueError naming the option, the value and the strategies."""
+    check_int(option, value, 1, optional=True)
+    if value is None or strategies is None:
+        return value
+    if not set(strategies) & set(TAKES[option]):
+        takers = TAKES[option]
+        which = f"strategy {takers[0]!r}" if len(takers) == 1 else f"strategies {takers}"
+        got = strategies[0] if len(strategies) == 1 else tuple(strategies)
+        raise ValueError(f"{option} applies to {which} only, got {option}={value!r} with "
+                         f"strategy={got!r}")
+    return value
+
+
+def takes(strategy: str, option: str) -> bool:
+    """Whether ``strategy`` takes the strategy-bound ``option``."""
+    return strategy in TAKES[option]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttnOptions:
+    """How a context-parallel attention call runs (frozen, hashable).
+
+    strategy:  how K/V (or heads) move: "p2p" (ring), "all_gather", "a2a" (Ulysses),
+               "a2a+p2p" (Ulysses in groups of ``a2a_size``, ring across), "dispatch" (only
+               the K/V each rank's queries see), or "auto" (chosen per plan and mask from
+               closed-form costs, cached in the plan).
+    backend:   kernels: "auto" (Triton on CUDA, the PyTorch twin otherwise), "triton",
+               "torch".
+    validate:  check once per plan, with one small all-reduce of host tensors, that every
+               rank built the same plan (ranks that disagree would otherwise compute
+               silently wrong results); False skips it.
+    a2a_size:  "a2a+p2p" only: Ulysses group size, a divisor of cp whose all-to-all the
+               head counts allow (None: the largest such divisor).
+    overlap_stages: "dispatch" / "all_gather" (and "auto" when it picks one of them): S
+               kernel stages; S >= 2: the local keys first, the remote K/V in S - 1
+               transfers, each in flight while the previous stage computes; 1: one
+               transfer, then one call (no overlap). None: the cost model's choice per plan
+               and mask (``varlen_cp.schedules.staged.default_stages``).
+    """
+
+    strategy: str = "p2p"
+    backend: str = "auto"
+    validate: bool = True
+    a2a_size: int | None = None
+    overlap_stages: int | None = None
+
+    def __post_init__(self) -> None:
+        check_strategy(self.strategy)
+        check_choice("backend", self.backend, BACKENDS)
+        check_bool("validate", self.validate)
+        for option in TAKES:
+            check_taken(option, getattr(self, option), (self.strategy,))
