@@ -522,7 +522,7 @@ def test_checker_reports_each_kind_of_mistake():
     assert "#title" not in problems
 
 
-README_EXAMPLE_MARK = "from varlen_cp import AttnMask, CPPlan, ContextParallelVarlenAttention"
+README_EXAMPLE_MARK = "from varlen_cp import AttnMask, AttnOptions, CPPlan, ContextParallelVarlenAttention"
 
 
 def _run_readme_example(rank: int, world: int, code: str):

@@ -229,7 +229,8 @@ def test_bwd_given_stats_equals_bwd_that_makes_them():
 
 def stats_once_worker(rank, world):
     """Count the stats passes and backward calls of one CP layer's backward."""
-    from tests.test_cp_strategies import _cp_run, _global_inputs
+    from tests.helpers import cp_run, global_inputs
+    from varlen_cp import AttnOptions
     from varlen_cp.strategies import calls
     counts = {"stats": 0, "bwd": 0}
     stats, bwd = calls.Attn.bwd_stats, calls.Attn.bwd
@@ -248,9 +249,10 @@ def stats_once_worker(rank, world):
         for strategy, layout, opts in (("p2p", "dual_chunk", {}),
                                        ("dispatch", "balanced", {"overlap_stages": 2})):
             counts.update(stats=0, bwd=0)
-            inputs = _global_inputs(docs, 4, 2, seed=5)
-            _cp_run(rank, world, docs, layout, AttnMask(), strategy, inputs, torch.float32,
-                    "torch", opts)
+            inputs = global_inputs(docs, 4, 2, seed=5)
+            cp_run(rank, world, docs, layout, AttnMask(),
+                   AttnOptions(strategy=strategy, backend="torch", **opts), inputs,
+                   torch.float32)
             out[strategy] = dict(counts)
     finally:
         calls.Attn.bwd_stats, calls.Attn.bwd = stats, bwd
