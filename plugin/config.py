@@ -21,14 +21,15 @@ from .checks import check_bool, check_choice, check_int
 from .kernels import SOFTMAX_TYPES
 from .kernels.validation import BACKENDS
 from .plan.layouts import LAYOUTS
-from .strategies import STRATEGIES
+from .schedules import catalogue
 
-STRATEGY_NAMES: tuple[str, ...] = (*STRATEGIES, "auto")
+# The strategies' names and traits live in one place, ``varlen_cp.schedules.catalogue``.
+STRATEGY_NAMES: tuple[str, ...] = (*catalogue.STRATEGY_NAMES, catalogue.AUTO)
 
 __all__ = ["CPConfig", "AttnShape", "LAYOUTS", "STRATEGY_NAMES", "BACKENDS", "SOFTMAX_TYPES"]
 
 # Strategies that take ``overlap_stages`` ("auto" passes it on when it picks one of them).
-STAGED_STRATEGIES: tuple[str, ...] = (*(n for n, s in STRATEGIES.items() if s.staged), "auto")
+STAGED_STRATEGIES: tuple[str, ...] = (*catalogue.STAGED, catalogue.AUTO)
 
 
 def check_overlap_stages(value: Any, strategy: Any) -> Any:

@@ -8,6 +8,10 @@ cuts the list on the host into rounds where every row appears at most once (roun
 row's j-th occurrence), and the device adds round after round: one fixed order per row, no
 two updates of one row in one call. Rounds: at most the largest number of ranks that fetch
 one key (1 when nothing repeats: one call, as before).
+
+The staged tables hand the list over as runs of consecutive rows (one per destination and
+piece of a document): :meth:`UniqueRounds.of_runs` cuts the runs at each other's ends and
+ranks the pieces, not the rows, so no per-row sort is needed.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..kernels.host_copy import to_device
+from ..plan.runs import run_rows
 
 
 def rank_within(group: torch.Tensor) -> torch.Tensor:
@@ -48,6 +53,42 @@ class UniqueRounds:
             return cls(None, rows, ends)
         perm = torch.argsort(occurrence, stable=True)
         return cls(perm, rows[perm], ends)
+
+    @classmethod
+    def of_runs(cls, start: torch.Tensor, length: torch.Tensor,
+                rows: torch.Tensor | None = None) -> "UniqueRounds":
+        """:meth:`of` the list of runs ``[start[i], start[i] + length[i])`` laid back to
+        back (``rows``: that list, when the caller has it), each run's rows distinct. The
+        runs are cut at every run's ends into pieces that every run covers whole or not at
+        all; a piece's round is the number of earlier runs covering it. Falls back to the
+        per-row :meth:`of` when the pieces would outnumber the rows."""
+        keep = length > 0
+        start, length = start[keep], length[keep]
+        if rows is None:
+            rows = run_rows(start, length)
+        n = rows.numel()
+        if start.numel() <= 1:
+            return cls(None, rows, (n,) if n else ())
+        bounds = torch.unique(torch.cat([start, start + length]))      # sorted
+        first = torch.searchsorted(bounds, start)
+        count = torch.searchsorted(bounds, start + length) - first     # pieces per run
+        n_pieces = int(count.sum())
+        if n_pieces > n:
+            return cls.of(rows)
+        run = torch.repeat_interleave(torch.arange(start.numel()), count,
+                                      output_size=n_pieces)
+        piece = torch.arange(n_pieces) - (torch.cumsum(count, 0) - count)[run] + first[run]
+        lo, size = bounds[piece], bounds[piece + 1] - bounds[piece]
+        occurrence = rank_within(piece)     # earlier runs covering the same rows
+        if int(occurrence.max()) == 0:      # no duplicates: one round, in list order
+            return cls(None, rows, (n,))
+        per_round = torch.zeros(int(occurrence.max()) + 1, dtype=torch.int64)
+        per_round.scatter_add_(0, occurrence, size)
+        at = (torch.cumsum(length, 0) - length)[run] + lo - start[run]   # place in the list
+        order = torch.argsort(occurrence * (n + 1) + at)      # round by round, list order
+        size = size[order]
+        return cls(run_rows(at[order], size), run_rows(lo[order], size),
+                   tuple(torch.cumsum(per_round, 0).tolist()))
 
     def to(self, device: torch.device) -> "UniqueRounds":
         perm, rows = to_device([self.perm, self.rows], device)
