@@ -6,10 +6,15 @@ results equal these.
   ``all_gather``, replaced by the run-based tables (``varlen_cp.schedules.staged.tables``).
   Every fetched key is listed one by one (``selected.select_keys`` / ``sent_keys``), its
   place in its owner's list found by a per-key sort and its transfer by a per-key search;
-  the returns' rounds come from a per-row sort (``UniqueRounds.of``). Slow (sorts over up
-  to cp x tokens keys) but direct.
+  the returns' rounds are each row's j-th occurrence, from a per-row sort, added through a
+  permuted copy of the returns (the package's rounds are now consecutive slices of the
+  list: each row sums in the same order, without the copy). Slow (sorts over up to
+  cp x tokens keys) but direct.
 - Time model and memory walk: torch ops on [cp] vectors, one stage count at a time
   (the package runs the same steps on numpy vectors, all candidates sharing their inputs).
+  The walk is the one before tests/test_staged_memory.py checked it against the engine's
+  real allocations; the package's differs where this one was wrong: fp32 inputs (no fp32
+  copies there) and head dims D != Dv (the K and V halves picked apart at S = 1).
 
 Not cached; not used by the package.
 """
@@ -34,6 +39,18 @@ from varlen_cp.schedules.staged import (CANDIDATE_STAGES, Stage, StagedMemory, S
                                         gather_stage_rows, stage_counts, transfers)
 
 _BIG = 1 << 40          # group * _BIG + index: sort keys of (group, index) pairs
+
+
+def occurrence_rounds(rows: torch.Tensor) -> UniqueRounds:
+    """The rounds as they were: round j holds each row's j-th occurrence; ``perm`` orders
+    the list's entries round by round (None: one round)."""
+    occurrence = rank_within(rows)
+    counts = torch.bincount(occurrence) if rows.numel() else occurrence
+    ends = tuple(torch.cumsum(counts, 0).tolist())
+    if len(ends) <= 1:   # no duplicates: one round, in list order
+        return UniqueRounds(None, rows, ends)
+    perm = torch.argsort(occurrence, stable=True)
+    return UniqueRounds(perm, rows[perm], ends)
 
 
 def _stage_of(group: torch.Tensor, index: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -72,7 +89,7 @@ def _build(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int], stag
         give = out_stage == p
         common = dict(back_splits=tuple(counts[p, rank].tolist()), in_rows=out_rows[give],
                       in_splits=tuple(torch.bincount(out_dest[give], minlength=cp).tolist()),
-                      lo=lo, hi=hi, rounds=UniqueRounds.of(out_rows[give]))
+                      lo=lo, hi=hi, rounds=occurrence_rounds(out_rows[give]))
         if stages == 1:   # one call over every key: local ones too, in their call slots
             local = torch.nonzero(sel.owner == rank).flatten()
             order = torch.argsort(back_key[here], stable=True)

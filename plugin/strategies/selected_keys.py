@@ -178,6 +178,7 @@ def staged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
         if pending is not None:  # the previous stage's returns travelled meanwhile
             acc = fold(acc, pending, rows)
         pending, rows = posted, stage.rounds
+        del posted   # (else the last transfer's buffers live to the end of the backward)
     if tab.local is not None:
         dq_0, dk_0, dv_0 = attn.bwd(dout, q, k, v, out, lse, tab.local, dlse)
         dq = _add(dq, dq_0, several)

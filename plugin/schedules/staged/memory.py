@@ -76,6 +76,7 @@ class _Walk:
     o4: int
     g: int                    # bytes of a dQ row, and in fp32
     g4: int
+    halves: tuple[int, int]   # bytes of a K row and of a V row (S = 1 picks them apart)
 
     @property
     def n_parts(self) -> int:
@@ -108,12 +109,12 @@ def _forward_walk(w: _Walk) -> tuple[np.ndarray, np.ndarray]:
     for p in range(w.n_parts):
         nxt = w.post(live, p + 1) if p + 1 < w.n_parts else w.zero
         if w.one:   # every key: fetched ones picked, local ones copied, per K and V half
-            for _ in range(2):
-                live.alloc(w.keys[p] * kv // 2)
-                live.alloc(w.fetched[p] * kv // 2)
-                live.free(w.fetched[p] * kv // 2)
-                live.alloc(w.own * kv // 2)
-                live.free(w.own * kv // 2)
+            for half in w.halves:
+                live.alloc(w.keys[p] * half)
+                live.alloc(w.fetched[p] * half)
+                live.free(w.fetched[p] * half)
+                live.alloc(w.own * half)
+                live.free(w.own * half)
         else:
             live.alloc(w.keys[p] * kv)
         have = have + w.keys[p] * kv
@@ -152,6 +153,14 @@ def _backward_walk(w: _Walk, have: np.ndarray) -> np.ndarray:
         live.alloc(t * kv4, new)
         acc_kv = np.where(new, t * kv4, acc_kv)
 
+    def fold(p: int) -> None:
+        """Transfer p's returns land: in fp32 (a copy unless the input is fp32), added;
+        then that transfer's buffers go."""
+        accumulator()
+        extra = w.given[p] * kv4 * (w.b != 4)
+        live.alloc(extra)
+        live.free(extra + prev)
+
     for p in range(w.n_parts):
         keys, k = w.keys[p], w.keys[p] > 0
         live.alloc(t * g + keys * kv, k)                    # dq, dk, dv of the call
@@ -159,25 +168,21 @@ def _backward_walk(w: _Walk, have: np.ndarray) -> np.ndarray:
         live.alloc(keys * kv, k)                            # packed dK|dV
         live.free(keys * kv, k)
         live.alloc(keys * kv, ~k)
-        if w.one:
+        if w.one:                                           # local rows picked, in fp32
             accumulator()
-            live.alloc(w.own * (kv + kv4))                  # local rows picked, in fp32
-            live.free(w.own * (kv + kv4))
+            live.alloc(w.own * (kv + kv4 * (w.b != 4)))
+            live.free(w.own * (kv + kv4 * (w.b != 4)))
         live.alloc((w.fetched[p] + w.given[p]) * kv)        # send (picked), receive
         live.free(keys * kv)
         if p:                                               # the previous returns land
-            accumulator()
-            live.alloc(w.given[p - 1] * kv4)
-            live.free(w.given[p - 1] * kv4 + prev)
+            fold(p - 1)
         prev = (w.fetched[p] + w.given[p]) * kv
     live.alloc(t * g + t * kv, w.local)                     # the local call
     call_out(w.local)
     accumulator(w.local)
     live.free(t * kv, w.local)
     if w.n_parts:
-        accumulator()
-        live.alloc(w.given[-1] * kv4)
-        live.free(w.given[-1] * kv4 + prev)
+        fold(w.n_parts - 1)
     back = (dq == t * g4) & (w.b != 4)                      # dq in q.dtype
     live.alloc(t * g, back)
     live.free(t * g4, back)
@@ -204,6 +209,7 @@ def staged_memory(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, stages:
               own, counts.sum(2) + (own if one else 0),
               (np.diagonal(pair_counts(plan, mask).numpy()) > 0) & (not one), one,
               gather_stage_rows(plan, transfers(stages)) if name == "all_gather" else (),
-              b, shape.kv_row, shape.kv_row * 4 // b, o * b, o * 4, g * b, g * 4)
+              b, shape.kv_row, shape.kv_row * 4 // b, o * b, o * 4, g * b, g * 4,
+              (shape.n_kv_heads * shape.head_dim * b, shape.n_kv_heads * shape.head_dim_v * b))
     fwd, have = _forward_walk(w)
     return StagedMemory(fwd.tolist(), _backward_walk(w, have).tolist(), have.tolist())

@@ -128,3 +128,4 @@ def cut_runs(coord: torch.Tensor, length: torch.Tensor, begins: torch.Tensor,
     keep = hi > lo
     run, stage, lo, hi = run[keep], stage[keep], lo[keep], hi[keep]
     return run, stage, lo - coord[run], hi - lo
+
