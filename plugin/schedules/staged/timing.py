@@ -159,16 +159,21 @@ def staged_time(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: Co
                 stages: int) -> StagedTime:
     """Estimate of ``name`` with ``stages`` stages (module docstring). Integer tables; the
     per-rank pipeline in int64 femtoseconds, every rank at once (no floating tensor is
-    read: the hot path may call this)."""
-    return _simulate(name, plan, mask, shape, model, stages, _rates(plan, mask, shape))
+    read: the hot path may call this). Cached in the plan per (mask, strategy, shape,
+    model, stages): ``auto`` asks again for the stage count the default picked."""
+    def build() -> StagedTime:
+        rates = host_table(plan, table_key("staged_rates", mask, None, shape),
+                           lambda: _rates(plan, mask, shape))
+        return _simulate(name, plan, mask, shape, model, stages, rates)
+    return host_table(plan, table_key("staged_time", mask, None, name, shape, model, stages),
+                      build)
 
 
-def staged_times(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: CostModel,
-                 candidates: tuple[int, ...] = CANDIDATE_STAGES) -> dict[int, StagedTime]:
-    """:func:`staged_time` of every stage count in ``candidates`` (shared inputs made
-    once)."""
-    rates = _rates(plan, mask, shape)
-    return {s: _simulate(name, plan, mask, shape, model, s, rates) for s in candidates}
+def staged_times(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: CostModel
+                 ) -> dict[int, StagedTime]:
+    """:func:`staged_time` of every stage count in ``CANDIDATE_STAGES`` (their shared
+    inputs made once)."""
+    return {s: staged_time(name, plan, mask, shape, model, s) for s in CANDIDATE_STAGES}
 
 
 def default_stages(plan: CPPlan, mask: AttnMask, name: str, shape: Shape,
