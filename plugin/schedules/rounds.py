@@ -52,16 +52,21 @@ def _previous(key: torch.Tensor) -> torch.Tensor:
 
 def _round_starts(last: torch.Tensor) -> list[int]:
     """Greedy cut of a list into rounds: element i starts a new round when ``last[i]``,
-    the latest earlier element it clashes with, lies in the current round. A loop over the
-    rounds, each a search over the rest of the list."""
+    the latest earlier element it clashes with (-1: none), lies in the current round. The
+    round after one starting at s starts at the first i with last[i] >= s (last[i] < i):
+    a suffix minimum over the values of ``last``, then one lookup per round."""
     last = last.numpy()
+    n = last.size
+    first = np.full(n + 1, n, dtype=np.int64)          # first i with last[i] == v
+    where = np.flatnonzero(last >= 0)
+    values, at = np.unique(last[where], return_index=True)
+    first[values] = where[at]
+    after = np.minimum.accumulate(first[::-1])[::-1]   # first i with last[i] >= s
     starts, s = [], 0
-    while True:
-        hit = np.flatnonzero(last[s + 1:] >= s)
-        if hit.size == 0:
-            return starts
-        s += 1 + int(hit[0])
+    while after[s] < n:
+        s = int(after[s])
         starts.append(s)
+    return starts
 
 
 @dataclass(frozen=True)

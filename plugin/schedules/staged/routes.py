@@ -20,9 +20,10 @@ import torch
 
 from ...masks import AttnMask
 from ...plan import CPPlan
-from ...plan.runs import span_pieces
 from ..keys import host_table, table_key
-from ..selected import fetch_counts, needed_spans, runs_by_document
+from ..selected import fetch_counts, needed_pieces, needed_spans, runs_by_document
+
+_BIG = 1 << 40          # cell * _BIG + row: sort keys of (cell, row) pairs
 
 
 def transfers(stages: int) -> int:
@@ -47,19 +48,22 @@ def dispatch_stage_counts(plan: CPPlan, mask: AttnMask, parts: int) -> torch.Ten
 
 def gather_stage_rows(plan: CPPlan, parts: int) -> tuple[tuple[int, int], ...]:
     """(lo, hi) of each all_gather transfer: equal slices of the padded local length (the
-    largest local token count), empty slices dropped."""
-    stride = max(plan.num_tokens_of(r) for r in range(plan.cp_size))
-    cuts = [stride * s // parts for s in range(parts + 1)]
-    return tuple((a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a)
+    largest local token count), empty slices dropped (cached)."""
+    def build() -> tuple[tuple[int, int], ...]:
+        offsets = plan.rank_offsets()
+        stride = int((offsets[1:] - offsets[:-1]).max())
+        cuts = [stride * s // parts for s in range(parts + 1)]
+        return tuple((a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a)
+    return host_table(plan, table_key("gather_stage_rows", None, None, parts), build)
 
 
 def _picked_rows(plan: CPPlan, mask: AttnMask) -> tuple[torch.Tensor, ...]:
     """(destination, owner, first row, end row) of every piece of remote keys a rank picks
     from an owner's local rows (the needed spans cut by the owners' runs; cached)."""
     def build() -> tuple[torch.Tensor, ...]:
-        holder, doc, lo, hi = needed_spans(plan, mask)
+        holder = needed_spans(plan, mask)[0]
         part = runs_by_document(plan)
-        span, run, first, length = span_pieces(doc, lo, hi, part)
+        span, run, first, length = needed_pieces(plan, mask)
         dest, owner = holder[span], part.holder[run]
         keep = dest != owner
         row0 = (part.row[run] + first - part.start[run])[keep]
@@ -67,21 +71,41 @@ def _picked_rows(plan: CPPlan, mask: AttnMask) -> tuple[torch.Tensor, ...]:
     return host_table(plan, table_key("picked_rows", mask), build)
 
 
+def _picked_prefix(plan: CPPlan, mask: AttnMask) -> tuple[np.ndarray, ...]:
+    """The picked pieces sorted by (cell = destination * cp + owner, first row), as numpy:
+    their sort keys, first and end rows, and the rows of all pieces before each (cached):
+    what counts a cell's picked rows below any row with one search."""
+    def build() -> tuple[np.ndarray, ...]:
+        cp = plan.cp_size
+        dest, owner, row0, row1 = (t.numpy() for t in _picked_rows(plan, mask))
+        cell = dest * cp + owner
+        order = np.argsort(cell * _BIG + row0, kind="stable")
+        keys, lo, hi = (cell * _BIG + row0)[order], row0[order], row1[order]
+        before = np.concatenate([[0], np.cumsum(hi - lo)])
+        return keys, lo, hi, before
+    return host_table(plan, table_key("picked_prefix", mask), build)
+
+
 def gather_stage_counts(plan: CPPlan, mask: AttnMask, parts: int) -> torch.Tensor:
     """int64 [P, cp, cp]: keys rank d picks from rank o's rows of all_gather transfer p
     (exact, from the needed spans cut by the owners' runs; one per non-empty slice of
-    ``gather_stage_rows``) (cached)."""
+    ``gather_stage_rows``) (cached). A cell's picked rows below row x are one search in
+    its sorted pieces (they never overlap: one destination's keys), so each count is a
+    difference at the slice's two ends: cp^2 x (P + 1) searches, whatever the pieces."""
     def build() -> torch.Tensor:
         cp = plan.cp_size
         rows = gather_stage_rows(plan, parts)
-        dest, owner, row0, row1 = (t.numpy() for t in _picked_rows(plan, mask))
-        lo = np.array([a for a, _ in rows], dtype=np.int64).reshape(-1, 1)
-        hi = np.array([b for _, b in rows], dtype=np.int64).reshape(-1, 1)
-        n = np.maximum(np.minimum(row1, hi) - np.maximum(row0, lo), 0)     # [P, pieces]
-        cell = np.arange(len(rows)).reshape(-1, 1) * (cp * cp) + dest * cp + owner
-        out = np.zeros(len(rows) * cp * cp, dtype=np.int64)
-        np.add.at(out, cell.ravel(), n.ravel())
-        return torch.from_numpy(out.reshape(len(rows), cp, cp))
+        keys, lo, hi, before = _picked_prefix(plan, mask)
+        cuts = np.array([a for a, _ in rows] + [rows[-1][1]] if rows else [0], dtype=np.int64)
+        cell = np.arange(cp * cp, dtype=np.int64).reshape(1, -1)
+        x = cuts.reshape(-1, 1)
+        first = np.searchsorted(keys, cell * _BIG)               # the cell's first piece
+        j = np.searchsorted(keys, cell * _BIG + x)               # pieces starting below x
+        last = np.maximum(j - 1, 0)
+        over = np.where(j > first, np.maximum(hi[last] - x, 0), 0) if keys.size else 0
+        below = before[j] - before[first] - over                 # [P + 1, cp^2]
+        out = below[1:] - below[:-1]
+        return torch.from_numpy(np.ascontiguousarray(out).reshape(len(rows), cp, cp))
     return host_table(plan, table_key("gather_stage_counts", mask, None, parts), build)
 
 

@@ -3,12 +3,16 @@
 What a rank's queries see is a few runs of keys per document (its needed spans cut by the
 owners' runs), and what others take from it likewise. Every table here is one of those run
 lists cut at the transfers' bounds (``routes.cut_runs``), sorted as runs where an order
-is needed (by owner for the dK/dV returns), and only then laid out per key with cumulative
-sums (``plan.runs.run_rows``): no sort, search or gather over every fetched key. At 128K
-tokens a rank may fetch ~100K keys while holding a few hundred runs.
+is needed (by owner for the dK/dV returns), and only then laid out per key
+(``plan.runs.run_rows``: a repeat and an add per key): no sort, search or gather over every
+fetched key. At 128K tokens a rank may fetch ~100K keys while holding a few hundred runs;
+the tables of one mask cost ~3 ms at cp 8 (one 128K document, 2 transfers), ~2 of them the
+tile schedules of the rank's calls, computed together (``holders.set_calls``), against
+13-18 ms for the per-key construction they replaced.
 
-The tables (``Stage``) are exactly those of the per-token construction they replaced
-(tests/staged_reference.py keeps it; the tests compare the two on random batches).
+The tables (``Stage``) are those of that per-key construction (tests/staged_reference.py
+keeps it; tests/test_staged_tables.py compares the two on random batches), but for the
+returns' rounds, now consecutive slices of the list (``rounds``).
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ from ...kernels.host_copy import to_device
 from ...masks import AttnMask
 from ...plan import CPPlan
 from ...plan.runs import run_rows, span_pieces
-from ..holders import Holder, HolderSet, KernelCall, rank_holders, set_calls
+from ..holders import Holder, HolderSet, KernelCall, rank_holder, set_calls
 from ..keys import cached_table, host_table, table_key
 from ..rounds import UniqueRounds
-from ..selected import fetch_counts, needed_spans, runs_by_document
+from ..selected import needed_spans, runs_by_document
 from .routes import (cut_runs, dispatch_stage_counts, gather_stage_counts, gather_stage_rows,
                         index_in_group, transfers)
 
@@ -207,7 +211,8 @@ def _assemble(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int], s
         fields["n_keys"] = int(mine.length.sum())
         parts.append(fields)
         keys.append(_holder(mine, plan.n_docs) if mine.length.numel() else None)
-    me = rank_holders(plan)[rank]
+    me = host_table(plan, table_key("rank_holder", None, None, rank),   # (its schedules'
+                    lambda: rank_holder(plan, rank))                    # blocks cached)
     with_local = stages > 1 or not parts  # (with nothing to fetch anywhere, it is all)
     holders = [h for h in keys if h is not None] + ([me] if with_local else [])
     calls = iter(set_calls(me.as_set, 0, HolderSet.of(holders), list(range(len(holders))),
