@@ -6,9 +6,9 @@ lists cut at the transfers' bounds (``routes.cut_runs``), sorted as runs where a
 is needed (by owner for the dK/dV returns), and only then laid out per key
 (``plan.runs.run_rows``: a repeat and an add per key): no sort, search or gather over every
 fetched key. At 128K tokens a rank may fetch ~100K keys while holding a few hundred runs;
-the tables of one mask cost ~3 ms at cp 8 (one 128K document, 2 transfers), ~2 of them the
-tile schedules of the rank's calls, computed together (``holders.set_calls``), against
-13-18 ms for the per-key construction they replaced.
+one rank's tables for Llama 4's two masks (2 transfers) took 7.5-9.5 ms at cp 8, about half
+of it the tile schedules of its calls, computed together (``holders.set_calls``), against
+12-34 ms for the per-key construction they replaced (1K documents; one 128K document).
 
 The tables (``Stage``) are those of that per-key construction (tests/staged_reference.py
 keeps it; tests/test_staged_tables.py compares the two on random batches), but for the
