@@ -18,8 +18,6 @@ returns' rounds, now consecutive slices of the list (``rounds``).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
-
 import torch
 
 from ...kernels.host_copy import to_device
@@ -273,15 +271,11 @@ def _gather_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, in
                      given.take(grun, goffset, glength), gstage, slices)
 
 
-_BUILDERS: dict[str, Callable[..., StagedTables]] = {"dispatch": _dispatch_tables,
-                                                    "all_gather": _gather_tables}
-
-
 def staged_tables(name: str, plan: CPPlan, mask: AttnMask, rank: int,
                   block: tuple[int, int], stages: int,
                   device: torch.device | str | None = None) -> StagedTables:
     """Host tables of ``rank``'s ``name`` call (``dispatch`` or ``all_gather``) with
     ``stages`` stages, or their copy on ``device`` (cached)."""
-    build = _BUILDERS[name]
+    build = _dispatch_tables if name == "dispatch" else _gather_tables
     return cached_table(plan, table_key(f"{name}_staged", mask, block, rank, stages),
                         lambda: build(plan, mask, rank, block, stages), device)
