@@ -50,6 +50,7 @@ from varlen_cp.schedules.hybrid import default_a2a_size, heads_fit  # noqa: E402
 from varlen_cp.schedules.selected import fetched_tokens  # noqa: E402
 from varlen_cp.strategies import STRATEGIES, get_strategy  # noqa: E402
 from varlen_cp.schedules import auto, staged  # noqa: E402
+from varlen_cp.schedules.catalogue import STAGED  # noqa: E402
 from varlen_cp.schedules.cost import Shape, make_shape  # noqa: E402
 from varlen_cp.schedules.hybrid import group_members  # noqa: E402
 from varlen_cp.schedules.selected import fetch_counts  # noqa: E402
@@ -240,7 +241,7 @@ def overlap_row(docs: list[int], cp: int, mname: str, mask: AttnMask, shape: Sha
     ideal = sum(pairs) / cp * flops / model.flops_per_s
     row = {"cp": cp, "mask": mname, "n_docs": len(docs), "ideal_ms": ideal * 1e3,
            "strategies": {}}
-    for name in staged.STAGED:
+    for name in STAGED:
         stages = staged.default_stages(plan, mask, name, shape, model)
         t = staged.staged_time(name, plan, mask, shape, model, stages)
         seq = staged.staged_time(name, plan, mask, shape, model, 1)   # today's: no overlap
@@ -291,7 +292,7 @@ def print_overlap(rows: list[dict]) -> None:
           f"{'bound':>5} {'peak MiB':>11} | {'p2p':>12} {'MiB':>5} | {'a2a':>12} {'MiB':>5}")
     for r in rows:
         cells = []
-        for name in staged.STAGED:
+        for name in STAGED:
             e = r["strategies"][name]
             cells.append(f"{e['before_ms']:6.2f} ({e['before_eff']:.2f}) -> "
                          f"{e['after_ms']:6.2f} ({e['after_eff']:.2f}) {e['stages']:>2} "

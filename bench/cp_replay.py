@@ -39,10 +39,10 @@ from varlen_cp.masks import AttnMask
 from varlen_cp.plan import CPPlan
 from varlen_cp.prepare import build_plan, prepare_plan
 from varlen_cp.schedules.holders import KernelCall
-from varlen_cp.schedules.keys import device_table, table_key
 from varlen_cp.schedules.ring import p2p_tables
 from varlen_cp.schedules.shape import make_shape
-from varlen_cp.schedules.staged import STAGED, resolve_stages
+from varlen_cp.schedules.catalogue import STAGED
+from varlen_cp.schedules.staged import resolve_stages
 from varlen_cp.strategies.calls import Attn
 from varlen_cp.strategies.selected_keys import tables as staged_device_tables
 
@@ -83,8 +83,7 @@ def rank_calls(plan: CPPlan, mask: AttnMask, strategy: str, block: tuple[int, in
                             shape.dtype.itemsize)
     with _prepared_only(plan) as built:
         if strategy == "p2p":   # p2p.py's lookup: one ring position's tables
-            ring = device_table(plan, table_key("p2p", mask, block, rank), device,
-                                lambda: p2p_tables(plan, mask, block, rank))
+            ring = p2p_tables(plan, mask, block, rank, device)
             fwd = [(f"ring step {t}", c) for t, c in enumerate(ring.calls) if c is not None]
             bwd, stages = fwd, None
         elif strategy in STAGED:

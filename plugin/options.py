@@ -11,9 +11,9 @@ divides cp) are the strategies' own (``Strategy.check_heads``, called through
 
 Which strategy takes which option is :data:`TAKES`, read by :class:`AttnOptions` and by
 megatron's per-layer strategy lists (:func:`check_taken`). The strategy names and which
-strategies stage their transfers come from the schedules' lists
-(``schedules.cost.STRATEGIES``, ``schedules.staged.STAGED``), the layer below, so that
-``varlen_cp.strategies`` can hold this object in its call spec.
+strategies stage their transfers come from the one catalogue of strategies
+(``varlen_cp.schedules.catalogue``), the layer below, so that ``varlen_cp.strategies`` can
+hold this object in its call spec.
 """
 
 from __future__ import annotations
@@ -23,13 +23,12 @@ from typing import Any, Sequence
 
 from .checks import check_bool, check_choice, check_int
 from .kernels.validation import BACKENDS
-from .schedules.cost import STRATEGIES
-from .schedules.staged import STAGED
+from .schedules import catalogue
 
-STRATEGY_NAMES: tuple[str, ...] = (*STRATEGIES, "auto")
+STRATEGY_NAMES: tuple[str, ...] = (*catalogue.STRATEGY_NAMES, catalogue.AUTO)
 """Every value of ``strategy``: the strategies, and "auto" (chosen per plan and mask)."""
 
-STAGED_STRATEGIES: tuple[str, ...] = (*STAGED, "auto")
+STAGED_STRATEGIES: tuple[str, ...] = (*catalogue.STAGED, catalogue.AUTO)
 """Strategies that take ``overlap_stages`` ("auto" passes it on when it picks one)."""
 
 TAKES: dict[str, tuple[str, ...]] = {

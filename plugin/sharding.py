@@ -4,7 +4,9 @@ For torchtitan-style batches of [B=1, L] tensors ("input"/"tokens", "labels", "p
 every tensor is cut along its sequence dim by a ``CPPlan``; positions are replaced by the
 plan's (position within the document, what RoPE and the kernels need); labels of padding
 tokens (``te`` layout only) become ``ignore_index``. ``cu_seqlens_from_positions`` recovers
-the global ``cu_seqlens`` from torchtitan's per-document positions. With ``validate`` the
+the global ``cu_seqlens`` from torchtitan's per-document positions. Per-plan index tables of
+the local tokens that adapters read in the step (rows of a padded input, the padding mask,
+RoPE positions) are built here once per plan and copied once per device. With ``validate`` the
 step checks here, before the model runs, that every CP rank built the same plan (host
 tensors only: no device sync in the step); the attention layers then find it checked.
 
@@ -25,6 +27,7 @@ from .checks import check_bool
 from .plan.agreement import agree_on_plan
 from .plan.collective import check_group, check_group_type
 from .plan.cpplan import mark_token_dim
+from .schedules.keys import cached_table, table_key
 
 POSITION_KEYS = ("positions", "position_ids")
 LABEL_KEYS = ("labels",)
@@ -134,3 +137,24 @@ def gather_sequence(x_local: torch.Tensor, plan: CPPlan,
     ``seq_dim``; collective over ``group`` (see ``CPPlan.unshard``)."""
     _check_plan(plan)
     return plan.unshard(x_local, group, dim=seq_dim)
+
+
+# ---- index tables of the local tokens, once per plan and device -------------------------
+def padded_input_rows(plan: CPPlan, device: torch.device | str) -> torch.Tensor:
+    """int64 [T_local]: the row of each local token in the padded global sequence (the
+    ``te`` layout's padded input, ``cu_seqlens_padded``), on ``device`` (cached)."""
+    return cached_table(plan, table_key("padded_input_rows", None, None, plan.cp_rank),
+                        lambda: plan.padded_token_indices_of(plan.cp_rank), device)
+
+
+def padding_mask(plan: CPPlan, device: torch.device | str) -> torch.Tensor:
+    """bool [1, T_local]: True for this rank's padding tokens, on ``device`` (cached)."""
+    return cached_table(plan, table_key("padding_mask", None, None, plan.cp_rank),
+                        lambda: (plan.token_indices < 0).unsqueeze(0), device)
+
+
+def rope_positions(plan: CPPlan, device: torch.device | str) -> torch.Tensor:
+    """int64 [T_local]: each local token's position in its document (padding: 0), on
+    ``device``: the rows of a RoPE table the tokens take (cached)."""
+    return cached_table(plan, table_key("rope_positions", None, None, plan.cp_rank),
+                        lambda: plan.positions.clamp(min=0).to(torch.int64), device)

@@ -107,7 +107,7 @@ def test_prefetched_batches_equal_the_hook(prefetch: bool) -> None:
         plan = packed.varlen_cp_plan
         assert torch.equal(plan.cu_seqlens, cu.long())
         # the RoPE rows and the local attention tables were built on the planner's side
-        assert table_key("megatron_rope_index", None, None, "cpu") in plan._cache
+        assert table_key("rope_positions", None, None, 0)._replace(device="cpu") in plan._cache
         assert any(isinstance(k, tuple) and k[0] == "local" for k in plan._cache)
 
 

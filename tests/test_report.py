@@ -14,7 +14,7 @@ from varlen_cp.config import AttnShape, CPConfig
 from varlen_cp.prepare import PlanPrefetcher, PlanTiming, build_plan, prepare_plan
 from varlen_cp.report import LayerType, TrainingReport, layer_types, mask_label, plan_report
 from varlen_cp.report.training import layer_keys
-from varlen_cp.schedules import cost
+from varlen_cp.schedules import catalogue
 from varlen_cp.schedules.auto import choose_strategy
 from varlen_cp.schedules.shape import make_shape
 from varlen_cp.schedules.staged import resolve_stages
@@ -74,7 +74,7 @@ def test_report_matches_brute_force_and_plan_api(one_thread, layout):
         assert r.work_imbalance == pytest.approx(max(work) * 3 / sum(work))
         assert r.work_imbalance == plan.work_imbalance(mask)
         assert r.kv_floor_bytes == [f * KV_ROW for f in floor]
-        sent = cost.bytes_sent("p2p", plan, mask, make_shape(8, 2, 16, 8, 2))
+        sent = catalogue.bytes_sent("p2p", plan, mask, make_shape(8, 2, 16, 8, 2))
         assert r.sent_bytes == [f + b for f, b in zip(sent["fwd"], sent["bwd"])]
         assert (r.layer.n_layers, r.strategy, r.stages, r.estimates) == (n, "p2p", None, None)
 

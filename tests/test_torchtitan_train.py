@@ -238,7 +238,7 @@ def test_metrics_reach_tensorboard(results, train_root):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from varlen_cp.report import mask_label
-    from varlen_cp.schedules import cost
+    from varlen_cp.schedules import catalogue
     from varlen_cp.schedules.shape import make_shape
 
     plans, masks = reference_plans(train_root, "cp2_dispatch")
@@ -255,7 +255,7 @@ def test_metrics_reach_tensorboard(results, train_root):
         for (_, value), plan in zip(work, plans):
             assert value == pytest.approx(plan.work_imbalance(mask), rel=1e-6)
         for (_, value), plan in zip(scalars[f"varlen_cp/sent_bytes/{key}"], plans):
-            sent = cost.bytes_sent("dispatch", plan, mask, shape)
+            sent = catalogue.bytes_sent("dispatch", plan, mask, shape)
             assert value == max(f + b for f, b in zip(sent["fwd"], sent["bwd"]))
         assert all(v >= 1 for _, v in scalars[f"varlen_cp/stages/{key}"])
     assert all(v > 0 for _, v in scalars["varlen_cp/plan_ms"])

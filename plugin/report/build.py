@@ -7,7 +7,7 @@ tables the strategies build anyway; no tile schedule, no device copy):
   work, per query head), the K/V floor (other ranks' K/V bytes its queries see: what
   ``dispatch`` fetches in the forward, the least any K/V-moving strategy can) and the bytes
   the running strategy sends per layer (forward + backward, exactly what its collectives
-  post: ``schedules.cost.bytes_sent``);
+  post: ``schedules.catalogue.bytes_sent``);
 - per layer type: work imbalance (max / mean over ranks, ``plan.work_imbalance``), the
   strategy that runs (``auto`` resolved with the rule and cache of ``schedules.auto``), the
   overlap stage count of staged strategies (``schedules.staged.resolve_stages``, as the
@@ -35,7 +35,7 @@ from ..config import STAGED_STRATEGIES, AttnShape
 from ..options import takes
 from ..masks import AttnMask
 from ..plan import CPPlan
-from ..schedules import cost
+from ..schedules import catalogue
 from ..schedules.auto import CostModel, Estimate, choose_strategy, estimates, pick
 from ..schedules.selected import fetch_counts
 from ..schedules.shape import Shape, make_shape
@@ -163,7 +163,7 @@ def layer_report(plan: CPPlan, layer: LayerType, shape: AttnShape, *,
         sent = [0]
     else:
         a2a = layer.a2a_size if takes(name, "a2a_size") else None
-        by_pass = cost.bytes_sent(name, plan, mask, cs, a2a)
+        by_pass = catalogue.bytes_sent(name, plan, mask, cs, a2a)
         sent = [f + b for f, b in zip(by_pass["fwd"], by_pass["bwd"])]
     table = auto_pick = None
     if with_estimates and plan.cp_size > 1:

@@ -6,12 +6,13 @@ The rule (per (plan, mask, head shape, dtype); cached in the plan):
    always; ``a2a`` when Hq % cp == 0 and Hkv, cp divide one another; ``a2a+p2p`` (default
    a2a_size) when that size is strictly between 1 and cp.
 2. Memory: with ``memory_budget_bytes`` set, drop candidates that keep more than that for
-   the backward pass per layer and rank beyond their inputs (``cost.saved_bytes``):
+   the backward pass per layer and rank beyond their inputs (the catalogue's saved bytes):
    dispatch and all_gather keep the K/V their queries see, a2a / a2a+p2p the head-sharded
    q/k/v/out of their group; p2p keeps nothing extra, so it always survives.
 3. Time per layer (forward + backward), slowest rank: compute = visible pairs x Hq x
    flops per pair (2(D+Dv) forward, 6D+4Dv backward: FA2's five matmuls) /
    ``flops_per_s``; comm = bytes sent (exactly what the collectives post) / ``bytes_per_s``.
+   How transfers meet compute is each strategy's ``overlap`` in ``schedules.catalogue``.
    The ring (p2p) overlaps its transfers with compute: max(compute, comm) per pass;
    dispatch and all_gather overlap theirs in stages (local keys first, remote K/V in the
    cost model's number of stages, ``staged.default_stages``; time ``staged.staged_time``:
@@ -23,7 +24,8 @@ The rule (per (plan, mask, head shape, dtype); cached in the plan):
    transfers still contend with compute for SMs and memory bandwidth and with other
    parallelisms' traffic. Remaining ties: the order p2p, a2a, dispatch, a2a+p2p, all_gather.
 
-Everything comes from run-level closed forms (``schedules.cost``): no tile schedule and no
+Everything comes from run-level closed forms (``schedules.cost``, listed per strategy in
+``schedules.catalogue``; machine rates: ``schedules.cost_model``): no tile schedule and no
 candidate's runtime tables are built, so choosing costs a few milliseconds per plan and mask
 (``bench/plan.py`` measures it). Visible pairs stand for the kernels' work (tiles add a
 few percent at the edges of windows and chunks, the same for every strategy).
@@ -41,62 +43,23 @@ stages of dispatch / all_gather, so for tiny batches the pick is arbitrary (all 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from ..checks import check_int
 from ..masks import AttnMask
 from ..plan import CPPlan
-from . import cost, staged
-from .shape import Shape, make_shape
-from .hybrid import default_a2a_size, heads_fit
+from .catalogue import CATALOGUE, traits
+from .cost_model import CostModel, check_model
 from .keys import host_table, table_key
+from .shape import Shape, make_shape
+from .staged import default_stages, staged_time
 
-# Tie order: simpler / less memory first.
-CANDIDATES = ("p2p", "a2a", "dispatch", "a2a+p2p", "all_gather")
-OVERLAPPED = frozenset({"p2p"})
+# Tie order: simpler / less memory first (the catalogue's tie ranks).
+CANDIDATES: tuple[str, ...] = tuple(t.name for t in sorted(CATALOGUE, key=lambda t: t.tie_rank))
 
-
-def _positive(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or not value > 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-    return float(value)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CostModel:
-    """Machine rates the estimate converts pairs and bytes with (per rank).
-
-    flops_per_s: attention kernel throughput (default 3e14: FA2-class bf16 on an H100).
-    bytes_per_s: bytes one rank sends per second in a collective (default 1.5e11: NCCL
-    all-to-all / P2P inside an NVLink node; ~2.5e10-4.5e10 across InfiniBand nodes).
-    tolerance: estimates within this fraction of the best count as equal (default 0.05).
-    stage_latency_s: fixed cost of one overlap stage of dispatch / all_gather (a collective
-    and a kernel launch; default 2e-5).
-    memory_bytes_per_s: device memory bandwidth, for the per-stage fold of partial results
-    (default 3e12: H100 HBM3).
-    """
-
-    flops_per_s: float = 3e14
-    bytes_per_s: float = 1.5e11
-    tolerance: float = 0.05
-    stage_latency_s: float = 2e-5
-    memory_bytes_per_s: float = 3e12
-
-    def __post_init__(self) -> None:
-        _positive("CostModel.flops_per_s", self.flops_per_s)
-        _positive("CostModel.bytes_per_s", self.bytes_per_s)
-        _positive("CostModel.memory_bytes_per_s", self.memory_bytes_per_s)
-        if isinstance(self.stage_latency_s, bool) \
-                or not isinstance(self.stage_latency_s, (int, float)) \
-                or not math.isfinite(self.stage_latency_s) or self.stage_latency_s < 0:
-            raise ValueError(f"CostModel.stage_latency_s must be a finite number >= 0, got "
-                             f"{self.stage_latency_s!r}")
-        if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, (int, float)) \
-                or not 0 <= self.tolerance < 1:
-            raise ValueError(f"CostModel.tolerance must be in [0, 1), got {self.tolerance!r}")
+__all__ = ["CANDIDATES", "CostModel", "Estimate", "candidate_options", "choose_strategy",
+           "estimate", "estimates", "pick"]
 
 
 @dataclass(frozen=True)
@@ -112,45 +75,34 @@ class Estimate:
 
 def candidate_options(name: str, shape: Shape, cp: int) -> dict[str, Any] | None:
     """Strategy options, or None when the strategy is not a candidate for these heads."""
-    if name == "a2a+p2p":
-        size = default_a2a_size(shape.n_heads, shape.n_kv_heads, cp)
-        return {"a2a_size": size} if 1 < size < cp else None
-    if name == "a2a":
-        return {} if heads_fit(shape.n_heads, shape.n_kv_heads, cp) else None
-    return {}
+    return traits(name).options(shape, cp)
 
 
 def estimate(plan: CPPlan, mask: AttnMask, name: str, shape: Shape, model: CostModel,
              a2a_size: int | None = None) -> Estimate:
     """Time, bytes and saved memory of strategy ``name`` (host only, closed form)."""
-    sent = cost.bytes_sent(name, plan, mask, shape, a2a_size)
-    pairs = max(cost.visible_pairs(name, plan, mask, shape, a2a_size)) * shape.n_heads
+    entry = traits(name)
+    sent = entry.bytes_sent(plan, mask, shape, a2a_size)
+    pairs = max(entry.visible_pairs(plan, mask, shape, a2a_size)) * shape.n_heads
     d, dv = shape.head_dim, shape.head_dim_v
     c_fwd = pairs * 2 * (d + dv) / model.flops_per_s
     c_bwd = pairs * (6 * d + 4 * dv) / model.flops_per_s
     x_fwd = max(sent["fwd"]) / model.bytes_per_s
     x_bwd = max(sent["bwd"]) / model.bytes_per_s
-    if name in staged.STAGED:
+    if entry.overlap == "stages":
         # all_gather is timed with dispatch's stage count (one simulation, not a second
         # search): it moves at least dispatch's bytes with the same compute, so a search of
         # its own could not change the pick.
         searched = "dispatch" if name == "all_gather" else name
-        stages = staged.default_stages(plan, mask, searched, shape, model)
-        seconds = staged.staged_time(name, plan, mask, shape, model, stages).seconds
-    elif name in OVERLAPPED:
+        stages = default_stages(plan, mask, searched, shape, model)
+        seconds = staged_time(name, plan, mask, shape, model, stages).seconds
+    elif entry.overlap == "ring":
         seconds = max(c_fwd, x_fwd) + max(c_bwd, x_bwd)
     else:
         seconds = c_fwd + x_fwd + c_bwd + x_bwd
     total = max(f + b for f, b in zip(sent["fwd"], sent["bwd"]))
     return Estimate(seconds, c_fwd + c_bwd, x_fwd + x_bwd, total,
-                    cost.saved_bytes(name, plan, mask, shape, a2a_size))
-
-
-def _check_model(model: Any) -> CostModel:
-    model = CostModel() if model is None else model
-    if not isinstance(model, CostModel):
-        raise ValueError(f"model must be a CostModel or None, got {type(model).__name__}")
-    return model
+                    entry.saved_bytes(plan, mask, shape, a2a_size))
 
 
 def estimates(plan: CPPlan, mask: AttnMask, *, n_heads: int, n_kv_heads: int, head_dim: int,
@@ -160,7 +112,7 @@ def estimates(plan: CPPlan, mask: AttnMask, *, n_heads: int, n_kv_heads: int, he
     if not isinstance(mask, AttnMask):
         raise ValueError(f"mask must be a varlen_cp.AttnMask, got {type(mask).__name__}")
     shape = make_shape(n_heads, n_kv_heads, head_dim, head_dim_v, dtype_bytes)
-    model = _check_model(model)
+    model = check_model(model)
     out = {}
     for name in CANDIDATES:
         opts = candidate_options(name, shape, plan.cp_size)
@@ -189,7 +141,7 @@ def choose_strategy(plan: CPPlan, mask: AttnMask, *, n_heads: int, n_kv_heads: i
     same on every rank (host integer math on the shared plan)."""
     check_int("memory_budget_bytes", memory_budget_bytes, 0, optional=True)
     shape = make_shape(n_heads, n_kv_heads, head_dim, head_dim_v, dtype_bytes)
-    model = _check_model(model)
+    model = check_model(model)
     if plan.cp_size == 1:
         return "p2p"  # every strategy is the local op
     key = table_key("auto", mask, None, shape, memory_budget_bytes, model)

@@ -4,8 +4,12 @@ Bytes are exactly what the strategies' collectives post (the tests count them on
 visible pairs are exact (``plan.runs`` and ``pair_work``); both come from the run-level
 tables (visibility matrices, fetch counts), never from tile schedules or per-token passes,
 so ``strategy="auto"`` can compare every candidate in a few milliseconds. Visited pairs
-(what the kernels' tiles cover) need each rank's tile schedules: :func:`visited_pairs`
-builds them, for benchmarks and tests.
+(what the kernels' tiles cover) need each rank's tile schedules: the ``*_visited``
+functions build them, for benchmarks and tests.
+
+One function per strategy and quantity, all with the signature ``(plan, mask, shape,
+a2a_size=None)`` (visited pairs: ``block`` before ``a2a_size``); ``catalogue`` lists them
+per strategy and answers by name (``catalogue.bytes_sent("p2p", ...)``).
 """
 
 from __future__ import annotations
@@ -19,14 +23,26 @@ from .ring import p2p_tables, rank_visibility, ring_length
 from .selected import fetch_counts, fetched_tokens, selected_tokens
 from .shape import Shape, kv_heads_per_rank, make_shape
 from .staged import staged_tables
-from .ulysses import group_call, ulysses_tables
+from .ulysses import group_call
 
-STRATEGIES = ("p2p", "all_gather", "a2a", "a2a+p2p", "dispatch")
+Sent = dict[str, list[int]]   # {"fwd": bytes per rank, "bwd": bytes per rank}
+
+__all__ = ["Shape", "make_shape", "Sent", "hybrid_size", "ring_rows", "ulysses_bytes",
+           "ulysses_rank_bytes", "p2p_bytes", "all_gather_bytes", "dispatch_bytes",
+           "a2a_bytes", "hybrid_bytes", "rank_pairs", "a2a_pairs", "hybrid_pairs",
+           "p2p_visited", "all_gather_visited", "dispatch_visited", "a2a_visited",
+           "hybrid_visited", "nothing_saved", "selected_saved", "a2a_saved", "hybrid_saved"]
 
 
 def hybrid_size(plan: CPPlan, shape: Shape, a2a_size: int | None) -> int:
+    """a2a+p2p's Ulysses group size: ``a2a_size``, or the largest the heads allow."""
     return default_a2a_size(shape.n_heads, shape.n_kv_heads, plan.cp_size) \
         if a2a_size is None else a2a_size
+
+
+def _local_sizes(plan: CPPlan) -> torch.Tensor:
+    offsets = plan.rank_offsets()
+    return offsets[1:] - offsets[:-1]
 
 
 # ---- bytes ------------------------------------------------------------------------------
@@ -61,35 +77,6 @@ def ulysses_bytes(sizes: tuple[int, ...], index: int, shape: Shape, need_lse: bo
     return fwd, bwd
 
 
-def bytes_sent(name: str, plan: CPPlan, mask: AttnMask, shape: Shape,
-               a2a_size: int | None = None) -> dict[str, list[int]]:
-    """Bytes each rank sends per layer: {"fwd": [...], "bwd": [...]} (input dtype)."""
-    cp, row = plan.cp_size, shape.kv_row
-    offsets = plan.rank_offsets()
-    sizes = offsets[1:] - offsets[:-1]
-    if name == "p2p":
-        kv, grads = ring_rows(sizes, rank_visibility(plan, mask))
-        return {"fwd": (kv * row).tolist(), "bwd": ((kv + grads) * row).tolist()}
-    if name == "all_gather":
-        stride = int(sizes.max())
-        return {"fwd": [(cp - 1) * stride * row] * cp,
-                "bwd": [f * row for f in fetched_tokens(plan, mask)]}
-    if name == "dispatch":
-        counts = fetch_counts(plan, mask)
-        sent = counts.sum(0) - counts.diagonal()   # what the others fetch from each rank
-        return {"fwd": (sent * row).tolist(), "bwd": [f * row for f in fetched_tokens(plan, mask)]}
-    size = cp if name == "a2a" else hybrid_size(plan, shape, a2a_size)
-    fwd, bwd = ulysses_rank_bytes(sizes, size, shape)
-    if size < cp:  # a ring across the groups, on this rank's head slice
-        hk, _ = kv_heads_per_rank(shape.n_kv_heads, size)
-        ring_row = hk * (shape.head_dim + shape.head_dim_v) * shape.dtype_bytes
-        group_sizes = sizes.view(-1, size).sum(1)
-        kv, grads = ring_rows(group_sizes, group_visibility(plan, mask, size))
-        fwd = fwd + (kv * ring_row).repeat_interleave(size)
-        bwd = bwd + ((kv + grads) * ring_row).repeat_interleave(size)
-    return {"fwd": fwd.tolist(), "bwd": bwd.tolist()}
-
-
 def ulysses_rank_bytes(sizes: torch.Tensor, size: int, shape: Shape
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`ulysses_bytes` of every rank at once (groups of ``size`` consecutive ranks;
@@ -106,37 +93,113 @@ def ulysses_rank_bytes(sizes: torch.Tensor, size: int, shape: Shape
             (size - 1) * sizes * out_row + others * qkv_row)
 
 
+def p2p_bytes(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+              ) -> Sent:
+    """The ring: every pass's K/V forward, again backward with the dK/dV partials."""
+    kv, grads = ring_rows(_local_sizes(plan), rank_visibility(plan, mask))
+    return {"fwd": (kv * shape.kv_row).tolist(), "bwd": ((kv + grads) * shape.kv_row).tolist()}
+
+
+def all_gather_bytes(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+                     ) -> Sent:
+    """Every rank's padded K/V to every other; back only the picked keys' dK/dV."""
+    cp, row = plan.cp_size, shape.kv_row
+    stride = int(_local_sizes(plan).max())
+    return {"fwd": [(cp - 1) * stride * row] * cp,
+            "bwd": [f * row for f in fetched_tokens(plan, mask)]}
+
+
+def dispatch_bytes(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+                   ) -> Sent:
+    """Exactly the keys others see forward, their dK/dV backward."""
+    row = shape.kv_row
+    counts = fetch_counts(plan, mask)
+    sent = counts.sum(0) - counts.diagonal()   # what the others fetch from each rank
+    return {"fwd": (sent * row).tolist(), "bwd": [f * row for f in fetched_tokens(plan, mask)]}
+
+
+def _group_bytes(plan: CPPlan, mask: AttnMask, shape: Shape, size: int) -> Sent:
+    """Ulysses groups of ``size`` ranks, a ring of the groups when size < cp."""
+    sizes = _local_sizes(plan)
+    fwd, bwd = ulysses_rank_bytes(sizes, size, shape)
+    if size < plan.cp_size:  # a ring across the groups, on this rank's head slice
+        hk, _ = kv_heads_per_rank(shape.n_kv_heads, size)
+        ring_row = hk * (shape.head_dim + shape.head_dim_v) * shape.dtype_bytes
+        group_sizes = sizes.view(-1, size).sum(1)
+        kv, grads = ring_rows(group_sizes, group_visibility(plan, mask, size))
+        fwd = fwd + (kv * ring_row).repeat_interleave(size)
+        bwd = bwd + ((kv + grads) * ring_row).repeat_interleave(size)
+    return {"fwd": fwd.tolist(), "bwd": bwd.tolist()}
+
+
+def a2a_bytes(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+              ) -> Sent:
+    return _group_bytes(plan, mask, shape, plan.cp_size)
+
+
+def hybrid_bytes(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+                 ) -> Sent:
+    return _group_bytes(plan, mask, shape, hybrid_size(plan, shape, a2a_size))
+
+
 # ---- compute ----------------------------------------------------------------------------
-def visible_pairs(name: str, plan: CPPlan, mask: AttnMask, shape: Shape,
-                  a2a_size: int | None = None) -> list[float]:
-    """Per rank, per query head of the model: the visible pairs its kernels compute."""
+def rank_pairs(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+               ) -> list[float]:
+    """Per rank, per query head of the model: the visible pairs of its own queries (p2p,
+    all_gather, dispatch)."""
+    return [float(w) for w in plan.work_per_rank(mask)]
+
+
+def _group_pairs(plan: CPPlan, mask: AttnMask, size: int) -> list[float]:
+    """Each member computes its group's documents for 1/size of the heads."""
     work = plan.work_per_rank(mask)
-    if name in ("p2p", "all_gather", "dispatch"):
-        return [float(w) for w in work]
-    size = plan.cp_size if name == "a2a" else hybrid_size(plan, shape, a2a_size)
-    # each member computes its group's documents for 1/size of the heads
     return [sum(work[r // size * size:(r // size + 1) * size]) / size
             for r in range(plan.cp_size)]
 
 
-def visited_pairs(name: str, plan: CPPlan, mask: AttnMask, shape: Shape,
-                  block: tuple[int, int], a2a_size: int | None = None) -> list[float]:
-    """Per rank, per query head of the model: pairs the kernels' tiles cover (builds every
+def a2a_pairs(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+              ) -> list[float]:
+    return _group_pairs(plan, mask, plan.cp_size)
+
+
+def hybrid_pairs(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+                 ) -> list[float]:
+    return _group_pairs(plan, mask, hybrid_size(plan, shape, a2a_size))
+
+
+def p2p_visited(plan: CPPlan, mask: AttnMask, shape: Shape, block: tuple[int, int],
+                a2a_size: int | None = None) -> list[float]:
+    """Per rank, per query head of the model: pairs the ring's tiles cover (builds every
     rank's schedules: benchmarks and tests)."""
+    return [float(sum(c.visited_pairs for c in p2p_tables(plan, mask, block, r).calls
+                      if c is not None)) for r in range(plan.cp_size)]
+
+
+def _staged_visited(name: str, plan: CPPlan, mask: AttnMask, block: tuple[int, int]
+                    ) -> list[float]:
+    out = []
+    for r in range(plan.cp_size):   # one call over every key: S = 1's tables
+        tab = staged_tables(name, plan, mask, r, block, 1)
+        calls = [tab.local] + [s.call for s in tab.stages]
+        out.append(float(sum(c.visited_pairs for c in calls if c is not None)))
+    return out
+
+
+def all_gather_visited(plan: CPPlan, mask: AttnMask, shape: Shape, block: tuple[int, int],
+                       a2a_size: int | None = None) -> list[float]:
+    return _staged_visited("all_gather", plan, mask, block)
+
+
+def dispatch_visited(plan: CPPlan, mask: AttnMask, shape: Shape, block: tuple[int, int],
+                     a2a_size: int | None = None) -> list[float]:
+    return _staged_visited("dispatch", plan, mask, block)
+
+
+def _group_visited(plan: CPPlan, mask: AttnMask, shape: Shape, block: tuple[int, int],
+                   size: int) -> list[float]:
     cp = plan.cp_size
-    if name == "p2p":
-        return [float(sum(c.visited_pairs for c in p2p_tables(plan, mask, block, r).calls
-                          if c is not None)) for r in range(cp)]
-    if name in ("all_gather", "dispatch"):  # one call over every key: S = 1's tables
-        out = []
-        for r in range(cp):
-            tab = staged_tables(name, plan, mask, r, block, 1)
-            calls = [tab.local] + [s.call for s in tab.stages]
-            out.append(float(sum(c.visited_pairs for c in calls if c is not None)))
-        return out
-    size = cp if name == "a2a" else hybrid_size(plan, shape, a2a_size)
     if size == 1:  # a2a+p2p over groups of one rank is the ring of ranks
-        return visited_pairs("p2p", plan, mask, shape, block)
+        return p2p_visited(plan, mask, shape, block)
     if size == cp:
         call = group_call(plan, tuple(range(cp)), mask, block)
         return [(call.visited_pairs if call is not None else 0) / cp] * cp
@@ -145,14 +208,32 @@ def visited_pairs(name: str, plan: CPPlan, mask: AttnMask, shape: Shape,
             / size for r in range(cp)]
 
 
-def saved_bytes(name: str, plan: CPPlan, mask: AttnMask, shape: Shape,
-                a2a_size: int | None = None) -> int:
-    """Max over ranks of what ``name`` keeps for the backward beyond q, k, v, out, lse."""
-    if name == "p2p":
-        return 0
-    if name in ("dispatch", "all_gather"):  # the K/V the local queries see
-        return max(selected_tokens(plan, mask)) * shape.kv_row
-    size = plan.cp_size if name == "a2a" else hybrid_size(plan, shape, a2a_size)
+def a2a_visited(plan: CPPlan, mask: AttnMask, shape: Shape, block: tuple[int, int],
+                a2a_size: int | None = None) -> list[float]:
+    return _group_visited(plan, mask, shape, block, plan.cp_size)
+
+
+def hybrid_visited(plan: CPPlan, mask: AttnMask, shape: Shape, block: tuple[int, int],
+                   a2a_size: int | None = None) -> list[float]:
+    return _group_visited(plan, mask, shape, block, hybrid_size(plan, shape, a2a_size))
+
+
+# ---- memory -----------------------------------------------------------------------------
+# Max over ranks of what a strategy keeps for the backward beyond q, k, v, out, lse.
+def nothing_saved(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+                  ) -> int:
+    """The ring re-sends K/V in the backward: it keeps nothing extra."""
+    return 0
+
+
+def selected_saved(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+                   ) -> int:
+    """dispatch, all_gather: the K/V the local queries see."""
+    return max(selected_tokens(plan, mask)) * shape.kv_row
+
+
+def _group_saved(plan: CPPlan, shape: Shape, size: int) -> int:
+    """The head-sharded q/k/v/out of the group."""
     if size == 1:
         return 0
     hk, _ = kv_heads_per_rank(shape.n_kv_heads, size)
@@ -162,5 +243,11 @@ def saved_bytes(name: str, plan: CPPlan, mask: AttnMask, shape: Shape,
     return tokens * width * shape.dtype_bytes
 
 
-__all__ = ["Shape", "make_shape", "bytes_sent", "visible_pairs", "visited_pairs",
-           "saved_bytes", "ulysses_bytes", "kv_heads_per_rank", "ring_rows", "ulysses_tables"]
+def a2a_saved(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+              ) -> int:
+    return _group_saved(plan, shape, plan.cp_size)
+
+
+def hybrid_saved(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+                 ) -> int:
+    return _group_saved(plan, shape, hybrid_size(plan, shape, a2a_size))

@@ -8,7 +8,7 @@ import torch
 from ..masks import AttnMask
 from ..plan import CPPlan
 from .holders import HolderSet
-from .keys import host_table, table_key
+from .keys import cached_table, host_table, table_key
 from .ring import RingTables, ring_tables
 from .selected import fetch_counts
 from .ulysses import ulysses_tables
@@ -48,9 +48,11 @@ def group_visibility(plan: CPPlan, mask: AttnMask, size: int) -> torch.Tensor:
 
 
 def hybrid_ring_tables(plan: CPPlan, mask: AttnMask, size: int, group_index: int,
-                       block: tuple[int, int]) -> RingTables:
-    """Ring tables of group ``group_index`` in the ring of groups (cached)."""
-    return host_table(plan, table_key("hybrid_ring", mask, block, size, group_index),
-                      lambda: ring_tables(group_holders(plan, size),
-                                          group_visibility(plan, mask, size), group_index,
-                                          mask, block))
+                       block: tuple[int, int], device: torch.device | str | None = None
+                       ) -> RingTables:
+    """Ring tables of group ``group_index`` in the ring of groups, on the host or copied to
+    ``device`` (cached)."""
+    return cached_table(plan, table_key("hybrid_ring", mask, block, size, group_index),
+                        lambda: ring_tables(group_holders(plan, size),
+                                            group_visibility(plan, mask, size), group_index,
+                                            mask, block), device)

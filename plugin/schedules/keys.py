@@ -1,8 +1,11 @@
 """The one key under which host tables are cached in a plan, and their device copies.
 
-Every table the strategies build is memoized in the plan (``CPPlan.cached``) under a
-:class:`TableKey` made here, so the keys of different tables can never collide and a
-prefetch (``varlen_cp.prepare``) fills exactly the entries the forward later reads.
+Every table is memoized in the plan (``CPPlan.cached``) under a :class:`TableKey` made here,
+so the keys of different tables can never collide and a prefetch (``varlen_cp.prepare``)
+fills exactly the entries the forward later reads. Only the table functions themselves
+build keys (each makes its own from its arguments, in ``varlen_cp.schedules`` or
+``varlen_cp.sharding``); strategies and adapters call those functions with a ``device``
+to get the copy (:func:`cached_table`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,15 @@ def device_table(plan: CPPlan, key: TableKey, device: torch.device | str,
     host = host_table(plan, key, build)
     return plan.cached(key._replace(device=str(torch.device(device))),
                        lambda: to_device(host, torch.device(device)))
+
+
+def cached_table(plan: CPPlan, key: TableKey, build: Callable[[], Any],
+                 device: torch.device | str | None = None) -> Any:
+    """The host table of ``key`` (None ``device``), or its copy on ``device``; each made
+    once per plan."""
+    if device is None:
+        return host_table(plan, key, build)
+    return device_table(plan, key, device, build)
 
 
 def to_device(x: Any, device: torch.device) -> Any:

@@ -20,7 +20,7 @@ import torch
 from ..masks import AttnMask
 from ..plan import CPPlan
 from .holders import HolderSet, KernelCall, rank_set, set_calls
-from .keys import host_table, table_key
+from .keys import cached_table, table_key
 from .selected import fetch_counts
 
 
@@ -88,9 +88,10 @@ def rank_visibility(plan: CPPlan, mask: AttnMask) -> torch.Tensor:
     return fetch_counts(plan, mask)
 
 
-def p2p_tables(plan: CPPlan, mask: AttnMask, block: tuple[int, int], rank: int
-               ) -> RingTables:
-    """Ring tables of ``rank`` for the ring of all ranks (cached)."""
-    return host_table(plan, table_key("p2p", mask, block, rank),
-                      lambda: ring_tables(rank_set(plan), rank_visibility(plan, mask),
-                                          rank, mask, block))
+def p2p_tables(plan: CPPlan, mask: AttnMask, block: tuple[int, int], rank: int,
+               device: torch.device | str | None = None) -> RingTables:
+    """Ring tables of ``rank`` for the ring of all ranks, on the host or copied to
+    ``device`` (cached)."""
+    return cached_table(plan, table_key("p2p", mask, block, rank),
+                        lambda: ring_tables(rank_set(plan), rank_visibility(plan, mask),
+                                            rank, mask, block), device)

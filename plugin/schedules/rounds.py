@@ -1,22 +1,35 @@
-"""Deterministic accumulation of rows with duplicates: rounds of unique rows.
+"""Deterministic accumulation of rows with duplicates: consecutive rounds of unique rows.
 
 A key that several ranks fetched comes back to its owner once from each of them (dispatch
 and all_gather's dK/dV returns), so the owner's list of rows to accumulate has duplicates.
 One ``index_add_`` over such a list adds with atomics on CUDA and the duplicates of a row
 sum in a run-dependent order: bitwise run-to-run differences in dK/dV. ``UniqueRounds``
-cuts the list on the host into rounds where every row appears at most once (round j: each
-row's j-th occurrence), and the device adds round after round: one fixed order per row, no
-two updates of one row in one call. Rounds: at most the largest number of ranks that fetch
-one key (1 when nothing repeats: one call, as before).
+cuts the list on the host into rounds, consecutive slices of it in which no row repeats (a
+round ends before the first entry whose row it already holds), and the device adds round
+after round, one ``index_add_`` each: every row sums its values in list order, and no call
+updates a row twice.
+
+The rounds are slices of the list, so the values need no reordering. (Rounds made of each
+row's j-th occurrence, as before, sum every row in the same order, so dK/dV are bitwise
+unchanged, but needed a permuted copy of all the returns at every fold: an fp32 copy of
+every returned row, 1.3 GiB at the peak of one 128K document at cp 64 with all_gather.)
+Rounds: at least the largest number of ranks that fetch one key, 1 when nothing repeats
+(one call); on the bench's batches at cp 64 up to ~2x that per transfer.
+
+The staged tables hand the list over as runs of consecutive rows (one per destination and
+piece of a document): :meth:`UniqueRounds.of_runs` finds where runs overlap by cutting
+them at each other's ends, per run, not per row.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from ..kernels.host_copy import to_device
+from ..plan.runs import run_rows
 
 
 def rank_within(group: torch.Tensor) -> torch.Tensor:
@@ -28,11 +41,39 @@ def rank_within(group: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _previous(key: torch.Tensor) -> torch.Tensor:
+    """int64: index of the previous element with the same key (-1: none)."""
+    order = torch.argsort(key, stable=True)
+    same = key[order][1:] == key[order][:-1]
+    out = torch.full_like(key, -1)
+    out[order[1:][same]] = order[:-1][same]
+    return out
+
+
+def _round_starts(last: torch.Tensor) -> list[int]:
+    """Greedy cut of a list into rounds: element i starts a new round when ``last[i]``,
+    the latest earlier element it clashes with (-1: none), lies in the current round. The
+    round after one starting at s starts at the first i with last[i] >= s (last[i] < i):
+    a suffix minimum over the values of ``last``, then one lookup per round."""
+    last = last.numpy()
+    n = last.size
+    first = np.full(n + 1, n, dtype=np.int64)          # first i with last[i] == v
+    where = np.flatnonzero(last >= 0)
+    values, at = np.unique(last[where], return_index=True)
+    first[values] = where[at]
+    after = np.minimum.accumulate(first[::-1])[::-1]   # first i with last[i] >= s
+    starts, s = [], 0
+    while after[s] < n:
+        s = int(after[s])
+        starts.append(s)
+    return starts
+
+
 @dataclass(frozen=True)
 class UniqueRounds:
-    """A row list cut into rounds of unique rows: ``perm`` (None: the identity) orders the
-    list's entries round by round, ``rows`` are their rows in that order, round j is
-    entries [ends[j-1], ends[j]) (each row's j-th occurrence, in list order)."""
+    """A row list cut into rounds of unique rows: round j is entries [ends[j-1], ends[j])
+    of ``rows``, the list itself. ``perm`` is None: the entries are added in list order
+    (the field stays for readers of the tables that accept a reordering)."""
 
     perm: torch.Tensor | None
     rows: torch.Tensor
@@ -41,13 +82,42 @@ class UniqueRounds:
     @classmethod
     def of(cls, rows: torch.Tensor) -> "UniqueRounds":
         """Host tables of the list ``rows`` (int64, host)."""
-        occurrence = rank_within(rows)
-        counts = torch.bincount(occurrence) if rows.numel() else occurrence
-        ends = tuple(torch.cumsum(counts, 0).tolist())
-        if len(ends) <= 1:   # no duplicates: one round, in list order
-            return cls(None, rows, ends)
-        perm = torch.argsort(occurrence, stable=True)
-        return cls(perm, rows[perm], ends)
+        n = rows.numel()
+        if n == 0:
+            return cls(None, rows, ())
+        return cls(None, rows, (*_round_starts(_previous(rows)), n))
+
+    @classmethod
+    def of_runs(cls, start: torch.Tensor, length: torch.Tensor,
+                rows: torch.Tensor | None = None) -> "UniqueRounds":
+        """:meth:`of` the list of runs ``[start[i], start[i] + length[i])`` laid back to
+        back (``rows``: that list, when the caller has it), each run's rows distinct; the
+        rounds start at runs. The runs are cut at every run's ends into pieces that every
+        run covers whole or not at all: a run clashes with the latest earlier run covering
+        one of its pieces. Falls back to the per-row :meth:`of` when the pieces would
+        outnumber the rows."""
+        keep = length > 0
+        start, length = start[keep], length[keep]
+        if rows is None:
+            rows = run_rows(start, length)
+        n = rows.numel()
+        if start.numel() <= 1:
+            return cls(None, rows, (n,) if n else ())
+        bounds = torch.unique(torch.cat([start, start + length]))      # sorted
+        first = torch.searchsorted(bounds, start)
+        count = torch.searchsorted(bounds, start + length) - first     # pieces per run
+        n_pieces = int(count.sum())
+        if n_pieces > n:
+            return cls.of(rows)
+        run = torch.repeat_interleave(torch.arange(start.numel()), count,
+                                      output_size=n_pieces)
+        piece = torch.arange(n_pieces) - (torch.cumsum(count, 0) - count)[run] + first[run]
+        earlier = _previous(piece)                 # the previous run on the same rows
+        clash = torch.where(earlier >= 0, run[earlier.clamp(min=0)], -1)
+        last = torch.full((start.numel(),), -1, dtype=torch.int64)
+        last.scatter_reduce_(0, run, clash, "amax")
+        at = torch.cumsum(length, 0) - length      # each run's place in the list
+        return cls(None, rows, (*at[_round_starts(last)].tolist(), n))
 
     def to(self, device: torch.device) -> "UniqueRounds":
         perm, rows = to_device([self.perm, self.rows], device)
@@ -56,8 +126,6 @@ class UniqueRounds:
     def add_(self, acc: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """``acc[rows[i]] += values[i]`` for every entry i of the list (``values`` in list
         order), round by round; returns ``acc``."""
-        if self.perm is not None:
-            values = values.index_select(0, self.perm)
         start = 0
         for end in self.ends:
             acc.index_add_(0, self.rows[start:end], values[start:end])

@@ -6,8 +6,9 @@ are the union of its runs' spans per document (merged, non-overlapping, in posit
 and their owners come from cutting those spans by the partition of each document into the
 ranks' runs. A rank learns what the others fetch from it the same way, for all of them in
 one pass over their spans (no per-rank loop), which is what the backward (all_gather) and
-the forward send lists (dispatch) need. ``staged`` cuts these into the strategies'
-transfers and kernel calls.
+the forward send lists (dispatch) need. ``staged`` cuts the same spans, as runs, into the
+strategies' transfers and kernel calls; the per-key lists here (``select_keys``,
+``sent_keys``) are for tests and the reference construction in tests/staged_reference.py.
 """
 
 from __future__ import annotations
@@ -77,12 +78,21 @@ def sent_keys(plan: CPPlan, mask: AttnMask, rank: int) -> tuple[torch.Tensor, to
     return host_table(plan, table_key("sent_keys", mask, None, rank), build)
 
 
+def needed_pieces(plan: CPPlan, mask: AttnMask) -> tuple[torch.Tensor, ...]:
+    """Every rank's needed spans cut by the owners' runs: (span index, run index in
+    ``runs_by_document``, first position, length) of each piece (cached)."""
+    def build() -> tuple[torch.Tensor, ...]:
+        _, doc, lo, hi = needed_spans(plan, mask)
+        return span_pieces(doc, lo, hi, runs_by_document(plan))
+    return host_table(plan, table_key("needed_pieces", mask), build)
+
+
 def fetch_counts(plan: CPPlan, mask: AttnMask) -> torch.Tensor:
     """int64 [cp, cp]: how many keys rank s's queries need from rank o (o == s: its own)."""
     def build() -> torch.Tensor:
-        holder, doc, lo, hi = needed_spans(plan, mask)
+        holder = needed_spans(plan, mask)[0]
         part = runs_by_document(plan)
-        span, run, _, length = span_pieces(doc, lo, hi, part)
+        span, run, _, length = needed_pieces(plan, mask)
         cp = plan.cp_size
         out = torch.zeros(cp * cp, dtype=torch.int64)
         return out.scatter_add_(0, holder[span] * cp + part.holder[run], length).view(cp, cp)

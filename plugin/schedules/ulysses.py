@@ -19,7 +19,7 @@ from ..kernels.host_copy import to_device
 from ..masks import AttnMask
 from ..plan import CPPlan
 from .holders import Holder, KernelCall, holder_from_counts, kernel_call
-from .keys import host_table, table_key
+from .keys import cached_table, table_key
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,10 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def ulysses_tables(plan: CPPlan, members: tuple[int, ...]) -> UlyssesTables:
+def ulysses_tables(plan: CPPlan, members: tuple[int, ...],
+                   device: torch.device | str | None = None) -> UlyssesTables:
     """Tables of the group made of CP ranks ``members`` (consecutive, in group-rank
-    order), cached."""
+    order), on the host or copied to ``device`` (cached)."""
     def build() -> UlyssesTables:
         rows = slice(plan.local_rows_of(members[0]).start, plan.local_rows_of(members[-1]).stop)
         padded = plan.all_padded_indices()[rows]
@@ -56,14 +57,17 @@ def ulysses_tables(plan: CPPlan, members: tuple[int, ...]) -> UlyssesTables:
         doc = plan.all_documents()[rows][order]
         return UlyssesTables(tuple(plan.num_tokens_of(r) for r in members), order,
                              _inverse(order), holder_from_counts(doc, pos, plan.n_docs))
-    return host_table(plan, table_key("ulysses", None, None, tuple(members)), build)
+    return cached_table(plan, table_key("ulysses", None, None, tuple(members)), build, device)
 
 
 def group_call(plan: CPPlan, members: tuple[int, ...], mask: AttnMask,
-               block: tuple[int, int]) -> KernelCall | None:
-    """The local call over the group's merged tokens; None when nothing is visible."""
+               block: tuple[int, int], device: torch.device | str | None = None
+               ) -> KernelCall | None:
+    """The local call over the group's merged tokens (on the host or copied to
+    ``device``, cached); None when nothing is visible."""
     def build() -> KernelCall | None:
         h = ulysses_tables(plan, members).holder
         any_real = bool((h.pos >= 0).any()) if h.n_tokens else False
         return kernel_call(h, h, mask, block) if any_real else None
-    return host_table(plan, table_key("ulysses_call", mask, block, tuple(members)), build)
+    return cached_table(plan, table_key("ulysses_call", mask, block, tuple(members)), build,
+                        device)

@@ -31,7 +31,6 @@ from ..masks import AttnMask
 from ..plan import CPPlan
 from ..schedules.shape import Shape, kv_heads_per_rank
 from ..schedules.hybrid import heads_fit
-from ..schedules.keys import device_table, table_key
 from ..schedules.ulysses import UlyssesTables, group_call, ulysses_tables
 from .base import CallSpec, Strategy
 from .calls import dlse_or_none, empty_attn, head_max, no_max
@@ -95,8 +94,7 @@ class UlyssesSpec:
 
     def tables(self, device: torch.device) -> UlyssesTables:
         plan, members = self.call.plan, self.members
-        return device_table(plan, table_key("ulysses", None, None, members), device,
-                            lambda: ulysses_tables(plan, members))
+        return ulysses_tables(plan, members, device)
 
     @property
     def index(self) -> int:
@@ -117,8 +115,7 @@ class LocalSpec(UlyssesSpec):
 
     def _call(self, device: torch.device):
         plan, mask, block = self.call.plan, self.call.attn.mask, self.call.block
-        return device_table(plan, table_key("ulysses_call", mask, block, self.members), device,
-                            lambda: group_call(plan, self.members, mask, block))
+        return group_call(plan, self.members, mask, block, device)
 
     def core_fwd(self, q, k, v, device, need_max):
         call = self._call(device)
@@ -232,8 +229,7 @@ class A2A(Strategy):
         spec = LocalSpec(CallSpec(plan, None, None, block), None, plan.cp_size,
                          tuple(range(plan.cp_size)))
         spec.tables(device)
-        device_table(plan, table_key("ulysses_call", mask, block, spec.members), device,
-                     lambda: group_call(plan, spec.members, mask, block))
+        group_call(plan, spec.members, mask, block, device)
 
     def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
                  ) -> tuple[type[torch.autograd.Function], tuple]:

@@ -36,7 +36,6 @@ from ..plan import CPPlan
 from ..plan.collective import group_timeout
 from ..schedules.shape import Shape
 from ..schedules.hybrid import default_a2a_size, group_members, hybrid_ring_tables
-from ..schedules.keys import device_table, table_key
 from ..schedules.ulysses import ulysses_tables
 from .a2a import A2A, UlyssesAttention, UlyssesSpec, check_head_split
 from .base import CallSpec, Strategy
@@ -99,8 +98,7 @@ class HybridSpec(UlyssesSpec):
         call, size = self.call, self.size
         plan, mask, block = call.plan, call.attn.mask, call.block
         g, index = divmod(plan.cp_rank, size)
-        tables = device_table(plan, table_key("hybrid_ring", mask, block, size, g), device,
-                              lambda: hybrid_ring_tables(plan, mask, size, g, block))
+        tables = hybrid_ring_tables(plan, mask, size, g, block, device)
         # The ring joins the members holding the same head slice: index ``index`` of every
         # group.
         peers = tuple(global_rank(self.cp_group, gg * size + index)
@@ -148,10 +146,8 @@ class A2AP2P(Strategy):
             return A2A().prepare(plan, mask, block, device, shape)
         g = plan.cp_rank // size
         members = group_members(plan.cp_rank, size)
-        device_table(plan, table_key("ulysses", None, None, members), device,
-                     lambda: ulysses_tables(plan, members))
-        device_table(plan, table_key("hybrid_ring", mask, block, size, g), device,
-                     lambda: hybrid_ring_tables(plan, mask, size, g, block))
+        ulysses_tables(plan, members, device)
+        hybrid_ring_tables(plan, mask, size, g, block, device)
 
     def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
                  ) -> tuple[type[torch.autograd.Function], tuple]:

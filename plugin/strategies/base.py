@@ -7,8 +7,9 @@ with:
   communication;
 - ``prepare(plan, mask, block, device, shape, a2a_size)``: build and cache in the plan every
   host table its ``attention`` will read, and their device copies (``varlen_cp.prepare``
-  calls it ahead of the step); strategies with ``staged = True`` (dispatch, all_gather)
-  also take ``overlap_stages`` there and read ``spec.options.overlap_stages``;
+  calls it ahead of the step); staged strategies (``staged``: the catalogue says so;
+  dispatch, all_gather) also take ``overlap_stages`` there and read
+  ``spec.options.overlap_stages``;
 - ``function(q, k, v, spec) -> (Function, args)``: its ``torch.autograd.Function`` and the
   arguments after q, k, v. ``attention(q, k, v, spec) -> (out, lse, max_part)`` applies it:
   differentiable in q, k, v through out AND lse (attention sinks compose on the merged
@@ -20,7 +21,8 @@ with:
   the CP group (the caller's) makes it global. ``lse`` may be an [Hq, 0] stand-in when not
   ``spec.need_lse`` (a2a);
 - ``bytes_sent_per_rank`` / ``compute_per_rank``: its costs per layer and rank, from the
-  same host tables it runs on (``varlen_cp.schedules.cost``; benchmarks, tests, ``auto``).
+  same host tables it runs on (its cost functions in ``varlen_cp.schedules.catalogue``;
+  benchmarks, tests).
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ import torch
 from ..masks import AttnMask
 from ..options import AttnOptions
 from ..plan import CPPlan
-from ..schedules import cost
-from ..schedules.shape import Shape
+from ..schedules import catalogue
+from ..schedules.shape import Shape, make_shape
 from .calls import Attn, maybe_max
 
 
@@ -57,7 +59,12 @@ class Strategy(ABC):
     """One CP strategy (see the module docstring)."""
 
     name: ClassVar[str]
-    staged: ClassVar[bool] = False   # overlaps its transfers in ``overlap_stages`` stages
+
+    @property
+    def staged(self) -> bool:
+        """Overlaps its transfers in ``overlap_stages`` stages (the catalogue's trait;
+        ``local`` is not in the catalogue: never)."""
+        return self.name in catalogue.STAGED
 
     def check_heads(self, n_heads: int, n_kv_heads: int, cp_size: int,
                     a2a_size: int | None = None) -> None:
@@ -88,9 +95,9 @@ class Strategy(ABC):
                             head_dim_v: int | None = None, a2a_size: int | None = None
                             ) -> dict[str, list[int]]:
         """Bytes each rank posts per layer: {"fwd": [...], "bwd": [...]}."""
-        shape = cost.make_shape(n_heads or n_kv_heads, n_kv_heads, head_dim, head_dim_v,
-                                dtype_bytes)
-        return cost.bytes_sent(self.name, plan, mask, shape, a2a_size)
+        shape = make_shape(n_heads or n_kv_heads, n_kv_heads, head_dim, head_dim_v,
+                           dtype_bytes)
+        return catalogue.bytes_sent(self.name, plan, mask, shape, a2a_size)
 
     def compute_per_rank(self, plan: CPPlan, mask: AttnMask, *, block: tuple[int, int],
                          n_heads: int = 1, n_kv_heads: int = 1, a2a_size: int | None = None,
@@ -98,7 +105,7 @@ class Strategy(ABC):
                          dtype_bytes: int | None = None) -> dict[str, list[float]]:
         """Per rank, per query head of the model: pairs the kernels' tiles visit and the
         visible pairs among them (head dims and dtype do not change them)."""
-        shape = cost.make_shape(n_heads, n_kv_heads, 1, 1, 1)
-        return {"visited": cost.visited_pairs(self.name, plan, mask, shape, tuple(block),
-                                              a2a_size),
-                "visible": cost.visible_pairs(self.name, plan, mask, shape, a2a_size)}
+        shape = make_shape(n_heads, n_kv_heads, 1, 1, 1)
+        return {"visited": catalogue.visited_pairs(self.name, plan, mask, shape, tuple(block),
+                                                   a2a_size),
+                "visible": catalogue.visible_pairs(self.name, plan, mask, shape, a2a_size)}

@@ -29,9 +29,10 @@ of the keys it fetched: the same totals in any number of stages, and the lower b
 scheme that moves K/V to the queries (the other ranks' keys that a rank's queries see).
 
 Limits: the fetched K/V are kept for the backward pass (memory: the remote keys this
-rank's queries see; with S = 1 the local ones too). Every rank builds every rank's needs
-(O(sum of the needed keys), at most cp x tokens): measured 30-50 ms of one CPU core for
-128K tokens, 1K documents, cp 8..32.
+rank's queries see; with S = 1 the local ones too). Every rank plans every rank's needs as
+runs (a few per document and rank: what travels where is a [P, cp, cp] count table) and
+lists only its own keys one by one (the call's positions and index tables): the plan +
+tables of one batch are in ``bench/results/host_tables.json``.
 """
 
 from __future__ import annotations

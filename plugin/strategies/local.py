@@ -13,18 +13,15 @@ from ..kernels import max_logit_of
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..schedules.shape import Shape
-from ..schedules.holders import KernelCall, kernel_call, rank_holder
-from ..schedules.keys import device_table, table_key
+from ..schedules.holders import KernelCall
+from ..schedules.local import local_call
 from .base import CallSpec, Strategy
 from .calls import dlse_or_none, no_max
 
 
 def _local_call(plan: CPPlan, mask: AttnMask, block: tuple[int, int],
                 device: torch.device) -> KernelCall:
-    def build() -> KernelCall:
-        holder = rank_holder(plan, plan.cp_rank)
-        return kernel_call(holder, holder, mask, block)
-    return device_table(plan, table_key("local", mask, block), device, build)
+    return local_call(plan, mask, block, device)
 
 
 class LocalAttention(torch.autograd.Function):

@@ -38,7 +38,6 @@ from ..kernels import merge_attn_partials_
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..schedules.shape import Shape
-from ..schedules.keys import device_table, table_key
 from ..schedules.ring import RingTables, p2p_tables
 from .base import CallSpec, Strategy
 from .calls import (Attn, dlse_or_none, global_rank, head_max, no_max, pack_flat,
@@ -169,8 +168,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 # ------------------------------------------------------------------------------ strategy
 def _ring(spec: CallSpec, device: torch.device) -> Ring:
     plan, rank, mask = spec.plan, spec.plan.cp_rank, spec.attn.mask
-    tables = device_table(plan, table_key("p2p", mask, spec.block, rank), device,
-                          lambda: p2p_tables(plan, mask, spec.block, rank))
+    tables = p2p_tables(plan, mask, spec.block, rank, device)
     peers = tuple(global_rank(spec.group, r) for r in range(plan.cp_size))
     return Ring(tables, rank, peers, spec.group)
 
@@ -210,8 +208,7 @@ class P2P(Strategy):
                 device: torch.device, shape: Shape, a2a_size: int | None = None,
                 overlap_stages: int | None = None) -> None:
         rank = plan.cp_rank
-        device_table(plan, table_key("p2p", mask, block, rank), device,
-                     lambda: p2p_tables(plan, mask, block, rank))
+        p2p_tables(plan, mask, block, rank, device)
 
     def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
                  ) -> tuple[type[torch.autograd.Function], tuple]:

@@ -40,7 +40,6 @@ from ..kernels import merge_attn_partials_
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..schedules.shape import Shape, make_shape
-from ..schedules.keys import device_table, table_key
 from ..schedules.staged import Stage, StagedTables, resolve_stages, staged_tables
 from .base import CallSpec, Strategy
 from .calls import Attn, dlse_or_none, head_max, no_max
@@ -180,6 +179,7 @@ def staged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
         if pending is not None:  # the previous stage's returns travelled meanwhile
             acc = fold(acc, pending, rows)
         pending, rows = posted, stage.rounds
+        del posted   # (else the last transfer's buffers live to the end of the backward)
     if tab.local is not None:
         dq_0, dk_0, dv_0 = attn.bwd(dout, q, k, v, out, lse, tab.local, dlse, stats)
         dq = _add(dq, dq_0, several)
@@ -245,9 +245,7 @@ class StagedKeysAttention(torch.autograd.Function):
 def tables(plan: CPPlan, mask: AttnMask, block: tuple[int, int], name: str, stages: int,
            device: torch.device) -> StagedTables:
     """This rank's staged tables of strategy ``name`` on ``device`` (built once per plan)."""
-    rank = plan.cp_rank
-    return device_table(plan, table_key(f"{name}_staged", mask, block, rank, stages), device,
-                        lambda: staged_tables(name, plan, mask, rank, block, stages))
+    return staged_tables(name, plan, mask, plan.cp_rank, block, stages, device)
 
 
 class SelectedKeysStrategy(Strategy):
@@ -255,7 +253,6 @@ class SelectedKeysStrategy(Strategy):
     subclasses name it and supply ``exchange(kf, vf, stage, group) -> Pending`` (how one
     stage's K/V travel)."""
 
-    staged = True
     exchange: Callable[..., Pending]
 
     def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],

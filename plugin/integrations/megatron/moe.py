@@ -46,7 +46,7 @@ from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import TopKRouter
 
 from ...plan import CPPlan
-from ...schedules.keys import device_table, table_key
+from ... import sharding
 
 if not hasattr(moe_utils, "te_general_gemm"):  # TE absent: megatron's torch path
     moe_utils.te_general_gemm = None
@@ -106,8 +106,7 @@ class VarlenCPTopKRouter(TopKRouter):
 def padding_mask(plan: CPPlan, device: torch.device | str) -> torch.Tensor:
     """bool [1, T_local]: True for this rank's padding tokens (megatron's ``padding_mask``
     convention), built once per plan and device."""
-    return device_table(plan, table_key("megatron_padding_mask", None, None, plan.cp_rank),
-                        device, lambda: (plan.token_indices < 0).unsqueeze(0))
+    return sharding.padding_mask(plan, device)
 
 
 def has_moe(config: Any) -> bool:

@@ -25,13 +25,12 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from ... import prepare
 from ...config import CPConfig
-from ...kernels.host_copy import one_to_device
 from ...masks import AttnMask
 from ...options import AttnOptions
 from ...plan import CPPlan
 from ...prepare import AttnShape
 from ...report import LayerType
-from ...schedules.keys import host_table, table_key
+from ...sharding import rope_positions
 from .moe import padding_mask
 from .options import VarlenCPOptions, layer_a2a_size, layer_mask, layer_strategy
 
@@ -123,9 +122,7 @@ def resolve_device(device: Any) -> torch.device:
 def rope_index(plan: CPPlan, device: torch.device) -> torch.Tensor:
     """Each local token's position in its document (padding: 0) on ``device``: the rows of
     megatron's RoPE table that the tokens take (cached in the plan)."""
-    return host_table(plan, table_key("megatron_rope_index", None, None, str(device)),
-                      lambda: one_to_device(plan.positions.clamp(min=0).to(torch.int64),
-                                            device))
+    return rope_positions(plan, device)
 
 
 def prepare_model_plan(plan: CPPlan, options: VarlenCPOptions, model: ModelAttention,

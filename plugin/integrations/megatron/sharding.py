@@ -30,7 +30,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from ...plan import CPPlan
 from ...plan.agreement import agree_on_plan
-from ...schedules.keys import device_table, table_key
+from ...sharding import padded_input_rows
 from .moe import padding_mask
 from .options import VarlenCPOptions
 from .planning import ModelAttention, model_attention, plan_batch
@@ -99,9 +99,7 @@ def packed_seq_params_for(plan: CPPlan, device: torch.device | str,
 def _shard_tensor(plan: CPPlan, x: torch.Tensor, padded_input: bool) -> torch.Tensor:
     if not padded_input:
         return plan.shard(x, dim=1)  # padding tokens come out as zeros
-    index = device_table(plan, table_key("megatron_padded_index", None, None, plan.cp_rank),
-                         x.device, lambda: plan.padded_token_indices_of(plan.cp_rank))
-    return x.index_select(1, index)
+    return x.index_select(1, padded_input_rows(plan, x.device))
 
 
 def _check_plan(plan: Any, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> None:

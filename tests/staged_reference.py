@@ -1,212 +1,56 @@
-"""Staged host tables of ``dispatch`` and ``all_gather``, and the cost model of staging.
+"""Test reference: the staged strategies' host side as the package computed it before
+issue 22 (item 4) made it cheap; tests/test_staged_tables.py checks that the package's
+results equal these.
 
-``overlap_stages`` = S kernel stages. S = 1: one exchange of the remote keys the queries
-see, then one call over all of them, local and fetched (no overlap, no partial results).
-S >= 2: stage 0 is the keys the rank holds, read in place (local queries x local K/V, the
-local tile schedule, no copy); stages 1..S-1 are the remote keys, fetched in S-1
-collectives (``dispatch``: an ``all_to_all_single`` each, of exactly the needed rows;
-``all_gather``: an all-gather each, of a slice of every rank's padded local K/V), each in
-flight while the previous stage computes. Each stage's keys are listed per document by
-position (segment i is document i), so each stage is one varlen call with explicit
-positions and its own tile schedule; the partial (out, lse) fold by their LSE.
+- Tables: the per-token construction of the staged tables of ``dispatch`` and
+  ``all_gather``, replaced by the run-based tables (``varlen_cp.schedules.staged.tables``).
+  Every fetched key is listed one by one (``selected.select_keys`` / ``sent_keys``), its
+  place in its owner's list found by a per-key sort and its transfer by a per-key search;
+  the returns' rounds are each row's j-th occurrence, from a per-row sort, added through a
+  permuted copy of the returns (the package's rounds are now consecutive slices of the
+  list: each row sums in the same order, without the copy). Slow (sorts over up to
+  cp x tokens keys) but direct.
+- Time model and memory walk: torch ops on [cp] vectors, one stage count at a time
+  (the package runs the same steps on numpy vectors, all candidates sharing their inputs).
+  The walk is the one before tests/test_staged_memory.py checked it against the engine's
+  real allocations; the package's differs where this one was wrong: fp32 inputs (no fp32
+  copies there) and head dims D != Dv (the K and V halves picked apart at S = 1).
 
-Which remote key travels in which of the P transfers (P = S - 1, or 1 when S = 1):
-- ``dispatch``: what rank d fetches from rank o (listed in (document, position) order) is
-  cut into P contiguous pieces of equal size, one per transfer, so every rank sends and
-  receives 1/P of its rows in each (a collective lasts as long as its busiest rank; cutting
-  each rank's own list instead, nearest owners first, made the sum of the per-transfer
-  maxima up to 1.6x the total at cp 64). The owner knows what to send in each transfer
-  from the [P, cp, cp] count table alone (no metadata exchange).
-- ``all_gather``: transfer p gathers rows [lo_p, hi_p) of every rank's padded local K/V
-  (equal slices of the padded length); a remote key travels with its owner's row.
-Transfers empty on every rank are dropped (the same decision on every rank).
-
-Time (``staged_time``; per layer, forward + backward, every rank simulated, since a
-collective ends for all when its last rank has posted it and its bytes have moved):
-c_s is the compute of stage s on a rank (visible pairs x FLOPs per pair / flops_per_s; a
-fetched stage's pairs are the rank's pairs with each owner's keys in proportion to that
-owner's keys in it, plus ``stage_latency_s`` and the fold's memory traffic), t_s the
-transfer of stage s (the most K/V rows a rank sends or receives in it / bytes_per_s;
-t_0 = 0: the local keys need none). The forward posts stage s+1 when stage s-1 has
-computed, so with equal ranks
-
-    forward  = t_0 + sum_{s=0..S-1} max(c_s, t_{s+1})       (t_S = 0)
-
-the per-stage max(compute, transfer) plus the first transfer; the backward computes the
-fetched stages first, posting each one's dK/dV return r_s while the next one computes, and
-the local stage last, under the last return: b_1 + sum_{s=1..S-1} max(b_{s+1}, r_s) with
-b_S the local stage (a return is folded before the stage after next computes, which the
-simulation follows). S = 1 is the sequential t + c (forward) and c + r (backward).
-
-``default_stages`` picks the S in ``CANDIDATE_STAGES`` (1..``MAX_STAGES``) with the least time (the
-fewest among those within 1%) among those whose peak memory per rank (``staged_memory``, a host walk
-of the engine's allocations) is no more than S = 1's: enough stages to hide the transfer, no
-more, since each adds a latency and an unfused fold (T x Hq x Dv x (16 + dtype bytes) of
-memory traffic, 0.2 ms at 8K tokens, 32 heads, bf16 on an H100), and never more memory
-than the call without overlap.
-
-Limits: latency and fold traffic are two constants of the cost model, not measured; a
-stage's compute is proportional within an owner's keys; kernels are assumed not to slow
-down when a transfer runs beside them.
+Not cached; not used by the package.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..masks import AttnMask
-from ..plan import CPPlan
-from ..plan.runs import span_pieces
-from .shape import Shape
-from ..kernels.host_copy import to_device
-from ..kernels.schedule import segment_ids
-from .holders import KernelCall, holder_from_counts, kernel_call, rank_holder
-from .keys import host_table, table_key
-from .rounds import UniqueRounds, rank_within
-from .selected import (fetch_counts, needed_spans, pair_counts, runs_by_document, select_keys,
-                       sent_keys)
+from varlen_cp.kernels.schedule import segment_ids
+from varlen_cp.masks import AttnMask
+from varlen_cp.plan import CPPlan
+from varlen_cp.schedules.cost_model import CostModel
+from varlen_cp.schedules.holders import KernelCall, holder_from_counts, kernel_call, rank_holder
+from varlen_cp.schedules.rounds import UniqueRounds, rank_within
+from varlen_cp.schedules.selected import fetch_counts, pair_counts, select_keys, sent_keys
+from varlen_cp.schedules.shape import Shape
+from varlen_cp.schedules.staged import (CANDIDATE_STAGES, Stage, StagedMemory, StagedTables,
+                                        StagedTime, dispatch_stage_counts, gather_stage_counts,
+                                        gather_stage_rows, stage_counts, transfers)
 
-STAGED = ("dispatch", "all_gather")
-MAX_STAGES = 8          # the default search range; a user may ask for more
-# S values the default tries: each costs one pipeline simulation (~0.3 ms at cp 64), and
-# the times of neighbouring S differ by little once S passes 4.
-CANDIDATE_STAGES = (1, 2, 3, 4, 6, 8)
 _BIG = 1 << 40          # group * _BIG + index: sort keys of (group, index) pairs
 
 
-# ---- which remote keys travel in which stage -------------------------------------------------
-def _drop_empty(counts: torch.Tensor) -> torch.Tensor:
-    """Transfers (dim 0) in which no rank fetches anything are dropped."""
-    return counts[counts.flatten(1).sum(1) > 0]
-
-
-def dispatch_stage_counts(plan: CPPlan, mask: AttnMask, parts: int) -> torch.Tensor:
-    """int64 [P, cp, cp]: keys rank d fetches from rank o in transfer p: each (d, o) list
-    cut into ``parts`` equal pieces, so every rank sends and receives 1/P of its rows in
-    each (P <= ``parts``: transfers empty everywhere dropped); summed over p it is
-    ``fetch_counts`` off the diagonal (cached)."""
-    def build() -> torch.Tensor:
-        counts = fetch_counts(plan, mask).clone()
-        counts.fill_diagonal_(0)
-        cuts = counts.unsqueeze(0) * torch.arange(parts + 1).view(-1, 1, 1) // parts
-        return _drop_empty(cuts[1:] - cuts[:-1])
-    return host_table(plan, table_key("dispatch_stage_counts", mask, None, parts), build)
-
-
-def gather_stage_rows(plan: CPPlan, parts: int) -> tuple[tuple[int, int], ...]:
-    """(lo, hi) of each all_gather transfer: equal slices of the padded local length (the
-    largest local token count), empty slices dropped."""
-    stride = max(plan.num_tokens_of(r) for r in range(plan.cp_size))
-    cuts = [stride * s // parts for s in range(parts + 1)]
-    return tuple((a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a)
-
-
-def _picked_rows(plan: CPPlan, mask: AttnMask) -> tuple[torch.Tensor, ...]:
-    """(destination, owner, first row, end row) of every piece of remote keys a rank picks
-    from an owner's local rows (the needed spans cut by the owners' runs; cached)."""
-    def build() -> tuple[torch.Tensor, ...]:
-        holder, doc, lo, hi = needed_spans(plan, mask)
-        part = runs_by_document(plan)
-        span, run, first, length = span_pieces(doc, lo, hi, part)
-        dest, owner = holder[span], part.holder[run]
-        keep = dest != owner
-        row0 = (part.row[run] + first - part.start[run])[keep]
-        return dest[keep], owner[keep], row0, row0 + length[keep]
-    return host_table(plan, table_key("picked_rows", mask), build)
-
-
-def gather_stage_counts(plan: CPPlan, mask: AttnMask, parts: int) -> torch.Tensor:
-    """int64 [P, cp, cp]: keys rank d picks from rank o's rows of all_gather transfer p
-    (exact, from the needed spans cut by the owners' runs; one per non-empty slice of
-    ``gather_stage_rows``) (cached)."""
-    def build() -> torch.Tensor:
-        cp = plan.cp_size
-        rows = gather_stage_rows(plan, parts)
-        dest, owner, row0, row1 = _picked_rows(plan, mask)
-        lo = torch.tensor([a for a, _ in rows], dtype=torch.int64).unsqueeze(1)
-        hi = torch.tensor([b for _, b in rows], dtype=torch.int64).unsqueeze(1)
-        n = (torch.minimum(row1, hi) - torch.maximum(row0, lo)).clamp(min=0)   # [P, pieces]
-        out = torch.zeros(len(rows), cp * cp, dtype=torch.int64)
-        cell = (dest * cp + owner).expand_as(n)
-        return out.scatter_add_(1, cell, n).view(len(rows), cp, cp)
-    return host_table(plan, table_key("gather_stage_counts", mask, None, parts), build)
-
-
-def transfers(stages: int) -> int:
-    """Transfers of S stages: the remote keys in S - 1 stages, or all keys in one."""
-    return max(1, stages - 1)
-
-
-def stage_counts(name: str, plan: CPPlan, mask: AttnMask, stages: int) -> torch.Tensor:
-    """[P, cp, cp]: keys rank d takes from rank o in each transfer of ``name`` with
-    ``stages`` stages."""
-    if name == "dispatch":
-        return dispatch_stage_counts(plan, mask, transfers(stages))
-    return gather_stage_counts(plan, mask, transfers(stages))
-
-
-# ---- one rank's tables ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Stage:
-    """One transfer and the call on its keys, for one rank (host tensors, or their device
-    copies).
-
-    Forward: ``dispatch`` sends its local rows ``in_rows`` (``in_splits`` to each rank) and
-    receives ``back_splits`` rows from each; ``all_gather`` gathers rows [lo, hi) of every
-    rank. ``gather`` picks the fetched keys from the receive buffer, in call order; with
-    local keys in the call too (S = 1), the fetched ones go to call slots
-    ``remote_slots`` and local rows ``local_rows`` to ``local_slots``. Backward: the
-    fetched keys' dK/dV go to their owners in ``back_order`` (call slots, ``back_splits``
-    to each), and the rows others return to this rank land on local rows ``in_rows``.
-
-    A local row that several ranks fetched comes back once from each: ``in_rows`` has
-    duplicates, and one ``index_add_`` over it would sum them with atomics on CUDA (bitwise
-    run-to-run differences). The fold instead adds the returns in ``rounds``: round j holds
-    the j-th return of every row (``rounds.rows`` unique within a round), the receive
-    buffer's rows in round order (``rounds.perm``), so every row sums in one fixed order."""
-
-    call: KernelCall | None        # local queries x this stage's keys; None: no key here
-    n_keys: int
-    gather: torch.Tensor           # int64 [n_fetched]: receive-buffer row of each fetched key
-    back_order: torch.Tensor       # int64 [n_fetched]: call slots grouped by owner
-    back_splits: tuple[int, ...]   # keys fetched from (dK/dV returned to) each rank
-    in_rows: torch.Tensor          # int64 [m]: our rows the others take, grouped by rank
-    in_splits: tuple[int, ...]     # rows each rank takes from us in this transfer
-    lo: int = 0                    # all_gather: slice of every rank's padded local K/V
-    hi: int = 0
-    remote_slots: torch.Tensor | None = None   # S = 1: call slots of the fetched keys
-    local_slots: torch.Tensor | None = None    # S = 1: call slots of the local keys
-    local_rows: torch.Tensor | None = None     # S = 1: their local rows
-    rounds: UniqueRounds | None = None         # the deterministic fold of the returns
-
-    def to(self, device: torch.device) -> "Stage":
-        names = ("gather", "back_order", "in_rows", "remote_slots", "local_slots",
-                 "local_rows")
-        moved = to_device([getattr(self, n) for n in names], device)
-        return replace(self, **dict(zip(names, moved)),
-                       rounds=None if self.rounds is None else self.rounds.to(device),
-                       call=None if self.call is None else self.call.to(device))
-
-
-@dataclass(frozen=True)
-class StagedTables:
-    """Everything one rank's staged call needs: the local call (S >= 2; None: S = 1, or no
-    local pair is visible), then the transfers and their calls in order."""
-
-    local: KernelCall | None
-    stages: tuple[Stage, ...]
-
-    @property
-    def n_calls(self) -> int:
-        """Kernel calls this rank makes (more than one: fp32 accumulators)."""
-        return (self.local is not None) + sum(s.call is not None for s in self.stages)
-
-    def to(self, device: torch.device) -> "StagedTables":
-        return StagedTables(None if self.local is None else self.local.to(device),
-                            tuple(s.to(device) for s in self.stages))
+def occurrence_rounds(rows: torch.Tensor) -> UniqueRounds:
+    """The rounds as they were: round j holds each row's j-th occurrence; ``perm`` orders
+    the list's entries round by round (None: one round)."""
+    occurrence = rank_within(rows)
+    counts = torch.bincount(occurrence) if rows.numel() else occurrence
+    ends = tuple(torch.cumsum(counts, 0).tolist())
+    if len(ends) <= 1:   # no duplicates: one round, in list order
+        return UniqueRounds(None, rows, ends)
+    perm = torch.argsort(occurrence, stable=True)
+    return UniqueRounds(perm, rows[perm], ends)
 
 
 def _stage_of(group: torch.Tensor, index: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -245,7 +89,7 @@ def _build(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int], stag
         give = out_stage == p
         common = dict(back_splits=tuple(counts[p, rank].tolist()), in_rows=out_rows[give],
                       in_splits=tuple(torch.bincount(out_dest[give], minlength=cp).tolist()),
-                      lo=lo, hi=hi, rounds=UniqueRounds.of(out_rows[give]))
+                      lo=lo, hi=hi, rounds=occurrence_rounds(out_rows[give]))
         if stages == 1:   # one call over every key: local ones too, in their call slots
             local = torch.nonzero(sel.owner == rank).flatten()
             order = torch.argsort(back_key[here], stable=True)
@@ -266,74 +110,54 @@ def _build(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int], stag
 
 def dispatch_staged_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int],
                            stages: int) -> StagedTables:
-    """Host tables of ``rank``'s dispatch call with ``stages`` stages (cached)."""
-    def build() -> StagedTables:
-        counts = dispatch_stage_counts(plan, mask, transfers(stages))   # [P, d, o]
-        ends = torch.cumsum(counts, 0)                  # inclusive, per (d, o)
-        sel = select_keys(plan, mask, rank)
-        remote = torch.nonzero(sel.owner != rank).flatten()
-        owner = sel.owner[remote]
-        index = rank_within(owner)       # place in the owner's list (its send order)
-        stage = _stage_of(owner, index, ends[:, rank, :].t())
-        mine = counts[:, rank, :]                                       # [P, o]
-        buf_start = torch.cumsum(mine, 1) - mine        # owner's block in the buffer
-        row = buf_start[stage, owner] + index - (ends - counts)[stage, rank, owner]
-        dest, rows = sent_keys(plan, mask, rank)
-        out = dest != rank
-        dest, rows = dest[out], rows[out]
-        out_stage = _stage_of(dest, rank_within(dest), ends[:, :, rank].t())
-        # the buffer is grouped by owner in the owner's order: its row is the back key
-        return _build(plan, mask, rank, block, stages, stage, row, row, out_stage, dest,
-                      rows, counts, ())
-    return host_table(plan, table_key("dispatch_staged", mask, block, rank, stages), build)
+    """Host tables of ``rank``'s dispatch call with ``stages`` stages."""
+    counts = dispatch_stage_counts(plan, mask, transfers(stages))   # [P, d, o]
+    ends = torch.cumsum(counts, 0)                  # inclusive, per (d, o)
+    sel = select_keys(plan, mask, rank)
+    remote = torch.nonzero(sel.owner != rank).flatten()
+    owner = sel.owner[remote]
+    index = rank_within(owner)       # place in the owner's list (its send order)
+    stage = _stage_of(owner, index, ends[:, rank, :].t())
+    mine = counts[:, rank, :]                                       # [P, o]
+    buf_start = torch.cumsum(mine, 1) - mine        # owner's block in the buffer
+    row = buf_start[stage, owner] + index - (ends - counts)[stage, rank, owner]
+    dest, rows = sent_keys(plan, mask, rank)
+    out = dest != rank
+    dest, rows = dest[out], rows[out]
+    out_stage = _stage_of(dest, rank_within(dest), ends[:, :, rank].t())
+    # the buffer is grouped by owner in the owner's order: its row is the back key
+    return _build(plan, mask, rank, block, stages, stage, row, row, out_stage, dest,
+                  rows, counts, ())
 
 
 def gather_staged_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int],
                          stages: int) -> StagedTables:
-    """Host tables of ``rank``'s all_gather call with ``stages`` stages (cached)."""
-    def build() -> StagedTables:
-        slices = gather_stage_rows(plan, transfers(stages))
-        his = torch.tensor([hi for _, hi in slices], dtype=torch.int64)
-        los = torch.tensor([lo for lo, _ in slices], dtype=torch.int64)
-        sel = select_keys(plan, mask, rank)
-        remote = torch.nonzero(sel.owner != rank).flatten()
-        owner, row = sel.owner[remote], sel.row[remote]
-        stage = torch.searchsorted(his, row, right=True)
-        buffer_row = owner * (his - los)[stage] + row - los[stage]
-        dest, rows = sent_keys(plan, mask, rank)
-        out = dest != rank
-        dest, rows = dest[out], rows[out]
-        counts = gather_stage_counts(plan, mask, transfers(stages))
-        # owners list a destination's keys in its selection order: group by owner only
-        return _build(plan, mask, rank, block, stages, stage, buffer_row, owner,
-                      torch.searchsorted(his, rows, right=True), dest, rows, counts, slices)
-    return host_table(plan, table_key("all_gather_staged", mask, block, rank, stages), build)
+    """Host tables of ``rank``'s all_gather call with ``stages`` stages."""
+    slices = gather_stage_rows(plan, transfers(stages))
+    his = torch.tensor([hi for _, hi in slices], dtype=torch.int64)
+    los = torch.tensor([lo for lo, _ in slices], dtype=torch.int64)
+    sel = select_keys(plan, mask, rank)
+    remote = torch.nonzero(sel.owner != rank).flatten()
+    owner, row = sel.owner[remote], sel.row[remote]
+    stage = torch.searchsorted(his, row, right=True)
+    buffer_row = owner * (his - los)[stage] + row - los[stage]
+    dest, rows = sent_keys(plan, mask, rank)
+    out = dest != rank
+    dest, rows = dest[out], rows[out]
+    counts = gather_stage_counts(plan, mask, transfers(stages))
+    # owners list a destination's keys in its selection order: group by owner only
+    return _build(plan, mask, rank, block, stages, stage, buffer_row, owner,
+                  torch.searchsorted(his, rows, right=True), dest, rows, counts, slices)
 
 
 def staged_tables(name: str, plan: CPPlan, mask: AttnMask, rank: int,
                   block: tuple[int, int], stages: int) -> StagedTables:
+    """The per-token tables of ``rank``'s ``name`` call with ``stages`` stages."""
     build = dispatch_staged_tables if name == "dispatch" else gather_staged_tables
     return build(plan, mask, rank, block, stages)
 
 
-# ---- time ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StagedTime:
-    """Estimated seconds of one layer with S stages (module docstring)."""
-
-    stages: int                    # stages that run (empty transfers dropped)
-    forward_s: float
-    backward_s: float
-    compute_s: float               # forward + backward compute, slowest rank, no overheads
-    comm_s: float                  # forward + backward transfer time, summed
-    bound_s: float                 # every transfer hidden at no cost: per phase
-                                   # max(compute, transfer)
-
-    @property
-    def seconds(self) -> float:
-        return self.forward_s + self.backward_s
-
-
+# ---- the time model and memory walk as torch ops, one stage count at a time ---------------
 def _flops_per_pair(shape: Shape) -> tuple[float, float]:
     """(forward, backward) FLOPs per visible pair, all query heads (as ``auto``)."""
     d, dv = shape.head_dim, shape.head_dim_v
@@ -416,11 +240,8 @@ def default_stages(plan: CPPlan, mask: AttnMask, name: str, shape: Shape,
                    model: Any = None) -> int:
     """The S in CANDIDATE_STAGES with the least ``staged_time`` (the fewest among those
     within 1% of it) among those whose peak memory (``staged_memory``, max over ranks) is
-    no more than S = 1's, the call without overlap; cached in the plan per (mask,
-    strategy, shape, model)."""
-    if model is None:
-        from .auto import CostModel  # auto imports this module
-        model = CostModel()
+    no more than S = 1's, the call without overlap (not cached)."""
+    model = CostModel() if model is None else model
 
     def choose() -> int:
         times = {s: staged_time(name, plan, mask, shape, model, s).seconds
@@ -435,31 +256,7 @@ def default_stages(plan: CPPlan, mask: AttnMask, name: str, shape: Shape,
             return seen[s]
         best = next(times[s] for s in sorted(times, key=times.get) if fits(s))
         return next(s for s in sorted(times) if times[s] <= best * 1.01 and fits(s))
-    return host_table(plan, table_key("overlap_stages", mask, None, name, shape, model),
-                      choose)
-
-
-def resolve_stages(plan: CPPlan, mask: AttnMask, name: str, shape: Shape,
-                   stages: int | None) -> int:
-    """``stages`` when given, else the cost model's default."""
-    return default_stages(plan, mask, name, shape) if stages is None else stages
-
-
-# ---- memory -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StagedMemory:
-    """Per rank, bytes the call holds at its ``forward`` peak beyond its inputs (q, k, v)
-    and at its ``backward`` peak beyond q and dout (``kept`` included), and ``kept``: what
-    the forward keeps for the backward beyond q, out and lse (the picked K/V, and the local
-    k, v when a local call needs them)."""
-
-    forward: list[int]
-    backward: list[int]
-    kept: list[int]
-
-    @property
-    def peak(self) -> list[int]:
-        return [max(f, b) for f, b in zip(self.forward, self.backward)]
+    return choose()
 
 
 class _Live:

@@ -1,0 +1,113 @@
+"""The one list of CP strategies: name, how their transfers meet compute, when ``auto`` may
+pick them, and their cost functions.
+
+Everything that needs to know the strategies reads this list: the registry of runtime
+implementations (``varlen_cp.strategies.STRATEGIES``, one per entry, in this order), the
+choice of ``strategy="auto"`` (``schedules.auto``), the options (``config.STRATEGY_NAMES``,
+``STAGED_STRATEGIES``), the plan report and the benchmarks. A new strategy is one entry
+here, its cost functions (``schedules.cost``) and its runtime module.
+
+``overlap``: "ring" (each ring step's transfer runs under the previous step's compute:
+max(compute, comm) per pass), "stages" (``overlap_stages`` stages, the staged pipeline of
+``schedules.staged``; such a strategy is *staged*), "none" (it waits for its collectives:
+compute + comm). ``tie_rank``: ``auto``'s order among near-equal estimates (simpler, less
+memory first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..masks import AttnMask
+from ..plan import CPPlan
+from . import cost
+from .hybrid import default_a2a_size, heads_fit
+from .shape import Shape
+
+AUTO = "auto"   # not a strategy: the option that picks one per plan and mask
+
+
+@dataclass(frozen=True)
+class StrategyTraits:
+    """One strategy's entry (module docstring). The cost functions take ``(plan, mask,
+    shape, a2a_size)`` (``visited_pairs``: ``block`` before ``a2a_size``); ``options``
+    gives the options ``auto`` runs it with for these heads at this cp, or None when the
+    heads do not allow it."""
+
+    name: str
+    overlap: str
+    tie_rank: int
+    options: Callable[[Shape, int], dict[str, Any] | None]
+    bytes_sent: Callable[..., dict[str, list[int]]]
+    visible_pairs: Callable[..., list[float]]
+    visited_pairs: Callable[..., list[float]]
+    saved_bytes: Callable[..., int]
+
+    @property
+    def staged(self) -> bool:
+        """Takes ``overlap_stages``: its transfers overlap compute in stages."""
+        return self.overlap == "stages"
+
+
+def _any_heads(shape: Shape, cp: int) -> dict[str, Any]:
+    return {}
+
+
+def _a2a_heads(shape: Shape, cp: int) -> dict[str, Any] | None:
+    return {} if heads_fit(shape.n_heads, shape.n_kv_heads, cp) else None
+
+
+def _hybrid_heads(shape: Shape, cp: int) -> dict[str, Any] | None:
+    size = default_a2a_size(shape.n_heads, shape.n_kv_heads, cp)
+    return {"a2a_size": size} if 1 < size < cp else None
+
+
+CATALOGUE: tuple[StrategyTraits, ...] = (
+    StrategyTraits("p2p", "ring", 0, _any_heads, cost.p2p_bytes, cost.rank_pairs,
+                   cost.p2p_visited, cost.nothing_saved),
+    StrategyTraits("all_gather", "stages", 4, _any_heads, cost.all_gather_bytes,
+                   cost.rank_pairs, cost.all_gather_visited, cost.selected_saved),
+    StrategyTraits("a2a", "none", 1, _a2a_heads, cost.a2a_bytes, cost.a2a_pairs,
+                   cost.a2a_visited, cost.a2a_saved),
+    StrategyTraits("a2a+p2p", "none", 3, _hybrid_heads, cost.hybrid_bytes, cost.hybrid_pairs,
+                   cost.hybrid_visited, cost.hybrid_saved),
+    StrategyTraits("dispatch", "stages", 2, _any_heads, cost.dispatch_bytes, cost.rank_pairs,
+                   cost.dispatch_visited, cost.selected_saved),
+)
+BY_NAME: dict[str, StrategyTraits] = {t.name: t for t in CATALOGUE}
+STRATEGY_NAMES: tuple[str, ...] = tuple(BY_NAME)
+STAGED: tuple[str, ...] = tuple(t.name for t in CATALOGUE if t.staged)
+
+
+def traits(name: Any) -> StrategyTraits:
+    """The entry of strategy ``name``; ValueError naming the value for anything else."""
+    if not isinstance(name, str) or name not in BY_NAME:
+        raise ValueError(f"strategy must be one of {(*STRATEGY_NAMES, AUTO)}, got {name!r}")
+    return BY_NAME[name]
+
+
+# ---- costs by name ---------------------------------------------------------------------------
+def bytes_sent(name: str, plan: CPPlan, mask: AttnMask, shape: Shape,
+               a2a_size: int | None = None) -> dict[str, list[int]]:
+    """Bytes each rank sends per layer: {"fwd": [...], "bwd": [...]} (input dtype)."""
+    return traits(name).bytes_sent(plan, mask, shape, a2a_size)
+
+
+def visible_pairs(name: str, plan: CPPlan, mask: AttnMask, shape: Shape,
+                  a2a_size: int | None = None) -> list[float]:
+    """Per rank, per query head of the model: the visible pairs its kernels compute."""
+    return traits(name).visible_pairs(plan, mask, shape, a2a_size)
+
+
+def visited_pairs(name: str, plan: CPPlan, mask: AttnMask, shape: Shape,
+                  block: tuple[int, int], a2a_size: int | None = None) -> list[float]:
+    """Per rank, per query head of the model: pairs the kernels' tiles cover (builds every
+    rank's schedules: benchmarks and tests)."""
+    return traits(name).visited_pairs(plan, mask, shape, block, a2a_size)
+
+
+def saved_bytes(name: str, plan: CPPlan, mask: AttnMask, shape: Shape,
+                a2a_size: int | None = None) -> int:
+    """Max over ranks of what ``name`` keeps for the backward beyond q, k, v, out, lse."""
+    return traits(name).saved_bytes(plan, mask, shape, a2a_size)

@@ -1,0 +1,61 @@
+"""The machine rates that turn visible pairs and bytes into seconds (a leaf: no package
+imports but the argument checks).
+
+``auto`` (which strategy) and ``staged.timing`` (how many overlap stages) both convert
+with one :class:`CostModel`; it lives here, below both, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+def _positive(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or not value > 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """Machine rates the estimate converts pairs and bytes with (per rank).
+
+    flops_per_s: attention kernel throughput (default 3e14: FA2-class bf16 on an H100).
+    bytes_per_s: bytes one rank sends per second in a collective (default 1.5e11: NCCL
+    all-to-all / P2P inside an NVLink node; ~2.5e10-4.5e10 across InfiniBand nodes).
+    tolerance: estimates within this fraction of the best count as equal (default 0.05).
+    stage_latency_s: fixed cost of one overlap stage of dispatch / all_gather (a collective
+    and a kernel launch; default 2e-5).
+    memory_bytes_per_s: device memory bandwidth, for the per-stage fold of partial results
+    (default 3e12: H100 HBM3).
+    """
+
+    flops_per_s: float = 3e14
+    bytes_per_s: float = 1.5e11
+    tolerance: float = 0.05
+    stage_latency_s: float = 2e-5
+    memory_bytes_per_s: float = 3e12
+
+    def __post_init__(self) -> None:
+        _positive("CostModel.flops_per_s", self.flops_per_s)
+        _positive("CostModel.bytes_per_s", self.bytes_per_s)
+        _positive("CostModel.memory_bytes_per_s", self.memory_bytes_per_s)
+        if isinstance(self.stage_latency_s, bool) \
+                or not isinstance(self.stage_latency_s, (int, float)) \
+                or not math.isfinite(self.stage_latency_s) or self.stage_latency_s < 0:
+            raise ValueError(f"CostModel.stage_latency_s must be a finite number >= 0, got "
+                             f"{self.stage_latency_s!r}")
+        if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, (int, float)) \
+                or not 0 <= self.tolerance < 1:
+            raise ValueError(f"CostModel.tolerance must be in [0, 1), got {self.tolerance!r}")
+
+
+def check_model(model: Any) -> CostModel:
+    """``model``, or the default :class:`CostModel` for None; ValueError otherwise."""
+    model = CostModel() if model is None else model
+    if not isinstance(model, CostModel):
+        raise ValueError(f"model must be a CostModel or None, got {type(model).__name__}")
+    return model

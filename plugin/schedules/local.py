@@ -1,0 +1,20 @@
+"""The table of cp == 1 (and of any rank's own keys): one call, local queries x local keys."""
+
+from __future__ import annotations
+
+import torch
+
+from ..masks import AttnMask
+from ..plan import CPPlan
+from .holders import KernelCall, kernel_call, rank_holder
+from .keys import cached_table, table_key
+
+
+def local_call(plan: CPPlan, mask: AttnMask, block: tuple[int, int],
+               device: torch.device | str | None = None) -> KernelCall:
+    """The call of this rank's queries against its own keys, on the host or copied to
+    ``device`` (cached)."""
+    def build() -> KernelCall:
+        holder = rank_holder(plan, plan.cp_rank)
+        return kernel_call(holder, holder, mask, block)
+    return cached_table(plan, table_key("local", mask, block), build, device)

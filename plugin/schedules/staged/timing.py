@@ -1,0 +1,208 @@
+"""The time model of the staged strategies, and the default stage count it chooses.
+
+Time (``staged_time``; per layer, forward + backward, every rank simulated, since a
+collective ends for all when its last rank has posted it and its bytes have moved):
+c_s is the compute of stage s on a rank (visible pairs x FLOPs per pair / flops_per_s; a
+fetched stage's pairs are the rank's pairs with each owner's keys in proportion to that
+owner's keys in it, plus ``stage_latency_s`` and the fold's memory traffic), t_s the
+transfer of stage s (the most K/V rows a rank sends or receives in it / bytes_per_s;
+t_0 = 0: the local keys need none). The forward posts stage s+1 when stage s-1 has
+computed, so with equal ranks
+
+    forward  = t_0 + sum_{s=0..S-1} max(c_s, t_{s+1})       (t_S = 0)
+
+the per-stage max(compute, transfer) plus the first transfer; the backward computes the
+fetched stages first, posting each one's dK/dV return r_s while the next one computes, and
+the local stage last, under the last return: b_1 + sum_{s=1..S-1} max(b_{s+1}, r_s) with
+b_S the local stage (a return is folded before the stage after next computes, which the
+simulation follows). S = 1 is the sequential t + c (forward) and c + r (backward).
+
+``default_stages`` picks the S in ``CANDIDATE_STAGES`` (1..``MAX_STAGES``) with the least
+time (the fewest among those within 1%) among those whose peak memory per rank
+(``memory.staged_memory``, a host walk of the engine's allocations) is no more than
+S = 1's: enough stages to hide the transfer, no more, since each adds a latency and an
+unfused fold (T x Hq x Dv x (16 + dtype bytes) of memory traffic, 0.2 ms at 8K tokens, 32
+heads, bf16 on an H100), and never more memory than the call without overlap.
+
+Limits: latency and fold traffic are two constants of the cost model, not measured; a
+stage's compute is proportional within an owner's keys; kernels are assumed not to slow
+down when a transfer runs beside them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...masks import AttnMask
+from ...plan import CPPlan
+from ..cost_model import CostModel, check_model
+from ..keys import host_table, table_key
+from ..selected import fetch_counts, pair_counts
+from ..shape import Shape
+from .memory import staged_memory
+from .routes import gather_stage_rows, stage_counts, transfers
+
+MAX_STAGES = 8          # the default search range; a user may ask for more
+# S values the default tries: the times of neighbouring S differ by little once S passes 4.
+CANDIDATE_STAGES = (1, 2, 3, 4, 6, 8)
+
+
+@dataclass(frozen=True)
+class StagedTime:
+    """Estimated seconds of one layer with S stages (module docstring)."""
+
+    stages: int                    # stages that run (empty transfers dropped)
+    forward_s: float
+    backward_s: float
+    compute_s: float               # forward + backward compute, slowest rank, no overheads
+    comm_s: float                  # forward + backward transfer time, summed
+    bound_s: float                 # every transfer hidden at no cost: per phase
+                                   # max(compute, transfer)
+
+    @property
+    def seconds(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+def _flops_per_pair(shape: Shape) -> tuple[float, float]:
+    """(forward, backward) FLOPs per visible pair, all query heads (as ``auto``)."""
+    d, dv = shape.head_dim, shape.head_dim_v
+    return 2.0 * (d + dv) * shape.n_heads, (6.0 * d + 4.0 * dv) * shape.n_heads
+
+
+_FS = 1e15   # the pipeline simulation counts integer femtoseconds (exact int64 vectors)
+
+
+def _fs(seconds: float) -> int:
+    return round(seconds * _FS)
+
+
+@dataclass(frozen=True)
+class _Rates:
+    """What every stage count's simulation shares (numpy int64 [cp] or [cp, cp])."""
+
+    vis: np.ndarray        # [d, o] visible pairs
+    fetch: np.ndarray      # [d, o] keys fetched, at least 1
+    local: np.ndarray      # visible pairs with the local keys
+    elems_o: np.ndarray    # output elements per rank (all heads)
+    elems_q: np.ndarray    # dQ elements per rank
+
+
+def _rates(plan: CPPlan, mask: AttnMask, shape: Shape) -> _Rates:
+    vis = pair_counts(plan, mask).numpy()
+    offsets = plan.rank_offsets().numpy()
+    tokens = offsets[1:] - offsets[:-1]
+    return _Rates(vis, np.maximum(fetch_counts(plan, mask).numpy(), 1), np.diagonal(vis),
+                  tokens * (shape.n_heads * shape.head_dim_v),
+                  tokens * (shape.n_heads * shape.head_dim))
+
+
+def _simulate(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: CostModel,
+              stages: int, r: _Rates) -> StagedTime:
+    """``staged_time`` on shared inputs: numpy int64 vectors over the ranks (a few hundred
+    operations on [cp] vectors, ~3x cheaper per operation than torch's)."""
+    cp = plan.cp_size
+    counts = stage_counts(name, plan, mask, stages).numpy()         # [P, d, o]
+    n_parts = counts.shape[0]
+    pairs = ((counts * r.vis) // r.fetch).sum(2)                    # [P, d], proportional
+    rows = np.maximum(counts.sum(2), counts.sum(1))                 # [P, r] sent or received
+    f_fwd, f_bwd = _flops_per_pair(shape)
+    rate, bw, mem = model.flops_per_s, model.bytes_per_s, model.memory_bytes_per_s
+    row, b, lat = shape.kv_row, shape.dtype_bytes, model.stage_latency_s
+    back = [x * row / bw for x in rows.max(1).tolist()] if n_parts else []  # dK/dV returns
+    if name == "dispatch":
+        send = back
+    else:   # every rank sends (cp - 1) copies of its slice
+        send = [(cp - 1) * (hi - lo) * row / bw
+                for lo, hi in gather_stage_rows(plan, transfers(stages))]
+    work = int((r.local + pairs.sum(0)).max())
+    compute = work * (f_fwd + f_bwd) / rate
+    comm = sum(send) + sum(back)
+    bound = max(work * f_fwd / rate, sum(send)) + max(work * f_bwd / rate, sum(back))
+    if stages == 1 or n_parts == 0:   # one exchange, one call: nothing overlaps
+        fwd = sum(send) + work * f_fwd / rate
+        bwd = work * f_bwd / rate + sum(back)
+        return StagedTime(1, fwd, bwd, compute, comm, bound)
+    up = (b + 4) if b != 4 else 0          # a conversion to fp32 and back, per element
+    folds = (pairs > 0).any(0)             # 2+ partials on this rank
+    live = pairs > 0
+    # forward: the local call (+ out to fp32 and back), then each fetched stage (+ fold:
+    # acc *= w, acc += o * w_i: 16 + b bytes per element)
+    c0 = r.local * _fs(f_fwd / rate) + np.where(folds, r.elems_o * _fs(2 * up / mem), 0)
+    c = np.where(live, pairs * _fs(f_fwd / rate) + r.elems_o * _fs((16 + b) / mem)
+                 + _fs(lat), 0)
+    ends = c0                              # end of the last computed stage, per rank
+    last, posted = 0, 0                    # the previous transfer's end; this one's post
+    for p in range(n_parts):
+        last = max(last, posted) + _fs(send[p])      # a collective ends for all at once
+        posted = int(ends.max())                     # the next one goes out after this call
+        ends = np.maximum(ends, last) + c[p]
+    fwd = int(ends.max()) / _FS
+    # backward: fetched stages (dq += dq_s: 8 + b bytes per element; dq to fp32 and back
+    # counted with the local call), posting each return; the returns of stage p folded
+    # before stage p + 2 computes; the local call last
+    b0 = r.local * _fs(f_bwd / rate) + np.where(folds, r.elems_q * _fs(2 * up / mem), 0)
+    bb = np.where(live, pairs * _fs(f_bwd / rate) + r.elems_q * _fs((8 + b) / mem)
+                  + _fs(lat), 0)
+    ends, returned = np.zeros(cp, dtype=np.int64), [0]   # returned[p]: return p-1 landed
+    for p in range(n_parts):
+        ends = np.maximum(ends, returned[p - 1] if p >= 1 else 0) + bb[p]
+        returned.append(max(returned[-1], int(ends.max())) + _fs(back[p]))
+    start = np.maximum(ends, returned[n_parts - 1] if n_parts >= 2 else 0)
+    bwd = max(int((start + b0).max()), returned[-1]) / _FS
+    return StagedTime(n_parts + 1, fwd, bwd, compute, comm, bound)
+
+
+def staged_time(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: CostModel,
+                stages: int) -> StagedTime:
+    """Estimate of ``name`` with ``stages`` stages (module docstring). Integer tables; the
+    per-rank pipeline in int64 femtoseconds, every rank at once (no floating tensor is
+    read: the hot path may call this). Cached in the plan per (mask, strategy, shape,
+    model, stages): ``auto`` asks again for the stage count the default picked."""
+    def build() -> StagedTime:
+        rates = host_table(plan, table_key("staged_rates", mask, None, shape),
+                           lambda: _rates(plan, mask, shape))
+        return _simulate(name, plan, mask, shape, model, stages, rates)
+    return host_table(plan, table_key("staged_time", mask, None, name, shape, model, stages),
+                      build)
+
+
+def staged_times(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: CostModel
+                 ) -> dict[int, StagedTime]:
+    """:func:`staged_time` of every stage count in ``CANDIDATE_STAGES`` (their shared
+    inputs made once)."""
+    return {s: staged_time(name, plan, mask, shape, model, s) for s in CANDIDATE_STAGES}
+
+
+def default_stages(plan: CPPlan, mask: AttnMask, name: str, shape: Shape,
+                   model: CostModel | None = None) -> int:
+    """The S in CANDIDATE_STAGES with the least ``staged_time`` (the fewest among those
+    within 1% of it) among those whose peak memory (``staged_memory``, max over ranks) is
+    no more than S = 1's, the call without overlap; cached in the plan per (mask,
+    strategy, shape, model)."""
+    model = check_model(model)
+
+    def choose() -> int:
+        times = {s: t.seconds for s, t in staged_times(name, plan, mask, shape, model).items()}
+        limit = max(staged_memory(name, plan, mask, shape, 1).peak)
+
+        seen: dict[int, bool] = {1: True}
+
+        def fits(s: int) -> bool:   # memory walks only for the candidates that matter
+            if s not in seen:
+                seen[s] = max(staged_memory(name, plan, mask, shape, s).peak) <= limit
+            return seen[s]
+        best = next(times[s] for s in sorted(times, key=times.get) if fits(s))
+        return next(s for s in sorted(times) if times[s] <= best * 1.01 and fits(s))
+    return host_table(plan, table_key("overlap_stages", mask, None, name, shape, model),
+                      choose)
+
+
+def resolve_stages(plan: CPPlan, mask: AttnMask, name: str, shape: Shape,
+                   stages: int | None) -> int:
+    """``stages`` when given, else the cost model's default."""
+    return default_stages(plan, mask, name, shape) if stages is None else stages
+
+
