@@ -196,7 +196,10 @@ def framework_importable(dotted: str) -> bool:
         from varlen_cp.integrations.torchtitan import cpu_mode
 
         if not cpu_mode.cuda_available():
-            cpu_mode.enable_cpu_mode()
+            try:
+                cpu_mode.enable_cpu_mode()
+            except RuntimeError:  # an earlier test of this process imported torchtitan:
+                pass              # resolving names does not need its device
     return True
 
 

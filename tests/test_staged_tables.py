@@ -27,6 +27,7 @@ from varlen_cp.schedules import staged
 from varlen_cp.schedules.cost_model import CostModel
 from varlen_cp.schedules.rounds import UniqueRounds
 from varlen_cp.schedules.selected import fetch_counts
+from varlen_cp.plan.layout_spec import layout_spec
 from varlen_cp.schedules.shape import make_shape
 
 MASKS = (AttnMask(), AttnMask(causal=False), AttnMask(window_size=(7, 0)),
@@ -39,8 +40,9 @@ def _batch(rng: random.Random) -> tuple[CPPlan, AttnMask]:
     docs = [rng.choice([0, 1, 2, 3, 5, 9, 17, 30, 64, 100]) for _ in range(rng.randint(1, 9))]
     docs.append(rng.randint(1, 40))
     cu = torch.tensor([0] + docs).cumsum(0)
-    plan = CPPlan.build(cu, cp_size=rng.choice([2, 3, 4, 8]), cp_rank=0,
-                        layout=rng.choice(LAYOUTS), min_chunk_tokens=4)
+    layout = rng.choice(LAYOUTS)
+    spec = layout_spec(layout, min_chunk_tokens=4) if layout == "dual_chunk" else layout
+    plan = CPPlan.build(cu, cp_size=rng.choice([2, 3, 4, 8]), cp_rank=0, layout=spec)
     return plan, rng.choice(MASKS)
 
 
