@@ -17,6 +17,7 @@ import datetime
 import itertools
 import os
 import queue as queue_mod
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -114,3 +115,29 @@ def run_distributed(fn: Callable, world: int, tmp_path: Any, *args: Any,
     if failures:
         raise AssertionError(f"{fn.__name__} on {world} ranks failed:\n" + "\n".join(failures))
     return [got[r][1] for r in range(world)]
+
+
+def launch_concurrently(jobs: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Run every job (usually launches of ``run_distributed``) at the same time, each in
+    its own thread: multi-process launches spend most of their time starting processes and
+    importing, so two at once take about as long as one. Returns each job's result by name
+    once all have ended; the first job's exception, if any, is raised here (the test's
+    thread) after that."""
+    results: dict[str, Any] = {}
+    errors: dict[str, BaseException] = {}
+
+    def run(name: str, job: Callable[[], Any]) -> None:
+        try:
+            results[name] = job()
+        except BaseException as e:  # re-raised below, in the caller's thread
+            errors[name] = e
+
+    threads = [threading.Thread(target=run, args=item) for item in jobs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name in jobs:
+        if name in errors:
+            raise errors[name]
+    return results

@@ -404,6 +404,21 @@ def check_balanced(plans: list[CPPlan], lengths: list[int]) -> None:
 
 # ------------------------------------------------------------ torchtitan (imported lazily)
 VOCAB, DIM, MAX_LEN = 256, 64, 1024
+
+
+def packed_documents(rows: int, length: int, seed: int, max_doc_len: int):
+    """``rows`` rows of packed documents of 1..``max_doc_len`` tokens: random tokens and
+    per-document positions, both [rows, length]."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (rows, length), generator=gen)
+    positions = torch.empty(rows, length, dtype=torch.long)
+    for r in range(rows):
+        start = 0
+        while start < length:
+            n = min(int(torch.randint(1, max_doc_len + 1, (), generator=gen)), length - start)
+            positions[r, start:start + n] = torch.arange(n)
+            start += n
+    return tokens, positions
 WINDOW = 24  # gpt_oss's sliding window, scaled down like the rest (the real one is 128)
 
 

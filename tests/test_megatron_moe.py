@@ -22,13 +22,12 @@ Run time: 40-55 s on 2 shared cores (two launches at once).
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 
 pytest.importorskip("megatron.core")
 
-from tests.dist_utils import run_distributed  # noqa: E402
+from tests.dist_utils import launch_concurrently, run_distributed  # noqa: E402
 
 STEPS = 8
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
@@ -145,28 +144,17 @@ def _worker(rank: int, world: int, name: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("megatron_moe")
-    results: dict = {}
 
-    def launch(names: list[str], world: int) -> None:
-        for name in names:
-            sub = tmp / name.replace("/", "_")
-            sub.mkdir()
-            try:
-                results[name] = run_distributed(_worker, world, sub, name, timeout_s=400,
-                                                collective_timeout_s=120)
-            except BaseException as e:  # re-raised in the test thread
-                results[name] = e
+    def launch(name: str, world: int):
+        sub = tmp / name.replace("/", "_")
+        sub.mkdir()
+        return run_distributed(_worker, world, sub, name, timeout_s=400,
+                               collective_timeout_s=120)
 
-    threads = [threading.Thread(target=launch, args=(["cp1"], 1)),
-               threading.Thread(target=launch, args=([n for n in RUNS if n != "cp1"], 2))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for value in results.values():
-        if isinstance(value, BaseException):
-            raise value
-    return results
+    cp2 = [n for n in RUNS if n != "cp1"]   # one after the other, beside the cp1 run
+    out = launch_concurrently({"cp1": lambda: {"cp1": launch("cp1", 1)},
+                               "cp2": lambda: {n: launch(n, 2) for n in cp2}})
+    return {**out["cp1"], **out["cp2"]}
 
 
 @pytest.mark.parametrize("name", [n for n in RUNS if n != "cp1"])

@@ -24,7 +24,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import threading
 from pathlib import Path
 
 import pytest
@@ -33,8 +32,8 @@ import torch
 if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
 
-from tests.dist_utils import run_distributed  # noqa: E402
-from tests.helpers import DIM, MAX_LEN, VOCAB  # noqa: E402
+from tests.dist_utils import launch_concurrently, run_distributed  # noqa: E402
+from tests.helpers import DIM, MAX_LEN, VOCAB, packed_documents  # noqa: E402
 
 STEPS = 8
 LOAD_BALANCE_COEFF = 1e-2
@@ -86,20 +85,6 @@ def tiny_moe_config(name: str):
 
 
 # ------------------------------------------------------------------------ in process, cp=1
-def _short_documents(rows: int, length: int, seed: int):
-    """``rows`` rows of documents of 1..12 tokens: tokens and positions [rows, L]."""
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (rows, length), generator=gen)
-    positions = torch.empty(rows, length, dtype=torch.long)
-    for r in range(rows):
-        start = 0
-        while start < length:
-            n = min(int(torch.randint(1, 13, (), generator=gen)), length - start)
-            positions[r, start:start + n] = torch.arange(n)
-            start += n
-    return tokens, positions
-
-
 def _moe_layers(model) -> dict:
     from torchtitan.models.common.moe import MoE
 
@@ -127,7 +112,7 @@ def test_padding_is_not_routed(name):
     model.train()
 
     rows, length = 2, 96
-    tokens, positions = _short_documents(rows, length, seed=4)
+    tokens, positions = packed_documents(rows, length, seed=4, max_doc_len=12)
     cu = packed_cu_seqlens(positions, (rows, length))
     flat = tokens.reshape(1, -1)
 
@@ -256,27 +241,14 @@ def train_worker(rank: int, world: int, cases: dict, tmp: str) -> dict:
 def trained(tmp_path_factory) -> dict:
     """Both launches at the same time; per launch, every rank's results."""
     tmp = tmp_path_factory.mktemp("moe_padding")
-    results: dict = {}
 
-    def launch(name: str) -> None:
+    def launch(name: str):
         world, cases = LAUNCHES[name]
-        sub = tmp / name
-        sub.mkdir()
-        try:
-            results[name] = run_distributed(train_worker, world, sub, cases, str(sub),
-                                            timeout_s=560, collective_timeout_s=300)
-        except BaseException as e:  # re-raised in the test thread
-            results[name] = e
+        (tmp / name).mkdir()
+        return run_distributed(train_worker, world, tmp / name, cases, str(tmp / name),
+                               timeout_s=560, collective_timeout_s=300)
 
-    threads = [threading.Thread(target=launch, args=(name,)) for name in LAUNCHES]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for value in results.values():
-        if isinstance(value, BaseException):
-            raise value
-    return results
+    return launch_concurrently({name: (lambda n=name: launch(n)) for name in LAUNCHES})
 
 
 @pytest.mark.parametrize("case", CP2_CASES)

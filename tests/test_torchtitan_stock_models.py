@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import threading
 from pathlib import Path
 
 import pytest
@@ -30,8 +29,8 @@ import torch
 if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
 
-from tests.dist_utils import run_distributed  # noqa: E402
-from tests.helpers import (VOCAB, WINDOW, fp32, reuse_parallel_dims,  # noqa: E402
+from tests.dist_utils import launch_concurrently, run_distributed  # noqa: E402
+from tests.helpers import (WINDOW, fp32, packed_documents, reuse_parallel_dims,  # noqa: E402
                            tiny_model_config, with_varlen_cp)
 
 MODELS = ("llama3", "qwen3", "gpt_oss", "deepseek_v3")
@@ -87,20 +86,6 @@ def test_cp_refusal_bypassed_only_for_varlen_cp():
 
 
 # ------------------------------------------------------------------------ CP=1 parity
-def _packed_batch(rows: int, length: int, seed: int):
-    """``rows`` rows of packed documents: tokens and per-document positions [rows, L]."""
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (rows, length), generator=gen)
-    positions = torch.empty(rows, length, dtype=torch.long)
-    for r in range(rows):
-        start = 0
-        while start < length:
-            n = min(int(torch.randint(1, 60, (), generator=gen)), length - start)
-            positions[r, start:start + n] = torch.arange(n)
-            start += n
-    return tokens, positions
-
-
 def _reference_inner(attn_cfg):
     """A dense reference inner attention (tests/reference.py) for one layer's mask."""
     from dataclasses import dataclass
@@ -165,7 +150,7 @@ def test_cp1_matches_torchtitan_attention(name, monkeypatch):
     ref.load_state_dict(flex.state_dict(), strict=True)
 
     rows, length = 2, 128
-    tokens, positions = _packed_batch(rows, length, seed=1)
+    tokens, positions = packed_documents(rows, length, seed=1, max_doc_len=59)
     with torch.no_grad():
         want = flex(tokens, positions=positions,
                     attention_masks=flex.get_attention_masks(positions))
@@ -281,27 +266,14 @@ def trained(tmp_path_factory):
     """Every launch at the same time (mostly process start-up and imports); the losses
     of each case, by launch."""
     tmp = tmp_path_factory.mktemp("stock_train")
-    results: dict[str, object] = {}
 
-    def launch(name: str) -> None:
+    def launch(name: str):
         world, cases = LAUNCHES[name]
-        sub = tmp / name
-        sub.mkdir()
-        try:
-            results[name] = run_distributed(train_worker, world, sub, cases, str(sub),
-                                            timeout_s=480, collective_timeout_s=300)[0]
-        except BaseException as e:  # re-raised in the test thread
-            results[name] = e
+        (tmp / name).mkdir()
+        return run_distributed(train_worker, world, tmp / name, cases, str(tmp / name),
+                               timeout_s=480, collective_timeout_s=300)[0]
 
-    threads = [threading.Thread(target=launch, args=(name,)) for name in LAUNCHES]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for value in results.values():
-        if isinstance(value, BaseException):
-            raise value
-    return results
+    return launch_concurrently({name: (lambda n=name: launch(n)) for name in LAUNCHES})
 
 
 def assert_same(ref: list[dict], rows: list[dict], what: str) -> None:
