@@ -16,6 +16,7 @@ Sections:
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -557,3 +558,35 @@ def reuse_parallel_dims() -> None:
         return dims[0]
 
     VarlenCPTrainer.init_distributed = init_distributed
+
+
+def start_torchtitan_worker(rank: int, world: int, tmp: str, toml_text: str) -> Path:
+    """In a launched worker, before its trainers: torchtitan in CPU mode with this rank's
+    environment, warnings-only logs, one ``ParallelDims`` for every trainer of the launch
+    (:func:`reuse_parallel_dims`), and the job TOML written once by rank 0: its path."""
+    import logging
+    import os
+
+    from varlen_cp.integrations.torchtitan import cpu_mode
+
+    cpu_mode.enable_cpu_mode()
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    logging.getLogger().setLevel(logging.WARNING)
+    reuse_parallel_dims()
+    toml = Path(tmp) / "job.toml"
+    if rank == 0:
+        toml.write_text(toml_text)
+    torch.distributed.barrier()
+    return toml
+
+
+def run_train_steps(trainer, steps: int) -> None:
+    """Steps 1..``steps`` of ``trainer`` as ``Trainer.train`` runs them (minus checkpoints
+    and the final sleep), closing the trainer even when a step fails."""
+    try:
+        batches = trainer.batch_generator(trainer.dataloader)
+        for step in range(1, steps + 1):
+            trainer.step = step
+            trainer.train_step(batches)
+    finally:
+        trainer.close()

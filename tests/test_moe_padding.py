@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -193,21 +192,10 @@ CP2_CASES = sorted(LAUNCHES["cp2"][1])
 def train_worker(rank: int, world: int, cases: dict, tmp: str) -> dict:
     """Train each case for ``STEPS`` steps with the real trainer; every rank returns the
     tokens it counted as seen, rank 0 also the logged losses and every expert bias."""
-    import logging
-
-    from varlen_cp.integrations.torchtitan import cpu_mode
-
-    cpu_mode.enable_cpu_mode()
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
-    logging.getLogger().setLevel(logging.WARNING)
-    from tests.helpers import reuse_parallel_dims
+    from tests.helpers import run_train_steps, start_torchtitan_worker
     from varlen_cp.integrations.torchtitan.config import load_config
 
-    reuse_parallel_dims()
-    toml = Path(tmp) / "job.toml"
-    if rank == 0:
-        toml.write_text(TOML)
-    torch.distributed.barrier()
+    toml = start_torchtitan_worker(rank, world, tmp, TOML)
     out: dict = {}
     for name, (model, overrides) in cases.items():
         loss_file = Path(tmp) / f"{name.replace('/', '_')}.jsonl"
@@ -221,13 +209,7 @@ def train_worker(rank: int, world: int, cases: dict, tmp: str) -> dict:
         if model != "llama4_style":
             config.model_spec.model = tiny_moe_config(model)
         trainer = config.build()
-        try:
-            batches = trainer.batch_generator(trainer.dataloader)
-            for step in range(1, STEPS + 1):
-                trainer.step = step
-                trainer.train_step(batches)
-        finally:
-            trainer.close()
+        run_train_steps(trainer, STEPS)
         out[f"{name}:tokens_seen"] = trainer.ntokens_seen
         if rank == 0:
             out[name] = [json.loads(line) for line in loss_file.read_text().splitlines()]

@@ -20,10 +20,10 @@ def _batch(lq, lk):
     return cu_q, cu_k
 
 
-@given(lens=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=4),
-       mask=mask_st, explicit=st.booleans(), pad_frac=st.sampled_from([0.0, 0.15]),
-       bm=st.sampled_from([4, 8, 16]), bn=st.sampled_from([4, 8]), seed=st.integers(0, 99))
-def test_schedule_covers_every_visible_pair(lens, mask, explicit, pad_frac, bm, bn, seed):
+def _random_schedule(lens, mask, explicit, pad_frac, bm, bn, seed):
+    """A hypothesis case's batch and its schedule: (query lengths, cu_q, cu_k, query and
+    key positions, schedule); explicit positions start queries 3 later than keys and turn a
+    ``pad_frac`` share of both into padding."""
     g = torch.Generator().manual_seed(seed)
     lq, lk = [a for a, _ in lens], [b for _, b in lens]
     cu_q, cu_k = _batch(lq, lk)
@@ -39,6 +39,16 @@ def test_schedule_covers_every_visible_pair(lens, mask, explicit, pad_frac, bm, 
                                window_right=wr, chunk_size=chunk,
                                q_positions=qp if explicit else None,
                                k_positions=kp if explicit else None, block_m=bm, block_n=bn)
+    return lq, cu_q, cu_k, qp, kp, sch
+
+
+@given(lens=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=4),
+       mask=mask_st, explicit=st.booleans(), pad_frac=st.sampled_from([0.0, 0.15]),
+       bm=st.sampled_from([4, 8, 16]), bn=st.sampled_from([4, 8]), seed=st.integers(0, 99))
+def test_schedule_covers_every_visible_pair(lens, mask, explicit, pad_frac, bm, bn, seed):
+    lq, cu_q, cu_k, qp, kp, sch = _random_schedule(lens, mask, explicit, pad_frac, bm, bn,
+                                                   seed)
+    causal, wl, wr, chunk = mask
     for s in range(len(lq)):
         q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
         vis = reference_mask(qp[q0:q1], kp[k0:k1], causal=causal, window_size=(wl, wr),
@@ -90,21 +100,9 @@ def test_full_ranges_are_visible_to_every_real_row(lens, mask, explicit, pad_fra
     and no token in the range is padding (the kernels drop the mask there); with sorted
     positions the range is exactly the tokens every real row sees, when those are not
     split by padding."""
-    g = torch.Generator().manual_seed(seed)
-    lq, lk = [a for a, _ in lens], [b for _, b in lens]
-    cu_q, cu_k = _batch(lq, lk)
-    if explicit:
-        qp = torch.cat([torch.arange(n) + 3 for n in lq]).long()
-        kp = torch.cat([torch.arange(n) for n in lk]).long()
-        qp[torch.rand(qp.numel(), generator=g) < pad_frac] = -1
-        kp[torch.rand(kp.numel(), generator=g) < pad_frac] = -1
-    else:
-        qp, kp = implicit_positions(cu_q, cu_k, sum(lq), sum(lk))
+    lq, cu_q, cu_k, qp, kp, sch = _random_schedule(lens, mask, explicit, pad_frac, bm, bn,
+                                                   seed)
     causal, wl, wr, chunk = mask
-    sch = build_block_schedule(cu_q, cu_k, max(lq), max(lk), causal=causal, window_left=wl,
-                               window_right=wr, chunk_size=chunk,
-                               q_positions=qp if explicit else None,
-                               k_positions=kp if explicit else None, block_m=bm, block_n=bn)
     for s in range(len(lq)):
         q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
         vis = reference_mask(qp[q0:q1], kp[k0:k1], causal=causal, window_size=(wl, wr),

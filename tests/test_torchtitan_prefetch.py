@@ -10,9 +10,7 @@ not depend on how busy the machine's cores are; margins are half the planner's t
 from __future__ import annotations
 
 import importlib.util
-import os
 import time
-from pathlib import Path
 
 import pytest
 
@@ -48,20 +46,11 @@ log_freq = 1
 def timing_worker(rank: int, world: int, tmp: str) -> dict[str, list[float]]:
     """Step times of three trainers: baseline, slow planner, slow planner without
     prefetching; every step made STEP_S longer by a sleep in forward_backward_step."""
-    import logging
-
-    from varlen_cp.integrations.torchtitan import cpu_mode
-
-    cpu_mode.enable_cpu_mode()
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
-    logging.getLogger().setLevel(logging.WARNING)
-    from tests.helpers import reuse_parallel_dims
+    from tests.helpers import start_torchtitan_worker
     from varlen_cp.integrations.torchtitan import trainer as trainer_module
     from varlen_cp.integrations.torchtitan.config import load_config
 
-    reuse_parallel_dims()
-    toml = Path(tmp) / "job.toml"
-    toml.write_text(TOML)
+    toml = start_torchtitan_worker(rank, world, tmp, TOML)
     build_plan = trainer_module.build_plan
 
     def slow_build_plan(*args, **kwargs):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -30,8 +29,8 @@ if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
 
 from tests.dist_utils import launch_concurrently, run_distributed  # noqa: E402
-from tests.helpers import (WINDOW, fp32, packed_documents, reuse_parallel_dims,  # noqa: E402
-                           tiny_model_config, with_varlen_cp)
+from tests.helpers import (WINDOW, fp32, packed_documents, run_train_steps,  # noqa: E402
+                           start_torchtitan_worker, tiny_model_config, with_varlen_cp)
 
 MODELS = ("llama3", "qwen3", "gpt_oss", "deepseek_v3")
 
@@ -221,21 +220,9 @@ def train_worker(rank: int, world: int, cases: dict, tmp: str) -> dict:
     """Train each case with the real trainer (``train_step``, as ``Trainer.train`` calls
     it, minus checkpointing and the final 2 s sleep) on a tiny model; rank 0 returns each
     case's logged {loss, grad_norm} per step."""
-    import logging
-
-    from varlen_cp.integrations.torchtitan import cpu_mode
-
-    cpu_mode.enable_cpu_mode()
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
-    logging.getLogger().setLevel(logging.WARNING)
     from varlen_cp.integrations.torchtitan.config import load_config
 
-    reuse_parallel_dims()
-
-    toml = Path(tmp) / "job.toml"
-    if rank == 0:
-        toml.write_text(TOML)
-    torch.distributed.barrier()
+    toml = start_torchtitan_worker(rank, world, tmp, TOML)
     out = {}
     for name, (model, overrides) in cases.items():
         loss_file = Path(tmp) / f"{name.replace('/', '_')}.jsonl"
@@ -245,13 +232,7 @@ def train_worker(rank: int, world: int, cases: dict, tmp: str) -> dict:
                              cpu=True)
         config.model_spec.model = tiny_model_config(model)
         trainer = config.build()
-        try:
-            batches = trainer.batch_generator(trainer.dataloader)
-            for step in range(1, STEPS + 1):
-                trainer.step = step
-                trainer.train_step(batches)
-        finally:
-            trainer.close()
+        run_train_steps(trainer, STEPS)
         if rank == 0:
             out[name] = [json.loads(line) for line in loss_file.read_text().splitlines()]
             # what the plans were built for: the model's masks, balanced by "balanced"
