@@ -193,9 +193,10 @@ def train_worker(rank: int, world: int, cases: dict, tmp: str) -> dict:
     """Train each case for ``STEPS`` steps with the real trainer; every rank returns the
     tokens it counted as seen, rank 0 also the logged losses and every expert bias."""
     from tests.helpers import run_train_steps, start_torchtitan_worker
+
+    toml = start_torchtitan_worker(rank, world, tmp, TOML)  # before torchtitan imports
     from varlen_cp.integrations.torchtitan.config import load_config
 
-    toml = start_torchtitan_worker(rank, world, tmp, TOML)
     out: dict = {}
     for name, (model, overrides) in cases.items():
         loss_file = Path(tmp) / f"{name.replace('/', '_')}.jsonl"

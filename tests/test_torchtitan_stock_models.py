@@ -220,9 +220,9 @@ def train_worker(rank: int, world: int, cases: dict, tmp: str) -> dict:
     """Train each case with the real trainer (``train_step``, as ``Trainer.train`` calls
     it, minus checkpointing and the final 2 s sleep) on a tiny model; rank 0 returns each
     case's logged {loss, grad_norm} per step."""
+    toml = start_torchtitan_worker(rank, world, tmp, TOML)  # before torchtitan imports
     from varlen_cp.integrations.torchtitan.config import load_config
 
-    toml = start_torchtitan_worker(rank, world, tmp, TOML)
     out = {}
     for name, (model, overrides) in cases.items():
         loss_file = Path(tmp) / f"{name.replace('/', '_')}.jsonl"
