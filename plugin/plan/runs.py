@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..masks import AttnMask
@@ -193,6 +194,41 @@ def prefix_pairs(doc_len: torch.Tensor, stop: torch.Tensor, mask: AttnMask) -> t
     per_chunk = _ramp_sum(one, one + chunk, one, one + chunk - 1, left, right)
     last = torch.minimum(doc_len - 1, first + chunk - 1)
     return n_full * per_chunk + _ramp_sum(first, stop, first, last, left, right)
+
+
+def _ramp_sum_np(a: np.ndarray, b: np.ndarray, c: np.ndarray, e: np.ndarray,
+                 left: int | None, right: int | None) -> np.ndarray:
+    """:func:`_ramp_sum` on int64 numpy arrays (the same integer steps)."""
+    n = np.maximum(b - a, 0)
+    if right is None:
+        s_hi = e * n
+    else:
+        m = np.minimum(np.maximum(e - right, a), b)
+        s_hi = _tri(m) - _tri(a) + right * (m - a) + e * (b - m)
+    if left is None:
+        s_lo = c * n
+    else:
+        m = np.minimum(np.maximum(c + left + 1, a), b)
+        s_lo = c * (m - a) + _tri(b) - _tri(m) - left * (b - m)
+    return s_hi - s_lo + n
+
+
+def prefix_pairs_np(doc_len: np.ndarray, stop: np.ndarray, mask: AttnMask) -> np.ndarray:
+    """:func:`prefix_pairs` on int64 numpy arrays, for the balanced layout's solver: on the
+    few-element arrays it evaluates, a numpy op costs ~0.5 us where a torch op costs
+    1.5-6 us (the same integer math, so the same values)."""
+    left, right = _window(mask)
+    chunk = mask.chunk_size
+    if not chunk:
+        zero = np.zeros_like(stop)
+        return _ramp_sum_np(zero, stop, zero, doc_len - 1, left, right)
+    n_full = stop // chunk
+    first = n_full * chunk
+    per_chunk = int(_ramp_sum_np(np.zeros(1, np.int64), np.full(1, chunk, np.int64),
+                                 np.zeros(1, np.int64), np.full(1, chunk - 1, np.int64),
+                                 left, right)[0])
+    last = np.minimum(doc_len - 1, first + chunk - 1)
+    return n_full * per_chunk + _ramp_sum_np(first, stop, first, last, left, right)
 
 
 def pair_work(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, e: torch.Tensor,
