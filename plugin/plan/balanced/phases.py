@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .items import REMAINDER, TAIL_BLOCK, Items
@@ -39,12 +40,12 @@ class Layout:
     list)."""
 
     lists: list[UnitList]
-    cuts: list[torch.Tensor]  # [cp+1] token offsets per list
-    per_rank: torch.Tensor  # [cp, 1+M] float64 estimate (interpolated inside cut tiles)
+    cuts: list[np.ndarray]  # [cp+1] int64 token offsets per list
+    per_rank: np.ndarray  # [cp, 1+M] float64 estimate (interpolated inside cut tiles)
     unreachable: bool = False  # the rank-by-rank solver's precheck failed (see solve_attempt)
 
 
-def rank_vectors(lists: list[UnitList], cuts: list[torch.Tensor]) -> torch.Tensor:
+def rank_vectors(lists: list[UnitList], cuts: list[np.ndarray]) -> np.ndarray:
     """[cp, 1+M]: each rank's (tokens, work per mask) over all lists (interpolated inside
     cut units)."""
     out = 0
@@ -62,8 +63,8 @@ class _Setup:
     is_body: torch.Tensor     # [units] bool
     total: torch.Tensor       # [1+M] tokens and each mask's work
     share: torch.Tensor       # total / cp
-    k: torch.Tensor           # rank boundaries 0..cp
-    n_tok: torch.Tensor       # token targets: floor(k T / cp)
+    k: np.ndarray             # rank boundaries 0..cp (int64)
+    n_tok: np.ndarray         # token targets: floor(k T / cp)
     tok_budget: float
     col: int                  # the filler column: the mask with least work
     first: torch.Tensor       # [items] doc << 40 | first position
@@ -81,13 +82,13 @@ def _setup(units: Units, prof: Profile, cp: int) -> _Setup:
     n_items = int(units.item.max()) + 1 if units.item.numel() else 0
     total = units.vec.sum(0)  # [1+M]
     T = float(total[0])
-    k = torch.arange(cp + 1, dtype=torch.int64)
+    k = np.arange(cp + 1, dtype=np.int64)
     # Items in document order (items are numbered filler first, bodies after).
     first = torch.zeros(n_items, dtype=torch.int64).scatter_reduce_(
         0, units.item, units.doc * (1 << 40) + units.a_start, "amin", include_self=False)
     doc_order = torch.empty(n_items, dtype=torch.int64)
     doc_order[torch.argsort(first)] = torch.arange(n_items)
-    fail = Layout([], [], torch.full((cp, total.numel()), math.inf, dtype=torch.float64))
+    fail = Layout([], [], np.full((cp, total.numel()), math.inf, dtype=np.float64))
     # The filler column: the mask with least work (its relative errors are the largest).
     return _Setup(n_items, units.body & (prof.excess.shape[0] > 0), total, total / cp, k,
                   k * int(T) // cp, _TOKEN_BUDGET * T / cp, 1 + int(torch.argmin(total[1:])),
@@ -106,14 +107,14 @@ def solve_attempt(units: Units, prof: Profile, cp: int, var: Variant, items: Ite
     """
     st = _setup(units, prof, cp)
     lists, cuts = [], []
-    b_val = torch.zeros(cp + 1, st.total.numel(), dtype=torch.float64)
+    b_val = np.zeros((cp + 1, st.total.numel()), dtype=np.float64)
     if prof.excess.shape[0] and bool(st.is_body.any()):
         lists, cuts, b_val = _cut_bodies(units, prof, cp, var, st, lengths)
     return _cut_filler(units, prof, var, items, lengths, st, lists, cuts, b_val)
 
 
 def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
-                lengths: torch.Tensor) -> tuple[list, list, torch.Tensor]:
+                lengths: torch.Tensor) -> tuple[list, list, np.ndarray]:
     """Phase 1: bodies, cut so that every rank gets 1/cp of the excess work: (lists, cuts,
     the cumulative vector [cp+1, 1+M] they give the rank boundaries)."""
     is_body, k, tok_budget = st.is_body, st.k, st.tok_budget
@@ -129,7 +130,7 @@ def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
         sparse = new_list(units, unit_order(units, is_body & ~late, st.doc_order), tok_budget)
         t_b = dense.total + sparse.total
         b_tok = k * t_b // cp
-        b_phi = k.to(torch.float64) * float(dense.column(phi)[-1] + sparse.column(phi)[-1]) / cp
+        b_phi = k.astype(np.float64) * float(dense.column(phi)[-1] + sparse.column(phi)[-1]) / cp
         xd, xs = rank_cut([dense], [sparse], b_tok, b_phi, phi)
         return [dense, sparse], [xd, xs], dense.at(xd) + sparse.at(xs)
     body_items = torch.zeros(st.n_items, dtype=torch.bool)
@@ -141,7 +142,7 @@ def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
         dense = new_list(units, unit_order(units, is_body & hi, st.doc_order), tok_budget)
         sparse = new_list(units, unit_order(units, is_body & ~hi, st.doc_order), tok_budget)
         b_tok = k * int(t_b) // cp
-        b_phi = k.to(torch.float64) * p_b / cp
+        b_phi = k.astype(np.float64) * p_b / cp
         xd, xs = pair_cut(dense, sparse, b_tok, b_phi, phi,
                            [(0, 2 * tok_budget, 1.0), (phi, budget, 1.0)])
         return [dense, sparse], [xd, xs], dense.at(xd) + sparse.at(xs)
@@ -155,7 +156,7 @@ def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
     if var.body == "blocks":
         target = _block_targets(units, body, phi, cp)
     else:
-        target = k.to(torch.float64) * float(body.pv[-1] @ phi) / cp
+        target = k.astype(np.float64) * float(torch.from_numpy(body.pv[-1]) @ phi) / cp
     x = cut_excess(body, phi, target, budget)
     x[0], x[-1] = 0, body.total
     return [body], [x], body.at(x)
@@ -179,54 +180,56 @@ def _block_order(units: Units, st: _Setup, lengths: torch.Tensor) -> torch.Tenso
     return torch.argsort(torch.argsort(key))
 
 
-def _block_targets(units: Units, body: UnitList, phi: torch.Tensor, cp: int) -> torch.Tensor:
+def _block_targets(units: Units, body: UnitList, phi: torch.Tensor, cp: int) -> np.ndarray:
     """Excess targets [cp+1] of the "blocks" body list (remainders first, then tail
     blocks): the remainders in equal shares, then each tail block in equal shares of its
     own, so that the cuts fall on the blocks' boundaries (each block is a whole number of
     shares up to one token)."""
-    it = units.item[body.order]
+    order = torch.from_numpy(body.order)
+    it = units.item[order]
     new = torch.ones(body.n, dtype=torch.bool)
     new[1:] = it[1:] != it[:-1]
     first = torch.nonzero(new).flatten()
-    cum = body.column(phi)
+    cum = torch.from_numpy(body.column(phi))
     c_s = cum[2 * first]
     c_e = torch.cat([c_s[1:], cum[-1:]])
-    tail = units.block[body.order[first]] == TAIL_BLOCK
+    tail = units.block[order[first]] == TAIL_BLOCK
     total = float(cum[-1])
     n_sh = torch.clamp(torch.round((c_e - c_s)[tail] * cp / max(total, 1e-300)),
                        min=1).to(torch.int64)
     n_rest = cp - int(n_sh.sum())
     if not bool(tail.any()) or n_rest < 0 or (n_rest == 0 and not bool(tail[0])):
-        return torch.arange(cp + 1, dtype=torch.float64) * total / cp
+        return (torch.arange(cp + 1, dtype=torch.float64) * total / cp).numpy()
     s_t, e_t = c_s[tail], c_e[tail]
     rest_end = float(s_t[0])
     rep = torch.repeat_interleave(torch.arange(n_sh.numel()), n_sh)
     off = (torch.arange(int(n_sh.sum())) - (torch.cumsum(n_sh, 0) - n_sh)[rep]).to(torch.float64)
     return torch.cat([torch.arange(n_rest, dtype=torch.float64) * rest_end / max(n_rest, 1),
                       s_t[rep] + (e_t - s_t)[rep] * off / n_sh[rep].to(torch.float64),
-                      torch.tensor([total], dtype=torch.float64)])
+                      torch.tensor([total], dtype=torch.float64)]).numpy()
 
 
 def _cut_filler(units: Units, prof: Profile, var: Variant, items: Items,
                 lengths: torch.Tensor, st: _Setup, lists: list, cuts: list,
-                b_val: torch.Tensor) -> Layout:
+                b_val: np.ndarray) -> Layout:
     """Phase 2: filler (short documents and heads), dense / sparse in the filler column,
     cut to what phase 1 left of every rank's targets."""
     col, k, tok_budget, total = st.col, st.k, st.tok_budget, st.total
     fill = ~st.is_body
-    f_tok = torch.cummax((st.n_tok - b_val[:, 0].round().to(torch.int64)).clamp(min=0),
-                         0).values
-    f_target = k.to(torch.float64) * float(st.share[col]) - b_val[:, col]
+    f_tok = np.maximum.accumulate(np.maximum(
+        st.n_tok - np.round(b_val[:, 0]).astype(np.int64), 0))
+    f_target = k.astype(np.float64) * float(st.share[col]) - b_val[:, col]
     item_w = item_sums(units, st.n_items, col)
-    f_w = float(total[col] - b_val[-1, col])
+    f_w = float(total[col]) - float(b_val[-1, col])
     f_t = float(total[0]) - float(b_val[-1, 0])
     is_dense = (item_w * f_t > f_w * st.item_t)[units.item]
     # Filler items in an order that spreads their densities evenly (any stretch of the
     # list holds about its mean density), so per-rank targets stay reachable.
     fill_items = torch.zeros(st.n_items, dtype=torch.bool)
     fill_items[units.item[fill]] = True
-    if var.solver != "vector" and not rank_reachable(items, fill_items, lengths, prof, col,
-                                                      f_tok, f_target):
+    if var.solver != "vector" and not rank_reachable(
+            items, fill_items, lengths, prof, col, torch.from_numpy(f_tok),
+            torch.from_numpy(f_target)):
         return Layout([], [], st.fail.per_rank, unreachable=True)
     spread = spread_key(item_w / st.item_t.clamp(min=1), st.item_t * fill_items)
     if var.solver == "classes":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from .units import Units
@@ -19,89 +20,99 @@ from .units import Units
 # Cost of a cut, by where it falls: an item (document, head, body) boundary, a unit (tile
 # pair) boundary inside a folded item, inside a unit (a "finer" cut, off the tile grid).
 _COST = (0, 1, 4)
+# Costs of :meth:`UnitList.snap_candidates`' five candidates.
+_SNAP_COST = np.array([_COST[2], _COST[0], _COST[0], _COST[1], _COST[1]], dtype=np.float64)
 
 
 class UnitList:
     """Units in a fixed order, with cumulative (tokens, work...) at every unit boundary and
     at every unit's break point (see :class:`Units`); values in between are interpolated
-    linearly."""
+    linearly.
 
-    def __init__(self, units: Units, order: torch.Tensor) -> None:
+    numpy throughout (``order`` and every offset in and out are int64 arrays, values
+    float64): the solvers evaluate these curves ~100 times an attempt on arrays of 1-300
+    elements, where a numpy op costs ~0.5-1 us and a torch op 1.5-6 us. Functionals are
+    applied with torch's matmul, as before, so that every value is the same to the bit."""
+
+    def __init__(self, units: Units, order: Any) -> None:
+        order = order.numpy() if isinstance(order, torch.Tensor) else order
         self.order = order
-        n = self.n = order.numel()
-        vec, mid = units.vec[order], units.mid[order]
+        n = self.n = order.size
+        vec, mid = units.vec.numpy()[order], units.mid.numpy()[order]
         r = vec.shape[1]
-        cum = torch.cumsum(vec, 0)
+        cum = np.cumsum(vec, 0)
         # Merged points: unit start, its break point, ..., the end.
-        pv = torch.zeros(2 * n + 1, r, dtype=torch.float64)
+        pv = np.zeros((2 * n + 1, r), dtype=np.float64)
         pv[2::2] = cum
         pv[1:-1:2] = pv[:-1:2] + mid
         self.pv = pv
-        self.pt = pv[:, 0].round().to(torch.int64)
-        self.tok = self.pt[::2].contiguous()
+        self.pt = np.round(pv[:, 0]).astype(np.int64)
+        self.tok = self.pt[::2].copy()
         self.total = int(self.pt[-1])
         # Boundary classes: 0 where an item starts (and at the end), 1 between units.
-        cls = (units.ufold[order] != 0).to(torch.int64)
+        cls = np.zeros(n + 1, dtype=np.int64)
+        cls[:n] = units.ufold.numpy()[order] != 0
         if n:
             cls[0] = 0
-        self.cls = torch.cat([cls, torch.zeros(1, dtype=torch.int64)])
-        self._cols: dict[Any, torch.Tensor] = {}
-        self._bounds: list[torch.Tensor] = []
+        self.cls = cls
+        self._cols: dict[Any, np.ndarray] = {}
+        self._bounds: list[np.ndarray] = []
         self.even_cuts = True
 
-    def item_starts(self) -> torch.Tensor:
+    def item_starts(self) -> np.ndarray:
         """Token offsets where an item starts in the list (0 first; [1] = 0 if empty)."""
         if self.n == 0:
-            return torch.zeros(1, dtype=torch.int64)
+            return np.zeros(1, dtype=np.int64)
         return self.tok[:-1][self.cls[:-1] == 0]
 
-    def column(self, col: Any) -> torch.Tensor:
-        """Cumulative column ``col`` (an index, or a [1+M] functional) at the merged
-        points; a functional is guarded to be non-decreasing (negative work in mixed mask
-        sets counts as flat)."""
+    def column(self, col: Any) -> np.ndarray:
+        """Cumulative column ``col`` (an index, or a [1+M] functional, a float64 tensor)
+        at the merged points; a functional is guarded to be non-decreasing (negative work
+        in mixed mask sets counts as flat)."""
         key = col if isinstance(col, int) else tuple(col.tolist())
         if key not in self._cols:
             if isinstance(col, int):
-                c = self.pv[:, col].contiguous()
+                c = self.pv[:, col].copy()
             else:
-                c = torch.cummax((self.pv @ col).clamp(min=0), 0).values
+                c = np.maximum.accumulate(np.maximum(
+                    (torch.from_numpy(self.pv) @ col).numpy(), 0.0))
             self._cols[key] = c
         return self._cols[key]
 
-    def _locate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        j = (torch.searchsorted(self.pt, x, right=True) - 1).clamp(0, 2 * self.n - 1)
+    def _locate(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        j = np.clip(np.searchsorted(self.pt, x, side="right") - 1, 0, 2 * self.n - 1)
         x0 = self.pt[j]
-        frac = ((x - x0).to(torch.float64) / (self.pt[j + 1] - x0).clamp(min=1)).clamp(0, 1)
+        frac = np.clip((x - x0).astype(np.float64) / np.maximum(self.pt[j + 1] - x0, 1), 0, 1)
         return j, frac
 
-    def at(self, x: torch.Tensor) -> torch.Tensor:
+    def at(self, x: np.ndarray) -> np.ndarray:
         """Cumulative vectors at token offsets ``x`` (int64, any shape): [..., 1+M]."""
         if self.n == 0:
-            return torch.zeros(*x.shape, self.pv.shape[1], dtype=torch.float64)
+            return np.zeros((*x.shape, self.pv.shape[1]), dtype=np.float64)
         j, frac = self._locate(x)
         v0 = self.pv[j]
-        return v0 + frac.unsqueeze(-1) * (self.pv[j + 1] - v0)
+        return v0 + frac[..., None] * (self.pv[j + 1] - v0)
 
-    def at_col(self, x: torch.Tensor, col: Any) -> torch.Tensor:
+    def at_col(self, x: np.ndarray, col: Any) -> np.ndarray:
         """One column (or a functional, see :meth:`column`) of :meth:`at`."""
         if self.n == 0:
-            return torch.zeros(x.shape, dtype=torch.float64)
+            return np.zeros(x.shape, dtype=np.float64)
         c = self.column(col)
         j, frac = self._locate(x)
         v0 = c[j]
         return v0 + frac * (c[j + 1] - v0)
 
-    def value_slope(self, x: torch.Tensor, col: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def value_slope(self, x: np.ndarray, col: Any) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`at_col` and the column's increase per token there."""
         c = self.column(col)
         j, frac = self._locate(x)
         v0, dv = c[j], c[j + 1] - c[j]
-        return v0 + frac * dv, dv / (self.pt[j + 1] - self.pt[j]).clamp(min=1)
+        return v0 + frac * dv, dv / np.maximum(self.pt[j + 1] - self.pt[j], 1)
 
-    def at_cols(self, x: torch.Tensor, cols: list) -> list[torch.Tensor]:
+    def at_cols(self, x: np.ndarray, cols: list) -> list[np.ndarray]:
         """:meth:`at_col` for several columns, locating ``x`` once."""
         if self.n == 0:
-            return [torch.zeros(x.shape, dtype=torch.float64) for _ in cols]
+            return [np.zeros(x.shape, dtype=np.float64) for _ in cols]
         j, frac = self._locate(x)
         out = []
         for col in cols:
@@ -110,32 +121,33 @@ class UnitList:
             out.append(v0 + frac * (c[j + 1] - v0))
         return out
 
-    def inverse(self, col: Any, value: torch.Tensor) -> torch.Tensor:
+    def inverse(self, col: Any, value: np.ndarray) -> np.ndarray:
         """Smallest token offset where column ``col`` reaches ``value`` (any shape),
         interpolated, clamped to [0, total]."""
         if self.n == 0:
-            return torch.zeros(value.shape, dtype=torch.int64)
+            return np.zeros(value.shape, dtype=np.int64)
         c = self.column(col)
-        flat = value.reshape(-1).contiguous()
-        j = torch.searchsorted(c, flat).clamp(1, 2 * self.n)
+        flat = value.reshape(-1)
+        j = np.clip(np.searchsorted(c, flat), 1, 2 * self.n)
         i = j - 1
-        frac = ((flat - c[i]) / (c[j] - c[i]).clamp(min=1e-300)).clamp(0, 1)
-        x = self.pt[i] + torch.round(frac * (self.pt[j] - self.pt[i]).to(torch.float64)
-                                     ).to(torch.int64)
-        return torch.where(flat <= 0, 0, x).view(value.shape)
+        with np.errstate(over="ignore"):  # a huge quotient clips to 1, as in torch
+            frac = np.clip((flat - c[i]) / np.maximum(c[j] - c[i], 1e-300), 0, 1)
+        x = self.pt[i] + np.round(frac * (self.pt[j] - self.pt[i]).astype(np.float64)
+                                  ).astype(np.int64)
+        return np.where(flat <= 0, 0, x).reshape(value.shape)
 
-    def even(self, x: torch.Tensor) -> torch.Tensor:
+    def even(self, x: np.ndarray) -> np.ndarray:
         """Cuts inside a unit moved down to an even offset in it (both stretches of a
         unit's order alternate two ends, and its first stretch is even, so only even
         offsets keep the work linear). Off for tiny batches (``even_cuts``), where one
         token is more than the token budget."""
         if self.n == 0 or not self.even_cuts:
             return x
-        i = (torch.searchsorted(self.tok, x, right=True) - 1).clamp(0, self.n - 1)
+        i = np.clip(np.searchsorted(self.tok, x, side="right") - 1, 0, self.n - 1)
         odd = ((x - self.tok[i]) % 2 == 1) & (x < self.tok[i + 1])
-        return torch.where(odd, x - 1, x)
+        return np.where(odd, x - 1, x)
 
-    def snap_candidates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def snap_candidates(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Offsets near ``x`` [K] a cut may move to, [K, 5], and their costs [5]: x itself
         (a finer cut unless it is a boundary), the nearest item boundary below and above,
         the nearest unit boundary below and above."""
@@ -143,12 +155,10 @@ class UnitList:
         if not self._bounds:
             self._bounds = [self.tok[self.cls <= c] for c in range(2)]
         for b in self._bounds:
-            lo = (torch.searchsorted(b, x, right=True) - 1).clamp(min=0)
-            hi = torch.searchsorted(b, x).clamp(max=b.numel() - 1)
+            lo = np.maximum(np.searchsorted(b, x, side="right") - 1, 0)
+            hi = np.minimum(np.searchsorted(b, x), b.size - 1)
             cands += [b[lo], b[hi]]
-        cost = torch.tensor([_COST[2], _COST[0], _COST[0], _COST[1], _COST[1]],
-                            dtype=torch.float64)
-        return torch.stack(cands, 1), cost
+        return np.stack(cands, 1), _SNAP_COST
 
 
 def new_list(units: Units, order: torch.Tensor, tok_budget: float) -> UnitList:

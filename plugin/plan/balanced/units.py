@@ -192,3 +192,24 @@ def unit_runs(u: Units, unit: torch.Tensor, o1: torch.Tensor, o2: torch.Tensor
             (u.b_start[unit] + lb - n2[1], n2[1] - n1[1]),
             (r_start + n1[2], n2[2] - n1[2]),
             (r_start + r - n2[3], n2[3] - n1[3])]
+
+
+def unit_runs_np(u: Units, unit: np.ndarray, o1: np.ndarray, o2: np.ndarray
+                 ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """:func:`unit_runs` on numpy arrays (the solver's cuts are numpy)."""
+    a_start, b_start = u.a_start.numpy()[unit], u.b_start.numpy()[unit]
+    la, lb = u.a_len.numpy()[unit], u.b_len.numpy()[unit]
+    m = np.minimum(la, lb)
+    r = np.abs(la - lb)
+    r_start = np.where(la >= lb, a_start + m, b_start)
+
+    def taken(o: np.ndarray) -> tuple[np.ndarray, ...]:
+        p = np.minimum(o, 2 * m)
+        q = o - p
+        return (p + 1) // 2, p // 2, (q + 1) // 2, q // 2
+
+    n1, n2 = taken(o1), taken(o2)
+    return [(a_start + n1[0], n2[0] - n1[0]),
+            (b_start + lb - n2[1], n2[1] - n1[1]),
+            (r_start + n1[2], n2[2] - n1[2]),
+            (r_start + r - n2[3], n2[3] - n1[3])]
