@@ -20,7 +20,7 @@ import torch
 
 from .body_split import PROBES
 from .rank_cut import rank_cut
-from .unit_list import UnitList
+from .unit_list import UnitList, clip
 
 
 def cut_excess(lst: UnitList, phi: torch.Tensor, target: np.ndarray, budget: float
@@ -66,7 +66,7 @@ def _cut_fill(dense: UnitList, sparse: UnitList, n_tok: np.ndarray, target: np.n
         hi = new_hi
     f_lo, f_hi = f(lo, n_tok, target), f(hi, n_tok, target)
     with np.errstate(over="ignore"):  # a huge quotient clips to 1, as in torch
-        frac = np.clip(-f_lo / np.maximum(f_hi - f_lo, 1e-300), 0, 1)
+        frac = clip(-f_lo / np.maximum(f_hi - f_lo, 1e-300), 0, 1)
     x = lo + np.round(frac * (hi - lo).astype(np.float64)).astype(np.int64)
     return np.where(f_lo >= 0, lo, np.where(f_hi <= 0, hi, x))
 
@@ -89,7 +89,7 @@ def _snap_pair(dense: UnitList, sparse: UnitList, x: np.ndarray, n_tok: np.ndarr
     d_col = dense.at_col(dc, col)
     s_col = sparse.inverse(col, (dense.at_col(x, col) + sparse.at_col(s, col))[:, None]
                            - d_col)
-    anchors = np.concatenate([np.clip(n_tok[:, None] - dc, 0, sparse.total), s_col], 1)
+    anchors = np.concatenate([clip(n_tok[:, None] - dc, 0, sparse.total), s_col], 1)
     A = anchors.shape[1]
     sc, scost = sparse.snap_candidates(anchors.reshape(-1))  # [K*2C, C]
     n_c = scost.size
@@ -167,7 +167,7 @@ def pair_cut(dense: UnitList, sparse: UnitList, n_tok: np.ndarray, target: np.nd
     relative to what the exact cuts reach, see :func:`_snap_pair`). give_up: None
     instead of untangling exact cuts that go backwards (a sign of targets out of reach).
     seq: exact cuts rank by rank (:func:`rank_cut`), not snapped."""
-    n_tok = np.clip(n_tok, 0, dense.total + sparse.total)
+    n_tok = clip(n_tok, 0, dense.total + sparse.total)
     n_tok[-1] = dense.total + sparse.total
     if seq:
         # Exact rank by rank and not snapped: the snap saved no fetch here (a cut in an
