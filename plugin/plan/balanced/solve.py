@@ -38,7 +38,7 @@ def balanced_runs(lengths: torch.Tensor, cp_size: int, masks: MaskWeights, tile_
 def _solve(lengths: torch.Tensor, cp_size: int, prof: Any) -> tuple[torch.Tensor, ...]:
     """:func:`balanced_runs` for cp > 1 and a non-empty batch."""
     best = None
-    items_of: dict[tuple, tuple[Items, Units]] = {}
+    items_of: dict[tuple, tuple[Items, Units, dict]] = {}
     memo: dict = {}
     unreachable = set()
     bodies = has_bodies(lengths, prof, cp_size, memo)
@@ -49,14 +49,15 @@ def _solve(lengths: torch.Tensor, cp_size: int, prof: Any) -> tuple[torch.Tensor
             continue  # the same items and precheck: the other rank-by-rank solver fails too
         if key not in items_of:
             items = cut_items(lengths, prof, cp_size, var, memo)
-            items_of[key] = (items, units_of(items, lengths, prof))
-        items, units = items_of[key]
-        lay = solve_attempt(units, prof, cp_size, var, items, lengths)
+            items_of[key] = (items, units_of(items, lengths, prof), {})
+        items, units, cache = items_of[key]
+        lay = solve_attempt(units, prof, cp_size, var, items, lengths, cache)
         if lay.unreachable:
             unreachable.add(key)
-        if best is None or _score(lay.per_rank) < _score(best[0].per_rank):
-            best = (lay, units)
-        if _score(best[0].per_rank) <= 1.0:
+        score = _score(lay.per_rank)
+        if best is None or score < best_score:
+            best, best_score = (lay, units), score
+        if best_score <= 1.0:
             break
     return _merge_runs(*_layout_runs(best[1], best[0]))
 

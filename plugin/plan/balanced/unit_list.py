@@ -167,7 +167,7 @@ class UnitList:
         return np.stack(cands, 1), _SNAP_COST
 
 
-def new_list(units: Units, order: torch.Tensor, tok_budget: float) -> UnitList:
+def new_list(units: Units, order: np.ndarray, tok_budget: float) -> UnitList:
     """A list of ``units[order]``; cuts inside units kept even unless the token budget is
     under 2 tokens (see :meth:`UnitList.even`)."""
     lst = UnitList(units, order)
@@ -175,51 +175,56 @@ def new_list(units: Units, order: torch.Tensor, tok_budget: float) -> UnitList:
     return lst
 
 
-def unit_order(units: Units, sel: torch.Tensor, item_key: torch.Tensor) -> torch.Tensor:
-    """Indices of the selected units ordered by (item_key of their item, fold)."""
-    idx = torch.nonzero(sel).flatten()
-    span = int(units.ufold.max()) + 1 if units.ufold.numel() else 1
-    return idx[torch.argsort(item_key[units.item[idx]] * span + units.ufold[idx])]
+def unit_order(units: Units, sel: np.ndarray, item_key: np.ndarray) -> np.ndarray:
+    """Indices of the selected units ordered by (item_key of their item, fold). (The keys
+    are unique, item_key being a permutation, so the sort's stability does not matter.)"""
+    ufold = units.ufold.numpy()
+    idx = np.flatnonzero(sel)
+    span = int(ufold.max()) + 1 if ufold.size else 1
+    return idx[np.argsort(item_key[units.item.numpy()[idx]] * span + ufold[idx],
+                          kind="stable")]
 
 
-def spread_key(density: torch.Tensor, tokens: torch.Tensor, groups: int = 8
-               ) -> torch.Tensor:
+def spread_key(density: np.ndarray, tokens: np.ndarray, groups: int = 8) -> np.ndarray:
     """Item sort key spreading densities evenly by tokens: items sorted by density are
     cut into ``groups`` runs of equal tokens, then merged by phase (each item's middle
     token's share of its run), so every stretch of a list holds each density range in
     proportion to its tokens and per-rank targets near the mean stay reachable."""
-    order = torch.argsort(density, stable=True)
+    order = np.argsort(density, kind="stable")
     t = tokens[order]
-    cum = torch.cumsum(t, 0)
-    total = float(cum[-1]) if cum.numel() else 1.0
+    cum = np.cumsum(t)
+    total = float(cum[-1]) if cum.size else 1.0
     mid = cum - t / 2
-    g = torch.clamp((mid * groups / max(total, 1.0)).to(torch.int64), max=groups - 1)
-    g_start = torch.zeros(groups, dtype=torch.float64).scatter_reduce_(
-        0, g, cum - t, "amin", include_self=False)
-    g_tok = torch.zeros(groups, dtype=torch.float64).index_add_(0, g, t)
-    phase = (mid - g_start[g]) / g_tok[g].clamp(min=1)
-    key = torch.empty_like(order)
-    key[order[torch.argsort(phase, stable=True)]] = torch.arange(order.numel())
+    g = np.minimum((mid * groups / max(total, 1.0)).astype(np.int64), groups - 1)
+    g_start = np.full(groups, np.inf)
+    np.minimum.at(g_start, g, cum - t)
+    g_start[np.isinf(g_start)] = 0.0  # groups without items (never read)
+    g_tok = np.bincount(g, weights=t, minlength=groups)  # in order, as index_add_
+    phase = (mid - g_start[g]) / np.maximum(g_tok[g], 1)
+    key = np.empty_like(order)
+    key[order[np.argsort(phase, kind="stable")]] = np.arange(order.size)
     return key
 
 
-def item_sums(units: Units, n_items: int, col: Any) -> torch.Tensor:
-    """[n_items] float64: column ``col`` (an index, or a [1+M] functional) summed per item."""
+def item_sums(units: Units, n_items: int, col: Any) -> np.ndarray:
+    """[n_items] float64: column ``col`` (an index, or a [1+M] functional, a float64
+    tensor) summed per item (in unit order)."""
     v = units.vec[:, col] if isinstance(col, int) else units.vec @ col
-    return torch.zeros(n_items, dtype=torch.float64).index_add_(0, units.item, v)
+    return torch.zeros(n_items, dtype=torch.float64).index_add_(0, units.item, v).numpy()
 
 
-def density_classes(units: Units, sel: torch.Tensor, item_d: torch.Tensor,
-                    item_t: torch.Tensor, key: torch.Tensor, n: int, tok_budget: float
+def density_classes(units: Units, sel: np.ndarray, item_d: np.ndarray,
+                    item_t: np.ndarray, key: np.ndarray, n: int, tok_budget: float
                     ) -> list[UnitList]:
     """The selected units as ``n`` lists of equal tokens by item density (low first),
     each in ``key`` order."""
-    items = torch.unique(units.item[sel])
-    o = items[torch.argsort(item_d[items], stable=True)]
-    cum = torch.cumsum(item_t[o], 0)
-    total = float(cum[-1]) if cum.numel() else 1.0
-    grp = torch.clamp(((cum - item_t[o] / 2) * n / max(total, 1.0)).to(torch.int64), max=n - 1)
-    g_of = torch.full((item_t.numel(),), -1, dtype=torch.int64)
+    u_item = units.item.numpy()
+    items = np.unique(u_item[sel])
+    o = items[np.argsort(item_d[items], kind="stable")]
+    cum = np.cumsum(item_t[o])
+    total = float(cum[-1]) if cum.size else 1.0
+    grp = np.minimum(((cum - item_t[o] / 2) * n / max(total, 1.0)).astype(np.int64), n - 1)
+    g_of = np.full(item_t.size, -1, dtype=np.int64)
     g_of[o] = grp
-    return [new_list(units, unit_order(units, sel & (g_of[units.item] == g), key), tok_budget)
+    return [new_list(units, unit_order(units, sel & (g_of[u_item] == g), key), tok_budget)
             for g in range(n)]
