@@ -37,30 +37,28 @@ def _last_true(lo: np.ndarray, hi: np.ndarray, pred: Any) -> np.ndarray:
     return lo
 
 
-def tail_split(lengths: torch.Tensor, prof: Profile, cp: int, doc: torch.Tensor,
-               start: torch.Tensor, end: torch.Tensor, memo: dict
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def tail_split(lengths: torch.Tensor, prof: Profile, cp: int, doc: np.ndarray,
+               start: np.ndarray, end: np.ndarray, memo: dict
+               ) -> tuple[np.ndarray, np.ndarray]:
     """(p, n) per body [start, end): the excess of [p, end) is n whole rank shares (n =
     floor of the body's excess in shares), p the largest position with at least that much
     (p = end when n = 0)."""
     excess, total = excess_of(lengths, prof, memo)
-    start, end = start.numpy(), end.numpy()
-    dl = lengths.numpy()[doc.numpy()]
+    dl = lengths.numpy()[doc]
     share = total / cp
     n = np.floor(excess(start, end, dl) / share * (1 + 1e-12)).astype(np.int64)
     want = n.astype(np.float64) * share
     p = _last_true(start, end, lambda x, r: excess(x, end[r], dl[r]) >= want[r])
-    return torch.from_numpy(p), torch.from_numpy(n)
+    return p, n
 
 
-def density_split(lengths: torch.Tensor, prof: Profile, doc: torch.Tensor,
-                  start: torch.Tensor, end: torch.Tensor, memo: dict) -> torch.Tensor:
+def density_split(lengths: torch.Tensor, prof: Profile, doc: np.ndarray,
+                  start: np.ndarray, end: np.ndarray, memo: dict) -> np.ndarray:
     """Per body [start, end): the first position whose token carries at least the bodies'
     mean excess per token. With every mask looking left a token's work depends on its
     position only, and grows with it, so one search over positions serves all bodies."""
     excess, _ = excess_of(lengths, prof, memo)
-    start, end = start.numpy(), end.numpy()
-    dl = lengths.numpy()[doc.numpy()]
+    dl = lengths.numpy()[doc]
     mean = float(excess(start, end, dl).sum()) / max(float((end - start).sum()), 1.0)
     top = int(lengths.max())
     # First position p with excess(p, p+1) >= mean: a coarse grid, then the bracket.
@@ -72,4 +70,4 @@ def density_split(lengths: torch.Tensor, prof: Profile, doc: torch.Tensor,
     ok = excess(fine, fine + 1, np.full_like(fine, top)) >= mean
     q = int(fine[int(np.argmax(ok))]) if bool(ok.any()) else top
     q = (q + prof.tile - 1) // prof.tile * prof.tile  # on the tile grid: no extra cut
-    return torch.from_numpy(np.minimum(np.maximum(np.full_like(start, q), start), end))
+    return np.minimum(np.maximum(np.full_like(start, q), start), end)

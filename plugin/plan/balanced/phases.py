@@ -71,6 +71,7 @@ class _Setup:
     doc_order: np.ndarray     # [items] rank of each item in document order
     item_t: np.ndarray        # [items] tokens (float64)
     u_item: np.ndarray        # [units] item of each unit
+    phi: torch.Tensor | None  # the excess functional (None without excess)
     fail: "Layout"
 
     @property
@@ -97,7 +98,8 @@ def _setup(units: Units, prof: Profile, cp: int) -> _Setup:
     return _Setup(n_items, units.body.numpy() & (prof.excess.shape[0] > 0), total,
                   total / cp, k, k * int(T) // cp, _TOKEN_BUDGET * T / cp,
                   1 + int(torch.argmin(total[1:])), first, doc_order,
-                  item_sums(units, n_items, 0), u_item, fail)
+                  item_sums(units, n_items, 0), u_item,
+                  excess_functional(prof, total) if prof.excess.shape[0] else None, fail)
 
 
 def solve_attempt(units: Units, prof: Profile, cp: int, var: Variant, items: Items,
@@ -126,7 +128,7 @@ def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
     """Phase 1: bodies, cut so that every rank gets 1/cp of the excess work: (lists, cuts,
     the cumulative vector [cp+1, 1+M] they give the rank boundaries)."""
     is_body, k, tok_budget = st.is_body, st.k, st.tok_budget
-    phi = excess_functional(prof, st.total)
+    phi = st.phi
     others = [m for m in range(st.n_masks) if 1 + m != st.col] or list(range(st.n_masks))
     budget = _EXCESS_BUDGET * float(min(st.share[1 + m] for m in others))
     item_phi = item_sums(units, st.n_items, phi)
