@@ -21,6 +21,7 @@ rank pairs). Limits: positions must stay below 2^40 (mask_math's UNBOUNDED).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -213,6 +214,13 @@ def _ramp_sum_np(a: np.ndarray, b: np.ndarray, c: np.ndarray, e: np.ndarray,
     return s_hi - s_lo + n
 
 
+@functools.lru_cache(maxsize=64)
+def _chunk_pairs(chunk: int, left: int | None, right: int | None) -> int:
+    """Visible pairs of one whole chunk (the same for every chunk)."""
+    one = np.zeros(1, np.int64)
+    return int(_ramp_sum_np(one, one + chunk, one, one + chunk - 1, left, right)[0])
+
+
 def prefix_pairs_np(doc_len: np.ndarray, stop: np.ndarray, mask: AttnMask) -> np.ndarray:
     """:func:`prefix_pairs` on int64 numpy arrays, for the balanced layout's solver: on the
     few-element arrays it evaluates, a numpy op costs ~0.5 us where a torch op costs
@@ -224,9 +232,7 @@ def prefix_pairs_np(doc_len: np.ndarray, stop: np.ndarray, mask: AttnMask) -> np
         return _ramp_sum_np(zero, stop, zero, doc_len - 1, left, right)
     n_full = stop // chunk
     first = n_full * chunk
-    per_chunk = int(_ramp_sum_np(np.zeros(1, np.int64), np.full(1, chunk, np.int64),
-                                 np.zeros(1, np.int64), np.full(1, chunk - 1, np.int64),
-                                 left, right)[0])
+    per_chunk = _chunk_pairs(chunk, left, right)
     last = np.minimum(doc_len - 1, first + chunk - 1)
     return n_full * per_chunk + _ramp_sum_np(first, stop, first, last, left, right)
 

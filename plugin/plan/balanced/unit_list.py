@@ -86,7 +86,7 @@ class UnitList:
         return self._cols[key]
 
     def _locate(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        j = clip(np.searchsorted(self.pt, x, side="right") - 1, 0, 2 * self.n - 1)
+        j = clip(self.pt.searchsorted(x, "right") - 1, 0, 2 * self.n - 1)
         x0 = self.pt[j]
         frac = clip((x - x0).astype(np.float64) / np.maximum(self.pt[j + 1] - x0, 1), 0, 1)
         return j, frac
@@ -134,7 +134,7 @@ class UnitList:
             return np.zeros(value.shape, dtype=np.int64)
         c = self.column(col)
         flat = value.reshape(-1)
-        j = clip(np.searchsorted(c, flat), 1, 2 * self.n)
+        j = clip(c.searchsorted(flat), 1, 2 * self.n)
         i = j - 1
         with np.errstate(over="ignore"):  # a huge quotient clips to 1, as in torch
             frac = clip((flat - c[i]) / np.maximum(c[j] - c[i], 1e-300), 0, 1)
@@ -149,7 +149,7 @@ class UnitList:
         token is more than the token budget."""
         if self.n == 0 or not self.even_cuts:
             return x
-        i = clip(np.searchsorted(self.tok, x, side="right") - 1, 0, self.n - 1)
+        i = clip(self.tok.searchsorted(x, "right") - 1, 0, self.n - 1)
         odd = ((x - self.tok[i]) % 2 == 1) & (x < self.tok[i + 1])
         return np.where(odd, x - 1, x)
 
@@ -161,8 +161,8 @@ class UnitList:
         if not self._bounds:
             self._bounds = [self.tok[self.cls <= c] for c in range(2)]
         for b in self._bounds:
-            lo = np.maximum(np.searchsorted(b, x, side="right") - 1, 0)
-            hi = np.minimum(np.searchsorted(b, x), b.size - 1)
+            lo = np.maximum(b.searchsorted(x, "right") - 1, 0)
+            hi = np.minimum(b.searchsorted(x), b.size - 1)
             cands += [b[lo], b[hi]]
         return np.stack(cands, 1), _SNAP_COST
 
