@@ -227,6 +227,14 @@ def prefix_pairs_np(doc_len: np.ndarray, stop: np.ndarray, mask: AttnMask) -> np
     1.5-6 us (the same integer math, so the same values)."""
     left, right = _window(mask)
     chunk = mask.chunk_size
+    if left is None and right == 0:
+        # Causal without a left window (the usual masks): query q sees q + 1 keys (of its
+        # chunk): triangle numbers, 4 ops where the general form takes ~20 (units_of on
+        # 5000 documents: 0.7 -> ~0.2 ms a mask).
+        if not chunk:
+            return stop * (stop + 1) // 2
+        r = stop % chunk
+        return (stop - r) // chunk * (chunk * (chunk + 1) // 2) + r * (r + 1) // 2
     if not chunk:
         zero = np.zeros_like(stop)
         return _ramp_sum_np(zero, stop, zero, doc_len - 1, left, right)
