@@ -37,7 +37,7 @@ def balanced_runs(lengths: torch.Tensor, cp_size: int, masks: MaskWeights, tile_
 
 def _solve(lengths: torch.Tensor, cp_size: int, prof: Any) -> tuple[torch.Tensor, ...]:
     """:func:`balanced_runs` for cp > 1 and a non-empty batch."""
-    best = None
+    best, best_score = None, math.inf
     items_of: dict[tuple, tuple[Items, Units, dict]] = {}
     memo: dict = {}
     unreachable = set()
