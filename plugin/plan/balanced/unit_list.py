@@ -55,13 +55,15 @@ class UnitList:
         self.pt = np.round(pv[:, 0]).astype(np.int64)
         self.tok = self.pt[::2].copy()
         self.total = int(self.pt[-1])
+        # Tokens between merged points (at least 1), as floats: _locate divides by it.
+        self._span = np.maximum(np.diff(self.pt), 1).astype(np.float64)
         # Boundary classes: 0 where an item starts (and at the end), 1 between units.
         cls = np.zeros(n + 1, dtype=np.int64)
         cls[:n] = units.ufold.numpy()[order] != 0
         if n:
             cls[0] = 0
         self.cls = cls
-        self._cols: dict[Any, np.ndarray] = {}
+        self._cols: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
         self._bounds: list[np.ndarray] = []
         self.even_cuts = True
 
@@ -75,6 +77,11 @@ class UnitList:
         """Cumulative column ``col`` (an index, or a [1+M] functional, a float64 tensor)
         at the merged points; a functional is guarded to be non-decreasing (negative work
         in mixed mask sets counts as flat)."""
+        return self._column(col)[0]
+
+    def _column(self, col: Any) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`column` and its steps between merged points (c[j + 1] - c[j], the
+        same subtraction the interpolation made per call)."""
         key = col if isinstance(col, int) else tuple(col.tolist())
         if key not in self._cols:
             if isinstance(col, int):
@@ -82,13 +89,12 @@ class UnitList:
             else:
                 c = np.maximum.accumulate(np.maximum(
                     (torch.from_numpy(self.pv) @ col).numpy(), 0.0))
-            self._cols[key] = c
+            self._cols[key] = (c, np.diff(c))
         return self._cols[key]
 
     def _locate(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         j = clip(self.pt.searchsorted(x, "right") - 1, 0, 2 * self.n - 1)
-        x0 = self.pt[j]
-        frac = clip((x - x0).astype(np.float64) / np.maximum(self.pt[j + 1] - x0, 1), 0, 1)
+        frac = clip((x - self.pt[j]) / self._span[j], 0, 1)
         return j, frac
 
     def at(self, x: np.ndarray) -> np.ndarray:
@@ -103,17 +109,16 @@ class UnitList:
         """One column (or a functional, see :meth:`column`) of :meth:`at`."""
         if self.n == 0:
             return np.zeros(x.shape, dtype=np.float64)
-        c = self.column(col)
+        c, dc = self._column(col)
         j, frac = self._locate(x)
-        v0 = c[j]
-        return v0 + frac * (c[j + 1] - v0)
+        return c[j] + frac * dc[j]
 
     def value_slope(self, x: np.ndarray, col: Any) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`at_col` and the column's increase per token there."""
-        c = self.column(col)
+        c, dc = self._column(col)
         j, frac = self._locate(x)
-        v0, dv = c[j], c[j + 1] - c[j]
-        return v0 + frac * dv, dv / np.maximum(self.pt[j + 1] - self.pt[j], 1)
+        dv = dc[j]
+        return c[j] + frac * dv, dv / self._span[j]
 
     def at_cols(self, x: np.ndarray, cols: list) -> list[np.ndarray]:
         """:meth:`at_col` for several columns, locating ``x`` once."""
@@ -122,9 +127,8 @@ class UnitList:
         j, frac = self._locate(x)
         out = []
         for col in cols:
-            c = self.column(col)
-            v0 = c[j]
-            out.append(v0 + frac * (c[j + 1] - v0))
+            c, dc = self._column(col)
+            out.append(c[j] + frac * dc[j])
         return out
 
     def inverse(self, col: Any, value: np.ndarray) -> np.ndarray:
