@@ -72,6 +72,7 @@ class _Setup:
     item_t: np.ndarray        # [items] tokens (float64)
     u_item: np.ndarray        # [units] item of each unit
     phi: torch.Tensor | None  # the excess functional (None without excess)
+    item_phi: np.ndarray | None  # [items] its sum per item
     fail: "Layout"
 
     @property
@@ -95,11 +96,12 @@ def _setup(units: Units, prof: Profile, cp: int) -> _Setup:
     doc_order[np.argsort(first, kind="stable")] = np.arange(n_items)
     fail = Layout([], [], np.full((cp, total.numel()), math.inf, dtype=np.float64))
     # The filler column: the mask with least work (its relative errors are the largest).
+    phi = excess_functional(prof, total) if prof.excess.shape[0] else None
     return _Setup(n_items, units.body.numpy() & (prof.excess.shape[0] > 0), total,
                   total / cp, k, k * int(T) // cp, _TOKEN_BUDGET * T / cp,
                   1 + int(torch.argmin(total[1:])), first, doc_order,
-                  item_sums(units, n_items, 0), u_item,
-                  excess_functional(prof, total) if prof.excess.shape[0] else None, fail)
+                  item_sums(units, n_items, 0), u_item, phi,
+                  None if phi is None else item_sums(units, n_items, phi), fail)
 
 
 def solve_attempt(units: Units, prof: Profile, cp: int, var: Variant, items: Items,
@@ -131,7 +133,7 @@ def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
     phi = st.phi
     others = [m for m in range(st.n_masks) if 1 + m != st.col] or list(range(st.n_masks))
     budget = _EXCESS_BUDGET * float(min(st.share[1 + m] for m in others))
-    item_phi = item_sums(units, st.n_items, phi)
+    item_phi = st.item_phi
     if var.body == "split":
         # Late parts (dense in excess) and early parts, in position order and document
         # order, cut rank by rank to equal tokens and excess.
