@@ -21,8 +21,10 @@ rank pairs). Limits: positions must stay below 2^40 (mask_math's UNBOUNDED).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..masks import AttnMask
@@ -193,6 +195,54 @@ def prefix_pairs(doc_len: torch.Tensor, stop: torch.Tensor, mask: AttnMask) -> t
     per_chunk = _ramp_sum(one, one + chunk, one, one + chunk - 1, left, right)
     last = torch.minimum(doc_len - 1, first + chunk - 1)
     return n_full * per_chunk + _ramp_sum(first, stop, first, last, left, right)
+
+
+def _ramp_sum_np(a: np.ndarray, b: np.ndarray, c: np.ndarray, e: np.ndarray,
+                 left: int | None, right: int | None) -> np.ndarray:
+    """:func:`_ramp_sum` on int64 numpy arrays (the same integer steps)."""
+    n = np.maximum(b - a, 0)
+    if right is None:
+        s_hi = e * n
+    else:
+        m = np.minimum(np.maximum(e - right, a), b)
+        s_hi = _tri(m) - _tri(a) + right * (m - a) + e * (b - m)
+    if left is None:
+        s_lo = c * n
+    else:
+        m = np.minimum(np.maximum(c + left + 1, a), b)
+        s_lo = c * (m - a) + _tri(b) - _tri(m) - left * (b - m)
+    return s_hi - s_lo + n
+
+
+@functools.lru_cache(maxsize=64)
+def _chunk_pairs(chunk: int, left: int | None, right: int | None) -> int:
+    """Visible pairs of one whole chunk (the same for every chunk)."""
+    one = np.zeros(1, np.int64)
+    return int(_ramp_sum_np(one, one + chunk, one, one + chunk - 1, left, right)[0])
+
+
+def prefix_pairs_np(doc_len: np.ndarray, stop: np.ndarray, mask: AttnMask) -> np.ndarray:
+    """:func:`prefix_pairs` on int64 numpy arrays, for the balanced layout's solver: on the
+    few-element arrays it evaluates, a numpy op costs ~0.5 us where a torch op costs
+    1.5-6 us (the same integer math, so the same values)."""
+    left, right = _window(mask)
+    chunk = mask.chunk_size
+    if left is None and right == 0:
+        # Causal without a left window (the usual masks): query q sees q + 1 keys (of its
+        # chunk): triangle numbers, 4 ops where the general form takes ~20 (units_of on
+        # 5000 documents: 0.7 -> ~0.2 ms a mask).
+        if not chunk:
+            return stop * (stop + 1) // 2
+        r = stop % chunk
+        return (stop - r) // chunk * (chunk * (chunk + 1) // 2) + r * (r + 1) // 2
+    if not chunk:
+        zero = np.zeros_like(stop)
+        return _ramp_sum_np(zero, stop, zero, doc_len - 1, left, right)
+    n_full = stop // chunk
+    first = n_full * chunk
+    per_chunk = _chunk_pairs(chunk, left, right)
+    last = np.minimum(doc_len - 1, first + chunk - 1)
+    return n_full * per_chunk + _ramp_sum_np(first, stop, first, last, left, right)
 
 
 def pair_work(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, e: torch.Tensor,

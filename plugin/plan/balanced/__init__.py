@@ -6,7 +6,10 @@ global causal x1) or a Gemma-style one (window (4096, 0) x5 : causal x1) needs e
 balanced by one token layout, not a weighted sum. Targets: each mask's work (visible
 query-key pairs of a rank's queries) within 3% of its mean over ranks, tokens within 2%,
 no padding. Layer counts (the masks' weights) only set priorities: a snap error goes to the
-masks of fewer layers first. Host (CPU) tensors, vectorized, deterministic.
+masks of fewer layers first. Host (CPU), vectorized, deterministic: tensors in and out,
+numpy inside (the solver runs ~1000 ops a batch on arrays of 1 to a few thousand elements,
+where a numpy op costs ~0.5-1 us and a torch op 1.5-6 us), float reductions and products
+left in torch so that every layout is the same to the bit as with the torch solver.
 
 A rank holding part of a document fetches the keys its queries see and it does not hold:
 for a causal layer everything before its first position, for a window one window, for

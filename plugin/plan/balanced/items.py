@@ -23,9 +23,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .args import prefix_work
+from ..runs import prefix_pairs_np
 from .body_split import density_split, tail_split
 from .profile import Profile
 from .segments import doc_work, excess_of, segments_of
@@ -72,66 +73,65 @@ def cut_items(lengths: torch.Tensor, prof: Profile, cp: int, var: Variant,
     blocks = var.body == "blocks" and prof.head == "chunk"
     h, tail, ends = _heads(prof, blocks, start, end, long)
     has_head = long & (h > 0)
-    mid_end = torch.where(ends, tail, end)
+    mid_end = np.where(ends, tail, end)
     # Filler: short segments and short-like heads; bodies (and the heads and tails of
     # "ends") carry the excess. With one mask (no excess) everything is filler.
     like = prof.head in ("chunk", "prefix")
     f_sel = [(~long, start, end)] + ([(has_head, start, start + h)] if like else [])
     b_sel = [(long, start + h, mid_end)] + ([] if like else [(has_head, start, start + h)])
     b_sel.append((ends, tail, end))
-    f_doc = torch.cat([doc[m] for m, _, _ in f_sel])
-    f_start = torch.cat([a[m] for m, a, _ in f_sel])
-    f_end = torch.cat([b[m] for m, _, b in f_sel])
-    b_doc = torch.cat([doc[m] for m, _, _ in b_sel])
-    b_start = torch.cat([a[m] for m, a, _ in b_sel])
-    b_end = torch.cat([b[m] for m, _, b in b_sel])
-    n_f, n_long = f_doc.numel(), int(long.sum())
+    f_doc = np.concatenate([doc[m] for m, _, _ in f_sel])
+    f_start = np.concatenate([a[m] for m, a, _ in f_sel])
+    f_end = np.concatenate([b[m] for m, _, b in f_sel])
+    b_doc = np.concatenate([doc[m] for m, _, _ in b_sel])
+    b_start = np.concatenate([a[m] for m, a, _ in b_sel])
+    b_end = np.concatenate([b[m] for m, _, b in b_sel])
+    n_f, n_long = f_doc.size, int(long.sum())
     b_doc, b_start, b_end, kind, block = _split_bodies(
         lengths, prof, cp, var, blocks, n_long, b_doc, b_start, b_end, memo)
-    n_b = b_doc.numel()
+    n_b = b_doc.size
     excess = prof.excess.shape[0] > 0
-    return Items(
-        doc=torch.cat([f_doc, b_doc]), start=torch.cat([f_start, b_start]),
-        end=torch.cat([f_end, b_end]),
-        kind=torch.cat([_filler_kinds(lengths, prof, cp, var, f_doc, f_start, f_end, memo),
-                        kind]),
-        body=torch.cat([torch.zeros(n_f, dtype=torch.bool),
-                        torch.full((n_b,), excess, dtype=torch.bool)]),
-        block=torch.cat([torch.zeros(n_f, dtype=torch.int64), block]))
+    out = (np.concatenate([f_doc, b_doc]), np.concatenate([f_start, b_start]),
+           np.concatenate([f_end, b_end]),
+           np.concatenate([_filler_kinds(lengths, prof, cp, var, f_doc, f_start, f_end, memo),
+                           kind]),
+           np.concatenate([np.zeros(n_f, dtype=bool), np.full(n_b, excess, dtype=bool)]),
+           np.concatenate([np.zeros(n_f, dtype=np.int64), block]))
+    return Items(*(torch.from_numpy(x) for x in out))
 
 
-def _heads(prof: Profile, blocks: bool, start: torch.Tensor, end: torch.Tensor,
-           long: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _heads(prof: Profile, blocks: bool, start: np.ndarray, end: np.ndarray,
+           long: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(head length of each segment (0: none), the start of the "ends" tail item, which
     segments have one) of segments [start, end), ``long`` marking those with a body."""
     size = end - start
     if blocks:
-        h = torch.full_like(size, prof.chunk)
+        h = np.full_like(size, prof.chunk)
     elif prof.head == "chunk":
         r = size % prof.chunk
         t = prof.tile
-        h = torch.where(r == 0, 0, prof.chunk - (r + t - 1) // t * t)
+        h = np.where(r == 0, 0, prof.chunk - (r + t - 1) // t * t)
     elif prof.head in ("prefix", "ends"):
-        h = torch.full_like(size, prof.prefix)
+        h = np.full_like(size, prof.prefix)
     else:
-        h = torch.zeros_like(size)
+        h = np.zeros_like(size)
     t = prof.tile
-    tail = torch.div(end - prof.suffix, t, rounding_mode="floor") * t  # "ends" only
+    tail = (end - prof.suffix) // t * t  # "ends" only
     ends = long & (prof.head == "ends") & (start + h < tail) & (prof.suffix > 0)
-    h = torch.where(long & ((prof.head != "ends") | (start + h < tail)), h, 0)
+    h = np.where(long & ((prof.head != "ends") | (start + h < tail)), h, 0)
     return h, tail, ends
 
 
 def _split_bodies(lengths: torch.Tensor, prof: Profile, cp: int, var: Variant,
-                  blocks: bool, n_long: int, b_doc: torch.Tensor, b_start: torch.Tensor,
-                  b_end: torch.Tensor, memo: dict) -> tuple[torch.Tensor, ...]:
+                  blocks: bool, n_long: int, b_doc: np.ndarray, b_start: np.ndarray,
+                  b_end: np.ndarray, memo: dict) -> tuple[np.ndarray, ...]:
     """The body items (the first ``n_long`` are the long segments' bodies) with their
     kinds and blocks: for ``blocks`` and ``split`` variants each long body cut at p into a
     remainder [start, p) and a tail block [p, end) (see :func:`cut_items`); else unchanged,
     mirrored (chunk-pair walked for chunked masks)."""
-    n_b = b_doc.numel()
-    kind = torch.full((n_b,), MIRRORED)
-    block = torch.zeros(n_b, dtype=torch.int64)
+    n_b = b_doc.size
+    kind = np.full(n_b, MIRRORED, dtype=np.int64)
+    block = np.zeros(n_b, dtype=np.int64)
     if not ((blocks or var.body == "split") and n_long and prof.excess.shape[0]):
         if prof.head == "chunk":
             kind[:n_long] = CHUNK_PAIRS
@@ -139,41 +139,43 @@ def _split_bodies(lengths: torch.Tensor, prof: Profile, cp: int, var: Variant,
     if blocks:
         p, n_sh = tail_split(lengths, prof, cp, b_doc[:n_long], b_start[:n_long],
                              b_end[:n_long], memo)
-        tail = torch.nonzero(n_sh >= 1).flatten()
+        tail = np.flatnonzero(n_sh >= 1)
     else:
         p = density_split(lengths, prof, b_doc[:n_long], b_start[:n_long],
                           b_end[:n_long], memo)
         if _MINLATE > 0:
             excess, tot_e = excess_of(lengths, prof, memo)
-            small = excess(p, b_end[:n_long], lengths[b_doc[:n_long]]) < _MINLATE * tot_e / cp
-            p = torch.where(small, b_end[:n_long], p)
-        tail = torch.nonzero(p < b_end[:n_long]).flatten()
-    rest = torch.nonzero(p > b_start[:n_long]).flatten()
-    b_doc = torch.cat([b_doc[rest], b_doc[tail], b_doc[n_long:]])
-    b_start, b_end = (torch.cat([b_start[rest], p[tail], b_start[n_long:]]),
-                      torch.cat([p[rest], b_end[tail], b_end[n_long:]]))
-    n_b = b_doc.numel()
-    block = torch.cat([torch.full((rest.numel(),), REMAINDER),
-                       torch.full((tail.numel(),), TAIL_BLOCK),
-                       torch.zeros(n_b - rest.numel() - tail.numel(), dtype=torch.int64)])
-    return b_doc, b_start, b_end, torch.full((n_b,), POSITION_ORDER), block
+            small = (excess(p, b_end[:n_long], lengths.numpy()[b_doc[:n_long]])
+                     < _MINLATE * tot_e / cp)
+            p = np.where(small, b_end[:n_long], p)
+        tail = np.flatnonzero(p < b_end[:n_long])
+    rest = np.flatnonzero(p > b_start[:n_long])
+    b_doc = np.concatenate([b_doc[rest], b_doc[tail], b_doc[n_long:]])
+    b_start, b_end = (np.concatenate([b_start[rest], p[tail], b_start[n_long:]]),
+                      np.concatenate([p[rest], b_end[tail], b_end[n_long:]]))
+    n_b = b_doc.size
+    block = np.concatenate([np.full(rest.size, REMAINDER, dtype=np.int64),
+                            np.full(tail.size, TAIL_BLOCK, dtype=np.int64),
+                            np.zeros(n_b - rest.size - tail.size, dtype=np.int64)])
+    return b_doc, b_start, b_end, np.full(n_b, POSITION_ORDER, dtype=np.int64), block
 
 
 def _filler_kinds(lengths: torch.Tensor, prof: Profile, cp: int, var: Variant,
-                  f_doc: torch.Tensor, f_start: torch.Tensor, f_end: torch.Tensor,
-                  memo: dict) -> torch.Tensor:
+                  f_doc: np.ndarray, f_start: np.ndarray, f_end: np.ndarray,
+                  memo: dict) -> np.ndarray:
     """How each filler item is walked: in position order (``var.fill == "prefix"``),
     except items holding more than ``var.big`` ranks' work, which stay mirrored: in
     position order such an item's stretches would range from far too sparse (its start)
     to far too dense for the rank-by-rank solver."""
-    n_f = f_doc.numel()
+    n_f = f_doc.size
     if var.fill != "prefix":
-        return torch.full((n_f,), MIRRORED)
-    f_kind = torch.full((n_f,), POSITION_ORDER)
+        return np.full(n_f, MIRRORED, dtype=np.int64)
+    f_kind = np.full(n_f, POSITION_ORDER, dtype=np.int64)
     if var.big < math.inf:
         m0 = prof.masks[0]
-        fl = lengths[f_doc]
-        w = (prefix_work(fl, f_end, m0) - prefix_work(fl, f_start, m0)).to(torch.float64)
+        fl = lengths.numpy()[f_doc]
+        w = (prefix_pairs_np(fl, f_end, m0) - prefix_pairs_np(fl, f_start, m0)
+             ).astype(np.float64)
         share = float(doc_work(lengths, prof, memo)[:, 0].sum()) / cp
         f_kind[w > var.big * share] = MIRRORED
     return f_kind

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .items import REMAINDER, TAIL_BLOCK, Items
@@ -39,12 +40,12 @@ class Layout:
     list)."""
 
     lists: list[UnitList]
-    cuts: list[torch.Tensor]  # [cp+1] token offsets per list
-    per_rank: torch.Tensor  # [cp, 1+M] float64 estimate (interpolated inside cut tiles)
+    cuts: list[np.ndarray]  # [cp+1] int64 token offsets per list
+    per_rank: np.ndarray  # [cp, 1+M] float64 estimate (interpolated inside cut tiles)
     unreachable: bool = False  # the rank-by-rank solver's precheck failed (see solve_attempt)
 
 
-def rank_vectors(lists: list[UnitList], cuts: list[torch.Tensor]) -> torch.Tensor:
+def rank_vectors(lists: list[UnitList], cuts: list[np.ndarray]) -> np.ndarray:
     """[cp, 1+M]: each rank's (tokens, work per mask) over all lists (interpolated inside
     cut units)."""
     out = 0
@@ -59,16 +60,19 @@ class _Setup:
     """What both phases of :func:`solve_attempt` share (targets, budgets, the items' orders)."""
 
     n_items: int
-    is_body: torch.Tensor     # [units] bool
+    is_body: np.ndarray       # [units] bool
     total: torch.Tensor       # [1+M] tokens and each mask's work
     share: torch.Tensor       # total / cp
-    k: torch.Tensor           # rank boundaries 0..cp
-    n_tok: torch.Tensor       # token targets: floor(k T / cp)
+    k: np.ndarray             # rank boundaries 0..cp (int64)
+    n_tok: np.ndarray         # token targets: floor(k T / cp)
     tok_budget: float
     col: int                  # the filler column: the mask with least work
-    first: torch.Tensor       # [items] doc << 40 | first position
-    doc_order: torch.Tensor   # [items] rank of each item in document order
-    item_t: torch.Tensor      # [items] tokens
+    first: np.ndarray         # [items] doc << 40 | first position
+    doc_order: np.ndarray     # [items] rank of each item in document order
+    item_t: np.ndarray        # [items] tokens (float64)
+    u_item: np.ndarray        # [units] item of each unit
+    phi: torch.Tensor | None  # the excess functional (None without excess)
+    item_phi: np.ndarray | None  # [items] its sum per item
     fail: "Layout"
 
     @property
@@ -77,25 +81,31 @@ class _Setup:
 
 
 def _setup(units: Units, prof: Profile, cp: int) -> _Setup:
-    """Targets and orders of ``units`` for ``cp`` ranks."""
-    n_items = int(units.item.max()) + 1 if units.item.numel() else 0
-    total = units.vec.sum(0)  # [1+M]
+    """Targets and orders of ``units`` for ``cp`` ranks (the same for every attempt on
+    these units: solve.py keeps one per units)."""
+    u_item = units.item.numpy()
+    n_items = int(u_item.max()) + 1 if u_item.size else 0
+    total = units.vec.sum(0)  # [1+M]; torch's summation order, as before
     T = float(total[0])
-    k = torch.arange(cp + 1, dtype=torch.int64)
-    # Items in document order (items are numbered filler first, bodies after).
-    first = torch.zeros(n_items, dtype=torch.int64).scatter_reduce_(
-        0, units.item, units.doc * (1 << 40) + units.a_start, "amin", include_self=False)
-    doc_order = torch.empty(n_items, dtype=torch.int64)
-    doc_order[torch.argsort(first)] = torch.arange(n_items)
-    fail = Layout([], [], torch.full((cp, total.numel()), math.inf, dtype=torch.float64))
+    k = np.arange(cp + 1, dtype=np.int64)
+    # Items in document order (items are numbered filler first, bodies after; every item
+    # has units, and its first position is unique).
+    first = np.full(n_items, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(first, u_item, units.doc.numpy() * (1 << 40) + units.a_start.numpy())
+    doc_order = np.empty(n_items, dtype=np.int64)
+    doc_order[np.argsort(first, kind="stable")] = np.arange(n_items)
+    fail = Layout([], [], np.full((cp, total.numel()), math.inf, dtype=np.float64))
     # The filler column: the mask with least work (its relative errors are the largest).
-    return _Setup(n_items, units.body & (prof.excess.shape[0] > 0), total, total / cp, k,
-                  k * int(T) // cp, _TOKEN_BUDGET * T / cp, 1 + int(torch.argmin(total[1:])),
-                  first, doc_order, item_sums(units, n_items, 0), fail)
+    phi = excess_functional(prof, total) if prof.excess.shape[0] else None
+    return _Setup(n_items, units.body.numpy() & (prof.excess.shape[0] > 0), total,
+                  total / cp, k, k * int(T) // cp, _TOKEN_BUDGET * T / cp,
+                  1 + int(torch.argmin(total[1:])), first, doc_order,
+                  item_sums(units, n_items, 0), u_item, phi,
+                  None if phi is None else item_sums(units, n_items, phi), fail)
 
 
 def solve_attempt(units: Units, prof: Profile, cp: int, var: Variant, items: Items,
-                  lengths: torch.Tensor) -> Layout:
+                  lengths: torch.Tensor, cache: dict | None = None) -> Layout:
     """Phase 1 (bodies: the excess work) then phase 2 (filler: tokens and the rest).
 
     Bodies (``var``): one list spread by excess per token and cut by excess alone (a
@@ -104,44 +114,48 @@ def solve_attempt(units: Units, prof: Profile, cp: int, var: Variant, items: Ite
     documents per rank, always feasible for phase 2); or the blocks of
     :func:`~.items.cut_items`.
     """
-    st = _setup(units, prof, cp)
+    cache = {} if cache is None else cache
+    if "setup" not in cache:
+        cache["setup"] = _setup(units, prof, cp)
+    st = cache["setup"]
     lists, cuts = [], []
-    b_val = torch.zeros(cp + 1, st.total.numel(), dtype=torch.float64)
+    b_val = np.zeros((cp + 1, st.total.numel()), dtype=np.float64)
     if prof.excess.shape[0] and bool(st.is_body.any()):
         lists, cuts, b_val = _cut_bodies(units, prof, cp, var, st, lengths)
     return _cut_filler(units, prof, var, items, lengths, st, lists, cuts, b_val)
 
 
 def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
-                lengths: torch.Tensor) -> tuple[list, list, torch.Tensor]:
+                lengths: torch.Tensor) -> tuple[list, list, np.ndarray]:
     """Phase 1: bodies, cut so that every rank gets 1/cp of the excess work: (lists, cuts,
     the cumulative vector [cp+1, 1+M] they give the rank boundaries)."""
     is_body, k, tok_budget = st.is_body, st.k, st.tok_budget
-    phi = excess_functional(prof, st.total)
+    phi = st.phi
     others = [m for m in range(st.n_masks) if 1 + m != st.col] or list(range(st.n_masks))
     budget = _EXCESS_BUDGET * float(min(st.share[1 + m] for m in others))
-    item_phi = item_sums(units, st.n_items, phi)
+    item_phi = st.item_phi
     if var.body == "split":
         # Late parts (dense in excess) and early parts, in position order and document
         # order, cut rank by rank to equal tokens and excess.
-        late = is_body & (units.block == TAIL_BLOCK)
+        late = is_body & (units.block.numpy() == TAIL_BLOCK)
         dense = new_list(units, unit_order(units, late, st.doc_order), tok_budget)
         sparse = new_list(units, unit_order(units, is_body & ~late, st.doc_order), tok_budget)
         t_b = dense.total + sparse.total
         b_tok = k * t_b // cp
-        b_phi = k.to(torch.float64) * float(dense.column(phi)[-1] + sparse.column(phi)[-1]) / cp
+        b_phi = k.astype(np.float64) * float(dense.column(phi)[-1] + sparse.column(phi)[-1]) / cp
         xd, xs = rank_cut([dense], [sparse], b_tok, b_phi, phi)
         return [dense, sparse], [xd, xs], dense.at(xd) + sparse.at(xs)
-    body_items = torch.zeros(st.n_items, dtype=torch.bool)
-    body_items[units.item[is_body]] = True
+    body_items = np.zeros(st.n_items, dtype=bool)
+    body_items[st.u_item[is_body]] = True
     if var.pair:
-        t_b = float(st.item_t[body_items].sum())
-        p_b = float(item_phi[body_items].sum())
-        hi = (item_phi * t_b > p_b * st.item_t)[units.item]
+        # Sums in torch: its summation order, as before (item_phi is not integral).
+        t_b = float(torch.from_numpy(st.item_t[body_items]).sum())
+        p_b = float(torch.from_numpy(item_phi[body_items]).sum())
+        hi = (item_phi * t_b > p_b * st.item_t)[st.u_item]
         dense = new_list(units, unit_order(units, is_body & hi, st.doc_order), tok_budget)
         sparse = new_list(units, unit_order(units, is_body & ~hi, st.doc_order), tok_budget)
         b_tok = k * int(t_b) // cp
-        b_phi = k.to(torch.float64) * p_b / cp
+        b_phi = k.astype(np.float64) * p_b / cp
         xd, xs = pair_cut(dense, sparse, b_tok, b_phi, phi,
                            [(0, 2 * tok_budget, 1.0), (phi, budget, 1.0)])
         return [dense, sparse], [xd, xs], dense.at(xd) + sparse.at(xs)
@@ -150,12 +164,12 @@ def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
     else:
         # Bodies spread by excess per token, so that the excess cut gives no rank
         # a stretch of only sparse bodies (too many tokens for the filler).
-        key = spread_key(item_phi / st.item_t.clamp(min=1), st.item_t * body_items)
+        key = spread_key(item_phi / np.maximum(st.item_t, 1), st.item_t * body_items)
     body = new_list(units, unit_order(units, is_body, key), tok_budget)
     if var.body == "blocks":
         target = _block_targets(units, body, phi, cp)
     else:
-        target = k.to(torch.float64) * float(body.pv[-1] @ phi) / cp
+        target = k.astype(np.float64) * float(torch.from_numpy(body.pv[-1]) @ phi) / cp
     x = cut_excess(body, phi, target, budget)
     x[0], x[-1] = 0, body.total
     return [body], [x], body.at(x)
@@ -166,71 +180,72 @@ def _block_order(units: Units, st: _Setup, lengths: torch.Tensor) -> torch.Tenso
     ... (about two on a rank: each costs a chunk of causal keys to fetch), then the tail
     blocks, longest documents first, so that the last rank, which phase 2 gives what is
     left of every filler list, holds the shortest document's end."""
-    i_blk = torch.zeros(st.n_items, dtype=torch.int64)
-    i_blk[units.item] = units.block
-    ln = lengths[st.first >> 40]
+    i_blk = np.zeros(st.n_items, dtype=np.int64)
+    i_blk[st.u_item] = units.block.numpy()  # one block class per item
+    ln = lengths.numpy()[st.first >> 40]
     key = ((1 << 40) - ln) * (1 << 22) + (st.first >> 40)
-    r_idx = torch.nonzero(i_blk == REMAINDER).flatten()
-    o = r_idx[torch.argsort(-st.item_t[r_idx], stable=True)]
-    zz = torch.empty(o.numel(), dtype=torch.int64)
-    zz[0::2] = torch.arange((o.numel() + 1) // 2)
-    zz[1::2] = o.numel() - 1 - torch.arange(o.numel() // 2)
-    key[o[zz]] = torch.arange(o.numel())
-    return torch.argsort(torch.argsort(key))
+    r_idx = np.flatnonzero(i_blk == REMAINDER)
+    o = r_idx[np.argsort(-st.item_t[r_idx], kind="stable")]
+    zz = np.empty(o.size, dtype=np.int64)
+    zz[0::2] = np.arange((o.size + 1) // 2)
+    zz[1::2] = o.size - 1 - np.arange(o.size // 2)
+    key[o[zz]] = np.arange(o.size)
+    # (Body items' keys are unique, so the sort's stability does not change their order.)
+    return np.argsort(np.argsort(key, kind="stable"), kind="stable")
 
 
-def _block_targets(units: Units, body: UnitList, phi: torch.Tensor, cp: int) -> torch.Tensor:
+def _block_targets(units: Units, body: UnitList, phi: torch.Tensor, cp: int) -> np.ndarray:
     """Excess targets [cp+1] of the "blocks" body list (remainders first, then tail
     blocks): the remainders in equal shares, then each tail block in equal shares of its
     own, so that the cuts fall on the blocks' boundaries (each block is a whole number of
     shares up to one token)."""
-    it = units.item[body.order]
-    new = torch.ones(body.n, dtype=torch.bool)
+    it = units.item.numpy()[body.order]
+    new = np.ones(body.n, dtype=bool)
     new[1:] = it[1:] != it[:-1]
-    first = torch.nonzero(new).flatten()
+    first = np.flatnonzero(new)
     cum = body.column(phi)
     c_s = cum[2 * first]
-    c_e = torch.cat([c_s[1:], cum[-1:]])
-    tail = units.block[body.order[first]] == TAIL_BLOCK
+    c_e = np.append(c_s[1:], cum[-1])
+    tail = units.block.numpy()[body.order[first]] == TAIL_BLOCK
     total = float(cum[-1])
-    n_sh = torch.clamp(torch.round((c_e - c_s)[tail] * cp / max(total, 1e-300)),
-                       min=1).to(torch.int64)
+    n_sh = np.maximum(np.round((c_e - c_s)[tail] * cp / max(total, 1e-300)), 1).astype(np.int64)
     n_rest = cp - int(n_sh.sum())
     if not bool(tail.any()) or n_rest < 0 or (n_rest == 0 and not bool(tail[0])):
-        return torch.arange(cp + 1, dtype=torch.float64) * total / cp
+        return np.arange(cp + 1, dtype=np.float64) * total / cp
     s_t, e_t = c_s[tail], c_e[tail]
     rest_end = float(s_t[0])
-    rep = torch.repeat_interleave(torch.arange(n_sh.numel()), n_sh)
-    off = (torch.arange(int(n_sh.sum())) - (torch.cumsum(n_sh, 0) - n_sh)[rep]).to(torch.float64)
-    return torch.cat([torch.arange(n_rest, dtype=torch.float64) * rest_end / max(n_rest, 1),
-                      s_t[rep] + (e_t - s_t)[rep] * off / n_sh[rep].to(torch.float64),
-                      torch.tensor([total], dtype=torch.float64)])
+    rep = np.repeat(np.arange(n_sh.size), n_sh)
+    off = (np.arange(int(n_sh.sum())) - (np.cumsum(n_sh) - n_sh)[rep]).astype(np.float64)
+    return np.concatenate([np.arange(n_rest, dtype=np.float64) * rest_end / max(n_rest, 1),
+                           s_t[rep] + (e_t - s_t)[rep] * off / n_sh[rep].astype(np.float64),
+                           [total]])
 
 
 def _cut_filler(units: Units, prof: Profile, var: Variant, items: Items,
                 lengths: torch.Tensor, st: _Setup, lists: list, cuts: list,
-                b_val: torch.Tensor) -> Layout:
+                b_val: np.ndarray) -> Layout:
     """Phase 2: filler (short documents and heads), dense / sparse in the filler column,
     cut to what phase 1 left of every rank's targets."""
     col, k, tok_budget, total = st.col, st.k, st.tok_budget, st.total
     fill = ~st.is_body
-    f_tok = torch.cummax((st.n_tok - b_val[:, 0].round().to(torch.int64)).clamp(min=0),
-                         0).values
-    f_target = k.to(torch.float64) * float(st.share[col]) - b_val[:, col]
+    f_tok = np.maximum.accumulate(np.maximum(
+        st.n_tok - np.round(b_val[:, 0]).astype(np.int64), 0))
+    f_target = k.astype(np.float64) * float(st.share[col]) - b_val[:, col]
     item_w = item_sums(units, st.n_items, col)
-    f_w = float(total[col] - b_val[-1, col])
+    f_w = float(total[col]) - float(b_val[-1, col])
     f_t = float(total[0]) - float(b_val[-1, 0])
-    is_dense = (item_w * f_t > f_w * st.item_t)[units.item]
+    is_dense = (item_w * f_t > f_w * st.item_t)[st.u_item]
     # Filler items in an order that spreads their densities evenly (any stretch of the
     # list holds about its mean density), so per-rank targets stay reachable.
-    fill_items = torch.zeros(st.n_items, dtype=torch.bool)
-    fill_items[units.item[fill]] = True
-    if var.solver != "vector" and not rank_reachable(items, fill_items, lengths, prof, col,
-                                                      f_tok, f_target):
+    fill_items = np.zeros(st.n_items, dtype=bool)
+    fill_items[st.u_item[fill]] = True
+    if var.solver != "vector" and not rank_reachable(
+            items, torch.from_numpy(fill_items), lengths, prof, col, torch.from_numpy(f_tok),
+            torch.from_numpy(f_target)):
         return Layout([], [], st.fail.per_rank, unreachable=True)
-    spread = spread_key(item_w / st.item_t.clamp(min=1), st.item_t * fill_items)
+    spread = spread_key(item_w / np.maximum(st.item_t, 1), st.item_t * fill_items)
     if var.solver == "classes":
-        dens = item_w / st.item_t.clamp(min=1)
+        dens = item_w / np.maximum(st.item_t, 1)
         dl = density_classes(units, fill & is_dense, dens, st.item_t, spread, 2, tok_budget)
         sl = density_classes(units, fill & ~is_dense, dens, st.item_t, spread, 2, tok_budget)
         f_tok[-1] = sum(lst.total for lst in dl + sl)
@@ -243,8 +258,7 @@ def _cut_filler(units: Units, prof: Profile, var: Variant, items: Items,
     if one_list and var.solver == "vector" and not pair_reachable(
             dense, sparse, st.n_tok - b_val[:, 0], f_target, col):
         return st.fail
-    prio = torch.tensor(prof.weights, dtype=torch.float64)
-    prio = prio / prio.max()
+    prio = [w / max(prof.weights) for w in prof.weights]
     limits = [(0, tok_budget, 1.0)] + [(1 + m, _FILL_BUDGET * float(st.share[1 + m]),
                                         float(prio[m])) for m in range(st.n_masks)]
     cut = pair_cut(dense, sparse, f_tok, f_target, col, limits, give_up=one_list,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
+import numpy as np
 import torch
 
 from .args import prefix_work
@@ -110,8 +111,8 @@ def _regula_falsi(g: Any, lo: int, hi: int, g_lo: float, g_hi: float, tol: float
     return lo if -g_lo <= g_hi else hi
 
 
-def rank_cut(dense: list[UnitList], sparse: list[UnitList], n_tok: torch.Tensor,
-             target: torch.Tensor, col: Any) -> list[torch.Tensor]:
+def rank_cut(dense: list[UnitList], sparse: list[UnitList], n_tok: np.ndarray,
+             target: np.ndarray, col: Any) -> list[np.ndarray]:
     """Cuts [cp+1] of every list, solved rank by rank (a Python loop over ranks, on
     Python floats: ~20 us a rank): rank k takes the next stretches of one dense and one
     sparse list, the pair whose stretches bracket its target density (tokens and column
@@ -155,7 +156,7 @@ def rank_cut(dense: list[UnitList], sparse: list[UnitList], n_tok: torch.Tensor,
             out[i][k] = pos[i]
     for i in range(n_l):
         out[i][n_r] = cv.tot[i]
-    return [torch.tensor(o, dtype=torch.int64) for o in out]
+    return [np.array(o, dtype=np.int64) for o in out]
 
 
 def rank_reachable(items: Items, fill_items: torch.Tensor, lengths: torch.Tensor,

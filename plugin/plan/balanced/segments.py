@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
+from ..runs import prefix_pairs_np
 from .args import prefix_work
 from .profile import Profile, excess_functional
 
@@ -28,7 +30,7 @@ PREFIX_DENSITY = 0.75
 
 def segments_of(lengths: torch.Tensor, prof: Profile, cp: int, keep_small: bool,
                 memo: dict | None = None) -> tuple[torch.Tensor, ...]:
-    """(doc, start, end, long) of the non-empty segments: documents, or their chunks when
+    """(doc, start, end, long) of the non-empty segments (numpy): documents, or their chunks when
     every mask is chunked with one size; long: longer than theta and, with keep_small,
     carrying more than negligible excess (see :func:`~.items.cut_items`). ``memo``: per-call
     cache."""
@@ -41,30 +43,32 @@ def segments_of(lengths: torch.Tensor, prof: Profile, cp: int, keep_small: bool,
 
 
 def _find_segments(lengths: torch.Tensor, prof: Profile, cp: int, keep_small: bool
-                   ) -> tuple[torch.Tensor, ...]:
-    n_docs = lengths.numel()
-    doc, start, end = torch.arange(n_docs), torch.zeros_like(lengths), lengths.clone()
+                   ) -> tuple[np.ndarray, ...]:
+    lengths_np = lengths.numpy()
+    n_docs = lengths_np.size
+    doc, start, end = np.arange(n_docs), np.zeros_like(lengths_np), lengths_np.copy()
     if prof.split:  # independent chunks: each is a segment of its own
-        n = (lengths + prof.split - 1) // prof.split
-        doc = torch.repeat_interleave(doc, n)
-        first = torch.cumsum(n, 0) - n
-        start = (torch.arange(doc.numel()) - first[doc]) * prof.split
-        end = torch.minimum(start + prof.split, lengths[doc])
+        n = (lengths_np + prof.split - 1) // prof.split
+        doc = np.repeat(doc, n)
+        first = np.cumsum(n) - n
+        start = (np.arange(doc.size) - first[doc]) * prof.split
+        end = np.minimum(start + prof.split, lengths_np[doc])
     keep = end > start
     doc, start, end = doc[keep], start[keep], end[keep]
     size = end - start
     long = size > prof.theta
     if keep_small and prof.excess.shape[0] and bool(long.any()):
-        vec = torch.empty(size.numel(), 1 + len(prof.masks), dtype=torch.float64)
-        vec[:, 0] = size.to(torch.float64)
-        ends, lens = torch.cat([end, start]), lengths[doc].repeat(2)
+        vec = np.empty((size.size, 1 + len(prof.masks)), dtype=np.float64)
+        vec[:, 0] = size
+        ends, lens = np.concatenate([end, start]), np.tile(lengths_np[doc], 2)
         for k, mask in enumerate(prof.masks):
-            w = prefix_work(lens, ends, mask).view(2, -1)
-            vec[:, 1 + k] = (w[0] - w[1]).to(torch.float64)
-        total = vec.sum(0)
+            w = prefix_pairs_np(lens, ends, mask).reshape(2, -1)
+            vec[:, 1 + k] = w[0] - w[1]
+        vec_t = torch.from_numpy(vec)  # sum and product in torch, as before
+        total = vec_t.sum(0)
         phi = excess_functional(prof, total)
         tau = _KEEP_EXCESS * float(total[1:].min()) / cp
-        long &= (vec @ phi).abs() > tau
+        long &= (vec_t @ phi).abs().numpy() > tau
     return doc, start, end, long
 
 
@@ -85,18 +89,26 @@ def doc_work(lengths: torch.Tensor, prof: Profile, memo: dict) -> torch.Tensor:
 
 
 def _excess_fn(lengths: torch.Tensor, prof: Profile, memo: dict) -> tuple[Any, float]:
-    """The pair :func:`excess_of` memoizes."""
+    """The pair :func:`excess_of` memoizes. The function takes and returns numpy arrays
+    or tensors (numpy inside: the searches of body_split.py call it ~20 times a batch on a
+    few hundred elements, where numpy's per-op cost is a third of torch's)."""
     vec = torch.empty(lengths.numel(), 1 + len(prof.masks), dtype=torch.float64)
     vec[:, 0] = lengths.to(torch.float64)
     vec[:, 1:] = doc_work(lengths, prof, memo)
     phi = excess_functional(prof, vec.sum(0))
+    phi_np = phi.numpy()
 
-    def excess(a: torch.Tensor, b: torch.Tensor, dl: torch.Tensor) -> torch.Tensor:
-        out = phi[0] * (b - a).to(torch.float64)
+    def excess_np(a: np.ndarray, b: np.ndarray, dl: np.ndarray) -> np.ndarray:
+        out = phi_np[0] * (b - a).astype(np.float64)
         for k, mask in enumerate(prof.masks):
-            out = out + phi[1 + k] * (prefix_work(dl, b, mask)
-                                      - prefix_work(dl, a, mask)).to(torch.float64)
+            out = out + phi_np[1 + k] * (prefix_pairs_np(dl, b, mask)
+                                         - prefix_pairs_np(dl, a, mask)).astype(np.float64)
         return out
+
+    def excess(a: Any, b: Any, dl: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            return torch.from_numpy(excess_np(a.numpy(), b.numpy(), dl.numpy()))
+        return excess_np(a, b, dl)
 
     return excess, float(phi @ vec.sum(0))
 
@@ -123,6 +135,7 @@ def prefixes_dense_enough(lengths: torch.Tensor, prof: Profile, cp: int, memo: d
     m = int(torch.argmin(w))
     mask = prof.masks[m]
     mean = float(w[m]) / max(int(lengths.sum()), 1)
-    dl, a = lengths[doc[long]], start[long]
-    first = (prefix_work(dl, a + share, mask) - prefix_work(dl, a, mask)).to(torch.float64)
+    dl, a = lengths.numpy()[doc[long]], start[long]
+    first = (prefix_pairs_np(dl, a + share, mask) - prefix_pairs_np(dl, a, mask)
+             ).astype(np.float64)
     return bool((first >= PREFIX_DENSITY * mean * share).all())

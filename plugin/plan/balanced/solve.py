@@ -5,8 +5,11 @@ cuts into maximal runs (rank, document, start, length).
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
 
+import numpy as np
 import torch
 
 from .args import TOKEN_TOL, WORK_TOL, MaskWeights
@@ -14,7 +17,7 @@ from .items import Items, cut_items
 from .phases import Layout, solve_attempt
 from .profile import profile_of
 from .segments import has_bodies, prefixes_dense_enough
-from .units import Units, unit_runs, units_of
+from .units import Units, unit_runs_np, units_of
 from .variants import choose_variants
 
 
@@ -27,9 +30,30 @@ def balanced_runs(lengths: torch.Tensor, cp_size: int, masks: MaskWeights, tile_
     if cp_size == 1 or int(lengths.sum()) == 0:
         d = torch.nonzero(lengths > 0).flatten()
         return torch.zeros_like(d), d, torch.zeros_like(d), lengths[d]
-    prof = profile_of(masks, tile_tokens)
-    best = None
-    items_of: dict[tuple, tuple[Items, Units]] = {}
+    # numpy warns on float overflow / division by zero where torch (which this solver
+    # used before) stays silent; results are the same (inf, then clipped or compared).
+    with np.errstate(all="ignore"):
+        return _solve(lengths, cp_size, _profile(masks, tile_tokens))
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_profile(masks: MaskWeights, tile_tokens: int) -> Any:
+    return profile_of(masks, tile_tokens)
+
+
+def _profile(masks: MaskWeights, tile_tokens: int) -> Any:
+    """The masks' profile, built once per (masks, tile) (~0.1 ms of tensor set-up a batch;
+    a model has one or two mask sets). Profiles are never modified."""
+    try:
+        return _cached_profile(masks, tile_tokens)
+    except TypeError:  # unhashable masks (a list): not cached
+        return profile_of(masks, tile_tokens)
+
+
+def _solve(lengths: torch.Tensor, cp_size: int, prof: Any) -> tuple[torch.Tensor, ...]:
+    """:func:`balanced_runs` for cp > 1 and a non-empty batch."""
+    best, best_score = None, math.inf
+    items_of: dict[tuple, tuple[Items, Units, dict]] = {}
     memo: dict = {}
     unreachable = set()
     bodies = has_bodies(lengths, prof, cp_size, memo)
@@ -40,21 +64,24 @@ def balanced_runs(lengths: torch.Tensor, cp_size: int, masks: MaskWeights, tile_
             continue  # the same items and precheck: the other rank-by-rank solver fails too
         if key not in items_of:
             items = cut_items(lengths, prof, cp_size, var, memo)
-            items_of[key] = (items, units_of(items, lengths, prof))
-        items, units = items_of[key]
-        lay = solve_attempt(units, prof, cp_size, var, items, lengths)
+            items_of[key] = (items, units_of(items, lengths, prof), {})
+        items, units, cache = items_of[key]
+        lay = solve_attempt(units, prof, cp_size, var, items, lengths, cache)
         if lay.unreachable:
             unreachable.add(key)
-        if best is None or _score(lay.per_rank) < _score(best[0].per_rank):
-            best = (lay, units)
-        if _score(best[0].per_rank) <= 1.0:
+        score = _score(lay.per_rank)
+        if best is None or score < best_score:
+            best, best_score = (lay, units), score
+        if best_score <= 1.0:
             break
     return _merge_runs(*_layout_runs(best[1], best[0]))
 
 
-def _score(per_rank: torch.Tensor) -> float:
+def _score(per_rank: np.ndarray) -> float:
     """Worst of max/mean - 1 over tokens and masks, relative to their tolerances (inf for
-    a variant given up early)."""
+    a variant given up early). In torch, as before: its mean's summation order is the one
+    the variants were tuned with."""
+    per_rank = torch.from_numpy(per_rank)
     if not bool(torch.isfinite(per_rank).all()):
         return math.inf
     mean = per_rank.mean(0).clamp(min=1e-300)
@@ -64,62 +91,66 @@ def _score(per_rank: torch.Tensor) -> float:
     return float((imb / tol).max())
 
 
-def _layout_runs(units: Units, lay: Layout) -> tuple[torch.Tensor, ...]:
+def _layout_runs(units: Units, lay: Layout) -> tuple[np.ndarray, ...]:
     """(rank, doc, start, length) of every run (not merged: the token tables sort them)."""
+    u_doc, a_start, a_len = units.doc.numpy(), units.a_start.numpy(), units.a_len.numpy()
+    b_start, b_len = units.b_start.numpy(), units.b_len.numpy()
     parts = []
     for lst, cut in zip(lay.lists, lay.cuts):
         if lst.n == 0:
             continue
         # Units no cut falls inside go whole to one rank: tiles a and b as they are.
-        rank_u = torch.searchsorted(cut, lst.tok[:-1], right=True) - 1
+        rank_u = np.searchsorted(cut, lst.tok[:-1], side="right") - 1
         inner = cut[(cut > 0) & (cut < lst.total)]
-        hit = torch.searchsorted(lst.tok, inner, right=True) - 1
-        split_u = torch.zeros(lst.n, dtype=torch.bool)
+        hit = np.searchsorted(lst.tok, inner, side="right") - 1
+        split_u = np.zeros(lst.n, dtype=bool)
         split_u[hit[lst.tok[hit] != inner]] = True
         whole = lst.order[~split_u]
         r = rank_u[~split_u]
-        d = units.doc[whole]
-        parts.append((torch.cat([r, r]), torch.cat([d, d]),
-                      torch.cat([units.a_start[whole], units.b_start[whole]]),
-                      torch.cat([units.a_len[whole], units.b_len[whole]])))
+        d = u_doc[whole]
+        parts.append((np.concatenate([r, r]), np.concatenate([d, d]),
+                      np.concatenate([a_start[whole], b_start[whole]]),
+                      np.concatenate([a_len[whole], b_len[whole]])))
         if not bool(split_u.any()):
             continue
         # Units that cuts fall inside: one segment per (unit, rank), four runs each.
-        su = torch.nonzero(split_u).flatten()
-        points = torch.unique(torch.cat([lst.tok[su], lst.tok[su + 1], inner]))
+        su = np.flatnonzero(split_u)
+        points = np.unique(np.concatenate([lst.tok[su], lst.tok[su + 1], inner]))
         first, stop = points[:-1], points[1:]
-        ui = torch.searchsorted(lst.tok, first, right=True) - 1
-        keep = split_u[ui.clamp(max=lst.n - 1)] & (ui < lst.n)
+        ui = np.searchsorted(lst.tok, first, side="right") - 1
+        keep = split_u[np.minimum(ui, lst.n - 1)] & (ui < lst.n)
         first, stop, ui = first[keep], stop[keep], ui[keep]
-        rank = torch.searchsorted(cut, first, right=True) - 1
+        rank = np.searchsorted(cut, first, side="right") - 1
         u = lst.order[ui]
-        runs = unit_runs(units, u, first - lst.tok[ui], stop - lst.tok[ui])
-        d = units.doc[u]
-        parts.append((rank.repeat(4), d.repeat(4), torch.cat([x for x, _ in runs]),
-                      torch.cat([n for _, n in runs])))
-    rank, doc, start, length = (torch.cat(x) for x in zip(*parts))
+        runs = unit_runs_np(units, u, first - lst.tok[ui], stop - lst.tok[ui])
+        d = u_doc[u]
+        parts.append((np.tile(rank, 4), np.tile(d, 4), np.concatenate([x for x, _ in runs]),
+                      np.concatenate([n for _, n in runs])))
+    rank, doc, start, length = (np.concatenate(x) for x in zip(*parts))
     keep = length > 0
     return rank[keep], doc[keep], start[keep], length[keep]
 
 
-def _merge_runs(rank: torch.Tensor, doc: torch.Tensor, start: torch.Tensor, length: torch.Tensor
-           ) -> tuple[torch.Tensor, ...]:
+def _merge_runs(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, length: np.ndarray
+                ) -> tuple[torch.Tensor, ...]:
     """Runs sorted by (rank, doc, start) with touching runs of one rank and document
-    merged (the layout cuts on a tile grid: ~one run per tile before merging)."""
-    n_docs = int(doc.max()) + 1 if doc.numel() else 1
-    span = int((start + length).max()) + 1 if doc.numel() else 1
-    n_ranks = int(rank.max()) + 1 if doc.numel() else 1
+    merged (the layout cuts on a tile grid: ~one run per tile before merging); tensors."""
+    n_docs = int(doc.max()) + 1 if doc.size else 1
+    span = int((start + length).max()) + 1 if doc.size else 1
+    n_ranks = int(rank.max()) + 1 if doc.size else 1
+    # Keys are unique (runs hold distinct tokens), so any sort gives the same order.
     if n_ranks * n_docs * span < 1 << 62:
-        o = torch.argsort((rank * n_docs + doc) * span + start)
+        o = np.argsort((rank * n_docs + doc) * span + start, kind="stable")
     else:  # stable sorts, least significant key first
-        o = torch.argsort(start, stable=True)
-        o = o[torch.argsort(doc[o], stable=True)]
-        o = o[torch.argsort(rank[o], stable=True)]
+        o = np.argsort(start, kind="stable")
+        o = o[np.argsort(doc[o], kind="stable")]
+        o = o[np.argsort(rank[o], kind="stable")]
     rank, doc, start, length = rank[o], doc[o], start[o], length[o]
-    new = torch.ones(rank.numel(), dtype=torch.bool)
+    new = np.ones(rank.size, dtype=bool)
     new[1:] = (rank[1:] != rank[:-1]) | (doc[1:] != doc[:-1]) | (
         start[1:] != start[:-1] + length[:-1])
-    head = torch.nonzero(new).flatten()
-    stop = torch.cat([head[1:], torch.tensor([rank.numel()])])
+    head = np.flatnonzero(new)
+    stop = np.append(head[1:], rank.size)
     end = (start + length)[stop - 1]
-    return rank[head], doc[head], start[head], end - start[head]
+    return tuple(torch.from_numpy(x) for x in (rank[head], doc[head], start[head],
+                                               end - start[head]))

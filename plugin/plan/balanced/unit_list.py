@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from .units import Units
@@ -19,123 +20,144 @@ from .units import Units
 # Cost of a cut, by where it falls: an item (document, head, body) boundary, a unit (tile
 # pair) boundary inside a folded item, inside a unit (a "finer" cut, off the tile grid).
 _COST = (0, 1, 4)
+# Costs of :meth:`UnitList.snap_candidates`' five candidates.
+_SNAP_COST = np.array([_COST[2], _COST[0], _COST[0], _COST[1], _COST[1]], dtype=np.float64)
+
+
+def clip(x: Any, lo: Any, hi: Any) -> np.ndarray:
+    """``torch.clamp(x, lo, hi)`` in numpy: max, then min. ``np.clip`` costs ~3 us a call
+    in its argument checks, ~5x these two ufuncs, and the solvers call it ~100 times."""
+    return np.minimum(np.maximum(x, lo), hi)
 
 
 class UnitList:
     """Units in a fixed order, with cumulative (tokens, work...) at every unit boundary and
     at every unit's break point (see :class:`Units`); values in between are interpolated
-    linearly."""
+    linearly.
 
-    def __init__(self, units: Units, order: torch.Tensor) -> None:
+    numpy throughout (``order`` and every offset in and out are int64 arrays, values
+    float64): the solvers evaluate these curves ~100 times an attempt on arrays of 1-300
+    elements, where a numpy op costs ~0.5-1 us and a torch op 1.5-6 us. Functionals are
+    applied with torch's matmul, as before, so that every value is the same to the bit."""
+
+    def __init__(self, units: Units, order: Any) -> None:
+        order = order.numpy() if isinstance(order, torch.Tensor) else order
         self.order = order
-        n = self.n = order.numel()
-        vec, mid = units.vec[order], units.mid[order]
+        n = self.n = order.size
+        vec, mid = units.vec.numpy()[order], units.mid.numpy()[order]
         r = vec.shape[1]
-        cum = torch.cumsum(vec, 0)
+        cum = np.cumsum(vec, 0)
         # Merged points: unit start, its break point, ..., the end.
-        pv = torch.zeros(2 * n + 1, r, dtype=torch.float64)
+        pv = np.zeros((2 * n + 1, r), dtype=np.float64)
         pv[2::2] = cum
         pv[1:-1:2] = pv[:-1:2] + mid
         self.pv = pv
-        self.pt = pv[:, 0].round().to(torch.int64)
-        self.tok = self.pt[::2].contiguous()
+        self.pt = np.round(pv[:, 0]).astype(np.int64)
+        self.tok = self.pt[::2].copy()
         self.total = int(self.pt[-1])
+        # Tokens between merged points (at least 1), as floats: _locate divides by it.
+        self._span = np.maximum(np.diff(self.pt), 1).astype(np.float64)
         # Boundary classes: 0 where an item starts (and at the end), 1 between units.
-        cls = (units.ufold[order] != 0).to(torch.int64)
+        cls = np.zeros(n + 1, dtype=np.int64)
+        cls[:n] = units.ufold.numpy()[order] != 0
         if n:
             cls[0] = 0
-        self.cls = torch.cat([cls, torch.zeros(1, dtype=torch.int64)])
-        self._cols: dict[Any, torch.Tensor] = {}
-        self._bounds: list[torch.Tensor] = []
+        self.cls = cls
+        self._cols: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
+        self._bounds: list[np.ndarray] = []
         self.even_cuts = True
 
-    def item_starts(self) -> torch.Tensor:
+    def item_starts(self) -> np.ndarray:
         """Token offsets where an item starts in the list (0 first; [1] = 0 if empty)."""
         if self.n == 0:
-            return torch.zeros(1, dtype=torch.int64)
+            return np.zeros(1, dtype=np.int64)
         return self.tok[:-1][self.cls[:-1] == 0]
 
-    def column(self, col: Any) -> torch.Tensor:
-        """Cumulative column ``col`` (an index, or a [1+M] functional) at the merged
-        points; a functional is guarded to be non-decreasing (negative work in mixed mask
-        sets counts as flat)."""
+    def column(self, col: Any) -> np.ndarray:
+        """Cumulative column ``col`` (an index, or a [1+M] functional, a float64 tensor)
+        at the merged points; a functional is guarded to be non-decreasing (negative work
+        in mixed mask sets counts as flat)."""
+        return self._column(col)[0]
+
+    def _column(self, col: Any) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`column` and its steps between merged points (c[j + 1] - c[j], the
+        same subtraction the interpolation made per call)."""
         key = col if isinstance(col, int) else tuple(col.tolist())
         if key not in self._cols:
             if isinstance(col, int):
-                c = self.pv[:, col].contiguous()
+                c = self.pv[:, col].copy()
             else:
-                c = torch.cummax((self.pv @ col).clamp(min=0), 0).values
-            self._cols[key] = c
+                c = np.maximum.accumulate(np.maximum(
+                    (torch.from_numpy(self.pv) @ col).numpy(), 0.0))
+            self._cols[key] = (c, np.diff(c))
         return self._cols[key]
 
-    def _locate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        j = (torch.searchsorted(self.pt, x, right=True) - 1).clamp(0, 2 * self.n - 1)
-        x0 = self.pt[j]
-        frac = ((x - x0).to(torch.float64) / (self.pt[j + 1] - x0).clamp(min=1)).clamp(0, 1)
+    def _locate(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        j = clip(self.pt.searchsorted(x, "right") - 1, 0, 2 * self.n - 1)
+        frac = clip((x - self.pt[j]) / self._span[j], 0, 1)
         return j, frac
 
-    def at(self, x: torch.Tensor) -> torch.Tensor:
+    def at(self, x: np.ndarray) -> np.ndarray:
         """Cumulative vectors at token offsets ``x`` (int64, any shape): [..., 1+M]."""
         if self.n == 0:
-            return torch.zeros(*x.shape, self.pv.shape[1], dtype=torch.float64)
+            return np.zeros((*x.shape, self.pv.shape[1]), dtype=np.float64)
         j, frac = self._locate(x)
         v0 = self.pv[j]
-        return v0 + frac.unsqueeze(-1) * (self.pv[j + 1] - v0)
+        return v0 + frac[..., None] * (self.pv[j + 1] - v0)
 
-    def at_col(self, x: torch.Tensor, col: Any) -> torch.Tensor:
+    def at_col(self, x: np.ndarray, col: Any) -> np.ndarray:
         """One column (or a functional, see :meth:`column`) of :meth:`at`."""
         if self.n == 0:
-            return torch.zeros(x.shape, dtype=torch.float64)
-        c = self.column(col)
+            return np.zeros(x.shape, dtype=np.float64)
+        c, dc = self._column(col)
         j, frac = self._locate(x)
-        v0 = c[j]
-        return v0 + frac * (c[j + 1] - v0)
+        return c[j] + frac * dc[j]
 
-    def value_slope(self, x: torch.Tensor, col: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def value_slope(self, x: np.ndarray, col: Any) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`at_col` and the column's increase per token there."""
-        c = self.column(col)
+        c, dc = self._column(col)
         j, frac = self._locate(x)
-        v0, dv = c[j], c[j + 1] - c[j]
-        return v0 + frac * dv, dv / (self.pt[j + 1] - self.pt[j]).clamp(min=1)
+        dv = dc[j]
+        return c[j] + frac * dv, dv / self._span[j]
 
-    def at_cols(self, x: torch.Tensor, cols: list) -> list[torch.Tensor]:
+    def at_cols(self, x: np.ndarray, cols: list) -> list[np.ndarray]:
         """:meth:`at_col` for several columns, locating ``x`` once."""
         if self.n == 0:
-            return [torch.zeros(x.shape, dtype=torch.float64) for _ in cols]
+            return [np.zeros(x.shape, dtype=np.float64) for _ in cols]
         j, frac = self._locate(x)
         out = []
         for col in cols:
-            c = self.column(col)
-            v0 = c[j]
-            out.append(v0 + frac * (c[j + 1] - v0))
+            c, dc = self._column(col)
+            out.append(c[j] + frac * dc[j])
         return out
 
-    def inverse(self, col: Any, value: torch.Tensor) -> torch.Tensor:
+    def inverse(self, col: Any, value: np.ndarray) -> np.ndarray:
         """Smallest token offset where column ``col`` reaches ``value`` (any shape),
         interpolated, clamped to [0, total]."""
         if self.n == 0:
-            return torch.zeros(value.shape, dtype=torch.int64)
+            return np.zeros(value.shape, dtype=np.int64)
         c = self.column(col)
-        flat = value.reshape(-1).contiguous()
-        j = torch.searchsorted(c, flat).clamp(1, 2 * self.n)
+        flat = value.reshape(-1)
+        j = clip(c.searchsorted(flat), 1, 2 * self.n)
         i = j - 1
-        frac = ((flat - c[i]) / (c[j] - c[i]).clamp(min=1e-300)).clamp(0, 1)
-        x = self.pt[i] + torch.round(frac * (self.pt[j] - self.pt[i]).to(torch.float64)
-                                     ).to(torch.int64)
-        return torch.where(flat <= 0, 0, x).view(value.shape)
+        with np.errstate(over="ignore"):  # a huge quotient clips to 1, as in torch
+            frac = clip((flat - c[i]) / np.maximum(c[j] - c[i], 1e-300), 0, 1)
+        x = self.pt[i] + np.round(frac * (self.pt[j] - self.pt[i]).astype(np.float64)
+                                  ).astype(np.int64)
+        return np.where(flat <= 0, 0, x).reshape(value.shape)
 
-    def even(self, x: torch.Tensor) -> torch.Tensor:
+    def even(self, x: np.ndarray) -> np.ndarray:
         """Cuts inside a unit moved down to an even offset in it (both stretches of a
         unit's order alternate two ends, and its first stretch is even, so only even
         offsets keep the work linear). Off for tiny batches (``even_cuts``), where one
         token is more than the token budget."""
         if self.n == 0 or not self.even_cuts:
             return x
-        i = (torch.searchsorted(self.tok, x, right=True) - 1).clamp(0, self.n - 1)
+        i = clip(self.tok.searchsorted(x, "right") - 1, 0, self.n - 1)
         odd = ((x - self.tok[i]) % 2 == 1) & (x < self.tok[i + 1])
-        return torch.where(odd, x - 1, x)
+        return np.where(odd, x - 1, x)
 
-    def snap_candidates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def snap_candidates(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Offsets near ``x`` [K] a cut may move to, [K, 5], and their costs [5]: x itself
         (a finer cut unless it is a boundary), the nearest item boundary below and above,
         the nearest unit boundary below and above."""
@@ -143,15 +165,13 @@ class UnitList:
         if not self._bounds:
             self._bounds = [self.tok[self.cls <= c] for c in range(2)]
         for b in self._bounds:
-            lo = (torch.searchsorted(b, x, right=True) - 1).clamp(min=0)
-            hi = torch.searchsorted(b, x).clamp(max=b.numel() - 1)
+            lo = np.maximum(b.searchsorted(x, "right") - 1, 0)
+            hi = np.minimum(b.searchsorted(x), b.size - 1)
             cands += [b[lo], b[hi]]
-        cost = torch.tensor([_COST[2], _COST[0], _COST[0], _COST[1], _COST[1]],
-                            dtype=torch.float64)
-        return torch.stack(cands, 1), cost
+        return np.stack(cands, 1), _SNAP_COST
 
 
-def new_list(units: Units, order: torch.Tensor, tok_budget: float) -> UnitList:
+def new_list(units: Units, order: np.ndarray, tok_budget: float) -> UnitList:
     """A list of ``units[order]``; cuts inside units kept even unless the token budget is
     under 2 tokens (see :meth:`UnitList.even`)."""
     lst = UnitList(units, order)
@@ -159,51 +179,56 @@ def new_list(units: Units, order: torch.Tensor, tok_budget: float) -> UnitList:
     return lst
 
 
-def unit_order(units: Units, sel: torch.Tensor, item_key: torch.Tensor) -> torch.Tensor:
-    """Indices of the selected units ordered by (item_key of their item, fold)."""
-    idx = torch.nonzero(sel).flatten()
-    span = int(units.ufold.max()) + 1 if units.ufold.numel() else 1
-    return idx[torch.argsort(item_key[units.item[idx]] * span + units.ufold[idx])]
+def unit_order(units: Units, sel: np.ndarray, item_key: np.ndarray) -> np.ndarray:
+    """Indices of the selected units ordered by (item_key of their item, fold). (The keys
+    are unique, item_key being a permutation, so the sort's stability does not matter.)"""
+    ufold = units.ufold.numpy()
+    idx = np.flatnonzero(sel)
+    span = int(ufold.max()) + 1 if ufold.size else 1
+    return idx[np.argsort(item_key[units.item.numpy()[idx]] * span + ufold[idx],
+                          kind="stable")]
 
 
-def spread_key(density: torch.Tensor, tokens: torch.Tensor, groups: int = 8
-               ) -> torch.Tensor:
+def spread_key(density: np.ndarray, tokens: np.ndarray, groups: int = 8) -> np.ndarray:
     """Item sort key spreading densities evenly by tokens: items sorted by density are
     cut into ``groups`` runs of equal tokens, then merged by phase (each item's middle
     token's share of its run), so every stretch of a list holds each density range in
     proportion to its tokens and per-rank targets near the mean stay reachable."""
-    order = torch.argsort(density, stable=True)
+    order = np.argsort(density, kind="stable")
     t = tokens[order]
-    cum = torch.cumsum(t, 0)
-    total = float(cum[-1]) if cum.numel() else 1.0
+    cum = np.cumsum(t)
+    total = float(cum[-1]) if cum.size else 1.0
     mid = cum - t / 2
-    g = torch.clamp((mid * groups / max(total, 1.0)).to(torch.int64), max=groups - 1)
-    g_start = torch.zeros(groups, dtype=torch.float64).scatter_reduce_(
-        0, g, cum - t, "amin", include_self=False)
-    g_tok = torch.zeros(groups, dtype=torch.float64).index_add_(0, g, t)
-    phase = (mid - g_start[g]) / g_tok[g].clamp(min=1)
-    key = torch.empty_like(order)
-    key[order[torch.argsort(phase, stable=True)]] = torch.arange(order.numel())
+    g = np.minimum((mid * groups / max(total, 1.0)).astype(np.int64), groups - 1)
+    g_start = np.full(groups, np.inf)
+    np.minimum.at(g_start, g, cum - t)
+    g_start[np.isinf(g_start)] = 0.0  # groups without items (never read)
+    g_tok = np.bincount(g, weights=t, minlength=groups)  # in order, as index_add_
+    phase = (mid - g_start[g]) / np.maximum(g_tok[g], 1)
+    key = np.empty_like(order)
+    key[order[np.argsort(phase, kind="stable")]] = np.arange(order.size)
     return key
 
 
-def item_sums(units: Units, n_items: int, col: Any) -> torch.Tensor:
-    """[n_items] float64: column ``col`` (an index, or a [1+M] functional) summed per item."""
+def item_sums(units: Units, n_items: int, col: Any) -> np.ndarray:
+    """[n_items] float64: column ``col`` (an index, or a [1+M] functional, a float64
+    tensor) summed per item (in unit order)."""
     v = units.vec[:, col] if isinstance(col, int) else units.vec @ col
-    return torch.zeros(n_items, dtype=torch.float64).index_add_(0, units.item, v)
+    return torch.zeros(n_items, dtype=torch.float64).index_add_(0, units.item, v).numpy()
 
 
-def density_classes(units: Units, sel: torch.Tensor, item_d: torch.Tensor,
-                    item_t: torch.Tensor, key: torch.Tensor, n: int, tok_budget: float
+def density_classes(units: Units, sel: np.ndarray, item_d: np.ndarray,
+                    item_t: np.ndarray, key: np.ndarray, n: int, tok_budget: float
                     ) -> list[UnitList]:
     """The selected units as ``n`` lists of equal tokens by item density (low first),
     each in ``key`` order."""
-    items = torch.unique(units.item[sel])
-    o = items[torch.argsort(item_d[items], stable=True)]
-    cum = torch.cumsum(item_t[o], 0)
-    total = float(cum[-1]) if cum.numel() else 1.0
-    grp = torch.clamp(((cum - item_t[o] / 2) * n / max(total, 1.0)).to(torch.int64), max=n - 1)
-    g_of = torch.full((item_t.numel(),), -1, dtype=torch.int64)
+    u_item = units.item.numpy()
+    items = np.unique(u_item[sel])
+    o = items[np.argsort(item_d[items], kind="stable")]
+    cum = np.cumsum(item_t[o])
+    total = float(cum[-1]) if cum.size else 1.0
+    grp = np.minimum(((cum - item_t[o] / 2) * n / max(total, 1.0)).astype(np.int64), n - 1)
+    g_of = np.full(item_t.size, -1, dtype=np.int64)
     g_of[o] = grp
-    return [new_list(units, unit_order(units, sel & (g_of[units.item] == g), key), tok_budget)
+    return [new_list(units, unit_order(units, sel & (g_of[u_item] == g), key), tok_budget)
             for g in range(n)]

@@ -15,63 +15,65 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from .body_split import PROBES
 from .rank_cut import rank_cut
-from .unit_list import UnitList
+from .unit_list import UnitList, clip
 
 
-def cut_excess(lst: UnitList, phi: torch.Tensor, target: torch.Tensor, budget: float
-                ) -> torch.Tensor:
+def cut_excess(lst: UnitList, phi: torch.Tensor, target: np.ndarray, budget: float
+               ) -> np.ndarray:
     """Token offsets [K] of the body list where its cumulative excess ``phi`` (a [1+M]
     functional) reaches ``target`` [K], moved to a cheaper boundary within ``budget``."""
     if lst.n == 0:
-        return torch.zeros(target.shape, dtype=torch.int64)
+        return np.zeros(target.shape, dtype=np.int64)
     tok = lst.inverse(phi, target)
     cands, cost = lst.snap_candidates(tok)
-    err = (lst.at_col(cands, phi) - target.unsqueeze(1)).abs()
+    err = np.abs(lst.at_col(cands, phi) - target[:, None])
     ok = (err <= budget) & _between(cands, tok)
     ok[:, 0] = True
-    score = torch.where(ok, cost, math.inf) + err / (budget + 1e-300) * 1e-3
+    score = np.where(ok, cost, math.inf) + err / (budget + 1e-300) * 1e-3
     best = score.argmin(1)
-    return torch.cummax(lst.even(cands.gather(1, best.unsqueeze(1)).squeeze(1)), 0).values
+    return np.maximum.accumulate(lst.even(cands[np.arange(cands.shape[0]), best]))
 
 
-def _cut_fill(dense: UnitList, sparse: UnitList, n_tok: torch.Tensor, target: torch.Tensor,
-              col: Any) -> torch.Tensor:
+def _cut_fill(dense: UnitList, sparse: UnitList, n_tok: np.ndarray, target: np.ndarray,
+              col: Any) -> np.ndarray:
     """x with f(x) = dense(x) + sparse(N - x) - target = 0 in column ``col``, per boundary
     (x in [max(0, N - |S|), min(|D|, N)]); f is non-decreasing while the dense units are
     denser than the sparse ones. A k-ary search brackets the root to 32 tokens (2-3 rounds
     for 128K tokens; regula falsi needs ~10 on these piecewise linear f), then f is taken
     as linear there (the snap evaluates its candidates exactly); ends clamp when the
     target is out of reach."""
-    lo = (n_tok - sparse.total).clamp(min=0)
-    hi = torch.minimum(n_tok, torch.full_like(n_tok, dense.total)).clamp(min=0)
-    lo = torch.minimum(lo, hi)
-    steps = torch.arange(1, PROBES + 1)
-    rows = torch.arange(n_tok.numel())
+    lo = np.maximum(n_tok - sparse.total, 0)
+    hi = np.maximum(np.minimum(n_tok, dense.total), 0)
+    lo = np.minimum(lo, hi)
+    steps = np.arange(1, PROBES + 1)
+    rows = np.arange(n_tok.size)
 
-    def f(x: torch.Tensor, n: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def f(x: np.ndarray, n: np.ndarray, t: np.ndarray) -> np.ndarray:
         return dense.at_col(x, col) + sparse.at_col(n - x, col) - t
 
     while bool((hi - lo > 32).any()):
-        probe = lo.unsqueeze(1) + (hi - lo).unsqueeze(1) * steps // PROBES
-        ok = f(probe, n_tok.unsqueeze(1), target.unsqueeze(1)) >= 0
+        probe = lo[:, None] + (hi - lo)[:, None] * steps // PROBES
+        ok = f(probe, n_tok[:, None], target[:, None]) >= 0
         ok[:, -1] = True
-        j = ok.to(torch.int8).argmax(1)
+        j = ok.argmax(1)
         new_hi = probe[rows, j]
-        lo = torch.where(j > 0, probe[rows, (j - 1).clamp(min=0)], lo)
+        lo = np.where(j > 0, probe[rows, np.maximum(j - 1, 0)], lo)
         hi = new_hi
     f_lo, f_hi = f(lo, n_tok, target), f(hi, n_tok, target)
-    frac = (-f_lo / (f_hi - f_lo).clamp(min=1e-300)).clamp(0, 1)
-    x = lo + torch.round(frac * (hi - lo).to(torch.float64)).to(torch.int64)
-    return torch.where(f_lo >= 0, lo, torch.where(f_hi <= 0, hi, x))
+    with np.errstate(over="ignore"):  # a huge quotient clips to 1, as in torch
+        frac = clip(-f_lo / np.maximum(f_hi - f_lo, 1e-300), 0, 1)
+    x = lo + np.round(frac * (hi - lo).astype(np.float64)).astype(np.int64)
+    return np.where(f_lo >= 0, lo, np.where(f_hi <= 0, hi, x))
 
 
-def _snap_pair(dense: UnitList, sparse: UnitList, x: torch.Tensor, n_tok: torch.Tensor,
+def _snap_pair(dense: UnitList, sparse: UnitList, x: np.ndarray, n_tok: np.ndarray,
                col: Any, limits: list[tuple[Any, float, float]]
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               ) -> tuple[np.ndarray, np.ndarray]:
     """Move a dense / sparse cut pair (dense at x, sparse at N - x) to cheap boundaries.
 
     A candidate is acceptable when, for each (column or functional, budget, priority) of
@@ -81,47 +83,47 @@ def _snap_pair(dense: UnitList, sparse: UnitList, x: torch.Tensor, n_tok: torch.
     fewer layers first). The sparse candidates are taken near two anchors per dense
     candidate: the token-exact offset and the ``col``-exact one.
     """
-    K = x.numel()
+    K = x.size
     s = n_tok - x
     dc, dcost = dense.snap_candidates(x)  # [K, C]
     d_col = dense.at_col(dc, col)
-    s_col = sparse.inverse(col, (dense.at_col(x, col) + sparse.at_col(s, col)).unsqueeze(1)
+    s_col = sparse.inverse(col, (dense.at_col(x, col) + sparse.at_col(s, col))[:, None]
                            - d_col)
-    anchors = torch.cat([(n_tok.unsqueeze(1) - dc).clamp(0, sparse.total), s_col], 1)
+    anchors = np.concatenate([clip(n_tok[:, None] - dc, 0, sparse.total), s_col], 1)
     A = anchors.shape[1]
     sc, scost = sparse.snap_candidates(anchors.reshape(-1))  # [K*2C, C]
-    n_c = scost.numel()
+    n_c = scost.size
     sc = sc.reshape(K, A * n_c)
-    scost = scost.repeat(A)
-    ok = _between(dc, x).unsqueeze(2) & _between(sc, s).unsqueeze(1)
-    rel = torch.zeros(ok.shape, dtype=torch.float64)
+    scost = np.tile(scost, A)
+    ok = _between(dc, x)[:, :, None] & _between(sc, s)[:, None, :]
+    rel = np.zeros(ok.shape, dtype=np.float64)
     cols = [c for c, _, _ in limits]
     refs = [a + b for a, b in zip(dense.at_cols(x, cols), sparse.at_cols(s, cols))]
     for ref, dv, sv, (_, budget, prio) in zip(refs, dense.at_cols(dc, cols),
                                               sparse.at_cols(sc, cols), limits):
-        err = (dv.unsqueeze(2) + sv.unsqueeze(1) - ref.view(K, 1, 1)).abs()
+        err = np.abs(dv[:, :, None] + sv[:, None, :] - ref.reshape(K, 1, 1))
         ok &= err <= budget
         rel += err * (prio / max(budget, 1e-9))
-    cost = dcost.view(1, -1, 1) + scost.view(1, 1, -1)
-    score = torch.where(ok, cost + 1e-3 * rel, 1e6 + rel).view(K, -1)
+    cost = dcost.reshape(1, -1, 1) + scost.reshape(1, 1, -1)
+    score = np.where(ok, cost + 1e-3 * rel, 1e6 + rel).reshape(K, -1)
     best = score.argmin(1)
     bi, si = best // (A * n_c), best % (A * n_c)
-    rows = torch.arange(K)
+    rows = np.arange(K)
     return dc[rows, bi], sc[rows, si]
 
 
-def _between(cands: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+def _between(cands: np.ndarray, exact: np.ndarray) -> np.ndarray:
     """Candidates [K, C] of boundary k lying between the midpoints of the exact cuts [K]
     of boundaries k-1, k and k, k+1, so that moving every cut keeps them in order."""
-    prev = torch.cat([exact[:1], exact[:-1]])
-    nxt = torch.cat([exact[1:], exact[-1:]])
+    prev = np.concatenate([exact[:1], exact[:-1]])
+    nxt = np.concatenate([exact[1:], exact[-1:]])
     lo = (prev + exact + 1) // 2
     hi = (exact + nxt) // 2
-    return (cands >= lo.unsqueeze(1)) & (cands <= hi.unsqueeze(1))
+    return (cands >= lo[:, None]) & (cands <= hi[:, None])
 
 
-def _untangle(dense: UnitList, sparse: UnitList, y: torch.Tensor, n_tok: torch.Tensor,
-              target: torch.Tensor, col: Any, rounds: int = 16) -> torch.Tensor:
+def _untangle(dense: UnitList, sparse: UnitList, y: np.ndarray, n_tok: np.ndarray,
+              target: np.ndarray, col: Any, rounds: int = 16) -> np.ndarray:
     """Exact dense cuts ``y`` that go backwards (in the dense or the sparse list) made
     monotone, and the errors that leaves diffused to the neighbouring ranks.
 
@@ -136,9 +138,9 @@ def _untangle(dense: UnitList, sparse: UnitList, y: torch.Tensor, n_tok: torch.T
     if bool((y[1:] >= y[:-1]).all()) and bool((s[1:] >= s[:-1]).all()):
         return y
     for _ in range(3):
-        y = torch.cummax(y, 0).values
-        y = n_tok - torch.cummax(n_tok - y, 0).values
-    y = torch.minimum(torch.cummax(y, 0).values, n_tok)
+        y = np.maximum.accumulate(y)
+        y = n_tok - np.maximum.accumulate(n_tok - y)
+    y = np.minimum(np.maximum.accumulate(y), n_tok)
     y[0], y[-1] = 0, dense.total
     if dense.n == 0 or sparse.n == 0:
         return y
@@ -149,23 +151,23 @@ def _untangle(dense: UnitList, sparse: UnitList, y: torch.Tensor, n_tok: torch.T
         err = vd + vs - target
         want = (err[:-2] + err[2:]) / 2 - err[1:-1]
         yi = y[1:-1]
-        step = torch.round(0.5 * want / (dd[1:-1] - ds[1:-1]).clamp(min=1e-9)).to(torch.int64)
-        lo = torch.maximum(y[:-2], n_tok[1:-1] - s[2:])
-        hi = torch.minimum(y[2:], n_tok[1:-1] - s[:-2])
-        new = torch.minimum(torch.maximum(yi + step, lo), hi)
-        y = torch.cat([y[:1], torch.where(lo <= hi, new, yi), y[-1:]])
+        step = np.round(0.5 * want / np.maximum(dd[1:-1] - ds[1:-1], 1e-9)).astype(np.int64)
+        lo = np.maximum(y[:-2], n_tok[1:-1] - s[2:])
+        hi = np.minimum(y[2:], n_tok[1:-1] - s[:-2])
+        new = np.minimum(np.maximum(yi + step, lo), hi)
+        y = np.concatenate([y[:1], np.where(lo <= hi, new, yi), y[-1:]])
     return y
 
 
-def pair_cut(dense: UnitList, sparse: UnitList, n_tok: torch.Tensor, target: torch.Tensor,
+def pair_cut(dense: UnitList, sparse: UnitList, n_tok: np.ndarray, target: np.ndarray,
              col: Any, limits: list[tuple[Any, float, float]], give_up: bool = False,
-             seq: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+             seq: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
     """Cuts [cp+1] of a dense / sparse list pair giving boundary k ``n_tok[k]`` tokens and
     ``target[k]`` in column ``col`` (exact, then snapped within the budgets of ``limits``,
     relative to what the exact cuts reach, see :func:`_snap_pair`). give_up: None
     instead of untangling exact cuts that go backwards (a sign of targets out of reach).
     seq: exact cuts rank by rank (:func:`rank_cut`), not snapped."""
-    n_tok = n_tok.clamp(0, dense.total + sparse.total)
+    n_tok = clip(n_tok, 0, dense.total + sparse.total)
     n_tok[-1] = dense.total + sparse.total
     if seq:
         # Exact rank by rank and not snapped: the snap saved no fetch here (a cut in an
@@ -179,21 +181,22 @@ def pair_cut(dense: UnitList, sparse: UnitList, n_tok: torch.Tensor, target: tor
             return None
         y = _untangle(dense, sparse, y, n_tok, target, col)
     yd, ys = _snap_pair(dense, sparse, y, n_tok, col, limits)
-    yd, ys = torch.cummax(dense.even(yd), 0).values, torch.cummax(sparse.even(ys), 0).values
+    yd = np.maximum.accumulate(dense.even(yd))
+    ys = np.maximum.accumulate(sparse.even(ys))
     yd[0], ys[0] = 0, 0
     yd[-1], ys[-1] = dense.total, sparse.total
     return yd, ys
 
 
-def pair_reachable(dense: UnitList, sparse: UnitList, f_tok: torch.Tensor,
-                   f_target: torch.Tensor, col: int) -> bool:
+def pair_reachable(dense: UnitList, sparse: UnitList, f_tok: np.ndarray,
+                   f_target: np.ndarray, col: int) -> bool:
     """Whether every rank's filler share (tokens, column) lies between the sparse and the
     dense list's mean densities: with the lists' densities spread evenly that is about
     what a dense / sparse cut can reach. Checked before the filler cut, so that a variant
     that cannot balance costs little (lognormal_long, Llama 4, cp 64: 8.5 -> ~1 ms)."""
     if dense.n == 0 or sparse.n == 0:  # nothing to mix: the bodies must do it alone
         return True
-    t = (f_tok[1:] - f_tok[:-1]).to(torch.float64)
+    t = (f_tok[1:] - f_tok[:-1]).astype(np.float64)
     w = f_target[1:] - f_target[:-1]
     lo = float(sparse.pv[-1, col]) / max(sparse.total, 1)
     hi = float(dense.pv[-1, col]) / max(dense.total, 1)
