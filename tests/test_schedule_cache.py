@@ -93,3 +93,20 @@ def test_long_chunk_shares_entries_short_chunk_does_not():
     assert own and all(own[k] is not causal[k] for k in own)
     assert keys.table_mask(plan, short_chunk) == short_chunk
     assert keys.table_mask(plan, long_chunk) == AttnMask()
+
+
+def test_numpy_intervals_equal_mask_math():
+    """The planner's numpy intervals (``schedules.intervals``) against the kernels' torch
+    ones, padding positions included."""
+    from varlen_cp.schedules import intervals
+
+    pos = torch.tensor([-3, -1, 0, 1, 5, 7, 8, 63, 64, 65, 200, 1000])
+    for mask in (AttnMask(), AttnMask(causal=False), AttnMask(window_size=(5, 0)),
+                 AttnMask(window_size=(3, 9), causal=False), AttnMask(chunk_size=64),
+                 AttnMask(chunk_size=8, window_size=(2, 0)),
+                 AttnMask(chunk_size=100, causal=False)):
+        for ours, theirs in ((intervals.key_interval, mask.key_interval),
+                             (intervals.query_interval, mask.query_interval)):
+            got, want = ours(mask, pos.numpy()), theirs(pos)
+            for g, w in zip(got, want):
+                assert g.dtype == np.int64 and np.array_equal(g, w.numpy()), mask
