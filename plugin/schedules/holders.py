@@ -279,12 +279,14 @@ def rank_holders(plan: CPPlan) -> list[Holder]:
                       lambda: [rank_holder(plan, r) for r in range(plan.cp_size)])
 
 
-def holder_from_counts(doc: torch.Tensor, pos: torch.Tensor, n_docs: int) -> Holder:
-    """Holder of tokens listed in (doc, position) order: cu from per-document counts."""
-    counts = torch.bincount(doc, minlength=n_docs)
-    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
-    max_len = int(counts.max()) if counts.numel() else 0
-    return Holder(cu.to(torch.int32), pos.to(torch.int32), max_len)
+def holder_from_counts(doc, pos, n_docs: int) -> Holder:
+    """Holder of tokens listed in (doc, position) order (torch tensors or numpy arrays):
+    cu from per-document counts."""
+    doc, pos = np.asarray(doc), np.asarray(pos)
+    counts = np.bincount(doc, minlength=n_docs)
+    cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    max_len = int(counts.max()) if counts.size else 0
+    return Holder(torch.from_numpy(cu), torch.from_numpy(pos.astype(np.int32)), max_len)
 
 
 @dataclass(frozen=True)
