@@ -210,7 +210,7 @@ def call_schedules(qset: HolderSet, q: int, kset: HolderSet, ks: list[int], mask
     # Full ranges: the keys that every real row sees, [lo(last row), hi(first row)] (the
     # same search with the rows swapped); the kernels run those tiles without a mask.
     fstart, fend = _search(qset, seg_n, last_n, first_n, kset, dst, keys_of)
-    kv_full = np.zeros_like(kv)
+    kv_full = np.zeros(kv.shape, dtype=np.int32)   # calloc: zeros_like writes every byte
     kv_full.reshape(-1, 2)[slot] = np.stack([fstart, fend], -1)
     visited = (np.tile(rows, n) * (end - start)).reshape(n, -1).sum(1).tolist() if n else []
     # q_range: each call's key blocks, against the one query holder.
@@ -224,7 +224,7 @@ def call_schedules(qset: HolderSet, q: int, kset: HolderSet, ks: list[int], mask
     kslot = at[which] + kseg * nkb[which] + kb
     q_range[kslot] = np.stack([qstart, qend], -1)
     fstart, fend = _search(kset, kseg, klast, kfirst, qset, mine, queries_of)
-    q_full = np.zeros_like(q_range)
+    q_full = np.zeros(q_range.shape, dtype=np.int32)
     q_full[kslot] = np.stack([fstart, fend], -1)
     # Work lists from the live blocks listed above, not from a scan of every table entry
     # (the tables are n_seg x blocks: at 1K documents that scan cost ~2 ms per call).
