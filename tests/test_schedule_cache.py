@@ -110,3 +110,28 @@ def test_numpy_intervals_equal_mask_math():
             got, want = ours(mask, pos.numpy()), theirs(pos)
             for g, w in zip(got, want):
                 assert g.dtype == np.int64 and np.array_equal(g, w.numpy()), mask
+
+
+@pytest.mark.parametrize("layout", ["balanced", "dual_chunk", "te"])
+def test_numpy_spans_equal_plan_runs(layout):
+    """``schedules.spans`` against ``plan.runs``' torch functions on a plan's runs."""
+    from varlen_cp.plan import runs as plan_runs
+    from varlen_cp.schedules import spans
+
+    plan = small_plan(DOCS, 4, 0, layout)
+    runs, part = plan.runs, plan.runs.by_document()
+    for mask in (AttnMask(), AttnMask(causal=False), AttnMask(window_size=(9, 0)),
+                 AttnMask(chunk_size=16), AttnMask(chunk_size=20, window_size=(3, 2))):
+        want_lo, want_hi = plan_runs.key_spans(runs, mask, plan.doc_lengths)
+        lo, hi = spans.key_spans(runs.start.numpy(), runs.stop.numpy(),
+                                 plan.doc_lengths.numpy()[runs.doc.numpy()], mask)
+        assert np.array_equal(lo, want_lo.numpy()) and np.array_equal(hi, want_hi.numpy())
+        merged = spans.merge_spans(runs.holder.numpy(), runs.doc.numpy(), lo, hi)
+        want = plan_runs.merge_spans(runs.holder, runs.doc, want_lo, want_hi)
+        assert all(np.array_equal(g, w.numpy()) for g, w in zip(merged, want))
+        _, doc, mlo, mhi = merged
+        pieces = spans.span_pieces(doc, mlo, mhi, part.doc.numpy(), part.start.numpy(),
+                                   part.stop.numpy())
+        want = plan_runs.span_pieces(*(torch.from_numpy(x) for x in (doc, mlo, mhi)), part)
+        assert len(pieces[0]) and all(np.array_equal(g, w.numpy())
+                                      for g, w in zip(pieces, want))

@@ -25,11 +25,11 @@ import torch
 from ...kernels.host_copy import to_device
 from ...masks import AttnMask
 from ...plan import CPPlan
-from ...plan.runs import span_pieces
 from ..holders import Holder, HolderSet, KernelCall, rank_holder, set_calls
 from ..keys import cached_table, host_table, table_key
 from ..rounds import UniqueRounds, _run_rows
-from ..selected import needed_spans, runs_by_document
+from ..selected import needed_spans, run_arrays
+from ..spans import span_pieces
 from .routes import (cut_runs, dispatch_stage_counts, gather_stage_counts, gather_stage_rows,
                         index_in_group, transfers)
 
@@ -125,20 +125,17 @@ class KeyRuns:
                        out.peer)
 
 
-def _key_runs(*fields: torch.Tensor) -> KeyRuns:
-    return KeyRuns(*(np.asarray(f, dtype=np.int64) for f in fields))
-
-
 def selection_runs(plan: CPPlan, mask: AttnMask, rank: int) -> KeyRuns:
     """The keys ``rank``'s queries see, as runs in (document, position) order (the order
     of ``selected.select_keys``); ``peer`` is the owner (cached)."""
     def build() -> KeyRuns:
-        holder, doc, lo, hi = needed_spans(plan, mask)
+        holder, doc, lo, hi = (t.numpy() for t in needed_spans(plan, mask))
         mine = holder == rank
-        part = runs_by_document(plan)
-        _, run, first, length = span_pieces(doc[mine], lo[mine], hi[mine], part)
-        return _key_runs(part.doc[run], first, part.row[run] + first - part.start[run],
-                         torch.cumsum(length, 0) - length, length, part.holder[run])
+        part = run_arrays(plan, by_document=True)
+        _, run, first, length = span_pieces(doc[mine], lo[mine], hi[mine], part.doc,
+                                            part.start, part.stop)
+        return KeyRuns(part.doc[run], first, part.row[run] + first - part.start[run],
+                       np.cumsum(length) - length, length, part.holder[run])
     return host_table(plan, table_key("selection_runs", mask, None, rank), build)
 
 
@@ -148,16 +145,18 @@ def given_runs(plan: CPPlan, mask: AttnMask, rank: int) -> KeyRuns:
     ``selected.sent_keys``); ``slot`` is the place in the destination's list of keys from
     ``rank`` (cached)."""
     def build() -> KeyRuns:
-        holder, doc, lo, hi = needed_spans(plan, mask)
-        runs = plan.runs
-        mine = runs.select(runs.holder == rank)  # sorted by (doc, start) already
-        span, run, first, length = span_pieces(doc, lo, hi, mine)
+        holder, doc, lo, hi = (t.numpy() for t in needed_spans(plan, mask))
+        runs = run_arrays(plan)
+        ours = runs.holder == rank   # sorted by (doc, start) already
+        m_doc, m_start, m_row = runs.doc[ours], runs.start[ours], runs.row[ours]
+        span, run, first, length = span_pieces(doc, lo, hi, m_doc, m_start,
+                                                runs.stop[ours])
         dest = holder[span]
         keep = dest != rank
         dest, run, first, length = dest[keep], run[keep], first[keep], length[keep]
-        r = _key_runs(mine.doc[run], first, mine.row[run] + first - mine.start[run], length,
-                      length, dest)
-        return replace(r, slot=index_in_group(r.peer, r.length, plan.cp_size))
+        slot = index_in_group(dest, length, plan.cp_size)
+        return KeyRuns(m_doc[run], first, m_row[run] + first - m_start[run], slot, length,
+                       dest)
     return host_table(plan, table_key("given_runs", mask, None, rank), build)
 
 
