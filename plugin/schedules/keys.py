@@ -54,6 +54,8 @@ def table_mask(plan: CPPlan, mask: AttnMask | None) -> AttnMask | None:
 def _shared(plan: CPPlan, key: TableKey, make: Callable[[], Any]) -> Any:
     """``make()`` once per plan for ``key`` and every key whose mask acts the same
     (:func:`table_mask`): the entry of ``key`` is the simpler mask's entry."""
+    if key.mask is None or key.mask.chunk_size is None:   # the common lookup: nothing to share
+        return plan.cached(key, make)
     same = key._replace(mask=table_mask(plan, key.mask))
     if same == key:
         return plan.cached(key, make)
