@@ -6,9 +6,10 @@ lists cut at the transfers' bounds (``routes.cut_runs``), sorted as runs where a
 is needed (by owner for the dK/dV returns), and only then laid out per key
 (``plan.runs.run_rows``: a repeat and an add per key): no sort, search or gather over every
 fetched key. At 128K tokens a rank may fetch ~100K keys while holding a few hundred runs;
-one rank's tables for Llama 4's two masks (2 transfers) took 7.5-9.5 ms at cp 8, about half
-of it the tile schedules of its calls, computed together (``holders.set_calls``), against
-12-34 ms for the per-key construction they replaced (1K documents; one 128K document).
+one rank's tables for Llama 4's two masks (2 transfers) took 7.5-9.5 ms at cp 8 in torch,
+against 12-34 ms for the per-key construction they replaced (1K documents; one 128K
+document); in numpy (below) ~2.5-3 ms per mask at cp 8 on the long-document batches, about
+half of it the tile schedules of its calls, computed together (``holders.set_calls``).
 
 The tables (``Stage``) are those of that per-key construction (tests/staged_reference.py
 keeps it; tests/test_staged_tables.py compares the two on random batches), but for the
