@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .host_copy import to_device
@@ -39,16 +40,21 @@ def work_list(ranges: torch.Tensor) -> torch.Tensor:
     return work_lists(torch.zeros_like(span), torch.arange(span.numel()), span, 1)[0]
 
 
-def work_lists(call: torch.Tensor, flat: torch.Tensor, span: torch.Tensor, n_calls: int
-               ) -> list[torch.Tensor]:
+def work_lists(call, flat, span, n_calls: int) -> list[torch.Tensor]:
     """:func:`work_list` of several calls at once from their blocks' entries (call index,
-    flat block index, range length), e.g. only the live blocks a planner has listed:
-    one sort for all calls, O(entries log entries) instead of a scan of every table."""
+    flat block index, range length; int64 host tensors or numpy arrays), e.g. only the live
+    blocks a planner has listed: one sort for all calls, O(entries log entries) instead of
+    a scan of every table. Numpy inside (a planner calls this per call set: ~5 small ops,
+    each ~5x cheaper than torch's on CPU); int32 torch tensors out."""
+    if n_calls == 0:
+        return []
+    call, flat, span = (np.asarray(x, dtype=np.int64) for x in (call, flat, span))
     live = span > 0
     call, flat, span = call[live], flat[live], span[live]
-    order = torch.argsort(call * (span.max() + 1 if span.numel() else 1) - span, stable=True)
-    counts = torch.bincount(call, minlength=n_calls).tolist()
-    return [part.to(torch.int32) for part in torch.split(flat[order], counts)]
+    order = np.argsort(call * (int(span.max()) + 1 if span.size else 1) - span, kind="stable")
+    counts = np.bincount(call, minlength=n_calls)
+    parts = np.split(flat[order].astype(np.int32), np.cumsum(counts)[:-1])
+    return [torch.from_numpy(part) for part in parts]
 
 
 @dataclass(frozen=True)

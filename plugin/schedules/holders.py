@@ -11,8 +11,9 @@ and the host decides which tiles hold anything (the call's ``BlockSchedule``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 
+import numpy as np
 import torch
 
 from ..kernels import BlockSchedule
@@ -20,7 +21,7 @@ from ..kernels.host_copy import to_device
 from ..kernels.schedule import work_lists
 from ..masks import AttnMask
 from ..plan import CPPlan
-from ..plan.runs import per_token
+from .intervals import key_interval, query_interval
 from .keys import host_table, table_key
 
 
@@ -83,89 +84,106 @@ class HolderSet:
         rows = slice(int(self.offsets[h]), int(self.offsets[h + 1]))
         return Holder(self.cu[h].to(torch.int32), self.pos[rows], self.max_len[h])
 
+    # The schedules' integer math runs on numpy views of the tables (intervals.py: an op on
+    # a small array costs ~0.5 us in numpy against ~3-5 us in torch; np.searchsorted on the
+    # 128K keys ~3x faster than torch's); the tables come back to torch at the end.
     @cached_property
-    def _cells(self) -> torch.Tensor:
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(cu int64 [H, n_seg+1], pos int64 [N], offsets int64 [H+1]) as numpy."""
+        return (self.cu.numpy().astype(np.int64, copy=False),
+                self.pos.numpy().astype(np.int64), self.offsets.numpy())
+
+    @cached_property
+    def _lengths(self) -> np.ndarray:
+        """int64 [H * n_seg]: tokens of every (holder, segment) cell."""
+        cu = self._arrays[0]
+        return (cu[:, 1:] - cu[:, :-1]).ravel()
+
+    @cached_property
+    def _cells(self) -> np.ndarray:
         """int64 [N]: holder * n_seg + segment of every row."""
-        lens = (self.cu[:, 1:] - self.cu[:, :-1]).flatten()
-        return per_token(lens, torch.arange(lens.numel()))[1]
+        lens = self._lengths
+        return np.repeat(np.arange(lens.size, dtype=np.int64), lens)
 
     @cached_property
-    def _padding(self) -> torch.Tensor | None:
+    def _padding(self) -> np.ndarray | None:
         """Rows with a position < 0 (None when there are none: most layouts)."""
-        pad = torch.nonzero(self.pos < 0).flatten()
-        return pad if pad.numel() else None
+        pad = np.flatnonzero(self._arrays[1] < 0)
+        return pad if pad.size else None
 
     @cached_property
-    def keys(self) -> torch.Tensor:
+    def keys(self) -> np.ndarray:
         """int64 [N]: (holder * n_seg + segment) << 32 | position (padding: all ones):
         sorted, since positions increase inside a segment and padding comes last."""
         if len(self.max_len) * self.n_seg >= 1 << 30:
             raise ValueError(f"HolderSet: {len(self.max_len)} holders x {self.n_seg} "
                              f"documents is too many for the 64-bit sort keys")
-        keys = (self._cells << _POS_BITS) + self.pos
+        pos = self._arrays[1]
+        keys = (self._cells << _POS_BITS) + pos
         if self._padding is not None:
-            keys[self._padding] += _PAD_KEY - self.pos[self._padding].to(torch.int64)
+            keys[self._padding] += _PAD_KEY - pos[self._padding]
         return keys
 
-    def first_row(self, holder: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+    def first_row(self, holder: np.ndarray, seg: np.ndarray) -> np.ndarray:
         """Row in ``pos`` of the first token of (holder, segment)."""
-        return self.offsets[holder] + self.cu[holder, seg]
+        cu, _, offsets = self._arrays
+        return offsets[holder] + cu[holder, seg]
 
-    def block_ends(self, block: int) -> tuple[torch.Tensor, ...]:
+    def block_ends(self, block: int) -> tuple[np.ndarray, ...]:
         """Every holder's non-empty blocks of ``block`` rows per segment, holder by holder:
         (holder, segment, block index, rows in the block, first real row, last real row)
         with rows absolute in ``pos``; a block without real rows has first > last.
         Cached per block size."""
         cache = self.__dict__.setdefault("_block_ends", {})
         if block not in cache:
-            length = (self.cu[:, 1:] - self.cu[:, :-1]).flatten()      # [H * n_seg]
+            length = self._lengths                                      # [H * n_seg]
             real = length
             if self._padding is not None:  # padding trails each segment
-                real = length - torch.bincount(self._cells[self._padding],
-                                               minlength=length.numel())
+                real = length - np.bincount(self._cells[self._padding],
+                                            minlength=length.size)
             count = -(-length // block)
-            cell = torch.repeat_interleave(torch.arange(length.numel()), count)
-            b = torch.arange(cell.numel()) - (torch.cumsum(count, 0) - count)[cell]
+            cell = np.repeat(np.arange(length.size, dtype=np.int64), count)
+            b = np.arange(cell.size, dtype=np.int64) - (np.cumsum(count) - count)[cell]
             lo = b * block
-            holder = torch.div(cell, self.n_seg, rounding_mode="floor")
+            holder = cell // self.n_seg
             seg = cell - holder * self.n_seg
             start = self.first_row(holder, seg)
-            rows = torch.minimum(lo + block, length[cell]) - lo
-            last = torch.minimum(lo + block, real[cell]) - 1
-            per_holder = torch.bincount(holder, minlength=len(self.max_len))
-            bounds = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(per_holder, 0)])
+            rows = np.minimum(lo + block, length[cell]) - lo
+            last = np.minimum(lo + block, real[cell]) - 1
+            per_holder = np.bincount(holder, minlength=len(self.max_len))
+            bounds = np.concatenate([[0], np.cumsum(per_holder)]).astype(np.int64)
             cache[block] = (holder, seg, b, rows, start + lo, start + last, bounds)
         return cache[block]
 
-    def blocks_of(self, block: int, holders: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def blocks_of(self, block: int, holders: np.ndarray) -> tuple[np.ndarray, ...]:
         """The live blocks of the listed holders, concatenated in that order: (index in
         ``holders``, segment, block index, rows, first real row, last real row)."""
         h, seg, b, rows, first, last, bounds = self.block_ends(block)
         count = bounds[holders + 1] - bounds[holders]
-        which = torch.repeat_interleave(torch.arange(holders.numel()), count)
-        idx = torch.arange(which.numel()) - (torch.cumsum(count, 0) - count)[which] \
+        which = np.repeat(np.arange(holders.size, dtype=np.int64), count)
+        idx = np.arange(which.size, dtype=np.int64) - (np.cumsum(count) - count)[which] \
             + bounds[holders][which]
         live = first[idx] <= last[idx]
         idx, which = idx[live], which[live]
         return which, seg[idx], b[idx], rows[idx], first[idx], last[idx]
 
 
-def _search(src: HolderSet, blocks: tuple[torch.Tensor, ...], dst: HolderSet,
-            dst_holder: torch.Tensor, interval) -> tuple[torch.Tensor, torch.Tensor]:
+def _search(src: HolderSet, seg: np.ndarray, first: np.ndarray, last: np.ndarray,
+            dst: HolderSet, dst_holder: np.ndarray, interval) -> tuple[np.ndarray, np.ndarray]:
     """[start, end) offsets, in its segment of holder ``dst_holder[i]`` of ``dst``, of the
-    rows whose positions fall in the union of block i's row intervals: [lo(first real
-    row), hi(last real row)], as both interval ends never decrease with the position."""
-    _, seg, _, _, first, last = blocks
-    pos = src.pos.to(torch.int64)
+    rows whose positions fall in the union of block i's row intervals (segment ``seg[i]``,
+    rows ``first[i]``..``last[i]`` of ``src``): [lo(first real row), hi(last real row)],
+    as both interval ends never decrease with the position."""
+    pos = src._arrays[1]
     lo, _ = interval(pos[first])
     _, hi = interval(pos[last])
     base = (dst_holder * dst.n_seg + seg) << _POS_BITS
     at = dst.first_row(dst_holder, seg)
-    start = torch.searchsorted(dst.keys, base + lo.clamp(0, _MAX_POS)) - at
-    end = torch.searchsorted(dst.keys, base + hi.clamp(-1, _MAX_POS), right=True) - at
-    end = torch.maximum(end, start)
+    start = np.searchsorted(dst.keys, base + np.clip(lo, 0, _MAX_POS)) - at
+    end = np.searchsorted(dst.keys, base + np.clip(hi, -1, _MAX_POS), side="right") - at
+    end = np.maximum(end, start)
     empty = lo > hi
-    return torch.where(empty, 0, start), torch.where(empty, 0, end)
+    return np.where(empty, 0, start), np.where(empty, 0, end)
 
 
 def call_schedules(qset: HolderSet, q: int, kset: HolderSet, ks: list[int], mask: AttnMask,
@@ -176,53 +194,55 @@ def call_schedules(qset: HolderSet, q: int, kset: HolderSet, ks: list[int], mask
     (O(blocks log tokens), a fixed number of ops for any number of calls)."""
     bm, bn = block
     n_seg, n = qset.n_seg, len(ks)
-    kt = torch.tensor(ks, dtype=torch.int64)
+    kt = np.asarray(ks, dtype=np.int64)
+    keys_of = partial(key_interval, mask)
+    queries_of = partial(query_interval, mask)
     # kv_range: the query blocks are the same for every call.
-    _, seg, b, rows, first, last = qset.blocks_of(bm, torch.tensor([q]))
+    _, seg, b, rows, first, last = qset.blocks_of(bm, np.array([q], dtype=np.int64))
     nqb = -(-max(qset.max_len[q], 1) // bm)
-    blocks = (None, seg.repeat(n), None, None, first.repeat(n), last.repeat(n))
-    start, end = _search(qset, blocks, kset, kt.repeat_interleave(seg.numel()),
-                         mask.key_interval)
-    kv = torch.zeros(n, n_seg * nqb, 2, dtype=torch.int32)
-    slot = (torch.arange(n).repeat_interleave(seg.numel()) * (n_seg * nqb)
-            + (seg * nqb + b).repeat(n))
-    kv.view(-1, 2)[slot] = torch.stack([start, end], -1).to(torch.int32)
+    m = seg.size
+    seg_n, first_n, last_n = np.tile(seg, n), np.tile(first, n), np.tile(last, n)
+    dst = np.repeat(kt, m)
+    start, end = _search(qset, seg_n, first_n, last_n, kset, dst, keys_of)
+    kv = np.zeros((n, n_seg * nqb, 2), dtype=np.int32)
+    slot = np.repeat(np.arange(n, dtype=np.int64), m) * (n_seg * nqb) + np.tile(seg * nqb + b, n)
+    kv.reshape(-1, 2)[slot] = np.stack([start, end], -1)
     # Full ranges: the keys that every real row sees, [lo(last row), hi(first row)] (the
     # same search with the rows swapped); the kernels run those tiles without a mask.
-    flipped = (None, blocks[1], None, None, blocks[5], blocks[4])
-    fstart, fend = _search(qset, flipped, kset, kt.repeat_interleave(seg.numel()),
-                           mask.key_interval)
-    kv_full = torch.zeros_like(kv)
-    kv_full.view(-1, 2)[slot] = torch.stack([fstart, fend], -1).to(torch.int32)
-    visited = (rows.repeat(n) * (end - start)).view(n, -1).sum(1).tolist() if n else []
+    fstart, fend = _search(qset, seg_n, last_n, first_n, kset, dst, keys_of)
+    kv_full = np.zeros(kv.shape, dtype=np.int32)   # calloc: zeros_like writes every byte
+    kv_full.reshape(-1, 2)[slot] = np.stack([fstart, fend], -1)
+    visited = (np.tile(rows, n) * (end - start)).reshape(n, -1).sum(1).tolist() if n else []
     # q_range: each call's key blocks, against the one query holder.
     which, kseg, kb, _, kfirst, klast = kset.blocks_of(bn, kt)
-    kblocks = (None, kseg, None, None, kfirst, klast)
-    qstart, qend = _search(kset, kblocks, qset, torch.full_like(kseg, q), mask.query_interval)
-    nkb = torch.tensor([-(-max(kset.max_len[k], 1) // bn) for k in ks], dtype=torch.int64)
+    mine = np.full(kseg.size, q, dtype=np.int64)
+    qstart, qend = _search(kset, kseg, kfirst, klast, qset, mine, queries_of)
+    nkb = np.array([-(-max(kset.max_len[k], 1) // bn) for k in ks], dtype=np.int64)
     size = n_seg * nkb
-    at = torch.cumsum(size, 0) - size
-    q_range = torch.zeros(int(size.sum()), 2, dtype=torch.int32)
+    at = np.cumsum(size) - size
+    q_range = np.zeros((int(size.sum()), 2), dtype=np.int32)
     kslot = at[which] + kseg * nkb[which] + kb
-    q_range[kslot] = torch.stack([qstart, qend], -1).to(torch.int32)
-    fstart, fend = _search(kset, (None, kseg, None, None, klast, kfirst), qset,
-                           torch.full_like(kseg, q), mask.query_interval)
-    q_full = torch.zeros_like(q_range)
-    q_full[kslot] = torch.stack([fstart, fend], -1).to(torch.int32)
+    q_range[kslot] = np.stack([qstart, qend], -1)
+    fstart, fend = _search(kset, kseg, klast, kfirst, qset, mine, queries_of)
+    q_full = np.zeros(q_range.shape, dtype=np.int32)
+    q_full[kslot] = np.stack([fstart, fend], -1)
     # Work lists from the live blocks listed above, not from a scan of every table entry
     # (the tables are n_seg x blocks: at 1K documents that scan cost ~2 ms per call).
-    call = torch.arange(n).repeat_interleave(seg.numel())
-    q_tiles = work_lists(call, (seg * nqb + b).repeat(n), end - start, n)
+    q_tiles = work_lists(np.repeat(np.arange(n, dtype=np.int64), m), np.tile(seg * nqb + b, n),
+                         end - start, n)
     k_tiles = work_lists(which, kseg * nkb[which] + kb, qend - qstart, n)
+    kv, kv_full = torch.from_numpy(kv), torch.from_numpy(kv_full)
+    q_range, q_full = torch.from_numpy(q_range), torch.from_numpy(q_full)
     out = []
-    for i, k in enumerate(ks):
-        rows = slice(int(at[i]), int(at[i]) + int(size[i]))
+    for i in range(n):
+        rows_i = slice(int(at[i]), int(at[i] + size[i]))
         shape = (n_seg, int(nkb[i]), 2)
         # Padding trails each segment and the searches stop before it: no visited range
         # holds padding, so the kernels bound their loads by the ranges alone.
-        out.append(BlockSchedule(bm, bn, kv[i].view(n_seg, nqb, 2), q_range[rows].view(shape),
-                                 int(visited[i]), kv_full=kv_full[i].view(n_seg, nqb, 2),
-                                 q_full=q_full[rows].view(shape), q_tiles=q_tiles[i],
+        out.append(BlockSchedule(bm, bn, kv[i].view(n_seg, nqb, 2),
+                                 q_range[rows_i].view(shape), int(visited[i]),
+                                 kv_full=kv_full[i].view(n_seg, nqb, 2),
+                                 q_full=q_full[rows_i].view(shape), q_tiles=q_tiles[i],
                                  k_tiles=k_tiles[i], padded=False))
     return out
 
@@ -259,12 +279,14 @@ def rank_holders(plan: CPPlan) -> list[Holder]:
                       lambda: [rank_holder(plan, r) for r in range(plan.cp_size)])
 
 
-def holder_from_counts(doc: torch.Tensor, pos: torch.Tensor, n_docs: int) -> Holder:
-    """Holder of tokens listed in (doc, position) order: cu from per-document counts."""
-    counts = torch.bincount(doc, minlength=n_docs)
-    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
-    max_len = int(counts.max()) if counts.numel() else 0
-    return Holder(cu.to(torch.int32), pos.to(torch.int32), max_len)
+def holder_from_counts(doc, pos, n_docs: int) -> Holder:
+    """Holder of tokens listed in (doc, position) order (torch tensors or numpy arrays):
+    cu from per-document counts."""
+    doc, pos = np.asarray(doc), np.asarray(pos)
+    counts = np.bincount(doc, minlength=n_docs)
+    cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    max_len = int(counts.max()) if counts.size else 0
+    return Holder(torch.from_numpy(cu), torch.from_numpy(pos.astype(np.int32)), max_len)
 
 
 @dataclass(frozen=True)

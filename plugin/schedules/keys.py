@@ -2,7 +2,10 @@
 
 Every table is memoized in the plan (``CPPlan.cached``) under a :class:`TableKey` made here,
 so the keys of different tables can never collide and a prefetch (``varlen_cp.prepare``)
-fills exactly the entries the forward later reads. Only the table functions themselves
+fills exactly the entries the forward later reads. A mask that acts on the plan's documents
+as a simpler one (:func:`table_mask`: a chunk at least as long as the longest document)
+shares that mask's entries: Llama 4's chunked layers on a batch of documents shorter than
+the chunk reuse the global layers' tables (one build instead of two). Only the table functions themselves
 build keys (each makes its own from its arguments, in ``varlen_cp.schedules`` or
 ``varlen_cp.sharding``); strategies and adapters call those functions with a ``device``
 to get the copy (:func:`cached_table`).
@@ -10,6 +13,7 @@ to get the copy (:func:`cached_table`).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -35,18 +39,41 @@ def table_key(kind: str, mask: AttnMask | None = None, block: tuple[int, int] | 
     return TableKey(kind, mask, None if block is None else tuple(block), tuple(extra))
 
 
+def table_mask(plan: CPPlan, mask: AttnMask | None) -> AttnMask | None:
+    """The simplest mask that sees exactly what ``mask`` sees on ``plan``'s documents:
+    without its chunk when the chunk is at least the longest document (positions within a
+    document are then all in chunk 0, so ``k // c == p // c`` always holds; padding
+    positions never reach a table: every holder and run excludes them).
+    tests/test_schedule_cache.py checks that the tables built for both are equal."""
+    if (mask is not None and mask.chunk_size is not None
+            and mask.chunk_size >= plan.max_document_length):
+        return replace(mask, chunk_size=None)
+    return mask
+
+
+def _shared(plan: CPPlan, key: TableKey, make: Callable[[], Any]) -> Any:
+    """``make()`` once per plan for ``key`` and every key whose mask acts the same
+    (:func:`table_mask`): the entry of ``key`` is the simpler mask's entry."""
+    if key.mask is None or key.mask.chunk_size is None:   # the common lookup: nothing to share
+        return plan.cached(key, make)
+    same = key._replace(mask=table_mask(plan, key.mask))
+    if same == key:
+        return plan.cached(key, make)
+    return plan.cached(key, lambda: plan.cached(same, make))
+
+
 def host_table(plan: CPPlan, key: TableKey, build: Callable[[], Any]) -> Any:
-    """``build()`` once per plan and key."""
-    return plan.cached(key, build)
+    """``build()`` once per plan and key (shared by masks that act the same)."""
+    return _shared(plan, key, build)
 
 
 def device_table(plan: CPPlan, key: TableKey, device: torch.device | str,
                  build: Callable[[], Any]) -> Any:
     """The host table of ``key`` (built once) and its copy on ``device`` (made once,
-    ``non_blocking``)."""
+    ``non_blocking``; shared as the host table is)."""
     host = host_table(plan, key, build)
-    return plan.cached(key._replace(device=str(torch.device(device))),
-                       lambda: to_device(host, torch.device(device)))
+    return _shared(plan, key._replace(device=str(torch.device(device))),
+                   lambda: to_device(host, torch.device(device)))
 
 
 def cached_table(plan: CPPlan, key: TableKey, build: Callable[[], Any],

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from ..kernels.host_copy import to_device
-from ..plan.runs import run_rows
 
 
 def rank_within(group: torch.Tensor) -> torch.Tensor:
@@ -41,13 +40,21 @@ def rank_within(group: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _previous(key: torch.Tensor) -> torch.Tensor:
+def _previous(key: np.ndarray) -> np.ndarray:
     """int64: index of the previous element with the same key (-1: none)."""
-    order = torch.argsort(key, stable=True)
-    same = key[order][1:] == key[order][:-1]
-    out = torch.full_like(key, -1)
+    order = np.argsort(key, kind="stable")
+    ordered = key[order]
+    same = ordered[1:] == ordered[:-1]
+    out = np.full(key.shape, -1, dtype=np.int64)
     out[order[1:][same]] = order[:-1][same]
     return out
+
+
+def _run_rows(start: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """numpy twin of ``plan.runs.run_rows``: the runs laid back to back, one entry per
+    token (their starts repeated, plus each token's place in the list less the run's)."""
+    first = np.cumsum(length) - length
+    return np.repeat(start - first, length) + np.arange(int(length.sum()), dtype=np.int64)
 
 
 def _round_starts(last: torch.Tensor) -> list[int]:
@@ -55,7 +62,6 @@ def _round_starts(last: torch.Tensor) -> list[int]:
     the latest earlier element it clashes with (-1: none), lies in the current round. The
     round after one starting at s starts at the first i with last[i] >= s (last[i] < i):
     a suffix minimum over the values of ``last``, then one lookup per round."""
-    last = last.numpy()
     n = last.size
     first = np.full(n + 1, n, dtype=np.int64)          # first i with last[i] == v
     where = np.flatnonzero(last >= 0)
@@ -80,44 +86,47 @@ class UniqueRounds:
     ends: tuple[int, ...]
 
     @classmethod
-    def of(cls, rows: torch.Tensor) -> "UniqueRounds":
-        """Host tables of the list ``rows`` (int64, host)."""
-        n = rows.numel()
+    def of(cls, rows) -> "UniqueRounds":
+        """Host tables of the list ``rows`` (int64, host tensor or numpy array)."""
+        rows_t = torch.as_tensor(rows)
+        n = rows_t.numel()
         if n == 0:
-            return cls(None, rows, ())
-        return cls(None, rows, (*_round_starts(_previous(rows)), n))
+            return cls(None, rows_t, ())
+        return cls(None, rows_t, (*_round_starts(_previous(np.asarray(rows))), n))
 
     @classmethod
-    def of_runs(cls, start: torch.Tensor, length: torch.Tensor,
-                rows: torch.Tensor | None = None) -> "UniqueRounds":
+    def of_runs(cls, start, length, rows=None) -> "UniqueRounds":
         """:meth:`of` the list of runs ``[start[i], start[i] + length[i])`` laid back to
         back (``rows``: that list, when the caller has it), each run's rows distinct; the
         rounds start at runs. The runs are cut at every run's ends into pieces that every
         run covers whole or not at all: a run clashes with the latest earlier run covering
         one of its pieces. Falls back to the per-row :meth:`of` when the pieces would
-        outnumber the rows."""
+        outnumber the rows. Host tensors or numpy arrays in; numpy inside (a few hundred
+        runs per transfer: torch's per-op cost made this ~0.5 ms per call)."""
+        start, length = np.asarray(start), np.asarray(length)
         keep = length > 0
         start, length = start[keep], length[keep]
         if rows is None:
-            rows = run_rows(start, length)
-        n = rows.numel()
-        if start.numel() <= 1:
-            return cls(None, rows, (n,) if n else ())
-        bounds = torch.unique(torch.cat([start, start + length]))      # sorted
-        first = torch.searchsorted(bounds, start)
-        count = torch.searchsorted(bounds, start + length) - first     # pieces per run
+            rows = _run_rows(start, length)
+        rows_t = torch.as_tensor(rows)
+        n = rows_t.numel()
+        if start.size <= 1:
+            return cls(None, rows_t, (n,) if n else ())
+        bounds = np.unique(np.concatenate([start, start + length]))     # sorted
+        first = np.searchsorted(bounds, start)
+        count = np.searchsorted(bounds, start + length) - first          # pieces per run
         n_pieces = int(count.sum())
         if n_pieces > n:
-            return cls.of(rows)
-        run = torch.repeat_interleave(torch.arange(start.numel()), count,
-                                      output_size=n_pieces)
-        piece = torch.arange(n_pieces) - (torch.cumsum(count, 0) - count)[run] + first[run]
+            return cls.of(rows_t)
+        run = np.repeat(np.arange(start.size, dtype=np.int64), count)
+        piece = np.arange(n_pieces, dtype=np.int64) - (np.cumsum(count) - count)[run] \
+            + first[run]
         earlier = _previous(piece)                 # the previous run on the same rows
-        clash = torch.where(earlier >= 0, run[earlier.clamp(min=0)], -1)
-        last = torch.full((start.numel(),), -1, dtype=torch.int64)
-        last.scatter_reduce_(0, run, clash, "amax")
-        at = torch.cumsum(length, 0) - length      # each run's place in the list
-        return cls(None, rows, (*at[_round_starts(last)].tolist(), n))
+        clash = np.where(earlier >= 0, run[np.maximum(earlier, 0)], -1)
+        last = np.full(start.size, -1, dtype=np.int64)
+        np.maximum.at(last, run, clash)
+        at = np.cumsum(length) - length            # each run's place in the list
+        return cls(None, rows_t, (*at[_round_starts(last)].tolist(), n))
 
     def to(self, device: torch.device) -> "UniqueRounds":
         perm, rows = to_device([self.perm, self.rows], device)

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..masks import AttnMask
 from ..plan import CPPlan
-from ..plan.runs import Runs, key_spans, merge_spans, pair_work, per_token, span_pieces
+from ..plan.runs import Runs, pair_work, per_token, span_pieces as runs_span_pieces
 from .holders import Holder, holder_from_counts
 from .keys import host_table, table_key
+from .spans import key_spans, merge_spans, span_pieces
 
 
 # ---- spans and pieces -----------------------------------------------------------------------
@@ -30,12 +32,41 @@ def runs_by_document(plan: CPPlan) -> Runs:
     return host_table(plan, table_key("runs_by_document"), lambda: plan.runs.by_document())
 
 
+@dataclass(frozen=True)
+class RunArrays:
+    """A run list's fields as numpy int64 views (``spans``' functions work on these)."""
+
+    holder: np.ndarray
+    doc: np.ndarray
+    start: np.ndarray
+    stop: np.ndarray
+    row: np.ndarray
+
+    @classmethod
+    def of(cls, runs: Runs) -> "RunArrays":
+        return cls(*(t.numpy() for t in (runs.holder, runs.doc, runs.start, runs.stop,
+                                         runs.row)))
+
+
+def run_arrays(plan: CPPlan, by_document: bool = False) -> RunArrays:
+    """``plan.runs`` (or :func:`runs_by_document`) as numpy arrays (cached)."""
+    return host_table(plan, table_key("run_arrays", None, None, by_document),
+                      lambda: RunArrays.of(runs_by_document(plan) if by_document
+                                           else plan.runs))
+
+
+def _spans_of(plan: CPPlan, mask: AttnMask) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi) of the keys each run's queries see (numpy, ``spans.key_spans``)."""
+    runs = run_arrays(plan)
+    return key_spans(runs.start, runs.stop, plan.doc_lengths.numpy()[runs.doc], mask)
+
+
 def needed_spans(plan: CPPlan, mask: AttnMask) -> tuple[torch.Tensor, ...]:
     """(rank, doc, lo, hi) of every rank's merged key spans, sorted by (rank, doc, lo)."""
     def build() -> tuple[torch.Tensor, ...]:
-        runs = plan.runs
-        lo, hi = key_spans(runs, mask, plan.doc_lengths)
-        return merge_spans(runs.holder, runs.doc, lo, hi)
+        runs = run_arrays(plan)
+        lo, hi = _spans_of(plan, mask)
+        return tuple(torch.from_numpy(x) for x in merge_spans(runs.holder, runs.doc, lo, hi))
     return host_table(plan, table_key("needed_spans", mask), build)
 
 
@@ -54,7 +85,7 @@ def select_keys(plan: CPPlan, mask: AttnMask, rank: int) -> Selection:
         holder, doc, lo, hi = needed_spans(plan, mask)
         mine = holder == rank
         part = runs_by_document(plan)
-        _, run, first, length = span_pieces(doc[mine], lo[mine], hi[mine], part)
+        _, run, first, length = runs_span_pieces(doc[mine], lo[mine], hi[mine], part)
         offset, pos, row, owner, key_doc = per_token(
             length, first, part.row[run] + first - part.start[run], part.holder[run],
             part.doc[run])
@@ -71,7 +102,7 @@ def sent_keys(plan: CPPlan, mask: AttnMask, rank: int) -> tuple[torch.Tensor, to
         holder, doc, lo, hi = needed_spans(plan, mask)
         runs = plan.runs
         mine = runs.select(runs.holder == rank)  # sorted by (doc, start) already
-        span, run, first, length = span_pieces(doc, lo, hi, mine)
+        span, run, first, length = runs_span_pieces(doc, lo, hi, mine)
         offset, rows, dest = per_token(length, mine.row[run] + first - mine.start[run],
                                        holder[span])
         return dest, rows + offset
@@ -82,21 +113,28 @@ def needed_pieces(plan: CPPlan, mask: AttnMask) -> tuple[torch.Tensor, ...]:
     """Every rank's needed spans cut by the owners' runs: (span index, run index in
     ``runs_by_document``, first position, length) of each piece (cached)."""
     def build() -> tuple[torch.Tensor, ...]:
-        _, doc, lo, hi = needed_spans(plan, mask)
-        return span_pieces(doc, lo, hi, runs_by_document(plan))
+        _, doc, lo, hi = (t.numpy() for t in needed_spans(plan, mask))
+        part = run_arrays(plan, by_document=True)
+        return tuple(torch.from_numpy(x) for x in
+                     span_pieces(doc, lo, hi, part.doc, part.start, part.stop))
     return host_table(plan, table_key("needed_pieces", mask), build)
 
 
 def fetch_counts(plan: CPPlan, mask: AttnMask) -> torch.Tensor:
     """int64 [cp, cp]: how many keys rank s's queries need from rank o (o == s: its own)."""
     def build() -> torch.Tensor:
-        holder = needed_spans(plan, mask)[0]
-        part = runs_by_document(plan)
-        span, run, _, length = needed_pieces(plan, mask)
-        cp = plan.cp_size
-        out = torch.zeros(cp * cp, dtype=torch.int64)
-        return out.scatter_add_(0, holder[span] * cp + part.holder[run], length).view(cp, cp)
+        holder = needed_spans(plan, mask)[0].numpy()
+        part = run_arrays(plan, by_document=True)
+        span, run, _, length = (t.numpy() for t in needed_pieces(plan, mask))
+        return _rank_matrix(plan.cp_size, holder[span], part.holder[run], length)
     return host_table(plan, table_key("fetch_counts", mask), build)
+
+
+def _rank_matrix(cp: int, s: np.ndarray, o: np.ndarray, values: np.ndarray) -> torch.Tensor:
+    """int64 [cp, cp]: ``values`` summed per (s, o). (A float64 bincount: exact, as every
+    sum here stays far below 2^53: pairs of 128K tokens are < 2^34.)"""
+    out = np.bincount(s * cp + o, weights=values, minlength=cp * cp)
+    return torch.from_numpy(out.astype(np.int64).reshape(cp, cp))
 
 
 def pair_counts(plan: CPPlan, mask: AttnMask) -> torch.Tensor:
@@ -104,14 +142,13 @@ def pair_counts(plan: CPPlan, mask: AttnMask) -> torch.Tensor:
     closed form: each query run's key span is cut by the ranks' runs and every piece is
     counted with ``pair_work``; cached)."""
     def build() -> torch.Tensor:
-        runs = plan.runs
-        lo, hi = key_spans(runs, mask, plan.doc_lengths)
-        part = runs_by_document(plan)
-        span, run, first, length = span_pieces(runs.doc, lo, hi, part)
-        pairs = pair_work(runs.start[span], runs.stop[span], first, first + length, mask)
-        cp = plan.cp_size
-        out = torch.zeros(cp * cp, dtype=torch.int64)
-        return out.scatter_add_(0, runs.holder[span] * cp + part.holder[run], pairs).view(cp, cp)
+        runs, part = run_arrays(plan), run_arrays(plan, by_document=True)
+        lo, hi = _spans_of(plan, mask)
+        span, run, first, length = span_pieces(runs.doc, lo, hi, part.doc, part.start,
+                                               part.stop)
+        pairs = pair_work(*(torch.from_numpy(x) for x in (
+            runs.start[span], runs.stop[span], first, first + length)), mask).numpy()
+        return _rank_matrix(plan.cp_size, runs.holder[span], part.holder[run], pairs)
     return host_table(plan, table_key("pair_counts", mask), build)
 
 

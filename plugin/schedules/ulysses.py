@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from ..kernels.host_copy import to_device
@@ -36,9 +37,9 @@ class UlyssesTables:
         return replace(self, order=order, inverse=inverse)
 
 
-def _inverse(perm: torch.Tensor) -> torch.Tensor:
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel())
+def _inverse(perm: np.ndarray) -> np.ndarray:
+    inv = np.empty_like(perm)
+    inv[perm] = np.arange(perm.size, dtype=perm.dtype)
     return inv
 
 
@@ -47,16 +48,21 @@ def ulysses_tables(plan: CPPlan, members: tuple[int, ...],
     """Tables of the group made of CP ranks ``members`` (consecutive, in group-rank
     order), on the host or copied to ``device`` (cached)."""
     def build() -> UlyssesTables:
+        # numpy: the gathers and scatters over the group's tokens cost ~3x less than torch's
+        # (128K tokens: ~1 ms saved per plan)
         rows = slice(plan.local_rows_of(members[0]).start, plan.local_rows_of(members[-1]).stop)
-        padded = plan.all_padded_indices()[rows]
+        padded = plan.all_padded_indices()[rows].numpy()
         if len(members) == plan.cp_size:   # a permutation of the padded batch: invert it
             order = _inverse(padded)
+            inverse = padded.copy()        # the inverse of the inverse
         else:
-            order = torch.argsort(padded)
-        pos = plan.all_positions()[rows][order]
-        doc = plan.all_documents()[rows][order]
-        return UlyssesTables(tuple(plan.num_tokens_of(r) for r in members), order,
-                             _inverse(order), holder_from_counts(doc, pos, plan.n_docs))
+            order = np.argsort(padded, kind="stable")
+            inverse = _inverse(order)
+        pos = plan.all_positions()[rows].numpy()[order]
+        doc = plan.all_documents()[rows].numpy()[order]
+        return UlyssesTables(tuple(plan.num_tokens_of(r) for r in members),
+                             torch.from_numpy(order), torch.from_numpy(inverse),
+                             holder_from_counts(doc, pos, plan.n_docs))
     return cached_table(plan, table_key("ulysses", None, None, tuple(members)), build, device)
 
 

@@ -118,38 +118,38 @@ def stage_counts(name: str, plan: CPPlan, mask: AttnMask, stages: int) -> torch.
 
 
 # ---- runs of keys cut at the transfers' bounds -----------------------------------------------
-def index_in_group(group: torch.Tensor, length: torch.Tensor, n_groups: int) -> torch.Tensor:
+def index_in_group(group: np.ndarray, length: np.ndarray, n_groups: int) -> np.ndarray:
     """int64: where each run of ``length`` keys starts in its group's list, the group's runs
     laid back to back in list order (e.g. a run's place in the list of keys a rank fetches
-    from one owner): a sort of the runs, not of their keys."""
-    order = torch.argsort(group, stable=True)
+    from one owner): a sort of the runs, not of their keys (numpy)."""
+    order = np.argsort(group, kind="stable")
     ordered = length[order]
-    totals = torch.zeros(n_groups, dtype=torch.int64).scatter_add_(0, group, length)
-    before = torch.cumsum(totals, 0) - totals
-    out = torch.empty_like(length)
-    out[order] = torch.cumsum(ordered, 0) - ordered - before[group[order]]
+    totals = np.bincount(group, weights=length, minlength=n_groups).astype(np.int64)
+    before = np.cumsum(totals) - totals
+    out = np.empty_like(length)
+    out[order] = np.cumsum(ordered) - ordered - before[group[order]]
     return out
 
 
-def cut_runs(coord: torch.Tensor, length: torch.Tensor, begins: torch.Tensor,
-             ends: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def cut_runs(coord: np.ndarray, length: np.ndarray, begins: np.ndarray,
+             ends: np.ndarray) -> tuple[np.ndarray, ...]:
     """Runs ``[coord, coord + length)`` cut at the transfers' bounds: transfer p holds
     ``[begins[i, p], ends[i, p])`` of run i's coordinate (the bounds non-decreasing in p,
     each transfer's range after the previous one's). (run index, transfer, offset in the
-    run, length) of every non-empty cut, in (run, transfer) order."""
-    n = coord.numel()
+    run, length) of every non-empty cut, in (run, transfer) order (numpy int64)."""
+    n = coord.size
     if n == 0 or ends.shape[1] == 0:
-        empty = torch.zeros(0, dtype=torch.int64)
+        empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty, empty
-    ends = ends.contiguous()
-    first = torch.searchsorted(ends, coord.unsqueeze(1), right=True).squeeze(1)
-    last = torch.searchsorted(ends, (coord + length - 1).unsqueeze(1), right=True).squeeze(1)
+    # per row, the first transfer ending after the run's first / last key (a row-wise
+    # search: P is a handful, so a comparison count)
+    first = (ends <= coord[:, None]).sum(1)
+    last = (ends <= (coord + length - 1)[:, None]).sum(1)
     count = last - first + 1
-    run = torch.repeat_interleave(torch.arange(n), count)
-    stage = torch.arange(run.numel()) - (torch.cumsum(count, 0) - count)[run] + first[run]
-    lo = torch.maximum(coord[run], begins[run, stage])
-    hi = torch.minimum(coord[run] + length[run], ends[run, stage])
+    run = np.repeat(np.arange(n, dtype=np.int64), count)
+    stage = np.arange(run.size, dtype=np.int64) - (np.cumsum(count) - count)[run] + first[run]
+    lo = np.maximum(coord[run], begins[run, stage])
+    hi = np.minimum(coord[run] + length[run], ends[run, stage])
     keep = hi > lo
     run, stage, lo, hi = run[keep], stage[keep], lo[keep], hi[keep]
     return run, stage, lo - coord[run], hi - lo
-

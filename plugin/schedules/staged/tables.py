@@ -6,9 +6,10 @@ lists cut at the transfers' bounds (``routes.cut_runs``), sorted as runs where a
 is needed (by owner for the dK/dV returns), and only then laid out per key
 (``plan.runs.run_rows``: a repeat and an add per key): no sort, search or gather over every
 fetched key. At 128K tokens a rank may fetch ~100K keys while holding a few hundred runs;
-one rank's tables for Llama 4's two masks (2 transfers) took 7.5-9.5 ms at cp 8, about half
-of it the tile schedules of its calls, computed together (``holders.set_calls``), against
-12-34 ms for the per-key construction they replaced (1K documents; one 128K document).
+one rank's tables for Llama 4's two masks (2 transfers) took 7.5-9.5 ms at cp 8 in torch,
+against 12-34 ms for the per-key construction they replaced (1K documents; one 128K
+document); in numpy (below) ~2.5-3 ms per mask at cp 8 on the long-document batches, about
+half of it the tile schedules of its calls, computed together (``holders.set_calls``).
 
 The tables (``Stage``) are those of that per-key construction (tests/staged_reference.py
 keeps it; tests/test_staged_tables.py compares the two on random batches), but for the
@@ -18,16 +19,18 @@ returns' rounds, now consecutive slices of the list (``rounds``).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+import numpy as np
 import torch
 
 from ...kernels.host_copy import to_device
 from ...masks import AttnMask
 from ...plan import CPPlan
-from ...plan.runs import run_rows, span_pieces
 from ..holders import Holder, HolderSet, KernelCall, rank_holder, set_calls
 from ..keys import cached_table, host_table, table_key
-from ..rounds import UniqueRounds
-from ..selected import needed_spans, runs_by_document
+from ..rounds import UniqueRounds, _run_rows
+from ..selected import needed_spans, run_arrays
+from ..spans import span_pieces
 from .routes import (cut_runs, dispatch_stage_counts, gather_stage_counts, gather_stage_rows,
                         index_in_group, transfers)
 
@@ -95,22 +98,25 @@ class StagedTables:
 
 
 # ---- runs of keys ------------------------------------------------------------------------------
+# numpy from here on: a rank's tables are a few hundred runs per transfer, where torch's
+# per-op cost (~3-5 us against numpy's ~0.5-1) was most of the time; the tables handed
+# to the engine come back as torch tensors (``torch.from_numpy``, no copy).
 @dataclass(frozen=True)
 class KeyRuns:
-    """Runs of consecutive keys (all int64 [n]): document, first position, holding rank
-    (``owner``), the owner's local row of the first key, place of the first key in the
+    """Runs of consecutive keys (all numpy int64 [n]): document, first position, holding
+    rank (``owner``), the owner's local row of the first key, place of the first key in the
     list the runs make (``slot``), length. ``peer``: the other rank of the list (the owner
     for a rank's selection, the destination for what a rank gives)."""
 
-    doc: torch.Tensor
-    pos: torch.Tensor
-    row: torch.Tensor
-    slot: torch.Tensor
-    length: torch.Tensor
-    peer: torch.Tensor
+    doc: np.ndarray
+    pos: np.ndarray
+    row: np.ndarray
+    slot: np.ndarray
+    length: np.ndarray
+    peer: np.ndarray
 
-    def take(self, idx: torch.Tensor, offset: torch.Tensor | None = None,
-             length: torch.Tensor | None = None) -> "KeyRuns":
+    def take(self, idx: np.ndarray, offset: np.ndarray | None = None,
+             length: np.ndarray | None = None) -> "KeyRuns":
         """Runs ``idx``, each advanced by ``offset`` keys and cut to ``length``."""
         out = KeyRuns(*(t[idx] for t in (self.doc, self.pos, self.row, self.slot,
                                           self.length, self.peer)))
@@ -124,12 +130,13 @@ def selection_runs(plan: CPPlan, mask: AttnMask, rank: int) -> KeyRuns:
     """The keys ``rank``'s queries see, as runs in (document, position) order (the order
     of ``selected.select_keys``); ``peer`` is the owner (cached)."""
     def build() -> KeyRuns:
-        holder, doc, lo, hi = needed_spans(plan, mask)
+        holder, doc, lo, hi = (t.numpy() for t in needed_spans(plan, mask))
         mine = holder == rank
-        part = runs_by_document(plan)
-        _, run, first, length = span_pieces(doc[mine], lo[mine], hi[mine], part)
+        part = run_arrays(plan, by_document=True)
+        _, run, first, length = span_pieces(doc[mine], lo[mine], hi[mine], part.doc,
+                                            part.start, part.stop)
         return KeyRuns(part.doc[run], first, part.row[run] + first - part.start[run],
-                       torch.cumsum(length, 0) - length, length, part.holder[run])
+                       np.cumsum(length) - length, length, part.holder[run])
     return host_table(plan, table_key("selection_runs", mask, None, rank), build)
 
 
@@ -139,45 +146,51 @@ def given_runs(plan: CPPlan, mask: AttnMask, rank: int) -> KeyRuns:
     ``selected.sent_keys``); ``slot`` is the place in the destination's list of keys from
     ``rank`` (cached)."""
     def build() -> KeyRuns:
-        holder, doc, lo, hi = needed_spans(plan, mask)
-        runs = plan.runs
-        mine = runs.select(runs.holder == rank)  # sorted by (doc, start) already
-        span, run, first, length = span_pieces(doc, lo, hi, mine)
+        holder, doc, lo, hi = (t.numpy() for t in needed_spans(plan, mask))
+        runs = run_arrays(plan)
+        ours = runs.holder == rank   # sorted by (doc, start) already
+        m_doc, m_start, m_row = runs.doc[ours], runs.start[ours], runs.row[ours]
+        span, run, first, length = span_pieces(doc, lo, hi, m_doc, m_start,
+                                                runs.stop[ours])
         dest = holder[span]
         keep = dest != rank
         dest, run, first, length = dest[keep], run[keep], first[keep], length[keep]
         slot = index_in_group(dest, length, plan.cp_size)
-        return KeyRuns(mine.doc[run], first, mine.row[run] + first - mine.start[run], slot,
-                       length, dest)
+        return KeyRuns(m_doc[run], first, m_row[run] + first - m_start[run], slot, length,
+                       dest)
     return host_table(plan, table_key("given_runs", mask, None, rank), build)
 
 
-def _spread(runs: KeyRuns, *starts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _spread(runs: KeyRuns, *starts: np.ndarray) -> tuple[np.ndarray, ...]:
     """Per key of ``runs``, each of ``starts`` (one value per run) plus the key's offset
     in its run (``plan.runs.run_rows``)."""
-    return tuple(run_rows(v, runs.length) for v in starts)
+    return tuple(_run_rows(v, runs.length) for v in starts)
+
+
+def _tensor(x: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
 
 
 def _holder(runs: KeyRuns, n_docs: int) -> Holder:
     """The keys of ``runs`` (in (document, position) order) as a kernel call's holder."""
-    counts = torch.zeros(n_docs, dtype=torch.int64).scatter_add_(0, runs.doc, runs.length)
-    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
+    counts = np.bincount(runs.doc, weights=runs.length, minlength=n_docs).astype(np.int64)
+    cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     (pos,) = _spread(runs, runs.pos)
-    return Holder(cu.to(torch.int32), pos.to(torch.int32),
-                  int(counts.max()) if counts.numel() else 0)
+    return Holder(torch.from_numpy(cu), torch.from_numpy(pos.astype(np.int32)),
+                  int(counts.max()) if counts.size else 0)
 
 
-def _by_owner(runs: KeyRuns, slot: torch.Tensor) -> torch.Tensor:
+def _by_owner(runs: KeyRuns, slot: np.ndarray) -> np.ndarray:
     """Call slots of the keys of ``runs`` (first slots ``slot``) grouped by owner, each
     owner's in call order: the order the dK/dV returns are packed in."""
-    order = torch.argsort(runs.peer * _BIG + slot)
+    order = np.argsort(runs.peer * _BIG + slot, kind="stable")
     return _spread(runs.take(order), slot[order])[0]
 
 
 # ---- the tables ----------------------------------------------------------------------------------
 def _assemble(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int], stages: int,
-              counts: torch.Tensor, fetched: KeyRuns, stage: torch.Tensor,
-              buffer: torch.Tensor, given: KeyRuns, given_stage: torch.Tensor,
+              counts: np.ndarray, fetched: KeyRuns, stage: np.ndarray,
+              buffer: np.ndarray, given: KeyRuns, given_stage: np.ndarray,
               slices: tuple[tuple[int, int], ...]) -> StagedTables:
     """Tables from the runs both strategies share: the fetched runs (``fetched``, in
     selection order, each within one transfer ``stage``, its first key at receive-buffer
@@ -192,23 +205,25 @@ def _assemble(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int], s
         lo, hi = slices[p] if slices else (0, 0)
         out = given.take(given_stage == p)
         (in_rows,) = _spread(out, out.row)
-        splits = torch.zeros(cp, dtype=torch.int64).scatter_add_(0, out.peer, out.length)
-        fields = dict(back_splits=tuple(counts[p, rank].tolist()), in_rows=in_rows,
+        splits = np.bincount(out.peer, weights=out.length, minlength=cp).astype(np.int64)
+        fields = dict(back_splits=tuple(counts[p, rank].tolist()), in_rows=_tensor(in_rows),
                       in_splits=tuple(splits.tolist()), lo=lo, hi=hi,
-                      rounds=UniqueRounds.of_runs(out.row, out.length, in_rows))
-        (fields["gather"],) = _spread(mine, buf)
+                      rounds=UniqueRounds.of_runs(out.row, out.length, _tensor(in_rows)))
+        fields["gather"] = _tensor(_spread(mine, buf)[0])
         if stages == 1:   # one call over every key: local ones too, in their call slots
             sel = selection_runs(plan, mask, rank)
             local = sel.take(sel.peer == rank)
-            (fields["remote_slots"],) = _spread(mine, mine.slot)
-            fields["local_slots"], fields["local_rows"] = _spread(local, local.slot, local.row)
-            fields["back_order"] = _by_owner(mine, mine.slot)
+            fields["remote_slots"] = _tensor(_spread(mine, mine.slot)[0])
+            fields["local_slots"], fields["local_rows"] = (
+                _tensor(x) for x in _spread(local, local.slot, local.row))
+            fields["back_order"] = _tensor(_by_owner(mine, mine.slot))
             mine = sel
         else:
-            fields["back_order"] = _by_owner(mine, torch.cumsum(mine.length, 0) - mine.length)
+            fields["back_order"] = _tensor(_by_owner(mine, np.cumsum(mine.length)
+                                                     - mine.length))
         fields["n_keys"] = int(mine.length.sum())
         parts.append(fields)
-        keys.append(_holder(mine, plan.n_docs) if mine.length.numel() else None)
+        keys.append(_holder(mine, plan.n_docs) if mine.length.size else None)
     me = host_table(plan, table_key("rank_holder", None, None, rank),   # (its schedules'
                     lambda: rank_holder(plan, rank))                    # blocks cached)
     with_local = stages > 1 or not parts  # (with nothing to fetch anywhere, it is all)
@@ -227,22 +242,22 @@ def _dispatch_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, 
                      stages: int) -> StagedTables:
     """Dispatch: each (d, o) list of keys cut into equal transfers (``transfers``)."""
     cp = plan.cp_size
-    counts = dispatch_stage_counts(plan, mask, transfers(stages))    # [P, d, o]
-    ends = torch.cumsum(counts, 0)                                   # inclusive, per (d, o)
+    counts = dispatch_stage_counts(plan, mask, transfers(stages)).numpy()   # [P, d, o]
+    ends = np.cumsum(counts, 0)                                      # inclusive, per (d, o)
     begins = ends - counts
     sel = selection_runs(plan, mask, rank)
     remote = sel.take(sel.peer != rank)
     index = index_in_group(remote.peer, remote.length, cp)   # place in the owner's list
-    owner_begins, owner_ends = begins[:, rank, :].t(), ends[:, rank, :].t()   # [o, P]
+    owner_begins, owner_ends = begins[:, rank, :].T, ends[:, rank, :].T   # [o, P]
     run, stage, offset, length = cut_runs(index, remote.length, owner_begins[remote.peer],
                                           owner_ends[remote.peer])
     fetched = remote.take(run, offset, length)
     owner = fetched.peer
     mine = counts[:, rank, :]                                        # [P, o]
-    buf_start = torch.cumsum(mine, 1) - mine                         # owner's block in buffer
+    buf_start = np.cumsum(mine, 1) - mine                            # owner's block in buffer
     buffer = buf_start[stage, owner] + index[run] + offset - begins[stage, rank, owner]
     given = given_runs(plan, mask, rank)
-    dest_begins, dest_ends = begins[:, :, rank].t(), ends[:, :, rank].t()     # [d, P]
+    dest_begins, dest_ends = begins[:, :, rank].T, ends[:, :, rank].T        # [d, P]
     grun, gstage, goffset, glength = cut_runs(given.slot, given.length,
                                               dest_begins[given.peer], dest_ends[given.peer])
     return _assemble(plan, mask, rank, block, stages, counts, fetched, stage, buffer,
@@ -253,20 +268,22 @@ def _gather_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, in
                    stages: int) -> StagedTables:
     """all_gather: the runs cut at the slices of the owners' padded rows."""
     slices = gather_stage_rows(plan, transfers(stages))
-    los = torch.tensor([lo for lo, _ in slices], dtype=torch.int64)
-    his = torch.tensor([hi for _, hi in slices], dtype=torch.int64)
+    los = np.array([lo for lo, _ in slices], dtype=np.int64)
+    his = np.array([hi for _, hi in slices], dtype=np.int64)
     sel = selection_runs(plan, mask, rank)
     remote = sel.take(sel.peer != rank)
-    n = remote.length.numel()
-    run, stage, offset, length = cut_runs(remote.row, remote.length, los.expand(n, -1),
-                                          his.expand(n, -1))
+    n = remote.length.size
+    run, stage, offset, length = cut_runs(remote.row, remote.length,
+                                          np.broadcast_to(los, (n, los.size)),
+                                          np.broadcast_to(his, (n, his.size)))
     fetched = remote.take(run, offset, length)
     buffer = fetched.peer * (his - los)[stage] + fetched.row - los[stage]
     given = given_runs(plan, mask, rank)
-    m = given.length.numel()
-    grun, gstage, goffset, glength = cut_runs(given.row, given.length, los.expand(m, -1),
-                                              his.expand(m, -1))
-    counts = gather_stage_counts(plan, mask, transfers(stages))
+    m = given.length.size
+    grun, gstage, goffset, glength = cut_runs(given.row, given.length,
+                                              np.broadcast_to(los, (m, los.size)),
+                                              np.broadcast_to(his, (m, his.size)))
+    counts = gather_stage_counts(plan, mask, transfers(stages)).numpy()
     return _assemble(plan, mask, rank, block, stages, counts, fetched, stage, buffer,
                      given.take(grun, goffset, glength), gstage, slices)
 

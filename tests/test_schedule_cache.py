@@ -1,0 +1,137 @@
+"""Tables shared between masks that act the same on a plan (``schedules.keys.table_mask``).
+
+A chunk at least as long as the plan's longest document is no condition at all (every
+position of a document lies in chunk 0), so the chunked mask's tables are the unchunked
+mask's: one cache entry serves both. Checked here by building the chunked mask's tables
+with the sharing switched off, on a fresh plan, and comparing them field by field with the
+unchunked mask's (every strategy's tables and ``auto``'s pick; causal and full masks,
+windows, padding layouts; chunk equal to and above the longest document), then that the
+shared entry is the same object, and that a shorter chunk shares nothing. About 8 s.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import small_plan
+from varlen_cp import AttnMask
+from varlen_cp.config import AttnShape, CPConfig
+from varlen_cp.prepare import prepare_plan
+from varlen_cp.schedules import keys
+
+DOCS = [37, 5, 120, 1, 64, 18]
+SHAPE = AttnShape(n_heads=4, n_kv_heads=2, head_dim=16, dtype=torch.float32)
+STRATEGIES = ("p2p", "all_gather", "a2a", "a2a+p2p", "dispatch", "auto")
+
+
+def _same(a, b, path: str) -> None:
+    """Equal tensors and arrays (dtype and shape too), objects field by field, sequences, values."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), path
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), path
+    elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        assert isinstance(a, np.ndarray) and isinstance(b, np.ndarray), path
+        assert a.dtype == b.dtype and np.array_equal(a, b), path
+    elif isinstance(a, (tuple, list)):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}[{i}]")
+    elif hasattr(a, "__dict__") and not isinstance(a, type):
+        assert type(a) is type(b), path
+        for name, value in vars(a).items():
+            _same(value, vars(b)[name], f"{path}.{name}")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def _tables(plan, mask: AttnMask) -> dict:
+    """The plan's entries for ``mask``, by key with the mask left out."""
+    return {k._replace(mask=None): v for k, v in plan._cache.items()
+            if getattr(k, "mask", None) == mask}
+
+
+def _prepared(strategy: str, layout: str, rank: int, mask: AttnMask):
+    plan = small_plan(DOCS, 4, rank, layout)
+    prepare_plan(plan, CPConfig(strategy=strategy, layout=layout, backend="torch"),
+                 [(mask, 1)], SHAPE, "cpu")
+    return plan
+
+
+@pytest.mark.parametrize("layout", ["balanced", "te"])
+@pytest.mark.parametrize("base", [AttnMask(), AttnMask(causal=False),
+                                  AttnMask(window_size=(20, 0))])
+def test_long_chunk_tables_equal_unchunked(monkeypatch, layout, base):
+    longest = max(DOCS)
+    for strategy in STRATEGIES:
+        for rank in (3,):
+            want = _tables(_prepared(strategy, layout, rank, base), base)
+            for chunk in (longest, longest + 50)[:1 if strategy != "p2p" else 2]:
+                chunked = AttnMask(base.causal, base.window_size, chunk)
+                with monkeypatch.context() as m:   # sharing off: built from the chunk
+                    m.setattr(keys, "table_mask", lambda plan, mask: mask)
+                    got = _tables(_prepared(strategy, layout, rank, chunked), chunked)
+                assert got.keys() == want.keys(), (strategy, chunk)
+                assert any(k.kind in ("p2p", "ulysses_call", "auto", f"{strategy}_staged")
+                           for k in got)
+                for k in want:
+                    _same(got[k], want[k], f"{strategy}/{layout}/r{rank}/c{chunk}/{k.kind}")
+
+
+def test_long_chunk_shares_entries_short_chunk_does_not():
+    longest = max(DOCS)
+    plan = small_plan(DOCS, 4, 1, "balanced")
+    config = CPConfig(strategy="p2p", backend="torch")
+    long_chunk, short_chunk = AttnMask(chunk_size=longest), AttnMask(chunk_size=longest - 1)
+    prepare_plan(plan, config, [(long_chunk, 1), (AttnMask(), 1), (short_chunk, 1)], SHAPE,
+                 "cpu")
+    shared, causal = _tables(plan, long_chunk), _tables(plan, AttnMask())
+    assert shared and shared.keys() == causal.keys()
+    assert all(shared[k] is causal[k] for k in causal)
+    own = _tables(plan, short_chunk)
+    assert own and all(own[k] is not causal[k] for k in own)
+    assert keys.table_mask(plan, short_chunk) == short_chunk
+    assert keys.table_mask(plan, long_chunk) == AttnMask()
+
+
+def test_numpy_intervals_equal_mask_math():
+    """The planner's numpy intervals (``schedules.intervals``) against the kernels' torch
+    ones, padding positions included."""
+    from varlen_cp.schedules import intervals
+
+    pos = torch.tensor([-3, -1, 0, 1, 5, 7, 8, 63, 64, 65, 200, 1000])
+    for mask in (AttnMask(), AttnMask(causal=False), AttnMask(window_size=(5, 0)),
+                 AttnMask(window_size=(3, 9), causal=False), AttnMask(chunk_size=64),
+                 AttnMask(chunk_size=8, window_size=(2, 0)),
+                 AttnMask(chunk_size=100, causal=False)):
+        for ours, theirs in ((intervals.key_interval, mask.key_interval),
+                             (intervals.query_interval, mask.query_interval)):
+            got, want = ours(mask, pos.numpy()), theirs(pos)
+            for g, w in zip(got, want):
+                assert g.dtype == np.int64 and np.array_equal(g, w.numpy()), mask
+
+
+@pytest.mark.parametrize("layout", ["balanced", "dual_chunk", "te"])
+def test_numpy_spans_equal_plan_runs(layout):
+    """``schedules.spans`` against ``plan.runs``' torch functions on a plan's runs."""
+    from varlen_cp.plan import runs as plan_runs
+    from varlen_cp.schedules import spans
+
+    plan = small_plan(DOCS, 4, 0, layout)
+    runs, part = plan.runs, plan.runs.by_document()
+    for mask in (AttnMask(), AttnMask(causal=False), AttnMask(window_size=(9, 0)),
+                 AttnMask(chunk_size=16), AttnMask(chunk_size=20, window_size=(3, 2))):
+        want_lo, want_hi = plan_runs.key_spans(runs, mask, plan.doc_lengths)
+        lo, hi = spans.key_spans(runs.start.numpy(), runs.stop.numpy(),
+                                 plan.doc_lengths.numpy()[runs.doc.numpy()], mask)
+        assert np.array_equal(lo, want_lo.numpy()) and np.array_equal(hi, want_hi.numpy())
+        merged = spans.merge_spans(runs.holder.numpy(), runs.doc.numpy(), lo, hi)
+        want = plan_runs.merge_spans(runs.holder, runs.doc, want_lo, want_hi)
+        assert all(np.array_equal(g, w.numpy()) for g, w in zip(merged, want))
+        _, doc, mlo, mhi = merged
+        pieces = spans.span_pieces(doc, mlo, mhi, part.doc.numpy(), part.start.numpy(),
+                                   part.stop.numpy())
+        want = plan_runs.span_pieces(*(torch.from_numpy(x) for x in (doc, mlo, mhi)), part)
+        assert len(pieces[0]) and all(np.array_equal(g, w.numpy())
+                                      for g, w in zip(pieces, want))
