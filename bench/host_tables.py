@@ -10,8 +10,10 @@ the token tables, ``auto``'s choice, the stage count of the staged strategies an
 table each mask's attention will read. ``backend="triton"`` gives the GPU's tile sizes
 (64 x 64); the device is the CPU, so the device copies are no-ops (on a GPU they are
 non-blocking copies from pinned buffers, issued by the same code). Thread CPU time, one torch
-thread, minimum of ``--repeats`` runs with a fresh plan each (the machine is shared: minima
-are the figure that does not depend on the neighbours), maximum over three ranks (first,
+thread, freed host memory kept as the integrations keep it (``varlen_cp.host_memory``;
+``VARLEN_CP_MALLOC_TUNING=0`` for glibc's defaults), minimum of ``--repeats`` runs with a
+fresh plan each (the machine is shared: minima are the figure that does not depend on the
+neighbours), maximum over three ranks (first,
 middle, last: each rank plans its own tables, and a layer waits for the slowest).
 
 Batches: every document-length mix of ``varlen_cp.mixes`` at 128K tokens (1000 log-normal
@@ -43,6 +45,7 @@ if str(ROOT) not in sys.path:   # the package from a checkout
 
 from varlen_cp import AttnMask  # noqa: E402
 from varlen_cp.config import STRATEGY_NAMES, AttnShape, CPConfig  # noqa: E402
+from varlen_cp.host_memory import keep_freed_host_memory  # noqa: E402
 from varlen_cp.mixes import MIXES, TOTAL  # noqa: E402
 from varlen_cp.prepare import build_plan, prepare_plan  # noqa: E402
 from varlen_cp.strategies import get_strategy  # noqa: E402
@@ -158,6 +161,9 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "host_tables.json"))
     args = p.parse_args()
     torch.set_num_threads(1)
+    # As the integrations run: their PlanPrefetcher keeps freed host memory for the next
+    # batch (VARLEN_CP_MALLOC_TUNING=0 times glibc's defaults instead).
+    malloc_tuned = keep_freed_host_memory()
     mixes = QUICK_MIXES if args.quick else tuple(MIXES)
     repeats = args.repeats or (3 if args.quick else 7)
     layouts = tuple(args.layouts.split(","))
@@ -168,7 +174,8 @@ def main() -> None:
               "torch": torch.__version__, "tokens": TOTAL,
               "masks": "Llama 4: chunked 8192 x3, causal x1",
               "shape": "bf16, 32 / 8 heads, d 128 (Triton tiles 64 x 64)",
-              "timed": "build_plan + prepare_plan, thread CPU time"}
+              "timed": "build_plan + prepare_plan, thread CPU time",
+              "malloc_tuned": malloc_tuned}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -25,6 +25,7 @@ import torch
 
 from .checks import check_bool, check_int
 from .config import AttnShape, CPConfig
+from .host_memory import keep_freed_host_memory
 from .cp_call import check_options
 from .masks import AttnMask
 from .options import AttnOptions
@@ -98,7 +99,9 @@ class PlanPrefetcher(Generic[T]):
     consumer at the item it belongs to. ``enabled=False`` runs ``make_plan`` inline (same
     results, no thread), for debugging. ``last_timing`` (a :class:`PlanTiming`) says how the
     last yielded plan was made: the planner's time, and whether it was ready when asked
-    (how long before) or how long the consumer waited.
+    (how long before) or how long the consumer waited. Starting one keeps freed host memory
+    in the heap for the next batch's tables (``varlen_cp.host_memory``; opt out with
+    ``VARLEN_CP_MALLOC_TUNING=0``).
     """
 
     def __init__(self, source: Iterable[T], make_plan: Callable[[T], CPPlan], *,
@@ -107,6 +110,7 @@ class PlanPrefetcher(Generic[T]):
         check_bool("enabled", enabled)
         if not callable(make_plan):
             raise ValueError(f"make_plan must be callable, got {type(make_plan).__name__}")
+        keep_freed_host_memory()  # every batch's tables reuse the last one's freed memory
         self._source, self._make_plan = iter(source), make_plan
         self._enabled = enabled
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)

@@ -3,7 +3,7 @@
 Floors, top to bottom:
   (entry points: train, cli) -> integrations -> {prepare, report}
   -> {config, attention, graph_op, cp_call} -> {strategies, sharding} -> options
-  -> schedules -> plan -> {masks, checks, mixes} -> kernels
+  -> schedules -> plan -> {masks, checks, mixes, host_memory} -> kernels
 Read from the source with ``ast`` (no import side effects): every ``from .x import`` /
 ``from ..x import`` inside ``plugin/`` is resolved to its top-level part of the package, and
 no part may import a part on a higher floor, nor be in an import cycle with another part.
@@ -21,7 +21,8 @@ FLOOR = {
     "integrations": 8, "prepare": 7, "report": 7, "config": 6, "attention": 6,
     "graph_op": 6, "cp_call": 6, "strategies": 5, "sharding": 5,
     "options": 4,  # AttnOptions: held by the strategies' call spec, so below them
-    "schedules": 3, "plan": 2, "masks": 1, "checks": 1, "mixes": 1, "kernels": 0,
+    "schedules": 3, "plan": 2, "masks": 1, "checks": 1, "mixes": 1, "host_memory": 1,
+    "kernels": 0,
 }
 
 
