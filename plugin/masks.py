@@ -44,6 +44,13 @@ class AttnMask:
         c = self.chunk_size
         if c is not None and (not is_int(c) or c < 1):
             raise ValueError(f"AttnMask.chunk_size must be None or an int >= 1, got {c!r}")
+        # Masks key every cached table (hashed on each lookup, hundreds per batch): the
+        # hash of the fields, as the dataclass would compute it, made once.
+        object.__setattr__(self, "_hash", hash((self.causal, self.window_size,
+                                                self.chunk_size)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     # Primitive form understood by the kernels and mask_math.
     @property

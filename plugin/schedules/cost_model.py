@@ -51,6 +51,13 @@ class CostModel:
         if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, (int, float)) \
                 or not 0 <= self.tolerance < 1:
             raise ValueError(f"CostModel.tolerance must be in [0, 1), got {self.tolerance!r}")
+        # a part of the cost tables' keys (hashed on each lookup): the fields' hash made once
+        object.__setattr__(self, "_hash", hash((self.flops_per_s, self.bytes_per_s,
+                                                self.tolerance, self.stage_latency_s,
+                                                self.memory_bytes_per_s)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 def check_model(model: Any) -> CostModel:

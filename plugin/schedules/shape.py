@@ -17,6 +17,14 @@ class Shape:
     head_dim_v: int
     dtype_bytes: int
 
+    def __post_init__(self) -> None:
+        # a part of every table key (hashed on each lookup): the fields' hash made once
+        object.__setattr__(self, "_hash", hash((self.n_heads, self.n_kv_heads, self.head_dim,
+                                                self.head_dim_v, self.dtype_bytes)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
     @property
     def kv_row(self) -> int:
         return self.n_kv_heads * (self.head_dim + self.head_dim_v) * self.dtype_bytes
