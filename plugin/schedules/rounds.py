@@ -50,6 +50,13 @@ def _previous(key: np.ndarray) -> np.ndarray:
     return out
 
 
+def _sorted_unique(x: np.ndarray) -> np.ndarray:
+    """``np.unique(x)`` by a sort and a comparison: numpy 2.4's ``unique`` took ~10x
+    longer (0.53 ms vs 0.05 ms on 3000 int64 here; ~1.8 ms per dispatch batch at cp 8)."""
+    x = np.sort(x)
+    return x[np.concatenate(([True], x[1:] != x[:-1]))] if x.size else x
+
+
 def _run_rows(start: np.ndarray, length: np.ndarray) -> np.ndarray:
     """numpy twin of ``plan.runs.run_rows``: the runs laid back to back, one entry per
     token (their starts repeated, plus each token's place in the list less the run's)."""
@@ -65,8 +72,12 @@ def _round_starts(last: torch.Tensor) -> list[int]:
     n = last.size
     first = np.full(n + 1, n, dtype=np.int64)          # first i with last[i] == v
     where = np.flatnonzero(last >= 0)
-    values, at = np.unique(last[where], return_index=True)
-    first[values] = where[at]
+    clash = last[where]                                 # (``np.unique`` with return_index
+    order = np.argsort(clash, kind="stable")            # as a sort: ``_sorted_unique``)
+    ordered = clash[order]
+    head = order[np.concatenate(([True], ordered[1:] != ordered[:-1]))] if where.size \
+        else where
+    first[clash[head]] = where[head]
     after = np.minimum.accumulate(first[::-1])[::-1]   # first i with last[i] >= s
     starts, s = [], 0
     while after[s] < n:
@@ -112,7 +123,7 @@ class UniqueRounds:
         n = rows_t.numel()
         if start.size <= 1:
             return cls(None, rows_t, (n,) if n else ())
-        bounds = np.unique(np.concatenate([start, start + length]))     # sorted
+        bounds = _sorted_unique(np.concatenate([start, start + length]))
         first = np.searchsorted(bounds, start)
         count = np.searchsorted(bounds, start + length) - first          # pieces per run
         n_pieces = int(count.sum())
