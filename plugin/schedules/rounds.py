@@ -61,7 +61,9 @@ def _run_rows(start: np.ndarray, length: np.ndarray) -> np.ndarray:
     """numpy twin of ``plan.runs.run_rows``: the runs laid back to back, one entry per
     token (their starts repeated, plus each token's place in the list less the run's)."""
     first = np.cumsum(length) - length
-    return np.repeat(start - first, length) + np.arange(int(length.sum()), dtype=np.int64)
+    rows = np.repeat((start - first).astype(np.int64, copy=False), length)
+    rows += np.arange(rows.size, dtype=np.int64)       # in place: one array of N, not two
+    return rows
 
 
 def _round_starts(last: torch.Tensor) -> list[int]:
