@@ -52,7 +52,7 @@ def _previous(key: np.ndarray) -> np.ndarray:
 
 def _sorted_unique(x: np.ndarray) -> np.ndarray:
     """``np.unique(x)`` by a sort and a comparison: numpy 2.4's ``unique`` took ~10x
-    longer (0.53 ms vs 0.05 ms on 3000 int64 here; ~1.8 ms per dispatch batch at cp 8)."""
+    longer on this machine (0.53 vs 0.05 ms on 3000 int64; 17 vs 3 us on 300)."""
     x = np.sort(x)
     return x[np.concatenate(([True], x[1:] != x[:-1]))] if x.size else x
 
