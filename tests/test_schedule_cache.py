@@ -135,3 +135,29 @@ def test_numpy_spans_equal_plan_runs(layout):
         want = plan_runs.span_pieces(*(torch.from_numpy(x) for x in (doc, mlo, mhi)), part)
         assert len(pieces[0]) and all(np.array_equal(g, w.numpy())
                                       for g, w in zip(pieces, want))
+
+
+def test_key_dataclasses_hash_as_their_fields() -> None:
+    """Masks, head shapes and cost models (every table key holds them) keep the hash made
+    at construction: the hash of their fields, as the dataclass would compute it, equal
+    for equal objects however they were made (``replace``, a pickle round trip); the
+    unchunked twin of a chunked mask is one object per mask."""
+    import dataclasses
+    import pickle
+
+    from varlen_cp.schedules.cost_model import CostModel
+    from varlen_cp.schedules.shape import make_shape
+
+    objects = [AttnMask(), AttnMask(causal=False, window_size=[128, 0]),
+               AttnMask(chunk_size=8192), make_shape(32, 8, 128, None, 2),
+               make_shape(4, 4, 16, 8, 4), CostModel(), CostModel(flops_per_s=1e12)]
+    for x in objects:
+        fields = tuple(getattr(x, f.name) for f in dataclasses.fields(x))
+        assert hash(x) == hash(fields)
+        for y in (dataclasses.replace(x), pickle.loads(pickle.dumps(x))):
+            assert y == x and hash(y) == hash(x)
+    assert hash(AttnMask(chunk_size=5)) != hash(AttnMask(chunk_size=6))
+    plan = small_plan(DOCS, 2, 0, "balanced")
+    chunked = AttnMask(chunk_size=max(DOCS))
+    assert keys.table_mask(plan, chunked) is keys.table_mask(plan, AttnMask(chunk_size=max(DOCS)))
+    assert keys.table_mask(plan, chunked) == AttnMask()
