@@ -122,7 +122,7 @@ def solve_attempt(units: Units, prof: Profile, cp: int, var: Variant, items: Ite
     b_val = np.zeros((cp + 1, st.total.numel()), dtype=np.float64)
     if prof.excess.shape[0] and bool(st.is_body.any()):
         lists, cuts, b_val = _cut_bodies(units, prof, cp, var, st, lengths)
-    return _cut_filler(units, prof, var, items, lengths, st, lists, cuts, b_val)
+    return _cut_filler(units, prof, var, items, lengths, st, lists, cuts, b_val, cache)
 
 
 def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
@@ -221,9 +221,19 @@ def _block_targets(units: Units, body: UnitList, phi: torch.Tensor, cp: int) -> 
                            [total]])
 
 
+def _sums(units: Units, sel: np.ndarray, sel_items: np.ndarray, st: _Setup,
+          item_w: np.ndarray) -> tuple[int, float, float]:
+    """(units, tokens, filler column) of the units ``sel`` (the items ``sel_items``), the
+    values the list of them would end on: the columns hold integers (token and pair
+    counts, exact in float64), so summing per item gives the same values as the list's
+    cumulative sum, without building it."""
+    return (int(np.count_nonzero(sel)), float(st.item_t[sel_items].sum()),
+            float(item_w[sel_items].sum()))
+
+
 def _cut_filler(units: Units, prof: Profile, var: Variant, items: Items,
                 lengths: torch.Tensor, st: _Setup, lists: list, cuts: list,
-                b_val: np.ndarray) -> Layout:
+                b_val: np.ndarray, cache: dict) -> Layout:
     """Phase 2: filler (short documents and heads), dense / sparse in the filler column,
     cut to what phase 1 left of every rank's targets."""
     col, k, tok_budget, total = st.col, st.k, st.tok_budget, st.total
@@ -231,18 +241,27 @@ def _cut_filler(units: Units, prof: Profile, var: Variant, items: Items,
     f_tok = np.maximum.accumulate(np.maximum(
         st.n_tok - np.round(b_val[:, 0]).astype(np.int64), 0))
     f_target = k.astype(np.float64) * float(st.share[col]) - b_val[:, col]
-    item_w = item_sums(units, st.n_items, col)
-    f_w = float(total[col]) - float(b_val[-1, col])
-    f_t = float(total[0]) - float(b_val[-1, 0])
-    is_dense = (item_w * f_t > f_w * st.item_t)[st.u_item]
-    # Filler items in an order that spreads their densities evenly (any stretch of the
-    # list holds about its mean density), so per-rank targets stay reachable.
     fill_items = np.zeros(st.n_items, dtype=bool)
     fill_items[st.u_item[fill]] = True
     if var.solver != "vector" and not rank_reachable(
             items, torch.from_numpy(fill_items), lengths, prof, col, torch.from_numpy(f_tok),
             torch.from_numpy(f_target)):
         return Layout([], [], st.fail.per_rank, unreachable=True)
+    if "item_w" not in cache:  # the same for every attempt on these units
+        cache["item_w"] = item_sums(units, st.n_items, col)
+    item_w = cache["item_w"]
+    f_w = float(total[col]) - float(b_val[-1, col])
+    f_t = float(total[0]) - float(b_val[-1, 0])
+    item_dense = item_w * f_t > f_w * st.item_t
+    is_dense = item_dense[st.u_item]
+    one_list = bool(lists) and not var.pair
+    if one_list and var.solver == "vector" and not pair_reachable(
+            _sums(units, fill & is_dense, fill_items & item_dense, st, item_w),
+            _sums(units, fill & ~is_dense, fill_items & ~item_dense, st, item_w),
+            st.n_tok - b_val[:, 0], f_target):
+        return st.fail
+    # Filler items in an order that spreads their densities evenly (any stretch of the
+    # list holds about its mean density), so per-rank targets stay reachable.
     spread = spread_key(item_w / np.maximum(st.item_t, 1), st.item_t * fill_items)
     if var.solver == "classes":
         dens = item_w / np.maximum(st.item_t, 1)
@@ -254,10 +273,6 @@ def _cut_filler(units: Units, prof: Profile, var: Variant, items: Items,
         return Layout(lists, cuts, rank_vectors(lists, cuts))
     dense = new_list(units, unit_order(units, fill & is_dense, spread), tok_budget)
     sparse = new_list(units, unit_order(units, fill & ~is_dense, spread), tok_budget)
-    one_list = bool(lists) and not var.pair
-    if one_list and var.solver == "vector" and not pair_reachable(
-            dense, sparse, st.n_tok - b_val[:, 0], f_target, col):
-        return st.fail
     prio = [w / max(prof.weights) for w in prof.weights]
     limits = [(0, tok_budget, 1.0)] + [(1 + m, _FILL_BUDGET * float(st.share[1 + m]),
                                         float(prio[m])) for m in range(st.n_masks)]

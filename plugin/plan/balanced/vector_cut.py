@@ -188,16 +188,17 @@ def pair_cut(dense: UnitList, sparse: UnitList, n_tok: np.ndarray, target: np.nd
     return yd, ys
 
 
-def pair_reachable(dense: UnitList, sparse: UnitList, f_tok: np.ndarray,
-                   f_target: np.ndarray, col: int) -> bool:
+def pair_reachable(dense: tuple[int, float, float], sparse: tuple[int, float, float],
+                   f_tok: np.ndarray, f_target: np.ndarray) -> bool:
     """Whether every rank's filler share (tokens, column) lies between the sparse and the
     dense list's mean densities: with the lists' densities spread evenly that is about
-    what a dense / sparse cut can reach. Checked before the filler cut, so that a variant
+    what a dense / sparse cut can reach. ``dense`` / ``sparse``: (units, tokens, column
+    total) of each list. Checked before the filler lists are built, so that a variant
     that cannot balance costs little (lognormal_long, Llama 4, cp 64: 8.5 -> ~1 ms)."""
-    if dense.n == 0 or sparse.n == 0:  # nothing to mix: the bodies must do it alone
+    if dense[0] == 0 or sparse[0] == 0:  # nothing to mix: the bodies must do it alone
         return True
     t = (f_tok[1:] - f_tok[:-1]).astype(np.float64)
     w = f_target[1:] - f_target[:-1]
-    lo = float(sparse.pv[-1, col]) / max(sparse.total, 1)
-    hi = float(dense.pv[-1, col]) / max(dense.total, 1)
+    lo = sparse[2] / max(sparse[1], 1)
+    hi = dense[2] / max(dense[1], 1)
     return bool((t >= 0).all()) and bool(((w >= lo * t) & (w <= hi * t)).all())
