@@ -86,7 +86,8 @@ def _setup(units: Units, prof: Profile, cp: int) -> _Setup:
     u_item = units.item.numpy()
     n_items = int(u_item.max()) + 1 if u_item.size else 0
     total = units.vec.sum(0)  # [1+M]; torch's summation order, as before
-    T = float(total[0])
+    total_np = total.numpy()
+    T = float(total_np[0])
     k = np.arange(cp + 1, dtype=np.int64)
     # Items in document order (items are numbered filler first, bodies after; every item
     # has units, and its first position is unique).
@@ -99,7 +100,7 @@ def _setup(units: Units, prof: Profile, cp: int) -> _Setup:
     phi = excess_functional(prof, total) if prof.excess.shape[0] else None
     return _Setup(n_items, units.body.numpy() & (prof.excess.shape[0] > 0), total,
                   total / cp, k, k * int(T) // cp, _TOKEN_BUDGET * T / cp,
-                  1 + int(torch.argmin(total[1:])), first, doc_order,
+                  1 + int(np.argmin(total_np[1:])), first, doc_order,
                   item_sums(units, n_items, 0), u_item, phi,
                   None if phi is None else item_sums(units, n_items, phi), fail)
 
@@ -244,8 +245,7 @@ def _cut_filler(units: Units, prof: Profile, var: Variant, items: Items,
     fill_items = np.zeros(st.n_items, dtype=bool)
     fill_items[st.u_item[fill]] = True
     if var.solver != "vector" and not rank_reachable(
-            items, torch.from_numpy(fill_items), lengths, prof, col, torch.from_numpy(f_tok),
-            torch.from_numpy(f_target)):
+            items, fill_items, lengths, prof, col, f_tok, f_target):
         return Layout([], [], st.fail.per_rank, unreachable=True)
     if "item_w" not in cache:  # the same for every attempt on these units
         cache["item_w"] = item_sums(units, st.n_items, col)
