@@ -166,8 +166,9 @@ def units_of(items: Items, lengths: torch.Tensor, prof: Profile) -> Units:
                  torch.from_numpy(np.arange(n_units, dtype=np.int64) - uoff[u_item]),
                  torch.from_numpy(a_start), torch.from_numpy(a_len),
                  torch.from_numpy(b_start), torch.from_numpy(b_len),
-                 torch.from_numpy(u_vec), torch.from_numpy(mid), items.body[t_item],
-                 items.block[t_item])
+                 torch.from_numpy(u_vec), torch.from_numpy(mid),
+                 torch.from_numpy(items.body.numpy()[u_item]),
+                 torch.from_numpy(items.block.numpy()[u_item]))
 
 
 def unit_runs(u: Units, unit: torch.Tensor, o1: torch.Tensor, o2: torch.Tensor
