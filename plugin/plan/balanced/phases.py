@@ -94,7 +94,7 @@ def _setup(units: Units, prof: Profile, cp: int) -> _Setup:
     first = np.full(n_items, np.iinfo(np.int64).max, dtype=np.int64)
     np.minimum.at(first, u_item, units.doc.numpy() * (1 << 40) + units.a_start.numpy())
     doc_order = np.empty(n_items, dtype=np.int64)
-    doc_order[np.argsort(first, kind="stable")] = np.arange(n_items)
+    doc_order[first.argsort(kind="stable")] = np.arange(n_items)
     fail = Layout([], [], np.full((cp, total.numel()), math.inf, dtype=np.float64))
     # The filler column: the mask with least work (its relative errors are the largest).
     phi = excess_functional(prof, total) if prof.excess.shape[0] else None
@@ -192,7 +192,7 @@ def _block_order(units: Units, st: _Setup, lengths: torch.Tensor) -> torch.Tenso
     zz[1::2] = o.size - 1 - np.arange(o.size // 2)
     key[o[zz]] = np.arange(o.size)
     # (Body items' keys are unique, so the sort's stability does not change their order.)
-    return np.argsort(np.argsort(key, kind="stable"), kind="stable")
+    return key.argsort(kind="stable").argsort(kind="stable")
 
 
 def _block_targets(units: Units, body: UnitList, phi: torch.Tensor, cp: int) -> np.ndarray:
@@ -240,7 +240,7 @@ def _cut_filler(units: Units, prof: Profile, var: Variant, items: Items,
     col, k, tok_budget, total = st.col, st.k, st.tok_budget, st.total
     fill = ~st.is_body
     f_tok = np.maximum.accumulate(np.maximum(
-        st.n_tok - np.round(b_val[:, 0]).astype(np.int64), 0))
+        st.n_tok - b_val[:, 0].round().astype(np.int64), 0))
     f_target = k.astype(np.float64) * float(st.share[col]) - b_val[:, col]
     fill_items = np.zeros(st.n_items, dtype=bool)
     fill_items[st.u_item[fill]] = True

@@ -140,7 +140,7 @@ def _merge_runs(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, length: np
     n_ranks = int(rank.max()) + 1 if doc.size else 1
     # Keys are unique (runs hold distinct tokens), so any sort gives the same order.
     if n_ranks * n_docs * span < 1 << 62:
-        o = np.argsort((rank * n_docs + doc) * span + start, kind="stable")
+        o = ((rank * n_docs + doc) * span + start).argsort(kind="stable")
     else:  # stable sorts, least significant key first
         o = np.argsort(start, kind="stable")
         o = o[np.argsort(doc[o], kind="stable")]

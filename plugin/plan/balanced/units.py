@@ -115,7 +115,7 @@ def units_of(items: Items, lengths: torch.Tensor, prof: Profile) -> Units:
     n = (i_end + t - 1) // t - first_tile
     item = np.repeat(np.arange(n.size, dtype=np.int64), n)
     total = item.size
-    off = np.cumsum(n) - n
+    off = n.cumsum() - n
     j = np.arange(total, dtype=np.int64) - off[item]
     start = np.maximum((first_tile[item] + j) * t, i_start[item])
     stop = np.minimum((first_tile[item] + j + 1) * t, i_end[item])
@@ -129,7 +129,7 @@ def units_of(items: Items, lengths: torch.Tensor, prof: Profile) -> Units:
                                        prof.chunk, t)
     fold = np.where(kind == POSITION_ORDER, j, fold)
     nu = (n + 1) // 2
-    uoff = np.cumsum(nu) - nu
+    uoff = nu.cumsum() - nu
     unit = uoff[item] + fold // 2
     n_units = int(nu.sum())
     side_a = fold % 2 == 0

@@ -67,7 +67,7 @@ def _cut_fill(dense: UnitList, sparse: UnitList, n_tok: np.ndarray, target: np.n
     f_lo, f_hi = f(np.stack([lo, hi]), n_tok, target)  # one evaluation for both ends
     with np.errstate(over="ignore"):  # a huge quotient clips to 1, as in torch
         frac = clip(-f_lo / np.maximum(f_hi - f_lo, 1e-300), 0, 1)
-    x = lo + np.round(frac * (hi - lo).astype(np.float64)).astype(np.int64)
+    x = lo + (frac * (hi - lo).astype(np.float64)).round().astype(np.int64)
     return np.where(f_lo >= 0, lo, np.where(f_hi <= 0, hi, x))
 
 
@@ -159,7 +159,7 @@ def _untangle(dense: UnitList, sparse: UnitList, y: np.ndarray, n_tok: np.ndarra
         err = vd + vs - target
         want = (err[:-2] + err[2:]) / 2 - err[1:-1]
         yi = y[1:-1]
-        step = np.round(0.5 * want / np.maximum(dd[1:-1] - ds[1:-1], 1e-9)).astype(np.int64)
+        step = (0.5 * want / np.maximum(dd[1:-1] - ds[1:-1], 1e-9)).round().astype(np.int64)
         lo = np.maximum(y[:-2], n_tok[1:-1] - s[2:])
         hi = np.minimum(y[2:], n_tok[1:-1] - s[:-2])
         new = np.minimum(np.maximum(yi + step, lo), hi)
