@@ -62,7 +62,7 @@ class _Setup:
     n_items: int
     is_body: np.ndarray       # [units] bool
     total: torch.Tensor       # [1+M] tokens and each mask's work
-    share: torch.Tensor       # total / cp
+    share: list[float]        # total / cp (torch's division, as plain floats)
     k: np.ndarray             # rank boundaries 0..cp (int64)
     n_tok: np.ndarray         # token targets: floor(k T / cp)
     tok_budget: float
@@ -99,7 +99,7 @@ def _setup(units: Units, prof: Profile, cp: int) -> _Setup:
     # The filler column: the mask with least work (its relative errors are the largest).
     phi = excess_functional(prof, total) if prof.excess.shape[0] else None
     return _Setup(n_items, units.body.numpy() & (prof.excess.shape[0] > 0), total,
-                  total / cp, k, k * int(T) // cp, _TOKEN_BUDGET * T / cp,
+                  (total / cp).tolist(), k, k * int(T) // cp, _TOKEN_BUDGET * T / cp,
                   1 + int(np.argmin(total_np[1:])), first, doc_order,
                   item_sums(units, n_items, 0), u_item, phi,
                   None if phi is None else item_sums(units, n_items, phi), fail)
@@ -133,7 +133,7 @@ def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
     is_body, k, tok_budget = st.is_body, st.k, st.tok_budget
     phi = st.phi
     others = [m for m in range(st.n_masks) if 1 + m != st.col] or list(range(st.n_masks))
-    budget = _EXCESS_BUDGET * float(min(st.share[1 + m] for m in others))
+    budget = _EXCESS_BUDGET * min(st.share[1 + m] for m in others)
     item_phi = st.item_phi
     if var.body == "split":
         # Late parts (dense in excess) and early parts, in position order and document
@@ -241,7 +241,7 @@ def _cut_filler(units: Units, prof: Profile, var: Variant, items: Items,
     fill = ~st.is_body
     f_tok = np.maximum.accumulate(np.maximum(
         st.n_tok - b_val[:, 0].round().astype(np.int64), 0))
-    f_target = k.astype(np.float64) * float(st.share[col]) - b_val[:, col]
+    f_target = k.astype(np.float64) * st.share[col] - b_val[:, col]
     fill_items = np.zeros(st.n_items, dtype=bool)
     fill_items[st.u_item[fill]] = True
     if var.solver != "vector" and not rank_reachable(
@@ -274,7 +274,7 @@ def _cut_filler(units: Units, prof: Profile, var: Variant, items: Items,
     dense = new_list(units, unit_order(units, fill & is_dense, spread), tok_budget)
     sparse = new_list(units, unit_order(units, fill & ~is_dense, spread), tok_budget)
     prio = [w / max(prof.weights) for w in prof.weights]
-    limits = [(0, tok_budget, 1.0)] + [(1 + m, _FILL_BUDGET * float(st.share[1 + m]),
+    limits = [(0, tok_budget, 1.0)] + [(1 + m, _FILL_BUDGET * st.share[1 + m],
                                         float(prio[m])) for m in range(st.n_masks)]
     cut = pair_cut(dense, sparse, f_tok, f_target, col, limits, give_up=one_list,
                     seq=var.solver == "seq")
