@@ -151,14 +151,15 @@ def units_of(items: Items, lengths: torch.Tensor, prof: Profile) -> Units:
     u_doc = i_doc[u_item]
     # One closed-form call per mask: the whole unit (both tiles) and its first 2m tokens.
     a_end, b_end = a_start + a_len, b_start + b_len
-    ends = np.concatenate([a_end, a_start, b_end, b_start, a_start + m, b_end - m])
-    lens = np.tile(lengths_np[u_doc], 6)
+    ends = np.concatenate([a_end, a_start, b_end, b_start, a_start + m, b_end - m]
+                          ).reshape(6, n_units)
+    lens = lengths_np[u_doc]  # broadcast against the 6 rows (elementwise integer math)
     u_vec = np.empty((n_units, 1 + len(prof.masks)), dtype=np.float64)
     mid = np.empty_like(u_vec)
     u_vec[:, 0] = a_len + b_len
     mid[:, 0] = 2 * m
     for k, mask in enumerate(prof.masks):
-        w = prefix_pairs_np(lens, ends, mask).reshape(6, n_units)
+        w = prefix_pairs_np(lens, ends, mask)  # [6, n_units]
         u_vec[:, 1 + k] = w[0] - w[1] + w[2] - w[3]
         mid[:, 1 + k] = w[4] - w[1] + w[2] - w[5]
     t_item = torch.from_numpy(u_item)
