@@ -24,6 +24,7 @@ import sys
 import weakref
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -53,20 +54,21 @@ def _check_cu_seqlens(cu: Any) -> torch.Tensor:
         raise ValueError(f"cu_seqlens must be 1-D with n_docs+1 >= 1 entries, got shape "
                          f"{tuple(cu.shape)}")
     cu = cu.to(torch.int64).clone()
-    if int(cu[0]) != 0:
-        raise ValueError(f"cu_seqlens[0] must be 0, got {int(cu[0])}")
-    steps = cu[1:] - cu[:-1]
+    c = cu.numpy()  # the checks in numpy: ~4 torch ops of ~10 us each saved a batch
+    if int(c[0]) != 0:
+        raise ValueError(f"cu_seqlens[0] must be 0, got {int(c[0])}")
+    steps = c[1:] - c[:-1]
     if bool((steps < 0).any()):
-        i = int(torch.nonzero(steps < 0)[0])
+        i = int(np.flatnonzero(steps < 0)[0])
         raise ValueError(f"cu_seqlens must be non-decreasing, got cu_seqlens[{i}]="
-                         f"{int(cu[i])} > cu_seqlens[{i + 1}]={int(cu[i + 1])}")
+                         f"{int(c[i])} > cu_seqlens[{i + 1}]={int(c[i + 1])}")
     # Checked before any table is allocated (~20 bytes per token): the kernels' positions
     # and the plan's local cu_seqlens are int32, and real positions stay below 2**30.
-    if steps.numel() and int(steps.max()) > MAX_DOC_TOKENS:
-        i = int(torch.argmax(steps))
+    if steps.size and int(steps.max()) > MAX_DOC_TOKENS:
+        i = int(steps.argmax())
         raise ValueError(f"cu_seqlens: document {i} has {int(steps[i])} tokens, more than "
                          f"the {MAX_DOC_TOKENS} (2**30) the kernels' int32 positions allow")
-    _check_total(int(cu[-1]), "cu_seqlens")
+    _check_total(int(c[-1]), "cu_seqlens")
     return cu
 
 

@@ -29,7 +29,7 @@ def _last_true(lo: np.ndarray, hi: np.ndarray, pred: Any) -> np.ndarray:
     while bool((hi > lo).any()):
         probe = lo[:, None] + ((hi - lo)[:, None] * steps + PROBES - 1) // PROBES
         ok = pred(probe.reshape(-1), np.repeat(rows, PROBES)).reshape(-1, PROBES)
-        last = np.cumprod(ok.astype(np.int8), 1).sum(1) - 1  # ok is a prefix of the probes
+        last = ok.astype(np.int8).cumprod(1).sum(1) - 1  # ok is a prefix of the probes
         new_lo = np.where(last >= 0, probe[rows, np.maximum(last, 0)], lo)
         new_hi = np.where(last < PROBES - 1,
                           probe[rows, np.minimum(last + 1, PROBES - 1)] - 1, hi)

@@ -62,7 +62,7 @@ class _Setup:
     n_items: int
     is_body: np.ndarray       # [units] bool
     total: torch.Tensor       # [1+M] tokens and each mask's work
-    share: torch.Tensor       # total / cp
+    share: list[float]        # total / cp (torch's division, as plain floats)
     k: np.ndarray             # rank boundaries 0..cp (int64)
     n_tok: np.ndarray         # token targets: floor(k T / cp)
     tok_budget: float
@@ -86,20 +86,21 @@ def _setup(units: Units, prof: Profile, cp: int) -> _Setup:
     u_item = units.item.numpy()
     n_items = int(u_item.max()) + 1 if u_item.size else 0
     total = units.vec.sum(0)  # [1+M]; torch's summation order, as before
-    T = float(total[0])
+    total_np = total.numpy()
+    T = float(total_np[0])
     k = np.arange(cp + 1, dtype=np.int64)
     # Items in document order (items are numbered filler first, bodies after; every item
     # has units, and its first position is unique).
     first = np.full(n_items, np.iinfo(np.int64).max, dtype=np.int64)
     np.minimum.at(first, u_item, units.doc.numpy() * (1 << 40) + units.a_start.numpy())
     doc_order = np.empty(n_items, dtype=np.int64)
-    doc_order[np.argsort(first, kind="stable")] = np.arange(n_items)
+    doc_order[first.argsort(kind="stable")] = np.arange(n_items)
     fail = Layout([], [], np.full((cp, total.numel()), math.inf, dtype=np.float64))
     # The filler column: the mask with least work (its relative errors are the largest).
     phi = excess_functional(prof, total) if prof.excess.shape[0] else None
     return _Setup(n_items, units.body.numpy() & (prof.excess.shape[0] > 0), total,
-                  total / cp, k, k * int(T) // cp, _TOKEN_BUDGET * T / cp,
-                  1 + int(torch.argmin(total[1:])), first, doc_order,
+                  (total / cp).tolist(), k, k * int(T) // cp, _TOKEN_BUDGET * T / cp,
+                  1 + int(np.argmin(total_np[1:])), first, doc_order,
                   item_sums(units, n_items, 0), u_item, phi,
                   None if phi is None else item_sums(units, n_items, phi), fail)
 
@@ -122,7 +123,7 @@ def solve_attempt(units: Units, prof: Profile, cp: int, var: Variant, items: Ite
     b_val = np.zeros((cp + 1, st.total.numel()), dtype=np.float64)
     if prof.excess.shape[0] and bool(st.is_body.any()):
         lists, cuts, b_val = _cut_bodies(units, prof, cp, var, st, lengths)
-    return _cut_filler(units, prof, var, items, lengths, st, lists, cuts, b_val)
+    return _cut_filler(units, prof, var, items, lengths, st, lists, cuts, b_val, cache)
 
 
 def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
@@ -132,7 +133,7 @@ def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
     is_body, k, tok_budget = st.is_body, st.k, st.tok_budget
     phi = st.phi
     others = [m for m in range(st.n_masks) if 1 + m != st.col] or list(range(st.n_masks))
-    budget = _EXCESS_BUDGET * float(min(st.share[1 + m] for m in others))
+    budget = _EXCESS_BUDGET * min(st.share[1 + m] for m in others)
     item_phi = st.item_phi
     if var.body == "split":
         # Late parts (dense in excess) and early parts, in position order and document
@@ -191,7 +192,7 @@ def _block_order(units: Units, st: _Setup, lengths: torch.Tensor) -> torch.Tenso
     zz[1::2] = o.size - 1 - np.arange(o.size // 2)
     key[o[zz]] = np.arange(o.size)
     # (Body items' keys are unique, so the sort's stability does not change their order.)
-    return np.argsort(np.argsort(key, kind="stable"), kind="stable")
+    return key.argsort(kind="stable").argsort(kind="stable")
 
 
 def _block_targets(units: Units, body: UnitList, phi: torch.Tensor, cp: int) -> np.ndarray:
@@ -221,28 +222,46 @@ def _block_targets(units: Units, body: UnitList, phi: torch.Tensor, cp: int) -> 
                            [total]])
 
 
+def _sums(units: Units, sel: np.ndarray, sel_items: np.ndarray, st: _Setup,
+          item_w: np.ndarray) -> tuple[int, float, float]:
+    """(units, tokens, filler column) of the units ``sel`` (the items ``sel_items``), the
+    values the list of them would end on: the columns hold integers (token and pair
+    counts, exact in float64), so summing per item gives the same values as the list's
+    cumulative sum, without building it."""
+    return (int(np.count_nonzero(sel)), float(st.item_t[sel_items].sum()),
+            float(item_w[sel_items].sum()))
+
+
 def _cut_filler(units: Units, prof: Profile, var: Variant, items: Items,
                 lengths: torch.Tensor, st: _Setup, lists: list, cuts: list,
-                b_val: np.ndarray) -> Layout:
+                b_val: np.ndarray, cache: dict) -> Layout:
     """Phase 2: filler (short documents and heads), dense / sparse in the filler column,
     cut to what phase 1 left of every rank's targets."""
     col, k, tok_budget, total = st.col, st.k, st.tok_budget, st.total
     fill = ~st.is_body
     f_tok = np.maximum.accumulate(np.maximum(
-        st.n_tok - np.round(b_val[:, 0]).astype(np.int64), 0))
-    f_target = k.astype(np.float64) * float(st.share[col]) - b_val[:, col]
-    item_w = item_sums(units, st.n_items, col)
-    f_w = float(total[col]) - float(b_val[-1, col])
-    f_t = float(total[0]) - float(b_val[-1, 0])
-    is_dense = (item_w * f_t > f_w * st.item_t)[st.u_item]
-    # Filler items in an order that spreads their densities evenly (any stretch of the
-    # list holds about its mean density), so per-rank targets stay reachable.
+        st.n_tok - b_val[:, 0].round().astype(np.int64), 0))
+    f_target = k.astype(np.float64) * st.share[col] - b_val[:, col]
     fill_items = np.zeros(st.n_items, dtype=bool)
     fill_items[st.u_item[fill]] = True
     if var.solver != "vector" and not rank_reachable(
-            items, torch.from_numpy(fill_items), lengths, prof, col, torch.from_numpy(f_tok),
-            torch.from_numpy(f_target)):
+            items, fill_items, lengths, prof, col, f_tok, f_target):
         return Layout([], [], st.fail.per_rank, unreachable=True)
+    if "item_w" not in cache:  # the same for every attempt on these units
+        cache["item_w"] = item_sums(units, st.n_items, col)
+    item_w = cache["item_w"]
+    f_w = float(total[col]) - float(b_val[-1, col])
+    f_t = float(total[0]) - float(b_val[-1, 0])
+    item_dense = item_w * f_t > f_w * st.item_t
+    is_dense = item_dense[st.u_item]
+    one_list = bool(lists) and not var.pair
+    if one_list and var.solver == "vector" and not pair_reachable(
+            _sums(units, fill & is_dense, fill_items & item_dense, st, item_w),
+            _sums(units, fill & ~is_dense, fill_items & ~item_dense, st, item_w),
+            st.n_tok - b_val[:, 0], f_target):
+        return st.fail
+    # Filler items in an order that spreads their densities evenly (any stretch of the
+    # list holds about its mean density), so per-rank targets stay reachable.
     spread = spread_key(item_w / np.maximum(st.item_t, 1), st.item_t * fill_items)
     if var.solver == "classes":
         dens = item_w / np.maximum(st.item_t, 1)
@@ -254,12 +273,8 @@ def _cut_filler(units: Units, prof: Profile, var: Variant, items: Items,
         return Layout(lists, cuts, rank_vectors(lists, cuts))
     dense = new_list(units, unit_order(units, fill & is_dense, spread), tok_budget)
     sparse = new_list(units, unit_order(units, fill & ~is_dense, spread), tok_budget)
-    one_list = bool(lists) and not var.pair
-    if one_list and var.solver == "vector" and not pair_reachable(
-            dense, sparse, st.n_tok - b_val[:, 0], f_target, col):
-        return st.fail
     prio = [w / max(prof.weights) for w in prof.weights]
-    limits = [(0, tok_budget, 1.0)] + [(1 + m, _FILL_BUDGET * float(st.share[1 + m]),
+    limits = [(0, tok_budget, 1.0)] + [(1 + m, _FILL_BUDGET * st.share[1 + m],
                                         float(prio[m])) for m in range(st.n_masks)]
     cut = pair_cut(dense, sparse, f_tok, f_target, col, limits, give_up=one_list,
                     seq=var.solver == "seq")

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .args import prefix_work
+from ..runs import prefix_pairs_np
 from .items import POSITION_ORDER, Items
 from .profile import Profile
 from .segments import PREFIX_DENSITY
@@ -159,24 +159,28 @@ def rank_cut(dense: list[UnitList], sparse: list[UnitList], n_tok: np.ndarray,
     return [np.array(o, dtype=np.int64) for o in out]
 
 
-def rank_reachable(items: Items, fill_items: torch.Tensor, lengths: torch.Tensor,
-                   prof: Profile, col: int, f_tok: torch.Tensor, f_target: torch.Tensor
+def rank_reachable(items: Items, fill_items: np.ndarray, lengths: torch.Tensor,
+                   prof: Profile, col: int, f_tok: np.ndarray, f_target: np.ndarray
                    ) -> bool:
     """Cheap test before the rank-by-rank solver: every rank's filler share must be
     non-negative, and a filler item in position order that is longer than a rank's share
     must not be much sparser over its first share of tokens than the ranks' mean target
     (a rank starting on it could not reach its work: 128K tokens of the heavy tail at cp
-    64, 2K tokens per rank, vs ~4K mean causal density)."""
-    t = (f_tok[1:] - f_tok[:-1]).to(torch.float64)
+    64, 2K tokens per rank, vs ~4K mean causal density). numpy (the same values as the
+    torch version it replaced, ~0.25 -> ~0.05 ms); the one float sum stays in torch (its
+    summation order)."""
+    t = (f_tok[1:] - f_tok[:-1]).astype(np.float64)
     w = f_target[1:] - f_target[:-1]
-    if bool((t < 0).any()) or bool((w < -1e-6 * float(w.abs().max())).any()):
+    if bool((t < 0).any()) or bool((w < -1e-6 * float(np.abs(w).max())).any()):
         return False
-    pre = fill_items & (items.kind == POSITION_ORDER)
-    share = int(t.median())
-    long = torch.nonzero(pre & (items.end - items.start > share)).flatten()
-    if not long.numel() or share <= 0:
+    kind, start, end = items.kind.numpy(), items.start.numpy(), items.end.numpy()
+    share = int(np.sort(t)[(t.size - 1) // 2])  # the lower median, as torch.median
+    long = np.flatnonzero(fill_items & (kind == POSITION_ORDER) & (end - start > share))
+    if not long.size or share <= 0:
         return True
     mask = prof.masks[col - 1]
-    dl, a = lengths[items.doc[long]], items.start[long]
-    first = (prefix_work(dl, a + share, mask) - prefix_work(dl, a, mask)).to(torch.float64)
-    return bool((first >= PREFIX_DENSITY * float(w.sum() / t.sum()) * share).all())
+    dl, a = lengths.numpy()[items.doc.numpy()[long]], start[long]
+    first = (prefix_pairs_np(dl, a + share, mask) - prefix_pairs_np(dl, a, mask)
+             ).astype(np.float64)
+    mean = float(torch.from_numpy(w).sum()) / float(t.sum())
+    return bool((first >= PREFIX_DENSITY * mean * share).all())

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from ..runs import prefix_pairs_np
-from .args import prefix_work
 from .profile import Profile, excess_functional
 
 # Long segments with less excess work than this share of a rank's mean work (the mask with
@@ -83,8 +82,9 @@ def excess_of(lengths: torch.Tensor, prof: Profile, memo: dict) -> tuple[Any, fl
 def doc_work(lengths: torch.Tensor, prof: Profile, memo: dict) -> torch.Tensor:
     """[n_docs, M] float64: each document's work under each mask (memoized per call)."""
     if "docw" not in memo:
-        memo["docw"] = torch.stack([prefix_work(lengths, lengths, m).to(torch.float64)
-                                    for m in prof.masks], 1)
+        ln = lengths.numpy()  # numpy: the same integer math as prefix_work, ~3x cheaper
+        memo["docw"] = torch.from_numpy(np.stack([prefix_pairs_np(ln, ln, m).astype(np.float64)
+                                                  for m in prof.masks], 1))
     return memo["docw"]
 
 

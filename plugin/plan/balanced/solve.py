@@ -81,9 +81,9 @@ def _score(per_rank: np.ndarray) -> float:
     """Worst of max/mean - 1 over tokens and masks, relative to their tolerances (inf for
     a variant given up early). In torch, as before: its mean's summation order is the one
     the variants were tuned with."""
-    per_rank = torch.from_numpy(per_rank)
-    if not bool(torch.isfinite(per_rank).all()):
+    if not bool(np.isfinite(per_rank).all()):  # (in numpy: ~30 us of torch set-up saved)
         return math.inf
+    per_rank = torch.from_numpy(per_rank)
     mean = per_rank.mean(0).clamp(min=1e-300)
     imb = per_rank.max(0).values / mean - 1
     tol = torch.full_like(imb, WORK_TOL)
@@ -140,7 +140,7 @@ def _merge_runs(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, length: np
     n_ranks = int(rank.max()) + 1 if doc.size else 1
     # Keys are unique (runs hold distinct tokens), so any sort gives the same order.
     if n_ranks * n_docs * span < 1 << 62:
-        o = np.argsort((rank * n_docs + doc) * span + start, kind="stable")
+        o = ((rank * n_docs + doc) * span + start).argsort(kind="stable")
     else:  # stable sorts, least significant key first
         o = np.argsort(start, kind="stable")
         o = o[np.argsort(doc[o], kind="stable")]

@@ -115,7 +115,7 @@ def units_of(items: Items, lengths: torch.Tensor, prof: Profile) -> Units:
     n = (i_end + t - 1) // t - first_tile
     item = np.repeat(np.arange(n.size, dtype=np.int64), n)
     total = item.size
-    off = np.cumsum(n) - n
+    off = n.cumsum() - n
     j = np.arange(total, dtype=np.int64) - off[item]
     start = np.maximum((first_tile[item] + j) * t, i_start[item])
     stop = np.minimum((first_tile[item] + j + 1) * t, i_end[item])
@@ -129,7 +129,7 @@ def units_of(items: Items, lengths: torch.Tensor, prof: Profile) -> Units:
                                        prof.chunk, t)
     fold = np.where(kind == POSITION_ORDER, j, fold)
     nu = (n + 1) // 2
-    uoff = np.cumsum(nu) - nu
+    uoff = nu.cumsum() - nu
     unit = uoff[item] + fold // 2
     n_units = int(nu.sum())
     side_a = fold % 2 == 0
@@ -151,14 +151,15 @@ def units_of(items: Items, lengths: torch.Tensor, prof: Profile) -> Units:
     u_doc = i_doc[u_item]
     # One closed-form call per mask: the whole unit (both tiles) and its first 2m tokens.
     a_end, b_end = a_start + a_len, b_start + b_len
-    ends = np.concatenate([a_end, a_start, b_end, b_start, a_start + m, b_end - m])
-    lens = np.tile(lengths_np[u_doc], 6)
+    ends = np.concatenate([a_end, a_start, b_end, b_start, a_start + m, b_end - m]
+                          ).reshape(6, n_units)
+    lens = lengths_np[u_doc]  # broadcast against the 6 rows (elementwise integer math)
     u_vec = np.empty((n_units, 1 + len(prof.masks)), dtype=np.float64)
     mid = np.empty_like(u_vec)
     u_vec[:, 0] = a_len + b_len
     mid[:, 0] = 2 * m
     for k, mask in enumerate(prof.masks):
-        w = prefix_pairs_np(lens, ends, mask).reshape(6, n_units)
+        w = prefix_pairs_np(lens, ends, mask)  # [6, n_units]
         u_vec[:, 1 + k] = w[0] - w[1] + w[2] - w[3]
         mid[:, 1 + k] = w[4] - w[1] + w[2] - w[5]
     t_item = torch.from_numpy(u_item)
@@ -166,8 +167,9 @@ def units_of(items: Items, lengths: torch.Tensor, prof: Profile) -> Units:
                  torch.from_numpy(np.arange(n_units, dtype=np.int64) - uoff[u_item]),
                  torch.from_numpy(a_start), torch.from_numpy(a_len),
                  torch.from_numpy(b_start), torch.from_numpy(b_len),
-                 torch.from_numpy(u_vec), torch.from_numpy(mid), items.body[t_item],
-                 items.block[t_item])
+                 torch.from_numpy(u_vec), torch.from_numpy(mid),
+                 torch.from_numpy(items.body.numpy()[u_item]),
+                 torch.from_numpy(items.block.numpy()[u_item]))
 
 
 def unit_runs(u: Units, unit: torch.Tensor, o1: torch.Tensor, o2: torch.Tensor

@@ -64,10 +64,10 @@ def _cut_fill(dense: UnitList, sparse: UnitList, n_tok: np.ndarray, target: np.n
         new_hi = probe[rows, j]
         lo = np.where(j > 0, probe[rows, np.maximum(j - 1, 0)], lo)
         hi = new_hi
-    f_lo, f_hi = f(lo, n_tok, target), f(hi, n_tok, target)
+    f_lo, f_hi = f(np.stack([lo, hi]), n_tok, target)  # one evaluation for both ends
     with np.errstate(over="ignore"):  # a huge quotient clips to 1, as in torch
         frac = clip(-f_lo / np.maximum(f_hi - f_lo, 1e-300), 0, 1)
-    x = lo + np.round(frac * (hi - lo).astype(np.float64)).astype(np.int64)
+    x = lo + (frac * (hi - lo).astype(np.float64)).round().astype(np.int64)
     return np.where(f_lo >= 0, lo, np.where(f_hi <= 0, hi, x))
 
 
@@ -86,9 +86,19 @@ def _snap_pair(dense: UnitList, sparse: UnitList, x: np.ndarray, n_tok: np.ndarr
     K = x.size
     s = n_tok - x
     dc, dcost = dense.snap_candidates(x)  # [K, C]
-    d_col = dense.at_col(dc, col)
-    s_col = sparse.inverse(col, (dense.at_col(x, col) + sparse.at_col(s, col))[:, None]
-                           - d_col)
+    cols = [c for c, _, _ in limits]
+    # The values at the exact cuts and at the dense candidates, once for every limit;
+    # ``col`` is one of the limits' columns (the same values as evaluating it alone).
+    refs = [a + b for a, b in zip(dense.at_cols(x, cols), sparse.at_cols(s, cols))]
+    d_vals = dense.at_cols(dc, cols)
+    i_col = next((i for i, c in enumerate(cols) if c is col
+                  or (isinstance(c, int) and isinstance(col, int) and c == col)), None)
+    if i_col is None:
+        d_col = dense.at_col(dc, col)
+        ref_col = dense.at_col(x, col) + sparse.at_col(s, col)
+    else:
+        d_col, ref_col = d_vals[i_col], refs[i_col]
+    s_col = sparse.inverse(col, ref_col[:, None] - d_col)
     anchors = np.concatenate([clip(n_tok[:, None] - dc, 0, sparse.total), s_col], 1)
     A = anchors.shape[1]
     sc, scost = sparse.snap_candidates(anchors.reshape(-1))  # [K*2C, C]
@@ -97,10 +107,8 @@ def _snap_pair(dense: UnitList, sparse: UnitList, x: np.ndarray, n_tok: np.ndarr
     scost = np.tile(scost, A)
     ok = _between(dc, x)[:, :, None] & _between(sc, s)[:, None, :]
     rel = np.zeros(ok.shape, dtype=np.float64)
-    cols = [c for c, _, _ in limits]
-    refs = [a + b for a, b in zip(dense.at_cols(x, cols), sparse.at_cols(s, cols))]
-    for ref, dv, sv, (_, budget, prio) in zip(refs, dense.at_cols(dc, cols),
-                                              sparse.at_cols(sc, cols), limits):
+    for ref, dv, sv, (_, budget, prio) in zip(refs, d_vals, sparse.at_cols(sc, cols),
+                                              limits):
         err = np.abs(dv[:, :, None] + sv[:, None, :] - ref.reshape(K, 1, 1))
         ok &= err <= budget
         rel += err * (prio / max(budget, 1e-9))
@@ -151,7 +159,7 @@ def _untangle(dense: UnitList, sparse: UnitList, y: np.ndarray, n_tok: np.ndarra
         err = vd + vs - target
         want = (err[:-2] + err[2:]) / 2 - err[1:-1]
         yi = y[1:-1]
-        step = np.round(0.5 * want / np.maximum(dd[1:-1] - ds[1:-1], 1e-9)).astype(np.int64)
+        step = (0.5 * want / np.maximum(dd[1:-1] - ds[1:-1], 1e-9)).round().astype(np.int64)
         lo = np.maximum(y[:-2], n_tok[1:-1] - s[2:])
         hi = np.minimum(y[2:], n_tok[1:-1] - s[:-2])
         new = np.minimum(np.maximum(yi + step, lo), hi)
@@ -188,16 +196,17 @@ def pair_cut(dense: UnitList, sparse: UnitList, n_tok: np.ndarray, target: np.nd
     return yd, ys
 
 
-def pair_reachable(dense: UnitList, sparse: UnitList, f_tok: np.ndarray,
-                   f_target: np.ndarray, col: int) -> bool:
+def pair_reachable(dense: tuple[int, float, float], sparse: tuple[int, float, float],
+                   f_tok: np.ndarray, f_target: np.ndarray) -> bool:
     """Whether every rank's filler share (tokens, column) lies between the sparse and the
     dense list's mean densities: with the lists' densities spread evenly that is about
-    what a dense / sparse cut can reach. Checked before the filler cut, so that a variant
+    what a dense / sparse cut can reach. ``dense`` / ``sparse``: (units, tokens, column
+    total) of each list. Checked before the filler lists are built, so that a variant
     that cannot balance costs little (lognormal_long, Llama 4, cp 64: 8.5 -> ~1 ms)."""
-    if dense.n == 0 or sparse.n == 0:  # nothing to mix: the bodies must do it alone
+    if dense[0] == 0 or sparse[0] == 0:  # nothing to mix: the bodies must do it alone
         return True
     t = (f_tok[1:] - f_tok[:-1]).astype(np.float64)
     w = f_target[1:] - f_target[:-1]
-    lo = float(sparse.pv[-1, col]) / max(sparse.total, 1)
-    hi = float(dense.pv[-1, col]) / max(dense.total, 1)
+    lo = sparse[2] / max(sparse[1], 1)
+    hi = dense[2] / max(dense[1], 1)
     return bool((t >= 0).all()) and bool(((w >= lo * t) & (w <= hi * t)).all())
