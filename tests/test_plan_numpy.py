@@ -2,7 +2,8 @@
 
 The balanced layout's solver and the token tables compute in numpy (per-op cost on small
 arrays, page faults on large temporaries); these tests pin the numpy twins to the torch
-functions the schedules still use (``runs.prefix_pairs``, ``units.unit_runs``), the
+functions the schedules still use (``runs.prefix_pairs``, ``runs.pair_work``,
+``units.unit_runs``), the
 in-place per-token ramp to ``repeat`` + ``arange`` (int32 near 2**30 included), and the
 per-token document table, now built on demand, to one derived from the local cu_seqlens.
 The layouts themselves are pinned by tests/test_balanced_layout.py. ~1 s on one core.
@@ -21,7 +22,7 @@ from varlen_cp.plan.balanced.items import cut_items
 from varlen_cp.plan.balanced.profile import profile_of
 from varlen_cp.plan.balanced.units import unit_runs, unit_runs_np, units_of
 from varlen_cp.plan.balanced.variants import Variant
-from varlen_cp.plan.runs import prefix_pairs, prefix_pairs_np
+from varlen_cp.plan.runs import pair_work, pair_work_np, prefix_pairs, prefix_pairs_np
 from varlen_cp.plan.tables import _ramp
 
 MASKS = [
@@ -42,6 +43,23 @@ def test_prefix_pairs_np_equals_the_torch_form(mask: AttnMask) -> None:
         want = prefix_pairs(doc_len, stop, mask)
         got = prefix_pairs_np(doc_len.numpy(), stop.numpy(), mask)
         assert got.dtype == np.int64 and np.array_equal(got, want.numpy()), (mask, top)
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=repr)
+def test_pair_work_np_equals_the_torch_form_and_a_count(mask: AttnMask) -> None:
+    """Query ranges [a, b) x key ranges [c, e), empty and reversed ones included: the
+    torch form at large positions, a direct count (``AttnMask.count_visible``) at small."""
+    g = torch.Generator().manual_seed(2)
+    for top, n in ((40, 300), (300, 300), (1 << 30, 2000)):
+        a, b, c, e = (torch.randint(0, top, (n,), generator=g) for _ in range(4))
+        want = pair_work(a, b, c, e, mask)
+        got = pair_work_np(a.numpy(), b.numpy(), c.numpy(), e.numpy(), mask)
+        assert got.dtype == np.int64 and np.array_equal(got, want.numpy()), (mask, top)
+        if top == 40:
+            count = [mask.count_visible(torch.arange(a_, b_), torch.arange(c_, e_))
+                     if a_ < b_ and c_ < e_ else 0
+                     for a_, b_, c_, e_ in zip(*(t.tolist() for t in (a, b, c, e)))]
+            assert got.tolist() == count, mask
 
 
 def test_unit_runs_np_equals_unit_runs() -> None:

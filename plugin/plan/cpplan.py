@@ -34,7 +34,7 @@ from ..checks import is_int
 from .collective import check_group, gather_padded
 from .layout_spec import TE, LayoutSpec, layout_spec
 from .layouts import layout_pieces
-from .runs import Runs, pair_work
+from .runs import Runs, pair_work_np
 from .tables import TokenTables, expand_pieces
 
 
@@ -393,10 +393,12 @@ class CPPlan:
         def compute() -> list[int]:
             # Each run's queries against its whole document, in closed form.
             r = self._t.runs
-            pairs = pair_work(r.start, r.stop, torch.zeros_like(r.start),
-                              self.doc_lengths[r.doc], mask)
-            work = torch.zeros(self.cp_size, dtype=torch.int64)
-            return work.scatter_add_(0, r.holder, pairs).tolist()
+            start = r.start.numpy()
+            pairs = pair_work_np(start, r.stop.numpy(), np.zeros_like(start),
+                                 self.doc_lengths.numpy()[r.doc.numpy()], mask)
+            work = np.zeros(self.cp_size, dtype=np.int64)
+            np.add.at(work, r.holder.numpy(), pairs)   # exact int64 sums
+            return work.tolist()
 
         return self.cached(("plan_work", mask), compute)
 

@@ -273,3 +273,36 @@ def pair_work(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, e: torch.Tensor
     total = in_chunk(j0) + torch.where(j1 > j0, in_chunk(j1), 0) \
         + (j1 - j0 - 1).clamp(min=0) * full
     return torch.where(live, total, 0)
+
+
+def _plain_pairs_np(a, b, c, e, left, right) -> np.ndarray:
+    """:func:`_plain_pairs` on int64 numpy arrays."""
+    lo_q = a if right is None else np.maximum(a, c - right)
+    hi_q = b if left is None else np.minimum(b, e + left)
+    ok = (lo_q < hi_q) & (c < e)
+    lo_q, hi_q = np.where(ok, lo_q, a), np.where(ok, hi_q, a)
+    return np.where(ok, _ramp_sum_np(lo_q, hi_q, c, e - 1, left, right), 0)
+
+
+def pair_work_np(a: np.ndarray, b: np.ndarray, c: np.ndarray, e: np.ndarray,
+                 mask: AttnMask) -> np.ndarray:
+    """:func:`pair_work` on numpy arrays (int64 out; the same integer steps, so the same
+    values): the schedules' pair counts call it on a few thousand spans per mask, where
+    the torch form's ~40 ops cost ~0.4 ms."""
+    a, b, c, e = (np.asarray(t, dtype=np.int64) for t in (a, b, c, e))
+    left, right = _window(mask)
+    chunk = mask.chunk_size
+    if not chunk:
+        return _plain_pairs_np(a, b, c, e, left, right)
+    j0 = np.maximum(a // chunk, c // chunk)
+    j1 = np.minimum((b - 1) // chunk, (e - 1) // chunk)
+    live = (j0 <= j1) & (a < b) & (c < e)
+
+    def in_chunk(j: np.ndarray) -> np.ndarray:
+        lo, hi = j * chunk, (j + 1) * chunk
+        return _plain_pairs_np(np.maximum(a, lo), np.minimum(b, hi), np.maximum(c, lo),
+                               np.minimum(e, hi), left, right)
+
+    total = in_chunk(j0) + np.where(j1 > j0, in_chunk(j1), 0) \
+        + np.maximum(j1 - j0 - 1, 0) * _chunk_pairs(chunk, left, right)
+    return np.where(live, total, 0)

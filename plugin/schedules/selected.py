@@ -20,7 +20,7 @@ import torch
 
 from ..masks import AttnMask
 from ..plan import CPPlan
-from ..plan.runs import Runs, pair_work, per_token, span_pieces as runs_span_pieces
+from ..plan.runs import Runs, pair_work_np, per_token, span_pieces as runs_span_pieces
 from .holders import Holder, holder_from_counts
 from .keys import host_table, table_key
 from .spans import key_spans, merge_spans, span_pieces
@@ -140,14 +140,13 @@ def _rank_matrix(cp: int, s: np.ndarray, o: np.ndarray, values: np.ndarray) -> t
 def pair_counts(plan: CPPlan, mask: AttnMask) -> torch.Tensor:
     """int64 [cp, cp]: visible pairs of rank s's queries with rank o's keys (exact, in
     closed form: each query run's key span is cut by the ranks' runs and every piece is
-    counted with ``pair_work``; cached)."""
+    counted with ``pair_work_np``; cached)."""
     def build() -> torch.Tensor:
         runs, part = run_arrays(plan), run_arrays(plan, by_document=True)
         lo, hi = _spans_of(plan, mask)
         span, run, first, length = span_pieces(runs.doc, lo, hi, part.doc, part.start,
                                                part.stop)
-        pairs = pair_work(*(torch.from_numpy(x) for x in (
-            runs.start[span], runs.stop[span], first, first + length)), mask).numpy()
+        pairs = pair_work_np(runs.start[span], runs.stop[span], first, first + length, mask)
         return _rank_matrix(plan.cp_size, runs.holder[span], part.holder[run], pairs)
     return host_table(plan, table_key("pair_counts", mask), build)
 
