@@ -74,8 +74,7 @@ BW_NODE, BW_NET = 150e9, 45e9
 PAIR_S = HQ * 4 * HEAD_DIM * 3.5 / FLOPS  # seconds per visible pair, fwd + bwd
 KV_BYTES = HKV * 2 * HEAD_DIM * 2  # K and V of one token, bf16
 TARGETS = {"work_imb": 1.03, "token_imb": 1.02, "padding": 0, "efficiency": 0.90,
-           "layout_ms_cp64_1k_docs": 5.0, "plan_ms_cp8": 15.0, "plan_ms_cp64": 50.0,
-           "auto_ms": 5.0}
+           "layout_ms_cp64_1k_docs": 5.0, "plan_ms_cp8": 15.0, "plan_ms_cp64": 50.0}
 
 
 
@@ -411,19 +410,15 @@ def check_targets(rows: list[dict]) -> dict:
              max(k) <= TARGETS["layout_ms_cp64_1k_docs"], "(worst mask mix)")
     for cp, key in ((8, "plan_ms_cp8"), (64, "plan_ms_cp64")):
         # strategy_ms[s]: the plan AND strategy s's tables for every mask of the mix
+        # (``auto``: its decision and the tables of what it picks; issue 22's budget is
+        # per strategy, auto included)
         v = [(ms, s, r["mix"], r["masks"]) for r in bal if r["cp"] == cp
-             for s, ms in r["strategy_ms"].items() if s != "auto"]
+             for s, ms in r["strategy_ms"].items()]
         if v:
             worst = max(v)
             line(key, worst[0], TARGETS[key], worst[0] <= TARGETS[key],
                  f"(plan + the strategy's tables, every mask; worst: {worst[1]} on "
                  f"{worst[2]} {worst[3]})")
-        a = [(r["strategy_ms"]["auto"], r["mix"], r["masks"]) for r in bal if r["cp"] == cp
-             and "auto" in r["strategy_ms"]]
-        if a:
-            worst = max(a)
-            line(f"auto_ms_cp{cp}", worst[0], TARGETS["auto_ms"], worst[0] <= TARGETS["auto_ms"],
-                 f"(the decision for every mask of the mix; worst: {worst[1]} {worst[2]})")
     return res
 
 

@@ -14,6 +14,7 @@ import importlib.util
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -323,16 +324,16 @@ def test_fold_units_match_dense_count(masks, var) -> None:
         d = int(units.doc[u])
         length = int(units.a_len[u] + units.b_len[u])
         m = int(torch.minimum(units.a_len[u], units.b_len[u]))
-        ut = torch.tensor([u])
+        ut = np.array([u])
         for stop, vec in ((length, units.vec[u]), (2 * m, units.mid[u])):
-            runs = [(int(a), int(n)) for a, n in unit_runs(units, ut, torch.tensor([0]),
-                                                           torch.tensor([stop]))]
+            runs = [(int(a[0]), int(n[0])) for a, n in unit_runs(units, ut, np.array([0]),
+                                                                 np.array([stop]))]
             assert int(vec[0]) == stop == sum(n for _, n in runs)
             for k, mask in enumerate(prof.masks):
                 assert int(vec[1 + k]) == _dense_work(int(lengths[d]), runs, mask)
-        runs = unit_runs(units, ut, torch.tensor([0]), torch.tensor([length]))
+        runs = unit_runs(units, ut, np.array([0]), np.array([length]))
         for a, n in runs:
-            covered[d] += list(range(int(a), int(a + n)))
+            covered[d] += list(range(int(a[0]), int(a[0] + n[0])))
     for d, n in enumerate(lengths.tolist()):
         assert sorted(covered[d]) == list(range(n)), d
 

@@ -1,9 +1,8 @@
 """The planner's numpy paths against independent or torch references.
 
 The balanced layout's solver and the token tables compute in numpy (per-op cost on small
-arrays, page faults on large temporaries); these tests pin the numpy twins to the torch
-functions the schedules still use (``runs.prefix_pairs``, ``runs.pair_work``,
-``units.unit_runs``), the
+arrays, page faults on large temporaries); these tests pin the closed forms of visible pairs
+(``runs.pair_work``, ``runs.prefix_pairs``) to direct counts and to each other, the
 in-place per-token ramp to ``repeat`` + ``arange`` (int32 near 2**30 included), and the
 per-token document table, now built on demand, to one derived from the local cu_seqlens.
 The layouts themselves are pinned by tests/test_balanced_layout.py. ~1 s on one core.
@@ -17,12 +16,7 @@ import torch
 
 from varlen_cp import AttnMask, CPPlan
 from varlen_cp.plan import Balanced
-from varlen_cp.plan.balanced import normalize_masks
-from varlen_cp.plan.balanced.items import cut_items
-from varlen_cp.plan.balanced.profile import profile_of
-from varlen_cp.plan.balanced.units import unit_runs, unit_runs_np, units_of
-from varlen_cp.plan.balanced.variants import Variant
-from varlen_cp.plan.runs import pair_work, pair_work_np, prefix_pairs, prefix_pairs_np
+from varlen_cp.plan.runs import pair_work, prefix_pairs
 from varlen_cp.plan.tables import _ramp
 
 MASKS = [
@@ -33,49 +27,39 @@ MASKS = [
 ]
 
 
+def _counted(mask: AttnMask, a, b, c, e) -> list[int]:
+    """Visible pairs of queries [a, b) x keys [c, e), counted by ``AttnMask.count_visible``."""
+    return [mask.count_visible(torch.arange(a_, b_), torch.arange(c_, e_))
+            if a_ < b_ and c_ < e_ else 0 for a_, b_, c_, e_ in zip(a, b, c, e)]
+
+
 @pytest.mark.parametrize("mask", MASKS, ids=repr)
-def test_prefix_pairs_np_equals_the_torch_form(mask: AttnMask) -> None:
+def test_pair_work_counts_the_visible_pairs(mask: AttnMask) -> None:
+    """Query ranges [a, b) x key ranges [c, e), empty and reversed ones included, against
+    a direct count."""
+    g = torch.Generator().manual_seed(2)
+    for top in (40, 300):
+        a, b, c, e = (torch.randint(0, top, (300,), generator=g).numpy() for _ in range(4))
+        got = pair_work(a, b, c, e, mask)
+        assert got.dtype == np.int64 and got.tolist() == _counted(mask, a, b, c, e), mask
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=repr)
+def test_prefix_pairs_is_pair_work_from_position_0(mask: AttnMask) -> None:
+    """The prefix form (its own shortcuts: triangle numbers, whole chunks) against the
+    general closed form at positions up to 2**30, and against a direct count at small."""
     g = torch.Generator().manual_seed(0)
     for top in (2, 300, 200_000, 1 << 30):
         doc_len = torch.randint(0, top, (2000,), generator=g)
         stop = (torch.rand(2000, generator=g, dtype=torch.float64) * (doc_len + 1)).long()
-        stop = torch.minimum(stop, doc_len)
-        want = prefix_pairs(doc_len, stop, mask)
-        got = prefix_pairs_np(doc_len.numpy(), stop.numpy(), mask)
-        assert got.dtype == np.int64 and np.array_equal(got, want.numpy()), (mask, top)
-
-
-@pytest.mark.parametrize("mask", MASKS, ids=repr)
-def test_pair_work_np_equals_the_torch_form_and_a_count(mask: AttnMask) -> None:
-    """Query ranges [a, b) x key ranges [c, e), empty and reversed ones included: the
-    torch form at large positions, a direct count (``AttnMask.count_visible``) at small."""
-    g = torch.Generator().manual_seed(2)
-    for top, n in ((40, 300), (300, 300), (1 << 30, 2000)):
-        a, b, c, e = (torch.randint(0, top, (n,), generator=g) for _ in range(4))
-        want = pair_work(a, b, c, e, mask)
-        got = pair_work_np(a.numpy(), b.numpy(), c.numpy(), e.numpy(), mask)
-        assert got.dtype == np.int64 and np.array_equal(got, want.numpy()), (mask, top)
-        if top == 40:
-            count = [mask.count_visible(torch.arange(a_, b_), torch.arange(c_, e_))
-                     if a_ < b_ and c_ < e_ else 0
-                     for a_, b_, c_, e_ in zip(*(t.tolist() for t in (a, b, c, e)))]
-            assert got.tolist() == count, mask
-
-
-def test_unit_runs_np_equals_unit_runs() -> None:
-    lengths = torch.tensor([200, 37, 64, 129, 5, 300])
-    masks = normalize_masks([(AttnMask(chunk_size=48), 3), (AttnMask(), 1)])
-    prof = profile_of(masks, 16)
-    units = units_of(cut_items(lengths, prof, 3, Variant()), lengths, prof)
-    n = units.a_len + units.b_len
-    g = torch.Generator().manual_seed(1)
-    unit = torch.arange(n.numel())
-    o1 = (torch.rand(n.numel(), generator=g) * (n + 1)).long().clamp(max=n)
-    o2 = o1 + (torch.rand(n.numel(), generator=g) * (n - o1 + 1)).long().clamp(max=n - o1)
-    want = unit_runs(units, unit, o1, o2)
-    got = unit_runs_np(units, unit.numpy(), o1.numpy(), o2.numpy())
-    for (ws, wn), (gs, gn) in zip(want, got):
-        assert np.array_equal(ws.numpy(), gs) and np.array_equal(wn.numpy(), gn)
+        doc_len, stop = doc_len.numpy(), torch.minimum(stop, doc_len).numpy()
+        zero = np.zeros_like(stop)
+        got = prefix_pairs(doc_len, stop, mask)
+        assert got.dtype == np.int64, mask
+        assert np.array_equal(got, pair_work(zero, stop, zero, doc_len, mask)), (mask, top)
+        if top <= 300:
+            assert got[:200].tolist() == _counted(mask, zero[:200], stop[:200], zero[:200],
+                                                  doc_len[:200]), mask
 
 
 @pytest.mark.parametrize("dtype", [np.int64, np.int32])

@@ -113,28 +113,52 @@ def test_numpy_intervals_equal_mask_math():
 
 
 @pytest.mark.parametrize("layout", ["balanced", "dual_chunk", "te"])
-def test_numpy_spans_equal_plan_runs(layout):
-    """``schedules.spans`` against ``plan.runs``' torch functions on a plan's runs."""
-    from varlen_cp.plan import runs as plan_runs
+def test_spans_against_per_token_sets(layout):
+    """``schedules.spans`` on a plan's runs against sets of positions built token by token:
+    each run's span is the union of its queries' key intervals (``AttnMask.key_interval``
+    per position) clipped to the document; a holder's merged spans cover exactly the union
+    of its runs' spans in each document; the pieces cut by the owners' runs are those
+    positions, per owner."""
     from varlen_cp.schedules import spans
 
     plan = small_plan(DOCS, 4, 0, layout)
     runs, part = plan.runs, plan.runs.by_document()
+    doc_len = plan.doc_lengths.tolist()
     for mask in (AttnMask(), AttnMask(causal=False), AttnMask(window_size=(9, 0)),
                  AttnMask(chunk_size=16), AttnMask(chunk_size=20, window_size=(3, 2))):
-        want_lo, want_hi = plan_runs.key_spans(runs, mask, plan.doc_lengths)
         lo, hi = spans.key_spans(runs.start.numpy(), runs.stop.numpy(),
                                  plan.doc_lengths.numpy()[runs.doc.numpy()], mask)
-        assert np.array_equal(lo, want_lo.numpy()) and np.array_equal(hi, want_hi.numpy())
-        merged = spans.merge_spans(runs.holder.numpy(), runs.doc.numpy(), lo, hi)
-        want = plan_runs.merge_spans(runs.holder, runs.doc, want_lo, want_hi)
-        assert all(np.array_equal(g, w.numpy()) for g, w in zip(merged, want))
-        _, doc, mlo, mhi = merged
-        pieces = spans.span_pieces(doc, mlo, mhi, part.doc.numpy(), part.start.numpy(),
-                                   part.stop.numpy())
-        want = plan_runs.span_pieces(*(torch.from_numpy(x) for x in (doc, mlo, mhi)), part)
-        assert len(pieces[0]) and all(np.array_equal(g, w.numpy())
-                                      for g, w in zip(pieces, want))
+        union: dict[tuple[int, int], set] = {}
+        for k, (h, d, a, b) in enumerate(zip(*(t.tolist() for t in (
+                runs.holder, runs.doc, runs.start, runs.stop)))):
+            klo, khi = mask.key_interval(torch.arange(a, b))
+            seen = set()
+            for x, y in zip(klo.tolist(), khi.tolist()):
+                seen |= set(range(max(x, 0), min(y, doc_len[d] - 1) + 1))
+            assert (int(lo[k]), int(hi[k])) == (min(seen), max(seen)), (mask, k)
+            assert seen == set(range(min(seen), max(seen) + 1))   # one span per run
+            union.setdefault((h, d), set()).update(seen)
+        holder, doc, mlo, mhi = spans.merge_spans(runs.holder.numpy(), runs.doc.numpy(),
+                                                  lo, hi)
+        merged: dict[tuple[int, int], set] = {}
+        for h, d, a, b in zip(holder.tolist(), doc.tolist(), mlo.tolist(), mhi.tolist()):
+            assert not merged.get((h, d), set()) & set(range(a, b + 1))   # disjoint
+            assert (a - 1 not in merged.get((h, d), set()))               # not touching
+            merged.setdefault((h, d), set()).update(range(a, b + 1))
+        assert merged == union, mask
+        span, run, first, length = spans.span_pieces(doc, mlo, mhi, part.doc.numpy(),
+                                                     part.start.numpy(), part.stop.numpy())
+        assert span.size
+        owned = {}   # (span, owner run) -> positions of the span the run holds
+        for k, (d, a, b) in enumerate(zip(doc.tolist(), mlo.tolist(), mhi.tolist())):
+            for r, (rd, ra, rb) in enumerate(zip(*(t.tolist() for t in (
+                    part.doc, part.start, part.stop)))):
+                both = set(range(a, b + 1)) & set(range(ra, rb)) if rd == d else set()
+                if both:
+                    owned[(k, r)] = both
+        got = {(int(s_), int(r)): set(range(int(f), int(f + n)))
+               for s_, r, f, n in zip(span, run, first, length)}
+        assert got == owned, mask
 
 
 def test_key_dataclasses_hash_as_their_fields() -> None:

@@ -34,7 +34,7 @@ from ..checks import is_int
 from .collective import check_group, gather_padded
 from .layout_spec import TE, LayoutSpec, layout_spec
 from .layouts import layout_pieces
-from .runs import Runs, pair_work_np
+from .runs import Runs, pair_work
 from .tables import TokenTables, expand_pieces
 
 
@@ -394,7 +394,7 @@ class CPPlan:
             # Each run's queries against its whole document, in closed form.
             r = self._t.runs
             start = r.start.numpy()
-            pairs = pair_work_np(start, r.stop.numpy(), np.zeros_like(start),
+            pairs = pair_work(start, r.stop.numpy(), np.zeros_like(start),
                                  self.doc_lengths.numpy()[r.doc.numpy()], mask)
             work = np.zeros(self.cp_size, dtype=np.int64)
             np.add.at(work, r.holder.numpy(), pairs)   # exact int64 sums

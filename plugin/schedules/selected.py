@@ -20,7 +20,7 @@ import torch
 
 from ..masks import AttnMask
 from ..plan import CPPlan
-from ..plan.runs import Runs, pair_work_np, per_token, span_pieces as runs_span_pieces
+from ..plan.runs import Runs, pair_work, per_token
 from .holders import Holder, holder_from_counts
 from .keys import host_table, table_key
 from .spans import key_spans, merge_spans, span_pieces
@@ -82,10 +82,11 @@ class Selection:
 def select_keys(plan: CPPlan, mask: AttnMask, rank: int) -> Selection:
     """The keys some query of ``rank`` sees, with their owners and rows (cached)."""
     def build() -> Selection:
-        holder, doc, lo, hi = needed_spans(plan, mask)
+        holder, doc, lo, hi = (t.numpy() for t in needed_spans(plan, mask))
         mine = holder == rank
-        part = runs_by_document(plan)
-        _, run, first, length = runs_span_pieces(doc[mine], lo[mine], hi[mine], part)
+        part, arrays = runs_by_document(plan), run_arrays(plan, by_document=True)
+        _, run, first, length = (torch.from_numpy(x) for x in span_pieces(
+            doc[mine], lo[mine], hi[mine], arrays.doc, arrays.start, arrays.stop))
         offset, pos, row, owner, key_doc = per_token(
             length, first, part.row[run] + first - part.start[run], part.holder[run],
             part.doc[run])
@@ -102,7 +103,9 @@ def sent_keys(plan: CPPlan, mask: AttnMask, rank: int) -> tuple[torch.Tensor, to
         holder, doc, lo, hi = needed_spans(plan, mask)
         runs = plan.runs
         mine = runs.select(runs.holder == rank)  # sorted by (doc, start) already
-        span, run, first, length = runs_span_pieces(doc, lo, hi, mine)
+        span, run, first, length = (torch.from_numpy(x) for x in span_pieces(
+            doc.numpy(), lo.numpy(), hi.numpy(), mine.doc.numpy(), mine.start.numpy(),
+            mine.stop.numpy()))
         offset, rows, dest = per_token(length, mine.row[run] + first - mine.start[run],
                                        holder[span])
         return dest, rows + offset
@@ -140,13 +143,13 @@ def _rank_matrix(cp: int, s: np.ndarray, o: np.ndarray, values: np.ndarray) -> t
 def pair_counts(plan: CPPlan, mask: AttnMask) -> torch.Tensor:
     """int64 [cp, cp]: visible pairs of rank s's queries with rank o's keys (exact, in
     closed form: each query run's key span is cut by the ranks' runs and every piece is
-    counted with ``pair_work_np``; cached)."""
+    counted with ``pair_work``; cached)."""
     def build() -> torch.Tensor:
         runs, part = run_arrays(plan), run_arrays(plan, by_document=True)
         lo, hi = _spans_of(plan, mask)
         span, run, first, length = span_pieces(runs.doc, lo, hi, part.doc, part.start,
                                                part.stop)
-        pairs = pair_work_np(runs.start[span], runs.stop[span], first, first + length, mask)
+        pairs = pair_work(runs.start[span], runs.stop[span], first, first + length, mask)
         return _rank_matrix(plan.cp_size, runs.holder[span], part.holder[run], pairs)
     return host_table(plan, table_key("pair_counts", mask), build)
 

@@ -1,10 +1,11 @@
-"""Numpy twins of ``plan.runs``' span functions, for the tables built per plan and mask.
+"""Key spans of query runs, their union per holder and document, and their cut by runs.
 
 ``selected`` and ``staged`` cut every rank's key spans by the ranks' runs on each plan and
-mask (``fetch_counts``, ``pair_counts``, the staged runs): a few thousand runs at cp 64,
-where torch's per-op cost (~3-5 us on CPU, against numpy's ~0.5-1) made ``span_pieces``
-alone ~3 ms of ``auto``'s ~30 ms at cp 64. Same values as ``plan.runs.key_spans`` /
-``merge_spans`` / ``span_pieces`` (tests/test_schedule_cache.py compares them).
+mask (``fetch_counts``, ``pair_counts``, ``select_keys``, ``sent_keys``, the staged runs):
+a few thousand runs at cp 64, in numpy (torch's per-op cost, ~3-5 us on CPU against
+numpy's ~0.5-1, made ``span_pieces`` alone ~3 ms of ``auto``'s ~30 ms at cp 64). Why a run's
+keys are one span and a holder's spans merge into a few: ``plan/runs.py``'s docstring.
+tests/test_schedule_cache.py checks them against per-token references.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ...masks import AttnMask
-from ..runs import prefix_pairs_np
+from ..runs import prefix_pairs
 
 DEFAULT_TILE_TOKENS = 64  # the Triton kernels' query block (kernels/triton_common.py)
 
@@ -58,7 +58,7 @@ def prefix_work(doc_len: torch.Tensor, stop: torch.Tensor, mask: AttnMask) -> to
     """int64: visible pairs of the queries at positions [0, stop) of documents of
     ``doc_len`` tokens (all keys of the document) under ``mask``; elementwise, 0 <= stop <=
     doc_len. Closed form per mask, checked against a dense count in the tests. Evaluated
-    in numpy (``runs.prefix_pairs_np``, the same integer math): the solver calls it on
+    in numpy (``runs.prefix_pairs``, the same integer math): the solver calls it on
     arrays of a few elements, where numpy's per-op cost is a third of torch's."""
-    return torch.from_numpy(np.asarray(prefix_pairs_np(
+    return torch.from_numpy(np.asarray(prefix_pairs(
         doc_len.to(torch.int64).numpy(), stop.to(torch.int64).numpy(), mask)))

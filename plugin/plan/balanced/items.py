@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..runs import prefix_pairs_np
+from ..runs import prefix_pairs
 from .body_split import density_split, tail_split
 from .profile import Profile
 from .segments import doc_work, excess_of, segments_of
@@ -174,7 +174,7 @@ def _filler_kinds(lengths: torch.Tensor, prof: Profile, cp: int, var: Variant,
     if var.big < math.inf:
         m0 = prof.masks[0]
         fl = lengths.numpy()[f_doc]
-        w = (prefix_pairs_np(fl, f_end, m0) - prefix_pairs_np(fl, f_start, m0)
+        w = (prefix_pairs(fl, f_end, m0) - prefix_pairs(fl, f_start, m0)
              ).astype(np.float64)
         share = float(doc_work(lengths, prof, memo)[:, 0].sum()) / cp
         f_kind[w > var.big * share] = MIRRORED

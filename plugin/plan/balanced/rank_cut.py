@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..runs import prefix_pairs_np
+from ..runs import prefix_pairs
 from .items import POSITION_ORDER, Items
 from .profile import Profile
 from .segments import PREFIX_DENSITY
@@ -180,7 +180,7 @@ def rank_reachable(items: Items, fill_items: np.ndarray, lengths: torch.Tensor,
         return True
     mask = prof.masks[col - 1]
     dl, a = lengths.numpy()[items.doc.numpy()[long]], start[long]
-    first = (prefix_pairs_np(dl, a + share, mask) - prefix_pairs_np(dl, a, mask)
+    first = (prefix_pairs(dl, a + share, mask) - prefix_pairs(dl, a, mask)
              ).astype(np.float64)
     mean = float(torch.from_numpy(w).sum()) / float(t.sum())
     return bool((first >= PREFIX_DENSITY * mean * share).all())

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..runs import prefix_pairs_np
+from ..runs import prefix_pairs
 from .profile import Profile, excess_functional
 
 # Long segments with less excess work than this share of a rank's mean work (the mask with
@@ -61,7 +61,7 @@ def _find_segments(lengths: torch.Tensor, prof: Profile, cp: int, keep_small: bo
         vec[:, 0] = size
         ends, lens = np.concatenate([end, start]), np.tile(lengths_np[doc], 2)
         for k, mask in enumerate(prof.masks):
-            w = prefix_pairs_np(lens, ends, mask).reshape(2, -1)
+            w = prefix_pairs(lens, ends, mask).reshape(2, -1)
             vec[:, 1 + k] = w[0] - w[1]
         vec_t = torch.from_numpy(vec)  # sum and product in torch, as before
         total = vec_t.sum(0)
@@ -83,7 +83,7 @@ def doc_work(lengths: torch.Tensor, prof: Profile, memo: dict) -> torch.Tensor:
     """[n_docs, M] float64: each document's work under each mask (memoized per call)."""
     if "docw" not in memo:
         ln = lengths.numpy()  # numpy: the same integer math as prefix_work, ~3x cheaper
-        memo["docw"] = torch.from_numpy(np.stack([prefix_pairs_np(ln, ln, m).astype(np.float64)
+        memo["docw"] = torch.from_numpy(np.stack([prefix_pairs(ln, ln, m).astype(np.float64)
                                                   for m in prof.masks], 1))
     return memo["docw"]
 
@@ -101,8 +101,8 @@ def _excess_fn(lengths: torch.Tensor, prof: Profile, memo: dict) -> tuple[Any, f
     def excess_np(a: np.ndarray, b: np.ndarray, dl: np.ndarray) -> np.ndarray:
         out = phi_np[0] * (b - a).astype(np.float64)
         for k, mask in enumerate(prof.masks):
-            out = out + phi_np[1 + k] * (prefix_pairs_np(dl, b, mask)
-                                         - prefix_pairs_np(dl, a, mask)).astype(np.float64)
+            out = out + phi_np[1 + k] * (prefix_pairs(dl, b, mask)
+                                         - prefix_pairs(dl, a, mask)).astype(np.float64)
         return out
 
     def excess(a: Any, b: Any, dl: Any) -> Any:
@@ -136,6 +136,6 @@ def prefixes_dense_enough(lengths: torch.Tensor, prof: Profile, cp: int, memo: d
     mask = prof.masks[m]
     mean = float(w[m]) / max(int(lengths.sum()), 1)
     dl, a = lengths.numpy()[doc[long]], start[long]
-    first = (prefix_pairs_np(dl, a + share, mask) - prefix_pairs_np(dl, a, mask)
+    first = (prefix_pairs(dl, a + share, mask) - prefix_pairs(dl, a, mask)
              ).astype(np.float64)
     return bool((first >= PREFIX_DENSITY * mean * share).all())

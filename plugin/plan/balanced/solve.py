@@ -17,7 +17,7 @@ from .items import Items, cut_items
 from .phases import Layout, solve_attempt
 from .profile import profile_of
 from .segments import has_bodies, prefixes_dense_enough
-from .units import Units, unit_runs_np, units_of
+from .units import Units, unit_runs, units_of
 from .variants import choose_variants
 
 
@@ -122,7 +122,7 @@ def _layout_runs(units: Units, lay: Layout) -> tuple[np.ndarray, ...]:
         first, stop, ui = first[keep], stop[keep], ui[keep]
         rank = np.searchsorted(cut, first, side="right") - 1
         u = lst.order[ui]
-        runs = unit_runs_np(units, u, first - lst.tok[ui], stop - lst.tok[ui])
+        runs = unit_runs(units, u, first - lst.tok[ui], stop - lst.tok[ui])
         d = u_doc[u]
         parts.append((np.tile(rank, 4), np.tile(d, 4), np.concatenate([x for x, _ in runs]),
                       np.concatenate([n for _, n in runs])))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..runs import prefix_pairs_np
+from ..runs import prefix_pairs
 from .items import CHUNK_PAIRS, POSITION_ORDER, Items
 from .profile import Profile
 
@@ -159,7 +159,7 @@ def units_of(items: Items, lengths: torch.Tensor, prof: Profile) -> Units:
     u_vec[:, 0] = a_len + b_len
     mid[:, 0] = 2 * m
     for k, mask in enumerate(prof.masks):
-        w = prefix_pairs_np(lens, ends, mask)  # [6, n_units]
+        w = prefix_pairs(lens, ends, mask)  # [6, n_units]
         u_vec[:, 1 + k] = w[0] - w[1] + w[2] - w[3]
         mid[:, 1 + k] = w[4] - w[1] + w[2] - w[5]
     t_item = torch.from_numpy(u_item)
@@ -172,33 +172,14 @@ def units_of(items: Items, lengths: torch.Tensor, prof: Profile) -> Units:
                  torch.from_numpy(items.block.numpy()[u_item]))
 
 
-def unit_runs(u: Units, unit: torch.Tensor, o1: torch.Tensor, o2: torch.Tensor
-           ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def unit_runs(u: Units, unit: np.ndarray, o1: np.ndarray, o2: np.ndarray
+              ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Position runs (start, length) of the tokens [o1, o2) of units ``unit`` in the
     unit's own order: first a[0], b[-1], a[1], b[-2], ... while both tiles last (2m tokens,
     m = min of their lengths), then the rest R of the longer tile mirrored (R[0], R[-1],
     R[1], ...). Both stretches keep the work per token about constant, so the work of any
-    first o tokens is close to linear in o on each; four runs, some empty."""
-    la, lb = u.a_len[unit], u.b_len[unit]
-    m = torch.minimum(la, lb)
-    r = (la - lb).abs()
-    r_start = torch.where(la >= lb, u.a_start[unit] + m, u.b_start[unit])
-
-    def taken(o: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        p = torch.minimum(o, 2 * m)
-        q = o - p
-        return (p + 1) // 2, p // 2, (q + 1) // 2, q // 2
-
-    n1, n2 = taken(o1), taken(o2)
-    return [(u.a_start[unit] + n1[0], n2[0] - n1[0]),
-            (u.b_start[unit] + lb - n2[1], n2[1] - n1[1]),
-            (r_start + n1[2], n2[2] - n1[2]),
-            (r_start + r - n2[3], n2[3] - n1[3])]
-
-
-def unit_runs_np(u: Units, unit: np.ndarray, o1: np.ndarray, o2: np.ndarray
-                 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """:func:`unit_runs` on numpy arrays (the solver's cuts are numpy)."""
+    first o tokens is close to linear in o on each; four runs, some empty (numpy: the
+    solver's cuts are numpy)."""
     a_start, b_start = u.a_start.numpy()[unit], u.b_start.numpy()[unit]
     la, lb = u.a_len.numpy()[unit], u.b_len.numpy()[unit]
     m = np.minimum(la, lb)
