@@ -74,12 +74,14 @@ class AttnMask:
         """Inclusive (first, last) visible key position per query position (int64).
 
         Padding queries (position < 0) get an empty interval (first > last). Unbounded ends
-        are clipped at 0 below and ``mask_math.UNBOUNDED`` above.
+        are clipped at 0 below and ``mask_math.UNBOUNDED`` above. A numpy array in gives
+        numpy out (the host planner's form).
         """
         return mask_math.key_interval(q_positions, *self.params)
 
     def query_interval(self, k_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inclusive (first, last) query position that sees each key position (int64)."""
+        """Inclusive (first, last) query position that sees each key position (int64; numpy
+        in, numpy out)."""
         return mask_math.query_interval(k_positions, *self.params)
 
     def visible(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:

@@ -95,21 +95,21 @@ def test_long_chunk_shares_entries_short_chunk_does_not():
     assert keys.table_mask(plan, long_chunk) == AttnMask()
 
 
-def test_numpy_intervals_equal_mask_math():
-    """The planner's numpy intervals (``schedules.intervals``) against the kernels' torch
-    ones, padding positions included."""
-    from varlen_cp.schedules import intervals
-
+def test_intervals_on_numpy_equal_those_on_torch():
+    """``AttnMask.key_interval`` / ``query_interval`` (``kernels.mask_math``) on the host
+    planner's numpy arrays give int64 numpy arrays equal to the torch results, padding
+    positions included (the torch results are checked against dense masks in
+    tests/test_masks.py)."""
     pos = torch.tensor([-3, -1, 0, 1, 5, 7, 8, 63, 64, 65, 200, 1000])
     for mask in (AttnMask(), AttnMask(causal=False), AttnMask(window_size=(5, 0)),
                  AttnMask(window_size=(3, 9), causal=False), AttnMask(chunk_size=64),
                  AttnMask(chunk_size=8, window_size=(2, 0)),
                  AttnMask(chunk_size=100, causal=False)):
-        for ours, theirs in ((intervals.key_interval, mask.key_interval),
-                             (intervals.query_interval, mask.query_interval)):
-            got, want = ours(mask, pos.numpy()), theirs(pos)
+        for fn in (mask.key_interval, mask.query_interval):
+            got, want = fn(pos.numpy()), fn(pos)
             for g, w in zip(got, want):
-                assert g.dtype == np.int64 and np.array_equal(g, w.numpy()), mask
+                assert isinstance(g, np.ndarray) and g.dtype == np.int64, mask
+                assert np.array_equal(g, w.numpy()), mask
 
 
 @pytest.mark.parametrize("layout", ["balanced", "dual_chunk", "te"])

@@ -11,7 +11,7 @@ and the host decides which tiles hold anything (the call's ``BlockSchedule``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property, partial
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -21,7 +21,6 @@ from ..kernels.host_copy import to_device
 from ..kernels.schedule import work_lists
 from ..masks import AttnMask
 from ..plan import CPPlan
-from .intervals import key_interval, query_interval
 from .keys import host_table, table_key
 
 
@@ -84,8 +83,7 @@ class HolderSet:
         rows = slice(int(self.offsets[h]), int(self.offsets[h + 1]))
         return Holder(self.cu[h].to(torch.int32), self.pos[rows], self.max_len[h])
 
-    # The schedules' integer math runs on numpy views of the tables (intervals.py: an op on
-    # a small array costs ~0.5 us in numpy against ~3-5 us in torch; np.searchsorted on the
+    # The schedules' integer math runs on numpy views of the tables (an op on a small array costs ~0.5 us in numpy against ~3-5 us in torch; np.searchsorted on the
     # 128K keys ~3x faster than torch's); the tables come back to torch at the end.
     @cached_property
     def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -206,8 +204,7 @@ def call_schedules(qset: HolderSet, q: int, kset: HolderSet, ks: list[int], mask
     bm, bn = block
     n_seg, n = qset.n_seg, len(ks)
     kt = np.asarray(ks, dtype=np.int64)
-    keys_of = partial(key_interval, mask)
-    queries_of = partial(query_interval, mask)
+    keys_of, queries_of = mask.key_interval, mask.query_interval   # numpy in, numpy out
     # kv_range: the query blocks are the same for every call.
     _, seg, b, rows, first, last = qset.blocks_of(bm, np.array([q], dtype=np.int64))
     nqb = -(-max(qset.max_len[q], 1) // bm)

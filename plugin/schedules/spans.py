@@ -14,15 +14,14 @@ import numpy as np
 
 from ..masks import AttnMask
 from ..plan.runs import STRIDE
-from .intervals import key_interval
 
 
 def key_spans(start: np.ndarray, stop: np.ndarray, doc_len: np.ndarray, mask: AttnMask
               ) -> tuple[np.ndarray, np.ndarray]:
     """Inclusive (lo, hi) of the keys the queries of each run [start, stop) see, clipped to
     its document (``doc_len``: the run's document's length)."""
-    lo, _ = key_interval(mask, start)
-    _, hi = key_interval(mask, stop - 1)
+    lo, _ = mask.key_interval(start)
+    _, hi = mask.key_interval(stop - 1)
     return np.maximum(lo, 0), np.minimum(hi, doc_len - 1)
 
 
