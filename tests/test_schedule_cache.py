@@ -79,6 +79,29 @@ def test_long_chunk_tables_equal_unchunked(monkeypatch, layout, base):
                     _same(got[k], want[k], f"{strategy}/{layout}/r{rank}/c{chunk}/{k.kind}")
 
 
+@pytest.mark.parametrize("base", [AttnMask(), AttnMask(causal=False),
+                                  AttnMask(chunk_size=16), AttnMask(window_size=(-1, 5),
+                                                                    causal=False)])
+def test_wide_window_tables_equal_the_unwindowed(monkeypatch, base):
+    """A window side reaching the longest document's length - 1 is no condition: the
+    tables built for it (sharing off) equal those of the mask without that side."""
+    reach = max(DOCS) - 1
+    for strategy in ("p2p", "dispatch", "auto"):
+        want = _tables(_prepared(strategy, "balanced", 2, base), base)
+        left = reach + (strategy == "auto") * 7    # exactly the reach, and beyond it
+        right = base.window_size[1] if base.causal or base.window_size[1] >= 0 else reach
+        wide = AttnMask(base.causal, (left, right), base.chunk_size)
+        assert keys.table_mask(small_plan(DOCS, 4, 2, "balanced"), wide) == base
+        with monkeypatch.context() as m:   # sharing off: built from the window
+            m.setattr(keys, "table_mask", lambda plan, mask: mask)
+            got = _tables(_prepared(strategy, "balanced", 2, wide), wide)
+        assert got.keys() == want.keys(), strategy
+        for k in want:
+            _same(got[k], want[k], f"{strategy}/{base}/{k.kind}")
+    narrow = AttnMask(base.causal, (reach - 1, base.window_size[1]), base.chunk_size)
+    assert keys.table_mask(small_plan(DOCS, 4, 2, "balanced"), narrow) == narrow
+
+
 def test_long_chunk_shares_entries_short_chunk_does_not():
     longest = max(DOCS)
     plan = small_plan(DOCS, 4, 1, "balanced")

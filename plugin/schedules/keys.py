@@ -43,28 +43,36 @@ def table_key(kind: str, mask: AttnMask | None = None, block: tuple[int, int] | 
 def table_mask(plan: CPPlan, mask: AttnMask | None) -> AttnMask | None:
     """The simplest mask that sees exactly what ``mask`` sees on ``plan``'s documents:
     without its chunk when the chunk is at least the longest document (positions within a
-    document are then all in chunk 0, so ``k // c == p // c`` always holds; padding
-    positions never reach a table: every holder and run excludes them).
+    document are then all in chunk 0, so ``k // c == p // c`` always holds), and without a
+    window side that reaches the longest document's length - 1 (no key of a document lies
+    farther from a query of it: ``p - left <= 0 <= k`` and ``k <= L - 1 <= p + right``).
+    Padding positions never reach a table: every holder and run excludes them.
     tests/test_schedule_cache.py checks that the tables built for both are equal."""
-    if (mask is not None and mask.chunk_size is not None
-            and mask.chunk_size >= plan.max_document_length):
-        return _unchunked(mask)
-    return mask
+    if mask is None or (mask.chunk_size is None and mask.window_size == (-1, -1)):
+        return mask
+    longest = plan.max_document_length
+    chunk = mask.chunk_size if mask.chunk_size is not None and mask.chunk_size < longest \
+        else None
+    left, right = (w if w < longest - 1 else -1 for w in mask.window_size)
+    if (chunk, (left, right)) == (mask.chunk_size, mask.window_size):
+        return mask
+    return _simplified(mask, chunk, left, right)
 
 
 @lru_cache(maxsize=64)
-def _unchunked(mask: AttnMask) -> AttnMask:
-    """``mask`` without its chunk, made once per mask (a ``replace`` costs ~2 us and every
-    lookup of a chunked layer's table asks for it on batches of short documents)."""
-    return replace(mask, chunk_size=None)
+def _simplified(mask: AttnMask, chunk: int | None, left: int, right: int) -> AttnMask:
+    """``mask`` with that chunk and window, made once per mask (a ``replace`` costs ~2 us
+    and every lookup of such a layer's table asks for it)."""
+    return replace(mask, window_size=(left, right), chunk_size=chunk)
 
 
 def _shared(plan: CPPlan, key: TableKey, make: Callable[[], Any]) -> Any:
     """``make()`` once per plan for ``key`` and every key whose mask acts the same
     (:func:`table_mask`): the entry of ``key`` is the simpler mask's entry."""
-    if key.mask is None or key.mask.chunk_size is None:   # the common lookup: nothing to share
-        return plan.cached(key, make)
-    same = key._replace(mask=table_mask(plan, key.mask))
+    mask = key.mask
+    if mask is None or (mask.chunk_size is None and mask.window_size == (-1, -1)):
+        return plan.cached(key, make)   # the common lookup: nothing to share
+    same = key._replace(mask=table_mask(plan, mask))
     if same == key:
         return plan.cached(key, make)
     return plan.cached(key, lambda: plan.cached(same, make))
