@@ -18,41 +18,6 @@ from .items import CHUNK_PAIRS, POSITION_ORDER, Items
 from .profile import Profile
 
 
-def mirror_index(j: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Place of tile j among m in the order 0, m-1, 1, m-2, ..."""
-    return torch.where(j < (m + 1) // 2, 2 * j, 2 * (m - 1 - j) + 1)
-
-
-def chunk_fold(pos: torch.Tensor, head: torch.Tensor, doc_len: torch.Tensor, chunk: int,
-               tile: int) -> torch.Tensor:
-    """Place in the body's fold of the body tile at ``pos``.
-
-    A body of n full chunks and a partial chunk of r tokens starts at the head length
-    h = C - ceil(r/tile)*tile: segment 0 is [h, C) (r > 0) or chunk 0 (r = 0), segments
-    1.. are the chunks. Segment i is paired with segment K-i and the pair is walked tile i
-    of the first with the mirror tile of the second (tile a of segment i with tile m-1-a
-    of segment K-i; the middle segment with itself): every pair of tiles then has the same
-    position sum (causal work) and the same sum of positions inside their chunks (chunked
-    work), whatever the pair, so any run of the fold holds the body's per-token work under
-    both masks; pairs go outside in, so a rank's run is two position runs per document.
-    """
-    n = doc_len // chunk
-    r = doc_len - n * chunk
-    K = torch.where(r > 0, n, n - 1)
-    seg = torch.where(pos < chunk, 0, pos // chunk)
-    seg_start = torch.where(seg == 0, head, seg * chunk)
-    j = (pos - seg_start) // tile
-    ct = chunk // tile
-    t0 = (chunk - head) // tile  # tiles of segment 0 and of segment K when r > 0
-    m = torch.where((seg == 0) | ((seg == K) & (r > 0)), t0, ct)
-    i = torch.minimum(seg, K - seg)
-    base = torch.where(i == 0, 0, 2 * t0 + 2 * (i - 1) * ct)
-    first = seg < K - seg
-    middle = seg == K - seg
-    local = torch.where(middle, mirror_index(j, m), torch.where(first, 2 * j, 2 * (m - 1 - j) + 1))
-    return base + local
-
-
 @dataclass
 class Units:
     """Pairs of tiles: places 2u and 2u+1 of an item's fold (tile a, then tile b, which
@@ -74,14 +39,24 @@ class Units:
     block: torch.Tensor  # int64: its item's block class (TAIL_BLOCK / REMAINDER / 0)
 
 
-def _mirror_np(j: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """:func:`mirror_index` on numpy arrays."""
+def mirror_index(j: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Place of tile j among m in the order 0, m-1, 1, m-2, ..."""
     return np.where(j < (m + 1) // 2, 2 * j, 2 * (m - 1 - j) + 1)
 
 
-def _chunk_fold_np(pos: np.ndarray, head: np.ndarray, doc_len: np.ndarray, chunk: int,
-                   tile: int) -> np.ndarray:
-    """:func:`chunk_fold` on numpy arrays (the same integer steps)."""
+def chunk_fold(pos: np.ndarray, head: np.ndarray, doc_len: np.ndarray, chunk: int,
+               tile: int) -> np.ndarray:
+    """Place in the body's fold of the body tile at ``pos``.
+
+    A body of n full chunks and a partial chunk of r tokens starts at the head length
+    h = C - ceil(r/tile)*tile: segment 0 is [h, C) (r > 0) or chunk 0 (r = 0), segments
+    1.. are the chunks. Segment i is paired with segment K-i and the pair is walked tile i
+    of the first with the mirror tile of the second (tile a of segment i with tile m-1-a
+    of segment K-i; the middle segment with itself): every pair of tiles then has the same
+    position sum (causal work) and the same sum of positions inside their chunks (chunked
+    work), whatever the pair, so any run of the fold holds the body's per-token work under
+    both masks; pairs go outside in, so a rank's run is two position runs per document.
+    """
     n = doc_len // chunk
     r = doc_len - n * chunk
     K = np.where(r > 0, n, n - 1)
@@ -95,7 +70,7 @@ def _chunk_fold_np(pos: np.ndarray, head: np.ndarray, doc_len: np.ndarray, chunk
     base = np.where(i == 0, 0, 2 * t0 + 2 * (i - 1) * ct)
     first = seg < K - seg
     middle = seg == K - seg
-    local = np.where(middle, _mirror_np(j, m), np.where(first, 2 * j, 2 * (m - 1 - j) + 1))
+    local = np.where(middle, mirror_index(j, m), np.where(first, 2 * j, 2 * (m - 1 - j) + 1))
     return base + local
 
 
@@ -120,12 +95,12 @@ def units_of(items: Items, lengths: torch.Tensor, prof: Profile) -> Units:
     start = np.maximum((first_tile[item] + j) * t, i_start[item])
     stop = np.minimum((first_tile[item] + j + 1) * t, i_end[item])
     doc_len = lengths_np[i_doc[item]]
-    fold = _mirror_np(j, n[item])
+    fold = mirror_index(j, n[item])
     kind = i_kind[item]
     if prof.head == "chunk":
         sel = np.flatnonzero(kind == CHUNK_PAIRS)
         if sel.size:
-            fold[sel] = _chunk_fold_np(start[sel], i_start[item[sel]], doc_len[sel],
+            fold[sel] = chunk_fold(start[sel], i_start[item[sel]], doc_len[sel],
                                        prof.chunk, t)
     fold = np.where(kind == POSITION_ORDER, j, fold)
     nu = (n + 1) // 2
