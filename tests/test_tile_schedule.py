@@ -21,9 +21,10 @@ def _batch(lq, lk):
 
 
 def _random_schedule(lens, mask, explicit, pad_frac, bm, bn, seed):
-    """A hypothesis case's batch and its schedule: (query lengths, cu_q, cu_k, query and
-    key positions, schedule); explicit positions start queries 3 later than keys and turn a
-    ``pad_frac`` share of both into padding."""
+    """A hypothesis case's batch, its schedule and the dense reference visibility of each
+    segment: (query lengths, cu_q, cu_k, query and key positions, schedule, [visibility]);
+    explicit positions start queries 3 later than keys and turn a ``pad_frac`` share of
+    both into padding."""
     g = torch.Generator().manual_seed(seed)
     lq, lk = [a for a, _ in lens], [b for _, b in lens]
     cu_q, cu_k = _batch(lq, lk)
@@ -39,20 +40,19 @@ def _random_schedule(lens, mask, explicit, pad_frac, bm, bn, seed):
                                window_right=wr, chunk_size=chunk,
                                q_positions=qp if explicit else None,
                                k_positions=kp if explicit else None, block_m=bm, block_n=bn)
-    return lq, cu_q, cu_k, qp, kp, sch
+    vis = [reference_mask(qp[cu_q[s]:cu_q[s + 1]], kp[cu_k[s]:cu_k[s + 1]], causal=causal,
+                          window_size=(wl, wr), chunk_size=chunk, q_padding=explicit,
+                          k_padding=explicit) for s in range(len(lq))]
+    return lq, cu_q, cu_k, qp, kp, sch, vis
 
 
 @given(lens=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=4),
        mask=mask_st, explicit=st.booleans(), pad_frac=st.sampled_from([0.0, 0.15]),
        bm=st.sampled_from([4, 8, 16]), bn=st.sampled_from([4, 8]), seed=st.integers(0, 99))
 def test_schedule_covers_every_visible_pair(lens, mask, explicit, pad_frac, bm, bn, seed):
-    lq, cu_q, cu_k, qp, kp, sch = _random_schedule(lens, mask, explicit, pad_frac, bm, bn,
-                                                   seed)
-    causal, wl, wr, chunk = mask
-    for s in range(len(lq)):
-        q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
-        vis = reference_mask(qp[q0:q1], kp[k0:k1], causal=causal, window_size=(wl, wr),
-                             chunk_size=chunk, q_padding=explicit, k_padding=explicit)
+    lq, cu_q, cu_k, qp, kp, sch, visible = _random_schedule(lens, mask, explicit, pad_frac,
+                                                            bm, bn, seed)
+    for s, vis in enumerate(visible):
         for b in range(sch.kv_range.shape[1]):
             start, end = sch.kv_range[s, b].tolist()
             cols = vis[b * bm:(b + 1) * bm].any(0).nonzero().flatten()
@@ -100,13 +100,10 @@ def test_full_ranges_are_visible_to_every_real_row(lens, mask, explicit, pad_fra
     and no token in the range is padding (the kernels drop the mask there); with sorted
     positions the range is exactly the tokens every real row sees, when those are not
     split by padding."""
-    lq, cu_q, cu_k, qp, kp, sch = _random_schedule(lens, mask, explicit, pad_frac, bm, bn,
-                                                   seed)
-    causal, wl, wr, chunk = mask
-    for s in range(len(lq)):
+    lq, cu_q, cu_k, qp, kp, sch, visible = _random_schedule(lens, mask, explicit, pad_frac,
+                                                            bm, bn, seed)
+    for s, vis in enumerate(visible):
         q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
-        vis = reference_mask(qp[q0:q1], kp[k0:k1], causal=causal, window_size=(wl, wr),
-                             chunk_size=chunk, q_padding=explicit, k_padding=explicit)
         real_q = qp[q0:q1] >= 0 if explicit else torch.ones(q1 - q0, dtype=torch.bool)
         real_k = kp[k0:k1] >= 0 if explicit else torch.ones(k1 - k0, dtype=torch.bool)
         for side, full, block, v, real_rows, real_cols in (
