@@ -22,7 +22,6 @@ import torch
 
 from tests import staged_reference as ref
 from varlen_cp import AttnMask, CPPlan
-from varlen_cp.plan.runs import run_rows
 from varlen_cp.schedules import staged
 from varlen_cp.schedules.cost_model import CostModel
 from varlen_cp.schedules.rounds import UniqueRounds
@@ -135,8 +134,8 @@ def test_unique_rounds_of_rows_and_of_runs():
         n_runs = int(rng.integers(0, 8))
         start = torch.from_numpy(rng.integers(0, 30, n_runs))
         length = torch.from_numpy(rng.integers(0, 9, n_runs))
-        rows = run_rows(start, length)
-        listed = rows.tolist()
+        listed = [s + i for s, n in zip(start.tolist(), length.tolist()) for i in range(n)]
+        rows = torch.tensor(listed, dtype=torch.int64)
         run_starts = (torch.cumsum(length, 0) - length)[length > 0].tolist()
         by_row = UniqueRounds.of(rows)
         _valid_greedy(by_row, listed, list(range(len(listed))))

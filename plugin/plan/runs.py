@@ -81,15 +81,14 @@ def per_token(length: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor
     return (torch.arange(n) - spread(first), *(spread(v) for v in values))
 
 
-def run_rows(start: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+def run_rows(start: np.ndarray, length: np.ndarray) -> np.ndarray:
     """int64: the runs ``[start[i], start[i] + length[i])`` (length >= 0) laid back to back,
-    one entry per token: ``arange`` plus each run's start less its place in the list,
-    repeated over the run. Two passes over the tokens (~1.8 us per 1K tokens on one CPU
-    core at 100K tokens, vs ~3.2 for :func:`per_token`'s offset and value)."""
-    first = torch.cumsum(length, 0) - length
-    n = int(length.sum())
-    out = torch.repeat_interleave(start - first, length, output_size=n)
-    return out.add_(torch.arange(n))
+    one entry per token: each run's start less its place in the list, repeated over the
+    run, plus ``arange`` (in place: one array of N, not two)."""
+    first = np.cumsum(length) - length
+    rows = np.repeat((start - first).astype(np.int64, copy=False), length)
+    rows += np.arange(rows.size, dtype=np.int64)
+    return rows
 
 
 # ---- exact visible-pair counts --------------------------------------------------------------

@@ -26,9 +26,10 @@ import torch
 from ...kernels.host_copy import to_device
 from ...masks import AttnMask
 from ...plan import CPPlan
+from ...plan.runs import run_rows
 from ..holders import Holder, HolderSet, KernelCall, rank_holder, set_calls
 from ..keys import cached_table, host_table, table_key
-from ..rounds import UniqueRounds, _run_rows
+from ..rounds import UniqueRounds
 from ..selected import needed_spans, run_arrays
 from ..spans import span_pieces
 from .routes import (cut_runs, dispatch_stage_counts, gather_stage_counts, gather_stage_rows,
@@ -164,7 +165,7 @@ def given_runs(plan: CPPlan, mask: AttnMask, rank: int) -> KeyRuns:
 def _spread(runs: KeyRuns, *starts: np.ndarray) -> tuple[np.ndarray, ...]:
     """Per key of ``runs``, each of ``starts`` (one value per run) plus the key's offset
     in its run (``plan.runs.run_rows``)."""
-    return tuple(_run_rows(v, runs.length) for v in starts)
+    return tuple(run_rows(v, runs.length) for v in starts)
 
 
 def _tensor(x: np.ndarray) -> torch.Tensor:
