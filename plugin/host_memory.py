@@ -13,7 +13,7 @@ measured with ``bench/host_tables.py`` at cp 8 (one core, thread CPU time), 36-4
 32 MiB) with ``mallopt``: freed blocks up to 32 MiB stay in the heap for the next batch.
 The cost is that a process keeps up to 256 MiB of freed heap it would otherwise give back,
 on nodes with hundreds of GB. It is process-wide (like tcmalloc or jemalloc preloaded),
-so it is opt-out: ``VARLEN_CP_MALLOC_TUNING=0`` keeps glibc's defaults. Nothing happens on
+logged at DEBUG on the ``varlen_cp`` logger, and opt-out: ``VARLEN_CP_MALLOC_TUNING=0`` keeps glibc's defaults. Nothing happens on
 other C libraries (musl, macOS, Windows). The integrations call it when they start their
 plan prefetcher; ``bench/host_tables.py`` times with it, as they run.
 """
@@ -66,8 +66,8 @@ def keep_freed_host_memory() -> bool:
             applied = bool(libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)) and bool(
                 libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
         _state["applied"] = applied
-        if applied:
-            _log.info("varlen-cp: host malloc keeps freed memory for the next batch's plan "
+        if applied:   # debug: with the report switched off the plugin prints nothing
+            _log.debug("varlen-cp: host malloc keeps freed memory for the next batch's plan "
                       "(glibc trim threshold %d MiB, mmap threshold %d MiB; %s=0 keeps "
                       "glibc's defaults)", TRIM_THRESHOLD >> 20, MMAP_THRESHOLD >> 20, ENV)
         return applied
