@@ -109,8 +109,7 @@ def _simulate(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: Cost
     1.6 ms with the stage counts they build, which now cost most of it."""
     cp = plan.cp_size
     f_fwd, f_bwd = _flops_per_pair(shape)
-    rate, bw, mem = model.flops_per_s, model.bytes_per_s, model.memory_bytes_per_s
-    row, b, lat = shape.kv_row, shape.dtype_bytes, model.stage_latency_s
+    rate, bw, row = model.flops_per_s, model.bytes_per_s, shape.kv_row
     per = [stage_counts(name, plan, mask, s).numpy() for s in stage_list]      # [P, d, o]
     sizes = [c.shape[0] for c in per]
     first = np.cumsum([0] + sizes)
@@ -138,47 +137,74 @@ def _simulate(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: Cost
             out[stages] = StagedTime(1, fwd, bwd, compute, comm, bound)
         else:
             piped.append((stages, i, send, back, compute, comm, bound))
-    if not piped:
-        return out
+    if piped:
+        spans = [(int(first[i]), sizes[i], send, back) for _, i, send, back, *_ in piped]
+        fwd, bwd = _pipelines(spans, pairs_all, r, shape, model)
+        for j, (stages, i, _, _, compute, comm, bound) in enumerate(piped):
+            out[stages] = StagedTime(sizes[i] + 1, fwd[j] / _FS, bwd[j] / _FS, compute, comm,
+                                     bound)
+    return out
+
+
+def _pipelines(spans: list[tuple[int, int, list[float], list[float]]], pairs_all: np.ndarray,
+               r: _Rates, shape: Shape, model: CostModel) -> tuple[list[int], list[int]]:
+    """Forward and backward end times (int femtoseconds, slowest rank) of the staged
+    pipelines of several stage counts side by side: ``spans`` gives each one's first row and
+    stage count in ``pairs_all`` [sum P, cp] and its transfer and return seconds."""
+    f_fwd, f_bwd = _flops_per_pair(shape)
+    rate, mem, b = model.flops_per_s, model.memory_bytes_per_s, shape.dtype_bytes
     up = (b + 4) if b != 4 else 0          # a conversion to fp32 and back, per element
     live_all = pairs_all > 0
-    # forward: the local call (+ out to fp32 and back), then each fetched stage (+ fold:
-    # acc *= w, acc += o * w_i: 16 + b bytes per element)
+    lat = _fs(model.stage_latency_s)
+    # forward: each fetched stage + fold (acc *= w, acc += o * w_i: 16 + b bytes per element)
     c_all = np.where(live_all, pairs_all * _fs(f_fwd / rate) + r.elems_o * _fs((16 + b) / mem)
-                     + _fs(lat), 0)
+                     + lat, 0)
     # backward: dq += dq_s: 8 + b bytes per element (dq to fp32 and back counted with the
     # local call)
     bb_all = np.where(live_all, pairs_all * _fs(f_bwd / rate)
-                      + r.elems_q * _fs((8 + b) / mem) + _fs(lat), 0)
-    n_s, most = len(piped), max(sizes[i] for _, i, *_ in piped)
-    n = np.array([sizes[i] for _, i, *_ in piped], dtype=np.int64)
+                      + r.elems_q * _fs((8 + b) / mem) + lat, 0)
+    n_s, cp = len(spans), pairs_all.shape[1]
+    most = max(k for _, k, _, _ in spans)
+    n = np.array([k for _, k, _, _ in spans], dtype=np.int64)
     c = np.zeros((n_s, most, cp), dtype=np.int64)
     bb = np.zeros((n_s, most, cp), dtype=np.int64)
     send_fs = np.zeros((n_s, most), dtype=np.int64)
     back_fs = np.zeros((n_s, most), dtype=np.int64)
     folds = np.zeros((n_s, cp), dtype=bool)        # 2+ partials on this rank
-    for j, (_, i, send, back, *_) in enumerate(piped):
-        a, k = int(first[i]), sizes[i]
+    for j, (a, k, send, back) in enumerate(spans):
         c[j, :k], bb[j, :k] = c_all[a:a + k], bb_all[a:a + k]
         send_fs[j, :k] = [_fs(x) for x in send]
         back_fs[j, :k] = [_fs(x) for x in back]
         folds[j] = live_all[a:a + k].any(0)
+    # the local calls (+ out / dq to fp32 and back when partials fold)
     c0 = r.local * _fs(f_fwd / rate) + np.where(folds, r.elems_o * _fs(2 * up / mem), 0)
     b0 = r.local * _fs(f_bwd / rate) + np.where(folds, r.elems_q * _fs(2 * up / mem), 0)
-    # forward: transfer p ends for all ranks at once, after the previous one and its post
-    # (when the previous stage's call ended on every rank); stage p computes after both
+    return _forward_ends(c0, c, send_fs, n), _backward_ends(b0, bb, back_fs, n)
+
+
+def _forward_ends(c0: np.ndarray, c: np.ndarray, send_fs: np.ndarray, n: np.ndarray
+                  ) -> list[int]:
+    """Forward: the local call, then transfer p ends for all ranks at once, after the
+    previous one and its post (when the previous stage's call ended on every rank); stage p
+    computes after both. [S, P, cp] costs, [S] stage counts ``n``: each S's end."""
     ends = c0                              # end of the last computed stage, per rank
-    last = np.zeros(n_s, dtype=np.int64)   # the previous transfer's end; this one's post
-    posted = np.zeros(n_s, dtype=np.int64)
-    for p in range(most):
+    last = np.zeros(n.size, dtype=np.int64)    # the previous transfer's end
+    posted = np.zeros(n.size, dtype=np.int64)  # this one's post
+    for p in range(c.shape[1]):
         on = p < n
         new_last = np.maximum(last, posted) + send_fs[:, p]
         posted = np.where(on, ends.max(1), posted)
         last = np.where(on, new_last, last)
         ends = np.where(on[:, None], np.maximum(ends, last[:, None]) + c[:, p], ends)
-    fwd = ends.max(1).tolist()
-    # backward: fetched stages, posting each return; the returns of stage p folded before
-    # stage p + 2 computes; the local call last (returned[:, p]: return p - 1 landed)
+    return ends.max(1).tolist()
+
+
+def _backward_ends(b0: np.ndarray, bb: np.ndarray, back_fs: np.ndarray, n: np.ndarray
+                   ) -> list[int]:
+    """Backward: the fetched stages, posting each return; the returns of stage p folded
+    before stage p + 2 computes; the local call last (``returned[:, p]``: return p - 1
+    landed). Each S's end."""
+    n_s, most, cp = bb.shape
     ends = np.zeros((n_s, cp), dtype=np.int64)
     returned = np.zeros((n_s, most + 1), dtype=np.int64)
     for p in range(most):
@@ -189,11 +215,7 @@ def _simulate(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: Cost
         returned[:, p + 1] = np.maximum(returned[:, p], ends.max(1)) + back_fs[:, p]
     pick = np.arange(n_s)
     start = np.maximum(ends, np.where(n >= 2, returned[pick, n - 1], 0)[:, None])
-    bwd = np.maximum((start + b0).max(1), returned[pick, n]).tolist()
-    for j, (stages, i, _, _, compute, comm, bound) in enumerate(piped):
-        out[stages] = StagedTime(sizes[i] + 1, fwd[j] / _FS, bwd[j] / _FS, compute, comm,
-                                 bound)
-    return out
+    return np.maximum((start + b0).max(1), returned[pick, n]).tolist()
 
 
 def _simulated(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: CostModel,
