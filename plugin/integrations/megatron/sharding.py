@@ -153,22 +153,39 @@ def get_thd_batch_on_this_cp_rank(
     padded_input = cu_seqlens_padded is not None
     if padded_input:
         _check_host_cu(cu_seqlens_padded, "cu_seqlens_padded")
-    batch_device = None
-    for x in batch.values():
-        if isinstance(x, torch.Tensor) and x.dim() >= 2:
-            batch_device = x.device
-            break
-    device = device if device is not None else batch_device
+    if device is None:   # the batch's device
+        device = next((x.device for x in batch.values()
+                       if isinstance(x, torch.Tensor) and x.dim() >= 2), None)
     if plan is None:
         plan = plan_batch(cu_seqlens.flatten(), options, cp_size, cp_rank,
                           model=_model(config, options), device=device)
     else:
         _check_plan(plan, cu_seqlens, cp_size, cp_rank)
+    _check_batch(batch, plan, cu_seqlens_padded)
+    if options.validate and cp_size > 1:  # here, on host tensors: the layers find it done
+        agree_on_plan(plan, group)
+    out = _shard_batch(batch, plan, padded_input)
+    # The plan's padding, joined with any padding the caller marked (a te-padded row's
+    # padding reads as real data once sharded).
+    pad = padding_mask(plan, device if device is not None else "cpu")
+    given = out.get("padding_mask")
+    if isinstance(given, torch.Tensor):
+        pad = given.to(pad.device, non_blocking=True).bool() | pad
+    out["padding_mask"] = pad
+    params = packed_seq_params_for(plan, device if device is not None else "cpu", group)
+    return out, params
+
+
+def _check_batch(batch: dict[str, Any], plan: CPPlan,
+                 cu_seqlens_padded: torch.Tensor | None) -> None:
+    """TE-padded input only with the te layout and its padding; every tensor one packed
+    row of the global token count."""
+    padded_input = cu_seqlens_padded is not None
     if padded_input:
-        if plan.layout != "te" and cp_size > 1:
+        if plan.layout != "te" and plan.cp_size > 1:
             raise ValueError(f"cu_seqlens_padded (TE-padded input) needs layout 'te', got "
                              f"{plan.layout!r}")
-        if cp_size > 1:
+        if plan.cp_size > 1:
             _check_padded(plan, cu_seqlens_padded)
         elif not torch.equal(cu_seqlens_padded.flatten().to(torch.int64), plan.cu_seqlens):
             raise ValueError("cu_seqlens_padded: with one CP rank the batch must be unpadded "
@@ -180,8 +197,11 @@ def get_thd_batch_on_this_cp_rank(
         if x.dim() < 2 or x.shape[0] != 1 or x.shape[1] != n_global:
             raise ValueError(f"batch[{key!r}] must have shape [1, {n_global}, ...] (THD: one "
                              f"packed row), got {tuple(x.shape)}")
-    if options.validate and cp_size > 1:  # here, on host tensors: the layers find it done
-        agree_on_plan(plan, group)
+
+
+def _shard_batch(batch: dict[str, Any], plan: CPPlan, padded_input: bool) -> dict[str, Any]:
+    """This rank's entries: metadata dropped, no attention mask, positions from the plan,
+    every other tensor sharded (padding: 0, and out of the loss)."""
     out: dict[str, Any] = {}
     for key, x in batch.items():
         if key in _META_KEYS:
@@ -194,20 +214,12 @@ def get_thd_batch_on_this_cp_rank(
             out[key] = pos.unsqueeze(0)
         elif isinstance(x, torch.Tensor):
             local = _shard_tensor(plan, x, padded_input)
-            if key == "loss_mask" and padded_input and cp_size > 1:
+            if key == "loss_mask" and padded_input and plan.cp_size > 1:
                 local = local * (plan.token_indices >= 0).to(local.device, local.dtype)
             out[key] = local
         else:
             out[key] = x
-    # The plan's padding, joined with any padding the caller marked (a te-padded row's
-    # padding reads as real data once sharded).
-    pad = padding_mask(plan, device if device is not None else "cpu")
-    given = out.get("padding_mask")
-    if isinstance(given, torch.Tensor):
-        pad = given.to(pad.device, non_blocking=True).bool() | pad
-    out["padding_mask"] = pad
-    params = packed_seq_params_for(plan, device if device is not None else "cpu", group)
-    return out, params
+    return out
 
 
 def plan_from_packed_seq_params(params: PackedSeqParams, cp_size: int,
