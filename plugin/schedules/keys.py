@@ -69,12 +69,10 @@ def _simplified(mask: AttnMask, chunk: int | None, left: int, right: int) -> Att
 def _shared(plan: CPPlan, key: TableKey, make: Callable[[], Any]) -> Any:
     """``make()`` once per plan for ``key`` and every key whose mask acts the same
     (:func:`table_mask`): the entry of ``key`` is the simpler mask's entry."""
-    mask = key.mask
-    if mask is None or (mask.chunk_size is None and mask.window_size == (-1, -1)):
-        return plan.cached(key, make)   # the common lookup: nothing to share
-    same = key._replace(mask=table_mask(plan, mask))
-    if same == key:
+    simpler = table_mask(plan, key.mask)
+    if simpler is key.mask:   # the common lookup: nothing to share
         return plan.cached(key, make)
+    same = key._replace(mask=simpler)
     return plan.cached(key, lambda: plan.cached(same, make))
 
 

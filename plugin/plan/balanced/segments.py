@@ -90,8 +90,8 @@ def doc_work(lengths: torch.Tensor, prof: Profile, memo: dict) -> torch.Tensor:
 
 def _excess_fn(lengths: torch.Tensor, prof: Profile, memo: dict) -> tuple[Any, float]:
     """The pair :func:`excess_of` memoizes. The function takes and returns numpy arrays
-    or tensors (numpy inside: the searches of body_split.py call it ~20 times a batch on a
-    few hundred elements, where numpy's per-op cost is a third of torch's)."""
+    (the searches of body_split.py call it ~20 times a batch on a few hundred elements,
+    where numpy's per-op cost is a third of torch's)."""
     vec = torch.empty(lengths.numel(), 1 + len(prof.masks), dtype=torch.float64)
     vec[:, 0] = lengths.to(torch.float64)
     vec[:, 1:] = doc_work(lengths, prof, memo)
@@ -105,12 +105,7 @@ def _excess_fn(lengths: torch.Tensor, prof: Profile, memo: dict) -> tuple[Any, f
                                          - prefix_pairs(dl, a, mask)).astype(np.float64)
         return out
 
-    def excess(a: Any, b: Any, dl: Any) -> Any:
-        if isinstance(a, torch.Tensor):
-            return torch.from_numpy(excess_np(a.numpy(), b.numpy(), dl.numpy()))
-        return excess_np(a, b, dl)
-
-    return excess, float(phi @ vec.sum(0))
+    return excess_np, float(phi @ vec.sum(0))
 
 
 def has_bodies(lengths: torch.Tensor, prof: Profile, cp: int, memo: dict) -> bool:
