@@ -15,7 +15,11 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INT_DTYPES = (torch.int32, torch.int64)
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "torch", "flash", "fa4")
+"""Kernel backends: "auto" (FlashAttention-class kernels on CUDA where a call is exact in
+their form, our Triton kernels for the rest; the PyTorch twin on CPUs), "triton", "torch"
+(our kernels only), "flash" (torch's flash ops where exact), "fa4" (flash-attn-4 where
+exact); our kernels take what FlashAttention cannot express (``kernels.flash``)."""
 MAX_HEAD_DIM = 256
 # Positions are int32 in the kernels, which add windows (clamped to 2**30) to real ones:
 # real positions must stay below 2**30; padding may be any int32 value below 0.
@@ -137,10 +141,12 @@ def check_positions(name: str, pos, total: int, device: torch.device) -> None:
 
 
 def check_backend(backend: str, device: torch.device) -> str:
-    """Resolve 'auto' (triton on CUDA, torch elsewhere) and reject unknown names."""
+    """Our kernels' backend for ``backend`` (reject unknown names): 'auto' and the
+    FlashAttention-class backends run the calls FlashAttention cannot express on Triton on
+    CUDA and on the PyTorch twin elsewhere."""
     if backend not in BACKENDS:
         _fail(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
+    if backend in ("auto", "flash", "fa4"):
         return "triton" if device.type == "cuda" else "torch"
     return backend
 

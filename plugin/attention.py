@@ -47,8 +47,8 @@ from torch import nn
 
 from .checks import check_bool
 from .config import AttnShape
-from .cp_call import (check_flags, check_heads, check_options, check_scale, prepare_call,
-                      run_eager, strategy_for)
+from .cp_call import (check_flags, check_heads, check_options, check_scale, flash_route,
+                      prepare_call, run_eager, strategy_for)
 from .graph_op import graph_call
 from .kernels import SOFTMAX_TYPES, apply_softmax_sink, block_sizes_for
 from .masks import AttnMask
@@ -130,8 +130,10 @@ def prepare_attention(plan: CPPlan, mask: AttnMask, options: AttnOptions, shape:
                                    head_dim_v=shape.value_dim,
                                    dtype_bytes=shape.dtype.itemsize)
     chosen = strategy_for(plan, strategy)
+    route = flash_route(options.backend, device, shape.dtype, shape.n_heads, shape.n_kv_heads,
+                        shape.head_dim, shape.value_dim, shape.lse_grad, shape.row_max)
     chosen.prepare(plan, mask, block, device, cost_shape, options.a2a_size,
-                   options.overlap_stages if chosen.staged else None)
+                   options.overlap_stages if chosen.staged else None, route)
     return "p2p" if strategy == "auto" else strategy
 
 

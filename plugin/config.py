@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from .checks import check_bool, check_int
+from .checks import check_bool, check_choice, check_int
+from .kernels.flash import FLASH_IMPLS
 from .kernels import SOFTMAX_TYPES
 from .kernels.validation import BACKENDS
 from .options import STAGED_STRATEGIES, STRATEGY_NAMES, AttnOptions
@@ -41,8 +42,13 @@ class CPConfig:
     strategy:  how K/V (or heads) move: "p2p" (ring), "all_gather", "a2a" (Ulysses),
                "a2a+p2p", "dispatch" (only the K/V each rank's queries see), or "auto"
                (chosen per plan and mask from closed-form costs).
-    backend:   kernels: "auto" (Triton on CUDA, the PyTorch twin otherwise), "triton",
-               "torch".
+    backend:   kernels: "auto" (on CUDA FlashAttention where a call is exact in its form,
+               FA4 when installed, else torch's flash ops; Triton for the rest; the
+               PyTorch twin on CPUs), "flash" (torch's flash ops where exact), "fa4"
+               (flash-attn-4 where exact), "triton", "torch" (our kernels only).
+    flash_impl: None, "FA3" or "FA4": switch torch's flash ops (backend "flash" / "auto")
+               to FlashAttention 3 or 4 at start-up
+               (``torch.nn.attention.activate_flash_attention_impl``); None keeps FA2.
     a2a_size:  "a2a+p2p" only: Ulysses group size (None: the largest divisor of cp that the
                head counts allow).
     overlap_stages: "dispatch" / "all_gather" (and "auto" when it picks one of them): S
@@ -74,6 +80,7 @@ class CPConfig:
     strategy: str = "p2p"
     layout: str = "balanced"
     backend: str = "auto"
+    flash_impl: str | None = None
     a2a_size: int | None = None
     overlap_stages: int | None = None
     validate: bool = True
@@ -85,6 +92,8 @@ class CPConfig:
 
     def __post_init__(self) -> None:
         self._check_attention()
+        if self.flash_impl is not None:
+            check_choice("flash_impl", self.flash_impl, FLASH_IMPLS)
         self.layout_spec()
         check_bool("prefetch", self.prefetch)
         check_bool("report", self.report)
@@ -120,13 +129,17 @@ class CPConfig:
 @dataclass(frozen=True, kw_only=True)
 class AttnShape:
     """Head counts, head dims and dtype of a model's attention (what tile sizes and the
-    ``auto`` cost model depend on)."""
+    ``auto`` cost model depend on), and the softmax extras its layers use, which decide
+    which calls FlashAttention may take: ``lse_grad`` (attention sinks, or a returned
+    LSE: FA2 / FA3 cannot take its gradient) and ``row_max`` (QK-clip's max logit)."""
 
     n_heads: int
     n_kv_heads: int
     head_dim: int
     head_dim_v: int | None = None
     dtype: torch.dtype = torch.bfloat16
+    lse_grad: bool = False
+    row_max: bool = False
 
     def __post_init__(self) -> None:
         for name in ("n_heads", "n_kv_heads", "head_dim"):
@@ -135,6 +148,8 @@ class AttnShape:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"AttnShape: n_heads={self.n_heads} must be a multiple of "
                              f"n_kv_heads={self.n_kv_heads}")
+        check_bool("AttnShape.lse_grad", self.lse_grad)
+        check_bool("AttnShape.row_max", self.row_max)
         if self.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"AttnShape.dtype must be torch.float16, bfloat16 or float32, "
                              f"got {self.dtype!r}")

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .checks import check_bool
 from .kernels import block_sizes_for, check_softmax_args, resolve_backend
+from .kernels.flash import resolve_flash
 from .kernels.validation import check_qkv
 from .masks import AttnMask
 from .options import AttnOptions
@@ -30,6 +31,7 @@ from .plan import CPPlan
 from .plan.agreement import agree_on_plan
 from .plan.collective import check_group_type
 from .schedules.auto import choose_strategy
+from .schedules.flash_form import FlashRoute
 from .strategies import LOCAL, CallSpec, Strategy, get_strategy
 from .strategies.calls import Attn
 
@@ -106,6 +108,20 @@ def resolve_group(group: Any, plan: CPPlan) -> Any:
     return group
 
 
+def flash_route(backend: str, device: torch.device, dtype: torch.dtype, n_heads: int,
+                n_kv_heads: int, head_dim: int, head_dim_v: int, need_lse: bool,
+                need_max: bool) -> FlashRoute | None:
+    """The FlashAttention-class backend of a layer's calls (``kernels.flash.resolve_flash``)
+    and the row sizes its tables weigh gathers with; None: our kernels only. The same
+    resolution ahead of the step (``prepare_attention``) and per call."""
+    name, _ = resolve_flash(backend, device, dtype, head_dim, head_dim_v, need_lse, need_max)
+    if name is None:
+        return None
+    size = torch.empty((), dtype=dtype).element_size()
+    return FlashRoute(name, n_heads * (head_dim + head_dim_v) * size,
+                      n_kv_heads * (head_dim + head_dim_v) * size)
+
+
 def strategy_for(plan: CPPlan, strategy: str) -> Strategy:
     return LOCAL if plan.cp_size == 1 else get_strategy(strategy)
 
@@ -144,8 +160,10 @@ def prepare_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any, m
         if options.validate:  # on the host, and a no-op when the step's sharding checked it
             agree_on_plan(plan, group)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    route = flash_route(options.backend, q.device, q.dtype, q.shape[1], k.shape[1],
+                        q.shape[2], v.shape[2], need_lse, need_max)
     spec = CallSpec(plan, Attn(mask, scale, backend), group, block, need_lse, need_max,
-                    options)
+                    options, route)
     return strategy_for(plan, strategy), spec
 
 

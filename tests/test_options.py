@@ -83,8 +83,8 @@ def test_cpconfig_keys_and_composition() -> None:
     """Same keys as before the split (the TOML surface), and the two objects it composes
     carry exactly its values; its rules are theirs."""
     assert [f.name for f in dataclasses.fields(CPConfig)] == [
-        "strategy", "layout", "backend", "a2a_size", "overlap_stages", "validate",
-        "min_chunk_tokens", "tile_tokens", "pad_multiple", "prefetch", "report"]
+        "strategy", "layout", "backend", "flash_impl", "a2a_size", "overlap_stages",
+        "validate", "min_chunk_tokens", "tile_tokens", "pad_multiple", "prefetch", "report"]
     cfg = CPConfig(strategy="a2a+p2p", a2a_size=2, backend="torch", validate=False,
                    layout="dual_chunk", min_chunk_tokens=8)
     assert cfg.attn_options == AttnOptions(strategy="a2a+p2p", a2a_size=2, backend="torch",
@@ -143,3 +143,12 @@ def test_old_keywords_map_onto_the_options() -> None:
         ContextParallelVarlenAttention(mask, {"strategy": "p2p"})
     with pytest.raises(TypeError):   # positions after group are keywords now
         ContextParallelVarlenAttention(mask, "p2p", None, "torch")
+
+
+def test_flash_impl_is_checked_when_the_config_is_built() -> None:
+    """``flash_impl``: None, "FA3" or "FA4"; anything else names the key and the value."""
+    assert CPConfig(flash_impl="FA4").flash_impl == "FA4"
+    assert CPConfig().flash_impl is None
+    for bad in ("fa3", "FA2", 3):
+        with pytest.raises(ValueError, match=r"flash_impl must be one of \('FA3', 'FA4'\)"):
+            CPConfig(flash_impl=bad)

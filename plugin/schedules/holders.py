@@ -21,6 +21,7 @@ from ..kernels.host_copy import to_device
 from ..kernels.schedule import work_lists
 from ..masks import AttnMask
 from ..plan import CPPlan
+from .flash_form import FlashForm, FlashRoute, flash_forms, query_pieces
 from .keys import host_table, table_key
 
 
@@ -125,6 +126,15 @@ class HolderSet:
         if self._padding is not None:
             keys[self._padding] += _PAD_KEY - pos[self._padding]
         return keys
+
+    def pieces(self, h: int, chunk: int) -> tuple[np.ndarray, ...]:
+        """Holder ``h``'s runs of consecutive positions, cut at chunk edges
+        (``flash_form.query_pieces``; rows relative to the holder), cached per chunk."""
+        cache = self.__dict__.setdefault("_pieces", {})
+        if (h, chunk) not in cache:
+            cu, pos, offsets = self._arrays
+            cache[h, chunk] = query_pieces(cu[h], pos[offsets[h]:offsets[h + 1]], chunk)
+        return cache[h, chunk]
 
     def first_row(self, holder: np.ndarray, seg: np.ndarray) -> np.ndarray:
         """Row in ``pos`` of the first token of (holder, segment)."""
@@ -269,15 +279,33 @@ def rank_set(plan: CPPlan) -> HolderSet:
                                         plan.max_local_seqlens()))
 
 
+def call_forms(qset: HolderSet, q: int, kset: HolderSet, ks: list[int], mask: AttnMask,
+               route: FlashRoute) -> list[FlashForm | None]:
+    """FlashAttention's form of each call (holder ``q`` of ``qset``) x (holder k of
+    ``kset``), None where it is not exact (``flash_form``), all calls at once."""
+    cu, pos, offsets = qset._arrays
+    _, k_pos, k_off = kset._arrays
+    ranges = [(k, int(k_off[k]), int(k_off[k + 1] - k_off[k])) for k in ks]
+    return flash_forms(cu[q], pos[offsets[q]:offsets[q + 1]],
+                       qset.pieces(q, mask.chunk_size or 0), kset.keys, k_pos, ranges,
+                       kset.n_seg, mask, route)
+
+
 def set_calls(qset: HolderSet, q: int, kset: HolderSet, ks: list[int], mask: AttnMask,
-              block: tuple[int, int]) -> list[KernelCall]:
-    """The calls (holder ``q`` of ``qset``) x (each holder of ``kset`` in ``ks``), their
-    schedules computed together (:func:`call_schedules`)."""
+              block: tuple[int, int], route: FlashRoute | None = None) -> list[KernelCall]:
+    """The calls (holder ``q`` of ``qset``) x (each holder of ``kset`` in ``ks``): with a
+    ``route``, in FlashAttention's form wherever it is exact (:func:`call_forms`); the
+    others' tile schedules computed together (:func:`call_schedules`)."""
     qh = qset.holder(q)
+    forms = call_forms(qset, q, kset, ks, mask, route) if route else [None] * len(ks)
+    rest = [k for k, form in zip(ks, forms) if form is None]
+    schedules = iter(call_schedules(qset, q, kset, rest, mask, block) if rest else [])
     out = []
-    for k, sched in zip(ks, call_schedules(qset, q, kset, ks, mask, block)):
+    for k, form in zip(ks, forms):
         kh = kset.holder(k)
-        out.append(KernelCall(qh.cu, kh.cu, qh.max_len, kh.max_len, qh.pos, kh.pos, sched))
+        sched = next(schedules) if form is None else None
+        out.append(KernelCall(qh.cu, kh.cu, qh.max_len, kh.max_len, qh.pos, kh.pos, sched,
+                              form))
     return out
 
 
@@ -299,7 +327,9 @@ def holder_from_counts(doc, pos, n_docs: int) -> Holder:
 
 @dataclass(frozen=True)
 class KernelCall:
-    """Everything but the tensors of one varlen kernel call (host or device copies)."""
+    """Everything but the tensors of one varlen kernel call (host or device copies): the
+    call on positions (our kernels: cu_seqlens, positions and a tile schedule) or, where
+    it is exact, the same call in FlashAttention's form (``flash``; then no schedule)."""
 
     cu_q: torch.Tensor
     cu_k: torch.Tensor
@@ -307,15 +337,20 @@ class KernelCall:
     max_k: int
     q_pos: torch.Tensor
     k_pos: torch.Tensor
-    schedule: BlockSchedule
+    schedule: BlockSchedule | None
+    flash: FlashForm | None = None
 
     @property
     def visited_pairs(self) -> int:
-        return self.schedule.visited_pairs
+        """Pairs the kernels compute: the tiles' (ours) or the visible ones (FA)."""
+        return self.flash.pairs if self.flash is not None else self.schedule.visited_pairs
 
     def to(self, device: torch.device) -> "KernelCall":
-        """Copy the tables (the schedule's included) to ``device`` once, without a sync: one
-        non_blocking copy from a pinned, reused staging buffer (``to_device``)."""
+        """Copy the tables (the schedule's or the FA form's) to ``device`` once, without a
+        sync: one non_blocking copy from a pinned, reused staging buffer (``to_device``)."""
+        if self.flash is not None:   # FlashAttention reads its own tables only
+            return KernelCall(self.cu_q, self.cu_k, self.max_q, self.max_k, self.q_pos,
+                              self.k_pos, None, self.flash.to(device))
         s = self.schedule
         cu_q, cu_k, q_pos, k_pos, *tables = to_device(
             [self.cu_q, self.cu_k, self.q_pos, self.k_pos, *s.tables()], device)
@@ -329,7 +364,8 @@ def block_schedule(q: Holder, k: Holder, mask: AttnMask, block: tuple[int, int]
     return call_schedules(q.as_set, 0, k.as_set, [0], mask, block)[0]
 
 
-def kernel_call(q: Holder, k: Holder, mask: AttnMask, block: tuple[int, int]) -> KernelCall:
-    """Host tables (and tile schedule) of the call ``q`` holder x ``k`` holder."""
-    return KernelCall(q.cu, k.cu, q.max_len, k.max_len, q.pos, k.pos,
-                      block_schedule(q, k, mask, block))
+def kernel_call(q: Holder, k: Holder, mask: AttnMask, block: tuple[int, int],
+                route: FlashRoute | None = None) -> KernelCall:
+    """Host tables (FA form where exact with a ``route``, else the tile schedule) of the
+    call ``q`` holder x ``k`` holder."""
+    return set_calls(q.as_set, 0, k.as_set, [0], mask, block, route)[0]

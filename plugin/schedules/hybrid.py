@@ -7,6 +7,7 @@ import torch
 
 from ..masks import AttnMask
 from ..plan import CPPlan
+from .flash_form import FlashRoute
 from .holders import HolderSet
 from .keys import cached_table, host_table, table_key
 from .ring import RingTables, ring_tables
@@ -48,11 +49,12 @@ def group_visibility(plan: CPPlan, mask: AttnMask, size: int) -> torch.Tensor:
 
 
 def hybrid_ring_tables(plan: CPPlan, mask: AttnMask, size: int, group_index: int,
-                       block: tuple[int, int], device: torch.device | str | None = None
-                       ) -> RingTables:
+                       block: tuple[int, int], device: torch.device | str | None = None,
+                       route: FlashRoute | None = None) -> RingTables:
     """Ring tables of group ``group_index`` in the ring of groups, on the host or copied to
-    ``device`` (cached)."""
-    return cached_table(plan, table_key("hybrid_ring", mask, block, size, group_index),
+    ``device`` (cached); FA forms where exact with a ``route``."""
+    return cached_table(plan, table_key("hybrid_ring", mask, block, size, group_index,
+                                      route=route),
                         lambda: ring_tables(group_holders(plan, size),
                                             group_visibility(plan, mask, size), group_index,
-                                            mask, block), device)
+                                            mask, block, route), device)

@@ -26,18 +26,21 @@ from ..plan import CPPlan
 
 class TableKey(NamedTuple):
     """kind: which table ("ring", "dispatch", ...); mask and block when it depends on them;
-    extra: anything else it depends on (rank, group size, ...)."""
+    extra: anything else it depends on (rank, group size, ...); route: the FlashAttention
+    route its calls were planned for (None: our kernels only)."""
 
     kind: str
     mask: AttnMask | None
     block: tuple[int, int] | None
     extra: tuple
     device: str | None = None
+    route: Any = None
 
 
 def table_key(kind: str, mask: AttnMask | None = None, block: tuple[int, int] | None = None,
-              *extra: Any) -> TableKey:
-    return TableKey(kind, mask, None if block is None else tuple(block), tuple(extra))
+              *extra: Any, route: Any = None) -> TableKey:
+    return TableKey(kind, mask, None if block is None else tuple(block), tuple(extra),
+                    route=route)
 
 
 def table_mask(plan: CPPlan, mask: AttnMask | None) -> AttnMask | None:

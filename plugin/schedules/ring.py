@@ -19,6 +19,7 @@ import torch
 
 from ..masks import AttnMask
 from ..plan import CPPlan
+from .flash_form import FlashRoute
 from .holders import HolderSet, KernelCall, rank_set, set_calls
 from .keys import cached_table, table_key
 from .selected import fetch_counts
@@ -53,9 +54,9 @@ class RingTables:
 
 
 def ring_tables(holders: HolderSet, vis: torch.Tensor, index: int, mask: AttnMask,
-                block: tuple[int, int]) -> RingTables:
-    """Host tables of ring position ``index`` (schedules for its non-empty steps only, all
-    computed together)."""
+                block: tuple[int, int], route: FlashRoute | None = None) -> RingTables:
+    """Host tables of ring position ``index`` (schedules, or FA forms with a ``route``,
+    for its non-empty steps only, all computed together)."""
     size = len(holders.max_len)
     n_steps = ring_length(vis)
     t = torch.arange(n_steps)
@@ -65,7 +66,7 @@ def ring_tables(holders: HolderSet, vis: torch.Tensor, index: int, mask: AttnMas
     incoming = ((vis[(index + t) % size, index] > 0) & (t > 0)).tolist()
     steps = [s for s in range(n_steps) if mine[s]]
     made = dict(zip(steps, set_calls(holders, index, holders, [src[s] for s in steps],
-                                     mask, block)))
+                                     mask, block, route)))
     sizes = (holders.offsets[1:] - holders.offsets[:-1]).tolist()
     return RingTables(n_steps, tuple(sizes), tuple(made.get(s) for s in range(n_steps)),
                       tuple(incoming))
@@ -89,9 +90,10 @@ def rank_visibility(plan: CPPlan, mask: AttnMask) -> torch.Tensor:
 
 
 def p2p_tables(plan: CPPlan, mask: AttnMask, block: tuple[int, int], rank: int,
-               device: torch.device | str | None = None) -> RingTables:
+               device: torch.device | str | None = None,
+               route: FlashRoute | None = None) -> RingTables:
     """Ring tables of ``rank`` for the ring of all ranks, on the host or copied to
-    ``device`` (cached)."""
-    return cached_table(plan, table_key("p2p", mask, block, rank),
+    ``device`` (cached); FA forms where exact with a ``route``."""
+    return cached_table(plan, table_key("p2p", mask, block, rank, route=route),
                         lambda: ring_tables(rank_set(plan), rank_visibility(plan, mask),
-                                            rank, mask, block), device)
+                                            rank, mask, block, route), device)

@@ -19,6 +19,7 @@ import torch
 from ..kernels.host_copy import to_device
 from ..masks import AttnMask
 from ..plan import CPPlan
+from .flash_form import FlashRoute
 from .holders import Holder, KernelCall, holder_from_counts, kernel_call
 from .keys import cached_table, table_key
 
@@ -67,13 +68,15 @@ def ulysses_tables(plan: CPPlan, members: tuple[int, ...],
 
 
 def group_call(plan: CPPlan, members: tuple[int, ...], mask: AttnMask,
-               block: tuple[int, int], device: torch.device | str | None = None
-               ) -> KernelCall | None:
+               block: tuple[int, int], device: torch.device | str | None = None,
+               route: FlashRoute | None = None) -> KernelCall | None:
     """The local call over the group's merged tokens (on the host or copied to
-    ``device``, cached); None when nothing is visible."""
+    ``device``, cached; FA form with a ``route``: whole documents always have one); None
+    when nothing is visible."""
     def build() -> KernelCall | None:
         h = ulysses_tables(plan, members).holder
         any_real = bool((h.pos >= 0).any()) if h.n_tokens else False
-        return kernel_call(h, h, mask, block) if any_real else None
-    return cached_table(plan, table_key("ulysses_call", mask, block, tuple(members)), build,
-                        device)
+        return kernel_call(h, h, mask, block, route) if any_real else None
+    return cached_table(plan, table_key("ulysses_call", mask, block, tuple(members),
+                                          route=route),
+                        build, device)

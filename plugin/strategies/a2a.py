@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ..masks import AttnMask
 from ..plan import CPPlan
+from ..schedules.flash_form import FlashRoute
 from ..schedules.shape import Shape, kv_heads_per_rank
 from ..schedules.hybrid import heads_fit
 from ..schedules.ulysses import UlyssesTables, group_call, ulysses_tables
@@ -115,7 +116,7 @@ class LocalSpec(UlyssesSpec):
 
     def _call(self, device: torch.device):
         plan, mask, block = self.call.plan, self.call.attn.mask, self.call.block
-        return group_call(plan, self.members, mask, block, device)
+        return group_call(plan, self.members, mask, block, device, self.call.route)
 
     def core_fwd(self, q, k, v, device, need_max):
         call = self._call(device)
@@ -225,11 +226,11 @@ class A2A(Strategy):
 
     def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
                 device: torch.device, shape: Shape, a2a_size: int | None = None,
-                overlap_stages: int | None = None) -> None:
+                overlap_stages: int | None = None, route: FlashRoute | None = None) -> None:
         spec = LocalSpec(CallSpec(plan, None, None, block), None, plan.cp_size,
                          tuple(range(plan.cp_size)))
         spec.tables(device)
-        group_call(plan, spec.members, mask, block, device)
+        group_call(plan, spec.members, mask, block, device, route)
 
     def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
                  ) -> tuple[type[torch.autograd.Function], tuple]:

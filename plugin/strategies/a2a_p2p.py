@@ -34,6 +34,7 @@ from ..checks import is_int
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..plan.collective import group_timeout
+from ..schedules.flash_form import FlashRoute
 from ..schedules.shape import Shape
 from ..schedules.hybrid import default_a2a_size, group_members, hybrid_ring_tables
 from ..schedules.ulysses import ulysses_tables
@@ -98,7 +99,7 @@ class HybridSpec(UlyssesSpec):
         call, size = self.call, self.size
         plan, mask, block = call.plan, call.attn.mask, call.block
         g, index = divmod(plan.cp_rank, size)
-        tables = hybrid_ring_tables(plan, mask, size, g, block, device)
+        tables = hybrid_ring_tables(plan, mask, size, g, block, device, call.route)
         # The ring joins the members holding the same head slice: index ``index`` of every
         # group.
         peers = tuple(global_rank(self.cp_group, gg * size + index)
@@ -138,16 +139,16 @@ class A2AP2P(Strategy):
 
     def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
                 device: torch.device, shape: Shape, a2a_size: int | None = None,
-                overlap_stages: int | None = None) -> None:
+                overlap_stages: int | None = None, route: FlashRoute | None = None) -> None:
         size = self._size(plan, shape.n_heads, shape.n_kv_heads, a2a_size)
         if size == 1:
-            return P2P().prepare(plan, mask, block, device, shape)
+            return P2P().prepare(plan, mask, block, device, shape, route=route)
         if size == plan.cp_size:
-            return A2A().prepare(plan, mask, block, device, shape)
+            return A2A().prepare(plan, mask, block, device, shape, route=route)
         g = plan.cp_rank // size
         members = group_members(plan.cp_rank, size)
         ulysses_tables(plan, members, device)
-        hybrid_ring_tables(plan, mask, size, g, block, device)
+        hybrid_ring_tables(plan, mask, size, g, block, device, route)
 
     def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
                  ) -> tuple[type[torch.autograd.Function], tuple]:

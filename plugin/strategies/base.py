@@ -5,7 +5,8 @@ with:
 - ``check_heads(n_heads, n_kv_heads, cp_size, a2a_size)``: ValueError when the head counts
   (or the option) do not suit it; run by ``varlen_cp.attention`` at every cp, before any
   communication;
-- ``prepare(plan, mask, block, device, shape, a2a_size)``: build and cache in the plan every
+- ``prepare(plan, mask, block, device, shape, a2a_size, overlap_stages, route)``: build and
+  cache in the plan every
   host table its ``attention`` will read, and their device copies (``varlen_cp.prepare``
   calls it ahead of the step); staged strategies (``staged``: the catalogue says so;
   dispatch, all_gather) also take ``overlap_stages`` there and read
@@ -37,6 +38,7 @@ from ..masks import AttnMask
 from ..options import AttnOptions
 from ..plan import CPPlan
 from ..schedules import catalogue
+from ..schedules.flash_form import FlashRoute
 from ..schedules.shape import Shape, make_shape
 from .calls import Attn, maybe_max
 
@@ -53,6 +55,7 @@ class CallSpec:
     need_lse: bool = True
     need_max: bool = False
     options: AttnOptions = AttnOptions()
+    route: FlashRoute | None = None  # FlashAttention for the calls it can express exactly
 
 
 class Strategy(ABC):
@@ -73,8 +76,9 @@ class Strategy(ABC):
     @abstractmethod
     def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
                 device: torch.device, shape: Shape, a2a_size: int | None = None,
-                overlap_stages: int | None = None) -> None:
-        """Build and cache this rank's host tables and their ``device`` copies."""
+                overlap_stages: int | None = None, route: FlashRoute | None = None) -> None:
+        """Build and cache this rank's host tables and their ``device`` copies (calls in
+        FlashAttention's form where exact, with a ``route``)."""
 
     @abstractmethod
     def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec

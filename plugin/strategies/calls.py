@@ -2,10 +2,12 @@
 LSE-gradient conventions, and flat message packing.
 
 ``Attn`` holds the constants of one ``cp_varlen_attn`` call (mask, scale, backend) and runs
-one kernel call of a strategy on its host-built ``KernelCall`` tables. The inputs were
-validated once by ``varlen_cp.attention`` and the tables are built by the plan's schedules,
-so the per-step calls go through the kernels' unchecked entry: no argument check, no host
-sync, no device copy per ring step or per layer.
+one kernel call of a strategy on its host-built ``KernelCall`` tables: on FlashAttention
+when the tables hold its form (``KernelCall.flash``: one or a few FA calls, merged by LSE;
+gathered keys' gradients summed back in rounds of unique rows), else on our kernels. The
+inputs were validated once by ``varlen_cp.attention`` and the tables are built by the
+plan's schedules, so the per-step calls go through the kernels' unchecked entries: no
+argument check, no host sync, no device copy per ring step or per layer.
 """
 
 from __future__ import annotations
@@ -16,15 +18,43 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..kernels import max_logit_of, varlen_bwd_stats, varlen_bwd_unchecked, varlen_fwd_unchecked
+from ..kernels import (max_logit_of, merge_attn_partials_, varlen_bwd_stats,
+                       varlen_bwd_unchecked, varlen_fwd_unchecked)
+from ..kernels.flash import backward_lse, flash_bwd, flash_fwd
 from ..masks import AttnMask
+from ..schedules.flash_form import FlashForm
 from ..schedules.holders import KernelCall
+
+
+class BwdStats:
+    """The per-row terms a layer's backward calls share, made on first use (once per
+    layer): our kernels' (delta, base-2 LSE) and the LSE FlashAttention is handed."""
+
+    def __init__(self, attn: "Attn", dout: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, dlse: torch.Tensor | None) -> None:
+        self._args = (attn, dout, out, lse, dlse)
+        self._kernel: torch.Tensor | None = None
+        self._flash: torch.Tensor | None = None
+
+    @property
+    def kernel(self) -> torch.Tensor:
+        if self._kernel is None:
+            attn, dout, out, lse, dlse = self._args
+            self._kernel = varlen_bwd_stats(dout, out, lse, dlse, attn.backend)
+        return self._kernel
+
+    @property
+    def flash_lse(self) -> torch.Tensor:
+        if self._flash is None:
+            self._flash = backward_lse(self._args[3])
+        return self._flash
 
 
 @dataclass(frozen=True)
 class Attn:
     """The per-call constants every kernel invocation of a strategy shares.
-    ``backend``: resolved ("triton" or "torch")."""
+    ``backend``: our kernels', resolved ("triton" or "torch"), for the calls without a
+    FlashAttention form (the form names its own backend)."""
 
     mask: AttnMask
     scale: float
@@ -33,7 +63,11 @@ class Attn:
     def fwd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: KernelCall,
             need_max: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(out, lse, row_max): row_max fp32 [Hq, Tq] when ``need_max``, else None."""
+        """(out, lse, row_max): row_max fp32 [Hq, Tq] when ``need_max``, else None (FA
+        forms are only planned without it)."""
+        if c.flash is not None:
+            out, lse = flash_forward(c.flash, q, k, v, self.scale)
+            return out, lse, None
         causal, wl, wr, chunk = self.mask.params
         return varlen_fwd_unchecked(q, k, v, c.cu_q, c.cu_k, c.max_q, c.max_k, self.scale,
                                     causal, wl, wr, chunk, c.q_pos, c.k_pos, self.backend,
@@ -41,20 +75,72 @@ class Attn:
 
     def bwd(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out: torch.Tensor, lse: torch.Tensor, c: KernelCall,
-            dlse: torch.Tensor | None = None, stats: torch.Tensor | None = None
+            dlse: torch.Tensor | None = None, stats: BwdStats | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This call's (dq, dk, dv) given the FINAL out/lse and their gradients.
         ``stats``: :meth:`bwd_stats` of the same dout, out, lse, dlse (None: made here)."""
+        stats = stats if stats is not None else BwdStats(self, dout, out, lse, dlse)
+        if c.flash is not None:
+            return flash_backward(c.flash, dout, q, k, v, out, stats.flash_lse, self.scale,
+                                  dlse)
         causal, wl, wr, chunk = self.mask.params
         return varlen_bwd_unchecked(dout, q, k, v, out, lse, dlse, c.cu_q, c.cu_k, c.max_q,
                                     c.max_k, self.scale, causal, wl, wr, chunk, c.q_pos,
-                                    c.k_pos, self.backend, c.schedule, stats)
+                                    c.k_pos, self.backend, c.schedule, stats.kernel)
 
     def bwd_stats(self, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                  dlse: torch.Tensor | None = None) -> torch.Tensor:
-        """The backward's per-row terms (delta, base-2 LSE) of the FINAL out/lse: the same
-        for every step of a layer's backward, so computed once and passed to :meth:`bwd`."""
-        return varlen_bwd_stats(dout, out, lse, dlse, self.backend)
+                  dlse: torch.Tensor | None = None) -> BwdStats:
+        """The backward's per-row terms of the FINAL out/lse: the same for every step of a
+        layer's backward, so made once (on first use) and passed to :meth:`bwd`."""
+        return BwdStats(self, dout, out, lse, dlse)
+
+
+def _keys(call, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key buffer of one FA call: the call's K/V, or the rows it gathers."""
+    if call.k_index is None:
+        return k, v
+    return k.index_select(0, call.k_index), v.index_select(0, call.k_index)
+
+
+def flash_forward(form: FlashForm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out in q's dtype, lse) of a kernel call in FlashAttention's form: its calls'
+    partials merged by LSE (in fp32, then cast once)."""
+    out = lse = None
+    for call in form.calls:
+        k_c, v_c = _keys(call, k, v)
+        o, l = flash_fwd(form.backend, q, k_c, v_c, call.cu_q, call.cu_k, call.max_q,
+                         call.max_k, scale, call.window)
+        out, lse = (o, l) if out is None else merge_attn_partials_(out, lse, o, l)
+    if out is None:  # nothing visible
+        out, lse, _ = empty_attn(q, v.shape[2], False)
+    return out.to(q.dtype), lse
+
+
+def flash_backward(form: FlashForm, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float,
+                   dlse: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of a kernel call in FlashAttention's form, given the FINAL out and
+    the LSE as FA's backward takes it (``BwdStats.flash_lse``); gathered keys' gradients
+    summed back in rounds of unique rows; several calls' in fp32."""
+    several = len(form.calls) > 1
+    dq = dk = dv = None
+    for call in form.calls:
+        k_c, v_c = _keys(call, k, v)
+        dq_c, dk_c, dv_c = flash_bwd(form.backend, dout, q, k_c, v_c, out, lse, call.cu_q,
+                                     call.cu_k, call.max_q, call.max_k, scale, call.window,
+                                     dlse)
+        if call.k_index is not None:
+            dk_c = call.k_rounds.add_(k.new_zeros(k.shape, dtype=torch.float32), dk_c.float())
+            dv_c = call.k_rounds.add_(v.new_zeros(v.shape, dtype=torch.float32), dv_c.float())
+        if dq is None:
+            dq, dk, dv = ((x.float() if several else x) for x in (dq_c, dk_c, dv_c))
+        else:
+            dq, dk, dv = dq.add_(dq_c), dk.add_(dk_c), dv.add_(dv_c)
+    if dq is None:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def empty_attn(q: torch.Tensor, dv: int, need_max: bool

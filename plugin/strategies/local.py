@@ -12,6 +12,7 @@ import torch
 from ..kernels import max_logit_of
 from ..masks import AttnMask
 from ..plan import CPPlan
+from ..schedules.flash_form import FlashRoute
 from ..schedules.shape import Shape
 from ..schedules.holders import KernelCall
 from ..schedules.local import local_call
@@ -20,8 +21,8 @@ from .calls import dlse_or_none, no_max
 
 
 def _local_call(plan: CPPlan, mask: AttnMask, block: tuple[int, int],
-                device: torch.device) -> KernelCall:
-    return local_call(plan, mask, block, device)
+                device: torch.device, route: FlashRoute | None) -> KernelCall:
+    return local_call(plan, mask, block, device, route)
 
 
 class LocalAttention(torch.autograd.Function):
@@ -30,7 +31,7 @@ class LocalAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, spec: CallSpec):
-        c = _local_call(spec.plan, spec.attn.mask, spec.block, q.device)
+        c = _local_call(spec.plan, spec.attn.mask, spec.block, q.device, spec.route)
         out, lse, row_max = spec.attn.fwd(q, k, v, c, spec.need_max)
         max_part = max_logit_of(row_max) if spec.need_max else no_max(q.device)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -44,7 +45,7 @@ class LocalAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         spec = ctx.spec
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        c = _local_call(spec.plan, spec.attn.mask, spec.block, q.device)
+        c = _local_call(spec.plan, spec.attn.mask, spec.block, q.device, spec.route)
         dq, dk, dv = spec.attn.bwd(dout, q, k, v, out, lse, c, dlse_or_none(dlse))
         return dq, dk, dv, None
 
@@ -56,8 +57,8 @@ class Local(Strategy):
 
     def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
                 device: torch.device, shape: Shape, a2a_size: int | None = None,
-                overlap_stages: int | None = None) -> None:
-        _local_call(plan, mask, block, device)
+                overlap_stages: int | None = None, route: FlashRoute | None = None) -> None:
+        _local_call(plan, mask, block, device, route)
 
     def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
                  ) -> tuple[type[torch.autograd.Function], tuple]:

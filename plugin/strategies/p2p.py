@@ -37,6 +37,7 @@ import torch.distributed as dist
 from ..kernels import merge_attn_partials_
 from ..masks import AttnMask
 from ..plan import CPPlan
+from ..schedules.flash_form import FlashRoute
 from ..schedules.shape import Shape
 from ..schedules.ring import RingTables, p2p_tables
 from .base import CallSpec, Strategy
@@ -168,7 +169,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 # ------------------------------------------------------------------------------ strategy
 def _ring(spec: CallSpec, device: torch.device) -> Ring:
     plan, rank, mask = spec.plan, spec.plan.cp_rank, spec.attn.mask
-    tables = p2p_tables(plan, mask, spec.block, rank, device)
+    tables = p2p_tables(plan, mask, spec.block, rank, device, spec.route)
     peers = tuple(global_rank(spec.group, r) for r in range(plan.cp_size))
     return Ring(tables, rank, peers, spec.group)
 
@@ -206,9 +207,9 @@ class P2P(Strategy):
 
     def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
                 device: torch.device, shape: Shape, a2a_size: int | None = None,
-                overlap_stages: int | None = None) -> None:
+                overlap_stages: int | None = None, route: FlashRoute | None = None) -> None:
         rank = plan.cp_rank
-        p2p_tables(plan, mask, block, rank, device)
+        p2p_tables(plan, mask, block, rank, device, route)
 
     def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
                  ) -> tuple[type[torch.autograd.Function], tuple]:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from ..kernels import merge_attn_partials_
 from ..masks import AttnMask
 from ..plan import CPPlan
+from ..schedules.flash_form import FlashRoute
 from ..schedules.shape import Shape, make_shape
 from ..schedules.staged import Stage, StagedTables, resolve_stages, staged_tables
 from .base import CallSpec, Strategy
@@ -217,7 +218,8 @@ class StagedKeysAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, spec: CallSpec, engine: Any, stages: int):
-        tab = tables(spec.plan, spec.attn.mask, spec.block, engine.name, stages, q.device)
+        tab = tables(spec.plan, spec.attn.mask, spec.block, engine.name, stages, q.device,
+                     spec.route)
         out, lse, max_part, fetched = staged_forward(q, k, v, tab, engine.exchange,
                                                      spec.group, spec.attn, spec.need_max)
         # k, v are kept only for the local call (S = 1 keeps its own copy of the local keys)
@@ -237,15 +239,15 @@ class StagedKeysAttention(torch.autograd.Function):
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dq, dk, dv = staged_backward(dout, q, k, v, out, lse, fetched,
                                      tables(spec.plan, spec.attn.mask, spec.block, ctx.name,
-                                            ctx.stages, q.device),
+                                            ctx.stages, q.device, spec.route),
                                      spec.group, spec.attn, dlse_or_none(dlse), ctx.kv)
         return dq, dk, dv, None, None, None
 
 
 def tables(plan: CPPlan, mask: AttnMask, block: tuple[int, int], name: str, stages: int,
-           device: torch.device) -> StagedTables:
+           device: torch.device, route: FlashRoute | None = None) -> StagedTables:
     """This rank's staged tables of strategy ``name`` on ``device`` (built once per plan)."""
-    return staged_tables(name, plan, mask, plan.cp_rank, block, stages, device)
+    return staged_tables(name, plan, mask, plan.cp_rank, block, stages, device, route)
 
 
 class SelectedKeysStrategy(Strategy):
@@ -257,11 +259,11 @@ class SelectedKeysStrategy(Strategy):
 
     def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
                 device: torch.device, shape: Shape, a2a_size: int | None = None,
-                overlap_stages: int | None = None) -> None:
+                overlap_stages: int | None = None, route: FlashRoute | None = None) -> None:
         """Build and cache this rank's staged tables and their ``device`` copy (the stage
         count resolved as ``attention`` will resolve it)."""
         tables(plan, mask, block, self.name,
-               resolve_stages(plan, mask, self.name, shape, overlap_stages), device)
+               resolve_stages(plan, mask, self.name, shape, overlap_stages), device, route)
 
     def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
                  ) -> tuple[type[torch.autograd.Function], tuple]:

@@ -48,6 +48,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ...kernels.flash import activate_flash_impl
 from ...report import TrainingReport
 from ...report.training import stdout_handler
 from .config import MegatronJob, load_config
@@ -196,6 +197,7 @@ def init_distributed(job: MegatronJob) -> torch.device:
 
 def train(job: MegatronJob, *, log_json: str | None = None) -> list[float]:
     """Train ``job.training.steps`` steps; returns the per-step losses (every rank)."""
+    activate_flash_impl(job.options.flash_impl)  # before anything is built
     device = init_distributed(job)
     config = job.transformer_config(use_cpu_initialization=is_cpu_only())
     model = build_model(config, job.options, job.gpt, job.spec_kwargs)

@@ -65,6 +65,7 @@ from torchtitan.trainer import Trainer
 from ...kernels.host_copy import one_to_device
 from ...plan import CPPlan
 from ...plan.cpplan import mark_token_dim
+from ...kernels.flash import activate_flash_impl
 from ...prepare import PlanPrefetcher, build_plan, prepare_plan
 from ...report import TrainingReport, layer_types
 from ...sharding import cu_seqlens_from_positions, shard_packed_batch
@@ -227,6 +228,7 @@ class VarlenCPTrainer(Trainer):
         name = config.model_spec.name
         check_supported(REGISTRY_TO_MODULE.get(name, name), par.context_parallel_degree)
         if vc.enable:
+            activate_flash_impl(vc.flash_impl)   # before the model: a missing package fails here
             install_varlen_cp(config)
         # The Llama 4 style model always has varlen-cp's attention (cp=1 with enable=false).
         self.attn_layers = attention_layers(config.model_spec.model)

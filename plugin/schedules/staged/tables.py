@@ -27,6 +27,7 @@ from ...kernels.host_copy import to_device
 from ...masks import AttnMask
 from ...plan import CPPlan
 from ...plan.runs import run_rows
+from ..flash_form import FlashRoute
 from ..holders import Holder, HolderSet, KernelCall, rank_holder, set_calls
 from ..keys import cached_table, host_table, table_key
 from ..rounds import UniqueRounds
@@ -192,7 +193,7 @@ def _by_owner(runs: KeyRuns, slot: np.ndarray) -> np.ndarray:
 def _assemble(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int], stages: int,
               counts: np.ndarray, fetched: KeyRuns, stage: np.ndarray,
               buffer: np.ndarray, given: KeyRuns, given_stage: np.ndarray,
-              slices: tuple[tuple[int, int], ...]) -> StagedTables:
+              slices: tuple[tuple[int, int], ...], route: FlashRoute | None) -> StagedTables:
     """Tables from the runs both strategies share: the fetched runs (``fetched``, in
     selection order, each within one transfer ``stage``, its first key at receive-buffer
     row ``buffer``) and the given runs (``given``, grouped by destination, in transfer
@@ -230,7 +231,7 @@ def _assemble(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int], s
     with_local = stages > 1 or not parts  # (with nothing to fetch anywhere, it is all)
     holders = [h for h in keys if h is not None] + ([me] if with_local else [])
     calls = iter(set_calls(me.as_set, 0, HolderSet.of(holders), list(range(len(holders))),
-                           mask, block) if holders else [])
+                           mask, block, route) if holders else [])
     built = tuple(Stage(call=None if h is None else next(calls), **fields)
                   for h, fields in zip(keys, parts))
     local_call = next(calls) if with_local else None
@@ -240,7 +241,7 @@ def _assemble(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int], s
 
 
 def _dispatch_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int],
-                     stages: int) -> StagedTables:
+                     stages: int, route: FlashRoute | None) -> StagedTables:
     """Dispatch: each (d, o) list of keys cut into equal transfers (``transfers``)."""
     cp = plan.cp_size
     counts = dispatch_stage_counts(plan, mask, transfers(stages)).numpy()   # [P, d, o]
@@ -262,11 +263,11 @@ def _dispatch_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, 
     grun, gstage, goffset, glength = cut_runs(given.slot, given.length,
                                               dest_begins[given.peer], dest_ends[given.peer])
     return _assemble(plan, mask, rank, block, stages, counts, fetched, stage, buffer,
-                     given.take(grun, goffset, glength), gstage, ())
+                     given.take(grun, goffset, glength), gstage, (), route)
 
 
 def _gather_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int],
-                   stages: int) -> StagedTables:
+                   stages: int, route: FlashRoute | None) -> StagedTables:
     """all_gather: the runs cut at the slices of the owners' padded rows."""
     slices = gather_stage_rows(plan, transfers(stages))
     los = np.array([lo for lo, _ in slices], dtype=np.int64)
@@ -286,14 +287,17 @@ def _gather_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, in
                                               np.broadcast_to(his, (m, his.size)))
     counts = gather_stage_counts(plan, mask, transfers(stages)).numpy()
     return _assemble(plan, mask, rank, block, stages, counts, fetched, stage, buffer,
-                     given.take(grun, goffset, glength), gstage, slices)
+                     given.take(grun, goffset, glength), gstage, slices, route)
 
 
 def staged_tables(name: str, plan: CPPlan, mask: AttnMask, rank: int,
                   block: tuple[int, int], stages: int,
-                  device: torch.device | str | None = None) -> StagedTables:
+                  device: torch.device | str | None = None,
+                  route: FlashRoute | None = None) -> StagedTables:
     """Host tables of ``rank``'s ``name`` call (``dispatch`` or ``all_gather``) with
-    ``stages`` stages, or their copy on ``device`` (cached)."""
+    ``stages`` stages, or their copy on ``device`` (cached); FA forms where exact with a
+    ``route``."""
     build = _dispatch_tables if name == "dispatch" else _gather_tables
-    return cached_table(plan, table_key(f"{name}_staged", mask, block, rank, stages),
-                        lambda: build(plan, mask, rank, block, stages), device)
+    return cached_table(plan, table_key(f"{name}_staged", mask, block, rank, stages,
+                                          route=route),
+                        lambda: build(plan, mask, rank, block, stages, route), device)

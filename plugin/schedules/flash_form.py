@@ -1,0 +1,326 @@
+"""FlashAttention's varlen form of one kernel call, wherever it is exact.
+
+FlashAttention knows only row indices: in a segment of sq query rows and sk key rows, query
+row i sees key row j iff ``i + d - left <= j <= i + d + right`` (d = sk - sq, -1 =
+unbounded, causal = (-1, 0)), one (left, right) per call. Our calls see keys by position
+(``AttnMask`` on each token's position in its document). A call's queries are cut into
+*pieces*, runs of consecutive positions of one document (and one chunk), and each piece
+gets the key rows its queries see, ``[kl, kh]`` (the keys of the union of their intervals).
+Then, with a = the position of row kl and b that of kh, the piece is exact in FA's form iff
+
+- (i) the keys that its queries lose at the left as the position grows, positions
+  ``[a, lo(last query) - 1]``, are all present (no gap: each step drops exactly one row);
+- (ii) the keys that they gain at the right, positions ``[hi(first query) + 1, b]``, are all
+  present (each step adds exactly one row);
+
+after trimming the queries at both ends that see nothing (those go to empty segments). Its
+window is then ``left = sk - 1 - L`` (L = rows the last query no longer sees; -1 when 0)
+and ``right = H - d`` (H = the last row the first query sees; -1 when it is kh): a run of
+queries against a run of keys always qualifies; keys wholly before the queries qualify
+(-1, -1) whatever gaps they have; gaps inside a sliding window do not.
+
+Pieces then merge into segments where the merged segment is still exact: equal key rows and
+no window (one document's pieces seeing the same keys: TransformerEngine's "second half"
+step), or the causal case where the next piece's keys extend the previous piece's by its
+own length (a rank's own pieces against its own keys, in position order). Segments are
+grouped by window: each distinct window is one FlashAttention call (partials merged by
+LSE), and a call whose pieces' key rows overlap (two pieces of one document needing shared
+keys, e.g. both of a rank's dual-chunk pieces against a gathered prefix) either *gathers*
+its keys into a buffer where they do not (``k_index``: an ``index_select``, whose backward
+sums the duplicates in rounds of unique rows: deterministic) or *splits* into calls whose
+key rows do not overlap, whichever moves fewer bytes (``FlashRoute``'s row sizes; the
+gather costs ~3 passes over the duplicated K/V rows, each extra call an output, its merge
+and its dQ/dK/dV). Every call covers every query and key row with a segment (empty ones
+where nothing is seen), since FlashAttention never writes rows outside its segments.
+
+A call with a piece that is not exact, or that would take more than ``MAX_CALLS``
+FlashAttention calls (sliding windows cut by gaps), stays on the Triton kernels.
+All integer math is numpy over pieces (a few per document and call), never per token,
+except the one pass over a holder's positions that finds its pieces (cached per holder).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from ..kernels.host_copy import to_device
+from ..masks import AttnMask
+from .rounds import UniqueRounds
+
+MAX_CALLS = 4
+"""Most FlashAttention calls one of our calls may become (each extra one writes an output
+and merges it); beyond that, the Triton kernels take the call whole."""
+
+_POS_BITS = 32
+_MAX_POS = (1 << _POS_BITS) - 2
+
+
+@dataclass(frozen=True)
+class FlashRoute:
+    """Which FlashAttention-class backend runs a layer's calls, and the row sizes (bytes)
+    that decide between gathering and splitting: a query row's q + out, a key row's K + V."""
+
+    backend: str
+    q_row_bytes: int
+    kv_row_bytes: int
+
+
+@dataclass(frozen=True)
+class FlashCall:
+    """One FlashAttention varlen call (host tensors, or their device copies).
+
+    cu_q / cu_k: int32 [S+1], covering every query row and every row of the key buffer;
+    window: (left, right); k_index: None (the call's K/V as they are) or int64 rows of them
+    that make the key buffer (a gather with duplicates), ``k_rounds`` summing its gradient
+    back; pairs: visible (query, key) pairs it computes."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    window: tuple[int, int]
+    pairs: int
+    k_index: torch.Tensor | None = None
+    k_rounds: UniqueRounds | None = None
+
+    def to(self, device: torch.device) -> "FlashCall":
+        cu_q, cu_k, k_index = to_device([self.cu_q, self.cu_k, self.k_index], device)
+        return replace(self, cu_q=cu_q, cu_k=cu_k, k_index=k_index,
+                       k_rounds=None if self.k_rounds is None else self.k_rounds.to(device))
+
+
+@dataclass(frozen=True)
+class FlashForm:
+    """A kernel call as FlashAttention calls: their partials merge by LSE (one call: none)."""
+
+    backend: str
+    calls: tuple[FlashCall, ...]
+
+    @property
+    def pairs(self) -> int:
+        return sum(c.pairs for c in self.calls)
+
+    def to(self, device: torch.device) -> "FlashForm":
+        return replace(self, calls=tuple(c.to(device) for c in self.calls))
+
+
+# ------------------------------------------------------------------------------ pieces
+def query_pieces(cu: np.ndarray, pos: np.ndarray, chunk: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(segment, first row, rows, first position) of every run of consecutive positions of
+    one segment (and one chunk) among the real rows (position >= 0) of a holder with
+    cu_seqlens ``cu`` and positions ``pos`` (int64 numpy)."""
+    n = pos.size
+    if n == 0:
+        e = np.zeros(0, dtype=np.int64)
+        return e, e, e, e
+    seg = np.repeat(np.arange(cu.size - 1, dtype=np.int64), np.diff(cu))
+    real = pos >= 0
+    brk = np.ones(n + 1, dtype=bool)          # brk[r]: a piece cannot go on from r-1 to r
+    brk[1:n] = (pos[1:] != pos[:-1] + 1) | (seg[1:] != seg[:-1])
+    if chunk:
+        brk[:n] |= pos % chunk == 0
+    brk[:n] |= ~real
+    starts = np.flatnonzero(brk[:n] & real)
+    stops = np.flatnonzero(brk[1:] & real) + 1   # last real row of each piece, + 1
+    return seg[starts], starts, stops - starts, pos[starts]
+
+
+# ------------------------------------------------------------------------------- forms
+def flash_forms(q_cu: np.ndarray, q_pos: np.ndarray, pieces, k_keys: np.ndarray,
+                k_pos: np.ndarray, k_ranges: list[tuple[int, int, int]], n_seg: int,
+                mask: AttnMask, route: FlashRoute) -> list[FlashForm | None]:
+    """The FlashAttention form of each call (queries of one holder x the keys of holder
+    ``k_ranges[i]`` = (holder index, first row, rows) in the sorted key list ``k_keys``
+    ((holder * n_seg + segment) << 32 | position, padding all ones) with positions
+    ``k_pos``), or None where it is not exact. ``pieces``: :func:`query_pieces` of the
+    query holder."""
+    seg, row0, rows, qs = pieces
+    n_calls, m = len(k_ranges), seg.size
+    if n_calls == 0:
+        return []
+    n_q = int(q_pos.size)
+    holder = np.repeat(np.array([h for h, _, _ in k_ranges], dtype=np.int64), m)
+    seg_n, row_n, rows_n, qs_n = (np.tile(x, n_calls) for x in (seg, row0, rows, qs))
+    last = qs_n + rows_n - 1
+    lo, _ = mask.key_interval(qs_n)
+    _, hi = mask.key_interval(last)
+    base = (holder * n_seg + seg_n) << _POS_BITS
+    kl = np.searchsorted(k_keys, base + np.clip(lo, 0, _MAX_POS))
+    kh = np.searchsorted(k_keys, base + np.clip(hi, -1, _MAX_POS), side="right") - 1
+    live = kl <= kh
+    if not k_pos.size:            # no keys at all: every call sees nothing
+        k_pos = np.zeros(1, dtype=np.int64)
+    a = np.where(live, k_pos[np.minimum(kl, k_pos.size - 1)], 0)
+    b = np.where(live, k_pos[np.clip(kh, 0, k_pos.size - 1)], -1)
+    first, _ = mask.query_interval(a)          # the first query that sees key a
+    _, final = mask.query_interval(b)          # the last query that sees key b
+    t0, t1 = np.maximum(qs_n, first), np.minimum(last, final)
+    live &= t0 <= t1
+    x, _ = mask.key_interval(t1)               # the left end of the last query
+    _, y = mask.key_interval(t0)               # the right end of the first query
+    x = np.maximum(x, 0)
+    below_x = np.searchsorted(k_keys, base + np.clip(x, 0, _MAX_POS)) - kl
+    upto_y = np.searchsorted(k_keys, base + np.clip(y, -1, _MAX_POS), side="right") - 1
+    left_lost = np.where(x > a, below_x, 0)                       # L of the last query
+    exact = (x <= a) | (below_x == x - a)                         # (i)
+    exact &= (y >= b) | (kh - upto_y == b - y)                    # (ii)
+    sk, sq = kh - kl + 1, t1 - t0 + 1
+    first_hi = np.where(y >= b, sk - 1, upto_y - kl)              # H of the first query
+    wl, wr = _windows(sk, sq, left_lost, first_hi, mask)
+    pairs = _pairs(sq, sk, wl, wr)
+    q0 = row_n + (t0 - qs_n)
+    out = []
+    for i, (_, k_first, k_rows) in enumerate(k_ranges):
+        s = slice(i * m, (i + 1) * m)
+        keep = live[s]
+        if not exact[s][keep].all():
+            out.append(None)
+            continue
+        out.append(_call_form(seg_n[s][keep], q0[s][keep], sq[s][keep], kl[s][keep] - k_first,
+                              sk[s][keep], wl[s][keep], wr[s][keep], pairs[s][keep], n_q,
+                              k_rows, route))
+    return out
+
+
+def _windows(sk, sq, left_lost, first_hi, mask: AttnMask) -> tuple[np.ndarray, np.ndarray]:
+    """Each piece's (left, right) window. A side that cuts nothing (the last query still
+    sees key row 0; the first already sees the last row) admits any value from sk - 1
+    (left) or sq - 1 (right) on, and -1: it takes the mask's own value when that is one of
+    them, so that the pieces of a call share one window as far as possible (a chunk
+    shorter than the window would otherwise make a call of its own)."""
+    own_left = mask.window_size[0]
+    own_right = 0 if mask.causal else mask.window_size[1]
+    left_free, right_free = left_lost == 0, first_hi >= sk - 1
+    wl = np.where(left_free, np.where((own_left < 0) | (own_left >= sk - 1), own_left, -1),
+                  sk - 1 - left_lost)
+    wr = np.where(right_free, np.where((own_right < 0) | (own_right >= sq - 1), own_right, -1),
+                  first_hi - (sk - sq))
+    return wl, wr
+
+
+def _pairs(sq, sk, wl, wr) -> np.ndarray:
+    """Visible pairs of FA segments (sq x sk, window (wl, wr)) whose every row sees a key
+    (trimmed pieces): row i sees [max(0, i + d - wl), min(sk - 1, i + d + wr)], d = sk - sq,
+    summed in closed form."""
+    d = sk - sq
+    c = d + wr
+    rows = sq * c + sq * (sq - 1) // 2 - _relu_sum(c - (sk - 1), sq)
+    his = np.where(wr < 0, sq * (sk - 1), rows)
+    los = np.where(wl < 0, 0, _relu_sum(d - wl, sq))
+    return (his - los + sq).astype(np.int64)
+
+
+def _relu_sum(c: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """sum over i in [0, n) of max(0, i + c)."""
+    i0 = np.maximum(0, 1 - c)
+    cnt = np.maximum(0, n - i0)
+    return np.where(cnt > 0, cnt * ((i0 + c) + (n - 1 + c)) // 2, 0)
+
+
+def _call_form(seg, q0, sq, k0, sk, wl, wr, pairs, n_q, n_k, route: FlashRoute
+               ) -> FlashForm | None:
+    """Merge one call's exact pieces into segments, group them by window into
+    FlashAttention calls (gathering or splitting overlapping key rows), or None when that
+    takes more than ``MAX_CALLS`` calls."""
+    n = seg.size
+    if n == 0:
+        return FlashForm(route.backend, ())
+    # merge: piece j joins piece j - 1 (same segment, adjacent query rows) when ...
+    adj = np.zeros(n, dtype=bool)
+    adj[1:] = (seg[1:] == seg[:-1]) & (q0[1:] == q0[:-1] + sq[:-1]) & (k0[1:] == k0[:-1])
+    full = (wl == -1) & (wr == -1)
+    causal = (wl == -1) & (wr == 0)
+    join = np.zeros(n, dtype=bool)
+    join[1:] = adj[1:] & (((sk[1:] == sk[:-1]) & full[1:] & full[:-1])            # same keys
+                          | (causal[1:] & causal[:-1] & (sk[1:] - sk[:-1] == sq[1:])))
+    head = np.flatnonzero(~join)
+    group = np.cumsum(~join) - 1
+    q0, k0 = q0[head], k0[head]
+    sq = np.bincount(group, weights=sq).astype(np.int64)
+    tail = np.concatenate([head[1:], [n]]) - 1
+    sk, wl, wr = sk[tail], wl[tail], wr[tail]
+    pairs = np.bincount(group, weights=pairs).astype(np.int64)
+    windows = np.unique(np.stack([wl, wr], axis=1), axis=0)
+    plans = []
+    for w_left, w_right in windows.tolist():
+        sel = (wl == w_left) & (wr == w_right)
+        plans.append(_window_calls(q0[sel], sq[sel], k0[sel], sk[sel], pairs[sel],
+                                   (int(w_left), int(w_right)), n_q, n_k, route))
+    calls = [c for p in plans for c in p]
+    if len(calls) > MAX_CALLS:
+        return None
+    return FlashForm(route.backend, tuple(calls))
+
+
+def _window_calls(q0, sq, k0, sk, pairs, window, n_q, n_k, route: FlashRoute
+                  ) -> list[FlashCall]:
+    """The calls of one window's segments (query rows increasing): one call when their key
+    rows do not overlap, else gathered or split (fewer bytes)."""
+    k1 = k0 + sk
+    reach = np.maximum.accumulate(k1)
+    overlaps = np.zeros(k0.size, dtype=bool)
+    overlaps[1:] = k0[1:] < reach[:-1]
+    if not overlaps.any():
+        return [_call(q0, sq, k0, sk, pairs, window, n_q, n_k)]
+    # split: layer of a segment = how many earlier segments still hold its first key row
+    # (exact for nested or chained ranges; checked, else only gathering is offered)
+    layer = _layers(k0, k1)
+    n_layers = int(layer.max()) + 1 if layer is not None else 0
+    gathered = int(sk.sum())
+    gather_bytes = 3 * gathered * route.kv_row_bytes
+    split_bytes = (n_layers - 1) * (2 * n_q * route.q_row_bytes + 2 * n_k * route.kv_row_bytes)
+    if layer is not None and split_bytes < gather_bytes:
+        return [_call(q0[layer == j], sq[layer == j], k0[layer == j], sk[layer == j],
+                      pairs[layer == j], window, n_q, n_k) for j in range(n_layers)]
+    starts = np.cumsum(sk) - sk
+    from ..plan.runs import run_rows
+    index = run_rows(k0, sk)
+    call = _call(q0, sq, starts, sk, pairs, window, n_q, gathered)
+    return [replace(call, k_index=torch.from_numpy(index.astype(np.int64)),
+                    k_rounds=UniqueRounds.of_runs(k0, sk, index))]
+
+
+def _layers(k0: np.ndarray, k1: np.ndarray) -> np.ndarray | None:
+    """Layer per segment such that no two segments of a layer share key rows, or None when
+    the simple rule fails: a segment's layer is the number of earlier segments that still
+    hold its first key row. (Every j with k1[j] <= k0[i] is earlier than i, as the first
+    rows never decrease and each range is non-empty: one search counts them.) Right for
+    nested ranges (prefixes of one document) and chains; checked."""
+    layer = np.arange(k0.size) - np.searchsorted(np.sort(k1), k0, side="right")
+    for j in range(int(layer.max()) + 1):
+        sel = layer == j
+        a, b = k0[sel], k1[sel]
+        if a.size > 1 and (a[1:] < np.maximum.accumulate(b)[:-1]).any():
+            return None
+    return layer
+
+
+def _call(q0, sq, k0, sk, pairs, window, n_q: int, n_k: int) -> FlashCall:
+    """One call over segments (query rows [q0, q0 + sq) x key rows [k0, k0 + sk), rows
+    increasing, key rows not overlapping), with empty segments over the rows between and
+    after them, so that every row of both buffers is in a segment."""
+    n = q0.size
+    q_gap = q0 - np.concatenate([[0], q0[:-1] + sq[:-1]])
+    k_gap = k0 - np.concatenate([[0], k0[:-1] + sk[:-1]])
+    q_end = n_q - (q0[-1] + sq[-1] if n else 0)
+    k_end = n_k - (k0[-1] + sk[-1] if n else 0)
+    zeros = np.zeros(n, dtype=np.int64)
+    # per segment: (query gap, no keys), (no queries, key gap), (the segment); then tails
+    seq_q = np.stack([q_gap, zeros, sq], axis=1).ravel()
+    seq_k = np.stack([zeros, k_gap, sk], axis=1).ravel()
+    seq_q = np.concatenate([seq_q, [q_end, 0]])
+    seq_k = np.concatenate([seq_k, [0, k_end]])
+    keep = (seq_q > 0) | (seq_k > 0)
+    seq_q, seq_k = seq_q[keep], seq_k[keep]
+    cu_q = np.concatenate([[0], np.cumsum(seq_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(seq_k)]).astype(np.int32)
+    # max_q is a bound, and never 1: FA2 reads max_seqlen_q == 1 with GQA and no window as
+    # "one query per segment" and reshapes q's heads into its rows (seqlenq_ngroups_swapped),
+    # which segments of 0 queries would break
+    return FlashCall(torch.from_numpy(cu_q), torch.from_numpy(cu_k),
+                     max(int(seq_q.max()) if seq_q.size else 0, 2),
+                     int(seq_k.max()) if seq_k.size else 0, window, int(pairs.sum()))
