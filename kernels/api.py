@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from . import environment, validation
+from . import environment, flash, validation
 from .host_copy import one_to_device
 from .schedule import BlockSchedule, build_block_schedule
 from .sink import apply_softmax_sink, check_softmax_args, max_logit_of
@@ -53,6 +53,8 @@ _INTERPRETER_PROBLEM = (environment.interpreter_problem(
 @functools.cache
 def _backend_module(backend: str):
     """(fwd, bwd) of a resolved backend; the twin gets ``check=False`` (validated here)."""
+    if backend in flash.FLASH_IMPL_BACKENDS:
+        return (functools.partial(_flash_fwd, backend), functools.partial(_flash_bwd, backend))
     if backend == "triton":
         from .triton_bwd import triton_bwd
         from .triton_fwd import triton_fwd
@@ -60,6 +62,26 @@ def _backend_module(backend: str):
     from .torch_attn import torch_bwd, torch_fwd
     return (functools.partial(torch_fwd, check=False),
             functools.partial(torch_bwd, check=False))
+
+
+def _flash_fwd(backend, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, wl, wr, chunk,
+               q_pos, k_pos, schedule, return_max=False):
+    """The op's forward on FlashAttention (planned only without positions, chunks, a
+    schedule or the row max: FA's alignment is then the op's own)."""
+    return flash.flash_fwd(backend, q, k, v, cu_q, cu_k, max(max_q, 2), max_k, scale,
+                           (wl, 0 if causal else wr))
+
+
+def _flash_bwd(backend, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, wl,
+               wr, chunk, q_pos, k_pos, schedule, dlse=None, stats=None):
+    """The op's backward on FlashAttention; an LSE gradient that "flash" cannot take
+    goes to our kernels, which need nothing but the same arguments."""
+    if dlse is not None and backend == "flash":
+        _, bwd = _backend_module(validation.check_backend("auto", q.device))
+        return bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, wl, wr,
+                   chunk, q_pos, k_pos, schedule, dlse=dlse)
+    return flash.flash_bwd(backend, dout, q, k, v, out, flash.backward_lse(lse), cu_q, cu_k,
+                           max(max_q, 2), max_k, scale, (wl, 0 if causal else wr), dlse)
 
 
 def resolve_backend(backend: str, device) -> str:
@@ -230,8 +252,11 @@ def _auto_schedule(q, v, cu_q, cu_k, max_q, max_k, mask, q_pos, k_pos, backend):
 
 
 def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-             causal, window_size, chunk_size, q_positions, k_positions, backend, schedule):
-    """Validate everything, then return the custom ops' arguments that follow the tensors."""
+             causal, window_size, chunk_size, q_positions, k_positions, backend, schedule,
+             need_max=False):
+    """Validate everything, then return the custom ops' arguments that follow the tensors.
+    A call without positions, chunks or a schedule is FlashAttention's own call: "auto",
+    "flash" and "fa4" run it there where they can (``flash.resolve_flash``)."""
     validation.check_qkv(q, k, v)
     validation.check_mask_args(window_size, chunk_size, softmax_scale)
     device = q.device
@@ -239,7 +264,12 @@ def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, so
                                           max_seqlen_q, max_seqlen_k, device)
     validation.check_positions("q_positions", q_positions, q.shape[0], device)
     validation.check_positions("k_positions", k_positions, k.shape[0], device)
-    backend = resolve_backend(backend, device)
+    requested, backend = backend, resolve_backend(backend, device)
+    if (q_positions is None and k_positions is None and not chunk_size and schedule is None
+            and requested not in ("triton", "torch")):
+        fa, _ = flash.resolve_flash(requested, device, q.dtype, q.shape[2], v.shape[2],
+                                    need_max=need_max)
+        backend = fa or backend
     validation.check_schedule(schedule, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k)
     mask = (bool(causal), window_size[0], window_size[1], chunk_size or 0)
     if schedule is None and longest is not None:
@@ -272,7 +302,10 @@ def varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     ``k_positions`` (int [total], position within the document, < 2**30; < 0 marks padding
     that sees and is seen by nothing: its q/k/v/dout are never read, so NaN there is
     harmless, and its gradients are 0), or flash-attn's bottom-right alignment when omitted.
-    ``backend``: "auto" (triton for CUDA tensors, torch otherwise), "triton" or "torch".
+    ``backend``: "auto" (CUDA: FlashAttention for calls without positions, chunks, a
+    schedule or the max logit, which are FA's own, else Triton; CPU: torch), "flash" /
+    "fa4" (FlashAttention for such calls, ours for the rest; ``kernels.flash``), "triton"
+    or "torch".
     ``schedule``: an optional host-built ``BlockSchedule`` (block sizes from
     ``block_sizes_for``) that bounds which tiles are visited.
     ``softmax_type``: "vanilla", "off-by-one" (a zero sink logit per head) or "learnable"
@@ -285,7 +318,7 @@ def varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     """
     args = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     softmax_scale, causal, window_size, chunk_size, q_positions, k_positions,
-                    backend, schedule)
+                    backend, schedule, return_max_logit)
     check_softmax_args(softmax_type, sink, q.shape[1], q.device)
     out, lse, row_max = _fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), *args,
                                 bool(return_max_logit))
@@ -305,7 +338,7 @@ def varlen_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     each row (-inf where a row sees nothing). Other arguments as ``varlen_attn``."""
     args = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     softmax_scale, causal, window_size, chunk_size, q_positions, k_positions,
-                    backend, schedule)
+                    backend, schedule, return_max_logit)
     with torch.no_grad():
         out, lse, row_max = _fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), *args,
                                     bool(return_max_logit))

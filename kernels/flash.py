@@ -10,9 +10,9 @@ is right = 0). Which of our calls can be written that way, and how, is decided o
 - "flash": ``torch.ops.aten._flash_attention_forward`` / ``_backward``, called directly
   (same schema in torch 2.11 and 2.14): FlashAttention-2 in every CUDA build of torch,
   FA3 or FA4 once activated with ``torch.nn.attention.activate_flash_attention_impl``
-  (which re-registers these very ops). Not ``torch.nn.attention.varlen.varlen_attn``: it
-  drops the LSE gradient and, on torch 2.14, sends non-causal calls to cuDNN, whose
-  packed-input alignment is top-left. On a CPU tensor the same ops run whatever CPU kernel
+  (which re-registers these very ops). Not through torch's varlen wrapper in
+  ``torch.nn.attention``: it drops the LSE gradient and, on torch 2.14, sends non-causal
+  calls to cuDNN, whose packed-input alignment is top-left. On a CPU tensor the same ops run whatever CPU kernel
   is registered for them (none in torch: the tests register an emulator).
 - "fa4": the ``flash-attn-4`` package (``flash_attn.cute.interface``), called directly;
   it also takes the LSE's gradient (``dlse``).
@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.metadata
 from typing import Optional
 
 import torch
 
-FLASH_BACKENDS = ("flash", "fa4")
+FLASH_IMPL_BACKENDS = ("flash", "fa4")
+"""The backends that run calls in FlashAttention's form (``validation.BACKENDS``' others
+are ours, or "auto")."""
 FA4_VERSION = "4.0.0b36"
 """The flash-attn-4 release this module is written and tested against (``varlen-cp[fa4]``
 pins it; tests/test_flash_backend.py checks its call signatures)."""
@@ -61,16 +62,6 @@ def fa4_interface():
         return importlib.import_module("flash_attn.cute.interface")
     except Exception:  # not installed, or its CUDA libraries missing: not usable here
         return None
-
-
-def fa4_version() -> Optional[str]:
-    """The installed flash-attn-4 version (None: not installed)."""
-    try:
-        return importlib.metadata.version("flash-attn-4")
-    except importlib.metadata.PackageNotFoundError:
-        mod = fa4_interface()
-        return None if mod is None else getattr(importlib.import_module("flash_attn"),
-                                                "__version__", None)
 
 
 def unsupported(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,

@@ -117,7 +117,7 @@ def flash_route(backend: str, device: torch.device, dtype: torch.dtype, n_heads:
     name, _ = resolve_flash(backend, device, dtype, head_dim, head_dim_v, need_lse, need_max)
     if name is None:
         return None
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     return FlashRoute(name, n_heads * (head_dim + head_dim_v) * size,
                       n_kv_heads * (head_dim + head_dim_v) * size)
 

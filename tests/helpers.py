@@ -58,12 +58,12 @@ def small_plan(docs, world, rank, layout, mask=None, tile_tokens=8):
                         layout=layout_spec(layout, **spec))
 
 
-def global_inputs(docs, hq, hkv, seed):
-    """q, k, v and dout of the global batch (fp32)."""
+def global_inputs(docs, hq, hkv, seed, d=D, dv=DV):
+    """q, k, v and dout of the global batch (fp32); head dims ``d`` (q, k) and ``dv``."""
     g = torch.Generator().manual_seed(seed)
     total = sum(docs)
-    return (torch.randn(total, hq, D, generator=g), torch.randn(total, hkv, D, generator=g),
-            torch.randn(total, hkv, DV, generator=g), torch.randn(total, hq, DV, generator=g))
+    return (torch.randn(total, hq, d, generator=g), torch.randn(total, hkv, d, generator=g),
+            torch.randn(total, hkv, dv, generator=g), torch.randn(total, hq, dv, generator=g))
 
 
 def single_device(q, k, v, dout, docs, mask):
@@ -91,15 +91,17 @@ def dense(inputs, docs, mask, dtype, low):
 
 
 def cp_run(rank, world, docs, layout, mask, options: AttnOptions, inputs,
-           dtype=torch.float32, no_host_reads=False):
+           dtype=torch.float32, no_host_reads=False, return_lse=True):
     """CP forward + backward on this rank with ``options`` (an ``AttnOptions``); returns
-    the plan and (out, lse, dq, dk, dv) of the local tokens."""
+    the plan and (out, lse, dq, dk, dv) of the local tokens (lse None without
+    ``return_lse``)."""
     q, k, v, dout = inputs
     plan = small_plan(docs, world, rank, layout, mask)
     ql, kl, vl = (plan.shard(t).to(dtype).requires_grad_() for t in (q, k, v))
     dout_l = plan.shard(dout).to(dtype)
     with forbid_host_reads() if no_host_reads else contextlib.nullcontext():
-        out, lse = cp_varlen_attn(ql, kl, vl, plan, mask, None, options, return_lse=True)
+        res = cp_varlen_attn(ql, kl, vl, plan, mask, None, options, return_lse=return_lse)
+        out, lse = res if return_lse else (res, None)
         out.backward(dout_l)
     return plan, out.detach(), lse, ql.grad, kl.grad, vl.grad
 
@@ -110,7 +112,8 @@ def check_padding(plan, out, lse, grads):
     if not bool(pad.any()):
         return
     assert bool((out[pad] == 0).all()), "padding rows: out must be 0"
-    assert bool(torch.isneginf(lse[:, pad]).all()), "padding rows: lse must be -inf"
+    assert lse is None or bool(torch.isneginf(lse[:, pad]).all()), \
+        "padding rows: lse must be -inf"
     for name, g in zip(("dq", "dk", "dv"), grads):
         assert bool((g[pad] == 0).all()), f"padding rows: {name} must be 0"
 
@@ -118,7 +121,8 @@ def check_padding(plan, out, lse, grads):
 def gather(plan, local):
     """This rank's (out, lse, dq, dk, dv) gathered to the global order on every rank."""
     out, lse, dq, dk, dv = local
-    return (plan.unshard(out.float()), plan.unshard(lse.t().contiguous()).t(),
+    return (plan.unshard(out.float()),
+            None if lse is None else plan.unshard(lse.t().contiguous()).t(),
             plan.unshard(dq.float()), plan.unshard(dk.float()), plan.unshard(dv.float()))
 
 

@@ -9,9 +9,10 @@ launch runs one (strategy, backend) over every layout x mask, both GQA head spli
 forward and backward (flash-attn's tolerance rule: 2x / 3x the error of plain PyTorch in
 bf16 against fp64, plus a floor), and checks that the calls really ran on FlashAttention:
 every call the rank made for causal, full and chunked masks (and the local calls of every
-mask) had an FA form. Then the staged strategies with 2 stages, the softmax extras (a
-learnable sink needs the LSE gradient: "fa4" takes it, "flash" hands such layers to our
-kernels), the max logit (not an FA output: our kernels), and the host-read guard.
+mask) had an FA form. Then the staged strategies with 2 stages at cp 4; a learnable sink
+(its LSE gradient: "fa4" takes it, "flash" plans such layers on our kernels) and the max
+logit (not an FA output: our kernels); the host-read guard on every case after the first;
+and the single-device op, which runs its FlashAttention-shaped calls there.
 """
 
 from __future__ import annotations
@@ -20,10 +21,8 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-import contextlib
-
-from tests.helpers import (DOCS, HEADS, LAYOUTS, MASKS, NAMES, dense, forbid_host_reads,
-                           small_plan)
+from tests.helpers import (DOCS, HEADS, LAYOUTS, MASKS, NAMES, check_padding, cp_run, dense,
+                           gather, global_inputs)
 from varlen_cp import AttnOptions
 
 STRATEGIES = ("p2p", "all_gather", "a2a", "a2a+p2p", "dispatch")
@@ -40,15 +39,6 @@ def _install(backend: str) -> None:
         flash.fa4_interface.cache_clear()
 
 
-def global_inputs(hq, hkv, seed, dv):
-    """q, k, v, dout of the global batch (fp32): head dim 32, V's ``dv`` (torch's flash ops
-    need one head dim; FA4 takes another for V, as MLA has)."""
-    g = torch.Generator().manual_seed(seed)
-    total = sum(DOCS)
-    return (torch.randn(total, hq, 32, generator=g), torch.randn(total, hkv, 32, generator=g),
-            torch.randn(total, hkv, dv, generator=g), torch.randn(total, hq, dv, generator=g))
-
-
 def _check_close(what, got, ref64, plain):
     from tests.reference import assert_close_to_reference
     for name, g, r, p in zip(NAMES, got, ref64, plain):
@@ -58,43 +48,28 @@ def _check_close(what, got, ref64, plain):
         assert_close_to_reference(f"{what} {name}", g, r, p, factor=factor, floor=floor)
 
 
-def _run(rank, world, layout, mask, options, inputs, return_lse, no_host_reads):
-    """CP forward + backward in bf16: (plan, global (out, lse or None, dq, dk, dv)).
-    "flash" runs without returning the LSE: a returned LSE may get a gradient, which FA2
-    / FA3 cannot take, so such layers are planned on our kernels."""
-    from varlen_cp.attention import cp_varlen_attn
-    q, k, v, dout = (t.to(torch.bfloat16) for t in inputs)
-    plan = small_plan(DOCS, world, rank, layout, mask)
-    ql, kl, vl = (plan.shard(t).requires_grad_() for t in (q, k, v))
-    with forbid_host_reads() if no_host_reads else contextlib.nullcontext():
-        res = cp_varlen_attn(ql, kl, vl, plan, mask, None, options, return_lse=return_lse)
-        out, lse = res if return_lse else (res, None)
-        out.backward(plan.shard(dout))
-    pad = plan.token_indices < 0
-    if bool(pad.any()):
-        assert bool((out[pad] == 0).all()) and bool((ql.grad[pad] == 0).all())
-    return plan, (plan.unshard(out.detach().float()),
-                  None if lse is None else plan.unshard(lse.t().contiguous()).t(),
-                  plan.unshard(ql.grad.float()), plan.unshard(kl.grad.float()),
-                  plan.unshard(vl.grad.float()))
-
-
 def grid_worker(rank, world, strategy, backend, stages):
     _install(backend)
     n = used = 0
     for i, (layout, mname) in enumerate((l, m) for l in LAYOUTS for m in MASKS):
         mask = MASKS[mname]
         hq, hkv = HEADS[world][i % 2]
-        inputs = global_inputs(hq, hkv, 300 + i, 32 if backend == "flash" else 16)
+        # torch's flash ops need one head dim; FA4 takes another for V (as MLA has)
+        dv = 32 if backend == "flash" else 16
+        inputs = global_inputs(DOCS, hq, hkv, 300 + i, d=32, dv=dv)
         ref64 = dense(inputs, DOCS, mask, torch.float64, torch.bfloat16)
         plain = dense(inputs, DOCS, mask, torch.bfloat16, torch.bfloat16)
         a2a = 2 if strategy == "a2a+p2p" and world == 4 else None
         options = AttnOptions(strategy=strategy, backend=backend, a2a_size=a2a,
                               overlap_stages=stages, validate=(i == 0))
-        plan, got = _run(rank, world, layout, mask, options, inputs, backend == "fa4",
-                         no_host_reads=(i > 0))
+        # "flash" runs without returning the LSE: a returned LSE may get a gradient, which
+        # FA2 / FA3 cannot take, so such layers are planned on our kernels
+        plan, *local = cp_run(rank, world, DOCS, layout, mask, options,
+                              [t.to(torch.bfloat16) for t in inputs], torch.bfloat16,
+                              no_host_reads=(i > 0), return_lse=backend == "fa4")
+        check_padding(plan, local[0], local[1], local[2:])
         _check_close(f"[{strategy} {backend} cp={world} {layout} {mname} {hq}/{hkv}]",
-                     got, ref64, plain)
+                     gather(plan, local), ref64, plain)
         calls = plan_calls(plan)
         if mname in FA_MASKS:
             off = [c for c in calls if c.flash is None]
@@ -140,3 +115,125 @@ def test_staged_on_flash_attention_cp4(strategy, tmp_path):
     n = len(LAYOUTS) * len(MASKS)
     assert run_distributed(grid_worker, 4, tmp_path, strategy, "flash", 2,
                            timeout_s=600) == [n] * 4
+
+
+# ------------------------------------------------------------------ softmax extras
+EXTRAS_CASES = [("p2p", "dual_chunk", "causal"), ("dispatch", "balanced", "chunk_causal"),
+                ("a2a", "te", "swa")]
+
+
+def _extras_reference(inputs, sink, mask, dtype):
+    """Dense reference with a learnable sink in ``dtype``: (out, lse, dq, dk, dv, dsink)
+    of the loss sum(out * dout), and the row max of the scaled visible scores."""
+    from tests.helpers import cu
+    from tests.reference import reference_attn
+    q, k, v = (t.to(dtype).clone().requires_grad_() for t in inputs[:3])
+    s = sink.clone().requires_grad_()
+    c = cu(DOCS)
+    out, lse, row_max = reference_attn(q, k, v, c, c, causal=mask.causal,
+                                       window_size=mask.window_size,
+                                       chunk_size=mask.chunk_size, dtype=dtype,
+                                       softmax_type="learnable", sink=s, return_row_max=True)
+    (out * inputs[3].to(dtype)).sum().backward()
+    return (out.detach(), lse, q.grad, k.grad, v.grad, s.grad), row_max.amax(1)
+
+
+def extras_worker(rank, world, backend):
+    """A learnable sink (its LSE gradient: "fa4" takes it, "flash" plans the layer on our
+    kernels) and the max logit (no FA output: our kernels for both), bf16 vs fp64."""
+    from tests.helpers import small_plan
+    from tests.reference import assert_close_to_reference
+    from varlen_cp.attention import cp_varlen_attn
+    _install(backend)
+    for i, (strategy, layout, mname) in enumerate(EXTRAS_CASES):
+        mask = MASKS[mname]
+        hq, hkv = HEADS[world][i % 2]
+        inputs = global_inputs(DOCS, hq, hkv, 400 + i, d=32, dv=32)
+        sink = torch.randn(hq, generator=torch.Generator().manual_seed(i))
+        ref64, max64 = _extras_reference(inputs, sink, mask, torch.float64)
+        plain, _ = _extras_reference(inputs, sink, mask, torch.bfloat16)
+        plan = small_plan(DOCS, world, rank, layout, mask)
+        q, k, v = (plan.shard(t.to(torch.bfloat16)).requires_grad_() for t in inputs[:3])
+        s = sink.clone().requires_grad_()
+        options = AttnOptions(strategy=strategy, backend=backend)
+        out = cp_varlen_attn(q, k, v, plan, mask, None, options, softmax_type="learnable",
+                             sink=s)
+        out.backward(plan.shard(inputs[3].to(torch.bfloat16)))
+        dsink = s.grad.clone()
+        torch.distributed.all_reduce(dsink)
+        got = (plan.unshard(out.detach().float()), None, plan.unshard(q.grad.float()),
+               plan.unshard(k.grad.float()), plan.unshard(v.grad.float()), dsink)
+        what = f"[sink {strategy} {backend} {layout} {mname}]"
+        for name, g, r, p in zip((*NAMES, "dsink"), got, ref64, plain):
+            if g is not None:
+                assert_close_to_reference(f"{what} {name}", g, r, p, factor=3, floor=6e-3)
+        on_fa = [c.flash is not None for c in plan_calls(plan)]
+        assert all(on_fa) if backend == "fa4" else not any(on_fa), (what, on_fa)
+        # the max logit: not an output of FlashAttention, so our kernels run the layer
+        plan = small_plan(DOCS, world, rank, layout, mask)
+        out, max_logit = cp_varlen_attn(plan.shard(inputs[0].to(torch.bfloat16)),
+                                        plan.shard(inputs[1].to(torch.bfloat16)),
+                                        plan.shard(inputs[2].to(torch.bfloat16)), plan, mask,
+                                        None, options, return_max_logit=True)
+        assert torch.allclose(max_logit.double(), max64.double(), atol=0.05, rtol=0.02), what
+        assert not any(c.flash is not None for c in plan_calls(plan)), what
+    return len(EXTRAS_CASES)
+
+
+@pytest.mark.parametrize("backend", ["flash", "fa4"])
+def test_sinks_and_max_logit_on_flash_backends(backend, tmp_path):
+    n = len(EXTRAS_CASES)
+    assert run_distributed(extras_worker, 2, tmp_path, backend, timeout_s=400) == [n, n]
+
+
+# ------------------------------------------------------------------ single device
+@pytest.fixture
+def stand_ins():
+    """``_install`` in this (the pytest) process, undone afterwards: other tests see torch's
+    flash ops without a CPU kernel and no flash_attn module, as before."""
+    from tests import fa4_standin, flash_emulator
+    from varlen_cp.kernels import flash
+    registered = flash_emulator.is_registered()
+    yield _install
+    fa4_standin.uninstall()
+    flash.fa4_interface.cache_clear()
+    if not registered:
+        flash_emulator.unregister()
+
+
+@pytest.mark.parametrize("backend", ["flash", "fa4"])
+@pytest.mark.parametrize("mname", ["causal", "full", "swa", "swa2"])
+def test_single_device_op_runs_flash_attention(backend, mname, monkeypatch, one_thread,
+                                               stand_ins):
+    """``varlen_attn(backend=...)`` without positions or chunks is FlashAttention's own
+    call: it runs there, forward and backward (a loss on the LSE too: "fa4" takes its
+    gradient, "flash" hands that backward to our kernels), against fp64."""
+    from tests.helpers import cu
+    from tests.reference import assert_close_to_reference, reference_attn
+    from varlen_cp.kernels import flash, varlen_attn
+    stand_ins(backend)
+    calls = []
+    real = flash.flash_fwd
+    monkeypatch.setattr(flash, "flash_fwd",
+                        lambda *a, **kw: calls.append(a[0]) or real(*a, **kw))
+    mask = MASKS[mname]
+    inputs = global_inputs(DOCS, 4, 2, 7, d=32, dv=32)
+    c = cu(DOCS)
+    w = torch.randn(4, sum(DOCS), generator=torch.Generator().manual_seed(1))
+
+    def run(fn, in_dtype, **kw):
+        q, k, v = (t.to(in_dtype).clone().requires_grad_() for t in inputs[:3])
+        out, lse = fn(q, k, v, c, c, causal=mask.causal, window_size=mask.window_size, **kw)
+        finite = torch.isfinite(lse)
+        loss = (out * inputs[3].to(in_dtype)).sum() + (torch.where(finite, lse, 0) * w).sum()
+        loss.backward()
+        return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+    got = run(lambda q, k, v, cq, ck, **kw: varlen_attn(q, k, v, cq, ck, max(DOCS), max(DOCS),
+                                                        **kw),
+              torch.bfloat16, return_lse=True, backend=backend)
+    ref64 = run(reference_attn, torch.float64, dtype=torch.float64)
+    plain = run(reference_attn, torch.bfloat16, dtype=torch.bfloat16)
+    for name, g, r, p in zip(NAMES, got, ref64, plain):
+        assert_close_to_reference(f"[{backend} {mname}] {name}", g, r, p, factor=3, floor=4e-3)
+    assert calls == [backend]

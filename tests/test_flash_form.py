@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from varlen_cp.masks import AttnMask
-from varlen_cp.schedules.flash_form import (FlashRoute, flash_forms, query_pieces)
+from varlen_cp.schedules.flash_form import FlashRoute, flash_forms, query_pieces
+from varlen_cp.schedules.holders import Holder, HolderSet
 
 ROUTE = FlashRoute("flash", q_row_bytes=1024, kv_row_bytes=256)
 MASKS = [AttnMask(causal=True), AttnMask(causal=False), AttnMask(window_size=(5, 0)),
@@ -38,10 +39,18 @@ def _holder(rng, doc_lens, keep_prob, pad):
     return np.array(cu, dtype=np.int64), np.array(pos, dtype=np.int64)
 
 
-def _keys(cu, pos, holder_index, n_seg):
-    seg = np.repeat(np.arange(n_seg), np.diff(cu))
-    p = np.where(pos < 0, (1 << 32) - 1, pos)
-    return ((holder_index * n_seg + seg) << 32) | p
+def _key_set(*holders):
+    """A HolderSet of key holders given as (cu, positions) numpy pairs: the searches
+    ``flash_forms`` makes run on it."""
+    return HolderSet.of([Holder(torch.from_numpy(cu.astype(np.int32)),
+                                torch.from_numpy(pos.astype(np.int32)),
+                                int(np.diff(cu).max())) for cu, pos in holders])
+
+
+def _form(q_cu, q_pos, keys, k_range, mask, route=None):
+    """The FA form of the call (query holder) x (key holder ``k_range`` of ``keys``)."""
+    return flash_forms(q_pos.size, query_pieces(q_cu, q_pos, mask.chunk_size or 0), keys,
+                       [k_range], mask, route or ROUTE)[0]
 
 
 def _mask_pairs(q_cu, q_pos, k_cu, k_pos, mask):
@@ -97,13 +106,10 @@ def _check_case(seed, mask, q_keep, k_keep, same_holder):
     else:
         k_cu, k_pos = _holder(rng, lens, k_keep, pad=True)
     n_seg = lens.size
-    pieces = query_pieces(q_cu, q_pos, mask.chunk_size or 0)
-    # two key holders in the sorted key list: a dummy one first, so offsets are exercised
+    # two key holders: a dummy one first, so offsets are exercised
     d_cu, d_pos = _holder(rng, lens, 0.5, pad=False)
-    keys = np.concatenate([_keys(d_cu, d_pos, 0, n_seg), _keys(k_cu, k_pos, 1, n_seg)])
-    kpos = np.concatenate([d_pos, k_pos])
-    form = flash_forms(q_cu, q_pos, pieces, keys, kpos, [(1, d_pos.size, k_pos.size)], n_seg,
-                       mask, ROUTE)[0]
+    form = _form(q_cu, q_pos, _key_set((d_cu, d_pos), (k_cu, k_pos)),
+                 (1, d_pos.size, k_pos.size), mask)
     if form is None:
         return None
     got = _fa_pairs(form, q_pos.size, k_pos.size)
@@ -143,18 +149,16 @@ def test_dual_chunk_pieces_against_a_gathered_prefix_overlap_and_are_resolved():
     k_pos = np.arange(n)
     k_cu = np.array([0, n])
     mask = AttnMask(causal=True)
-    keys = _keys(k_cu, k_pos, 0, 1)
-    for route in (ROUTE, FlashRoute("flash", q_row_bytes=10, kv_row_bytes=10 ** 6)):
-        form = flash_forms(q_cu, q_pos, query_pieces(q_cu, q_pos, 0), keys, k_pos,
-                           [(0, 0, n)], 1, mask, route)[0]
+    keys = _key_set((k_cu, k_pos))
+    costly_kv = FlashRoute("flash", q_row_bytes=10, kv_row_bytes=10 ** 6)
+    for route in (ROUTE, costly_kv):
+        form = _form(q_cu, q_pos, keys, (0, 0, n), mask, route)
         assert form is not None
         assert _fa_pairs(form, q_pos.size, n) == _mask_pairs(q_cu, q_pos, k_cu, k_pos, mask)
     # cheap K/V rows: gathered into one call; costly ones: two calls, no gather
-    gathered = flash_forms(q_cu, q_pos, query_pieces(q_cu, q_pos, 0), keys, k_pos,
-                           [(0, 0, n)], 1, mask, ROUTE)[0]
+    gathered = _form(q_cu, q_pos, keys, (0, 0, n), mask)
     assert len(gathered.calls) == 1 and gathered.calls[0].k_index is not None
-    split = flash_forms(q_cu, q_pos, query_pieces(q_cu, q_pos, 0), keys, k_pos, [(0, 0, n)],
-                        1, mask, FlashRoute("flash", 10, 10 ** 6))[0]
+    split = _form(q_cu, q_pos, keys, (0, 0, n), mask, costly_kv)
     assert len(split.calls) == 2 and all(c.k_index is None for c in split.calls)
 
 
@@ -166,9 +170,8 @@ def test_remote_keys_before_both_pieces_merge_into_one_non_causal_segment():
     q_cu = np.array([0, q_pos.size])
     k_pos = np.arange(0, 16)
     k_cu = np.array([0, k_pos.size])
-    keys = _keys(k_cu, k_pos, 0, 1)
-    form = flash_forms(q_cu, q_pos, query_pieces(q_cu, q_pos, 0), keys, k_pos,
-                       [(0, 0, k_pos.size)], 1, AttnMask(causal=True), ROUTE)[0]
+    form = _form(q_cu, q_pos, _key_set((k_cu, k_pos)), (0, 0, k_pos.size),
+                 AttnMask(causal=True))
     assert len(form.calls) == 1 and form.calls[0].window == (-1, -1)
     assert form.calls[0].cu_q.tolist() == [0, q_pos.size]
 

@@ -48,14 +48,12 @@ import torch
 
 from ..kernels.host_copy import to_device
 from ..masks import AttnMask
+from ..plan.runs import run_rows
 from .rounds import UniqueRounds
 
 MAX_CALLS = 4
 """Most FlashAttention calls one of our calls may become (each extra one writes an output
 and merges it); beyond that, the Triton kernels take the call whole."""
-
-_POS_BITS = 32
-_MAX_POS = (1 << _POS_BITS) - 2
 
 
 @dataclass(frozen=True)
@@ -130,28 +128,25 @@ def query_pieces(cu: np.ndarray, pos: np.ndarray, chunk: int
 
 
 # ------------------------------------------------------------------------------- forms
-def flash_forms(q_cu: np.ndarray, q_pos: np.ndarray, pieces, k_keys: np.ndarray,
-                k_pos: np.ndarray, k_ranges: list[tuple[int, int, int]], n_seg: int,
+def flash_forms(n_q: int, pieces, keys, k_ranges: list[tuple[int, int, int]],
                 mask: AttnMask, route: FlashRoute) -> list[FlashForm | None]:
-    """The FlashAttention form of each call (queries of one holder x the keys of holder
-    ``k_ranges[i]`` = (holder index, first row, rows) in the sorted key list ``k_keys``
-    ((holder * n_seg + segment) << 32 | position, padding all ones) with positions
-    ``k_pos``), or None where it is not exact. ``pieces``: :func:`query_pieces` of the
-    query holder."""
+    """The FlashAttention form of each call (the ``n_q`` query rows of one holder x the
+    keys of holder ``k_ranges[i]`` = (holder index, first row, rows) of the HolderSet
+    ``keys``, whose searches by position, ``first_at`` / ``last_at``, give the rows), or
+    None where it is not exact. ``pieces``: :func:`query_pieces` of the query holder."""
     seg, row0, rows, qs = pieces
     n_calls, m = len(k_ranges), seg.size
     if n_calls == 0:
         return []
-    n_q = int(q_pos.size)
     holder = np.repeat(np.array([h for h, _, _ in k_ranges], dtype=np.int64), m)
     seg_n, row_n, rows_n, qs_n = (np.tile(x, n_calls) for x in (seg, row0, rows, qs))
     last = qs_n + rows_n - 1
     lo, _ = mask.key_interval(qs_n)
     _, hi = mask.key_interval(last)
-    base = (holder * n_seg + seg_n) << _POS_BITS
-    kl = np.searchsorted(k_keys, base + np.clip(lo, 0, _MAX_POS))
-    kh = np.searchsorted(k_keys, base + np.clip(hi, -1, _MAX_POS), side="right") - 1
+    kl = keys.first_at(holder, seg_n, lo)
+    kh = keys.last_at(holder, seg_n, hi)
     live = kl <= kh
+    k_pos = keys._arrays[1]
     if not k_pos.size:            # no keys at all: every call sees nothing
         k_pos = np.zeros(1, dtype=np.int64)
     a = np.where(live, k_pos[np.minimum(kl, k_pos.size - 1)], 0)
@@ -162,9 +157,8 @@ def flash_forms(q_cu: np.ndarray, q_pos: np.ndarray, pieces, k_keys: np.ndarray,
     live &= t0 <= t1
     x, _ = mask.key_interval(t1)               # the left end of the last query
     _, y = mask.key_interval(t0)               # the right end of the first query
-    x = np.maximum(x, 0)
-    below_x = np.searchsorted(k_keys, base + np.clip(x, 0, _MAX_POS)) - kl
-    upto_y = np.searchsorted(k_keys, base + np.clip(y, -1, _MAX_POS), side="right") - 1
+    below_x = keys.first_at(holder, seg_n, x) - kl
+    upto_y = keys.last_at(holder, seg_n, y)
     left_lost = np.where(x > a, below_x, 0)                       # L of the last query
     exact = (x <= a) | (below_x == x - a)                         # (i)
     exact &= (y >= b) | (kh - upto_y == b - y)                    # (ii)
@@ -277,7 +271,6 @@ def _window_calls(q0, sq, k0, sk, pairs, window, n_q, n_k, route: FlashRoute
         return [_call(q0[layer == j], sq[layer == j], k0[layer == j], sk[layer == j],
                       pairs[layer == j], window, n_q, n_k) for j in range(n_layers)]
     starts = np.cumsum(sk) - sk
-    from ..plan.runs import run_rows
     index = run_rows(k0, sk)
     call = _call(q0, sq, starts, sk, pairs, window, n_q, gathered)
     return [replace(call, k_index=torch.from_numpy(index.astype(np.int64)),

@@ -136,6 +136,18 @@ class HolderSet:
             cache[h, chunk] = query_pieces(cu[h], pos[offsets[h]:offsets[h + 1]], chunk)
         return cache[h, chunk]
 
+    def first_at(self, holder: np.ndarray, seg: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Row in ``pos`` of the first token of (holder, segment) at a position >= ``pos``
+        (past the cell's last real token when none is)."""
+        base = (holder * self.n_seg + seg) << _POS_BITS
+        return np.searchsorted(self.keys, base + np.clip(pos, 0, _MAX_POS))
+
+    def last_at(self, holder: np.ndarray, seg: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Row in ``pos`` of the last token of (holder, segment) at a position <= ``pos``
+        (before the cell's first token when none is)."""
+        base = (holder * self.n_seg + seg) << _POS_BITS
+        return np.searchsorted(self.keys, base + np.clip(pos, -1, _MAX_POS), side="right") - 1
+
     def first_row(self, holder: np.ndarray, seg: np.ndarray) -> np.ndarray:
         """Row in ``pos`` of the first token of (holder, segment)."""
         cu, _, offsets = self._arrays
@@ -189,10 +201,9 @@ def _search(src: HolderSet, seg: np.ndarray, first: np.ndarray, last: np.ndarray
     pos = src._arrays[1]
     lo, _ = interval(pos[first])
     _, hi = interval(pos[last])
-    base = (dst_holder * dst.n_seg + seg) << _POS_BITS
     at = dst.first_row(dst_holder, seg)
-    start = np.searchsorted(dst.keys, base + np.clip(lo, 0, _MAX_POS)) - at
-    end = np.searchsorted(dst.keys, base + np.clip(hi, -1, _MAX_POS), side="right") - at
+    start = dst.first_at(dst_holder, seg, lo) - at
+    end = dst.last_at(dst_holder, seg, hi) + 1 - at
     end = np.maximum(end, start)
     empty = lo > hi
     return np.where(empty, 0, start), np.where(empty, 0, end)
@@ -283,12 +294,11 @@ def call_forms(qset: HolderSet, q: int, kset: HolderSet, ks: list[int], mask: At
                route: FlashRoute) -> list[FlashForm | None]:
     """FlashAttention's form of each call (holder ``q`` of ``qset``) x (holder k of
     ``kset``), None where it is not exact (``flash_form``), all calls at once."""
-    cu, pos, offsets = qset._arrays
-    _, k_pos, k_off = kset._arrays
+    _, pos, offsets = qset._arrays
+    k_off = kset._arrays[2]
     ranges = [(k, int(k_off[k]), int(k_off[k + 1] - k_off[k])) for k in ks]
-    return flash_forms(cu[q], pos[offsets[q]:offsets[q + 1]],
-                       qset.pieces(q, mask.chunk_size or 0), kset.keys, k_pos, ranges,
-                       kset.n_seg, mask, route)
+    return flash_forms(int(offsets[q + 1] - offsets[q]), qset.pieces(q, mask.chunk_size or 0),
+                       kset, ranges, mask, route)
 
 
 def set_calls(qset: HolderSet, q: int, kset: HolderSet, ks: list[int], mask: AttnMask,
