@@ -33,7 +33,9 @@ import torch
 from gpu_cases import ReplayCase, Shape, mask_area_flops, tflops
 from gpu_timing import Budget, measure
 from varlen_cp.config import AttnShape, CPConfig
+from varlen_cp.cp_call import flash_route
 from varlen_cp.kernels import block_sizes_for, merge_attn_partials
+from varlen_cp.kernels.validation import check_backend
 from varlen_cp.kernels.schedule import segment_ids
 from varlen_cp.masks import AttnMask
 from varlen_cp.plan import CPPlan
@@ -72,23 +74,32 @@ def _prepared_only(plan: CPPlan) -> Iterator[list]:
         del plan.cached
 
 
+def route_of(backend: str, shape: Shape, device: torch.device):
+    """The FlashAttention route the strategies take for ``backend`` (None: our kernels),
+    resolved as ``prepare_plan`` and each call resolve it (no LSE gradient, no row max)."""
+    return flash_route(backend, device, shape.dtype, shape.n_heads, shape.n_kv_heads,
+                       shape.head_dim, shape.head_dim_v, False, False)
+
+
 def rank_calls(plan: CPPlan, mask: AttnMask, strategy: str, block: tuple[int, int],
-               shape: Shape, device: torch.device, overlap_stages: int | None = None
+               shape: Shape, device: torch.device, overlap_stages: int | None = None,
+               route=None
                ) -> tuple[list[tuple[str, KernelCall]], list[tuple[str, KernelCall]], int | None]:
     """(forward calls, backward calls, stages) of ``plan.cp_rank``, in the order the
-    strategy makes them, from the device tables ``prepare_plan`` built. RuntimeError when a
-    table was not prepared."""
+    strategy makes them, from the device tables ``prepare_plan`` built (FA forms where
+    exact with a ``route``, :func:`route_of`). RuntimeError when a table was not
+    prepared."""
     rank = plan.cp_rank
     cost_shape = make_shape(shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.head_dim_v,
                             shape.dtype.itemsize)
     with _prepared_only(plan) as built:
         if strategy == "p2p":   # p2p.py's lookup: one ring position's tables
-            ring = p2p_tables(plan, mask, block, rank, device)
+            ring = p2p_tables(plan, mask, block, rank, device, route)
             fwd = [(f"ring step {t}", c) for t, c in enumerate(ring.calls) if c is not None]
             bwd, stages = fwd, None
         elif strategy in STAGED:
             stages = resolve_stages(plan, mask, strategy, cost_shape, overlap_stages)
-            tab = staged_device_tables(plan, mask, block, strategy, stages, device)
+            tab = staged_device_tables(plan, mask, block, strategy, stages, device, route)
             local = [("local keys", tab.local)] if tab.local is not None else []
             fetched = [(f"transfer {i + 1}" if stages > 1 else "all keys", s.call)
                        for i, s in enumerate(tab.stages) if s.call is not None]
@@ -119,6 +130,9 @@ def call_visible_pairs(call: KernelCall, mask: AttnMask) -> int:
 
 
 def visited_pairs(call: KernelCall) -> int | None:
+    """Pairs the kernels compute: the tiles' (ours) or the FA calls' visible pairs."""
+    if call.flash is not None:
+        return call.flash.pairs
     return getattr(call.schedule, "visited_pairs", None)
 
 
@@ -189,11 +203,12 @@ def replay_rank(plan: CPPlan, case: ReplayCase, shape: Shape, device: torch.devi
     block = block_sizes_for(backend, device, shape.head_dim, shape.head_dim_v,
                             dtype=shape.dtype)
     fwd_calls, bwd_calls, stages = rank_calls(plan, case.mask, case.strategy, tuple(block),
-                                              shape, device, case.overlap_stages)
+                                              shape, device, case.overlap_stages,
+                                              route_of(backend, shape, device))
     run = fwd_calls if max_calls is None else fwd_calls[:max_calls]
     run_labels = {label for label, _ in run}
     run_bwd = [c for c in bwd_calls if c[0] in run_labels]
-    attn = Attn(case.mask, shape.head_dim ** -0.5, backend)
+    attn = Attn(case.mask, shape.head_dim ** -0.5, check_backend(backend, device))
     g = torch.Generator(device=device).manual_seed(1)
     if q is None:
         q = torch.randn(plan.num_tokens, shape.n_heads, shape.head_dim, generator=g,
@@ -205,7 +220,8 @@ def replay_rank(plan: CPPlan, case: ReplayCase, shape: Shape, device: torch.devi
     for label, call in fwd_calls:
         pairs = call_visible_pairs(call, case.mask)
         row = {"call": label, "n_q": int(call.q_pos.numel()), "n_k": int(call.k_pos.numel()),
-               "visible_pairs": pairs, "visited_pairs": visited_pairs(call)}
+               "visible_pairs": pairs, "visited_pairs": visited_pairs(call),
+               "flash_calls": len(call.flash.calls) if call.flash is not None else 0}
         if label in run_labels:
             k, v = kv[label]
             t = measure(lambda: attn.fwd(q, k, v, call), device, **reps)
@@ -273,6 +289,10 @@ def _summary(plan: CPPlan, case: ReplayCase, shape: Shape, stages: int | None,
         "mix": case.mix, "mask": case.mask_name, "n_docs": len(case.lengths),
         "tokens": sum(case.lengths), "rank": plan.cp_rank, "rank_tokens": plan.num_tokens,
         "stages": stages, "n_calls": len(rows), "n_calls_run": n_run,
+        # the share of the rank's work that runs on FlashAttention (the rest: our kernels)
+        "flash_work_share": (sum(r["visible_pairs"] for r in rows if r["flash_calls"])
+                             / visible) if visible else None,
+        "flash_calls": sum(r["flash_calls"] for r in rows),
         "plan_visible_pairs": plan.work_of(plan.cp_rank, case.mask),
         "visible_pairs": visible,
         "visited_pairs": None if None in visited else sum(visited),
@@ -283,40 +303,76 @@ def _summary(plan: CPPlan, case: ReplayCase, shape: Shape, stages: int | None,
     }
 
 
-def run_replays(cases: list[ReplayCase], shape: Shape, device: torch.device, backend: str,
-                budget: Budget, dry_run: bool,
+def run_replays(cases: list[ReplayCase], shape: Shape, device: torch.device,
+                backends: tuple[str, ...], budget: Budget, dry_run: bool,
                 max_calls: Callable[[ReplayCase], int | None] = lambda case: None,
                 log: Callable[[str], None] = print) -> list[dict]:
-    """Every case, in order, within ``budget``: one JSON-able dict each. ``max_calls(case)``:
-    how many of the rank's calls to run (None: all; the others are planned only)."""
+    """Every case, in order, within ``budget``, on each of ``backends`` in turn (one
+    JSON-able dict each, ``"backend"`` naming it). ``max_calls(case)``: how many of the
+    rank's calls to run (None: all; the others are planned only). The same seeds give every
+    backend the same q, K/V and dout, so each later backend's out, LSE and dq are compared
+    with the first's (``max_rel_diff_vs``): FA's and our kernels' answers on the GPU."""
     results = []
     for case in cases:
         base = {"case": case.name, "cp": case.cp, "strategy": case.strategy,
                 "mask": case.mask_name, "mix": case.mix}
-        if not budget.allows(0 if dry_run else MIN_CASE_S):
-            results.append(dict(base, status="skipped", note=f"{budget.name} budget spent"))
-            log(f"  {case.name:40s} skipped ({budget.name} budget spent)")
-            continue
-        try:
-            plan, host = plan_rank(case, shape, device, backend)
-            res = replay_rank(plan, case, shape, device, backend, budget, dry_run,
-                              max_calls(case))
-            res.pop("tensors")
-            res.update(host, status="ok")
-        except Exception as e:  # noqa: BLE001 - one case failing is a result
-            res = dict(base, status="error", error=f"{type(e).__name__}: {e}"[:500])
-        results.append(res)
-        log(_line(res))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        first = None
+        for backend in backends:
+            row = dict(base, backend=backend)
+            if not budget.allows(0 if dry_run else MIN_CASE_S):
+                results.append(dict(row, status="skipped", note=f"{budget.name} budget spent"))
+                log(f"  {case.name:40s} {backend:6s} skipped ({budget.name} budget spent)")
+                continue
+            try:
+                plan, host = plan_rank(case, shape, device, backend)
+                res = replay_rank(plan, case, shape, device, backend, budget, dry_run,
+                                  max_calls(case))
+                tensors = res.pop("tensors")
+                if first is None:
+                    first = (backend, tensors)
+                else:
+                    res["max_rel_diff_vs"] = {"backend": first[0], **_diffs(first[1], tensors)}
+                res.update(host, backend=backend, status="ok")
+            except Exception as e:  # noqa: BLE001 - one case failing is a result
+                res = dict(row, status="error", error=f"{type(e).__name__}: {e}"[:500])
+            results.append(res)
+            log(_line(res))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return results
+
+
+DIFF_LIMIT = 0.05
+"""Largest relative difference (of the tensor's largest magnitude) between two backends'
+out or dq in bf16 before the replay calls it a failure; rounding gives ~1e-2."""
+
+
+def _diffs(a: tuple, b: tuple) -> dict:
+    """Max |a - b| / max(1, max |a|) of out, dq, and max |a - b| of the LSE on rows where
+    both are finite (rows that see nothing are -inf in both)."""
+    out = {}
+    for name, x, y in (("out", a[0], b[0]), ("dq", a[2], b[2])):
+        x, y = x.float(), y.float()
+        out[name] = float((x - y).abs().max() / x.abs().max().clamp(min=1.0)) \
+            if x.numel() else 0.0
+    la, lb = a[1].float(), b[1].float()
+    fin = torch.isfinite(la) & torch.isfinite(lb)
+    out["lse_abs"] = float((la[fin] - lb[fin]).abs().max()) if fin.any() else 0.0
+    out["lse_inf_agree"] = bool(torch.equal(torch.isfinite(la), torch.isfinite(lb)))
+    return out
 
 
 def _line(r: dict) -> str:
     if r["status"] != "ok":
-        return f"  {r['case']:40s} {r['status']}: {r.get('error', '')[:100]}"
+        return f"  {r['case']:40s} {r.get('backend', ''):6s} {r['status']}: " \
+               f"{r.get('error', '')[:100]}"
     f, b = r.get("fwd_tflops"), r.get("bwd_tflops")
-    return (f"  {r['case']:40s} rank {r['rank']:2d} S={r['stages'] or '-'} "
+    share = r.get("flash_work_share")
+    diff = r.get("max_rel_diff_vs")
+    extra = (f" FA {share:.0%}" if share else "") + (
+        f" diff out {diff['out']:.1e} dq {diff['dq']:.1e}" if diff else "")
+    return (f"  {r['case']:40s} {r['backend']:6s} rank {r['rank']:2d} S={r['stages'] or '-'} "
             f"{r['n_calls_run']}/{r['n_calls']} calls  fwd "
             f"{'-' if f is None else f'{f:6.1f}'} bwd {'-' if b is None else f'{b:6.1f}'} "
-            f"TFLOP/s  (plan {r['plan_cpu_ms']:.0f} + prepare {r['prepare_cpu_ms']:.0f} ms)")
+            f"TFLOP/s  (plan {r['plan_cpu_ms']:.0f} + prepare {r['prepare_cpu_ms']:.0f} ms)"
+            f"{extra}")

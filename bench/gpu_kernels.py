@@ -9,6 +9,10 @@ row saying why not):
   cu_seqlens, as flash-attn callers pass them;
 - ``varlen_cp_schedule``: the same op with a host-built ``BlockSchedule`` made once ahead
   (``build_block_schedule``, tiles from ``block_sizes_for``), as the CP strategies call it;
+- ``varlen_cp_flash`` / ``varlen_cp_fa4``: the same op with ``backend="flash"`` (torch's
+  flash ops: FA2, or FA3 / FA4 once activated) / ``"fa4"`` (flash-attn-4), where the call
+  is FA-shaped (no chunked mask on one device) and the backend is there: what our routing
+  costs on top of FlashAttention, side by side with our Triton kernels;
 - ``torch_varlen_attn``: torch's flash-attention varlen op, when this torch has it (the
   module appeared in torch 2.9 with ``is_causal`` only; ``window_size`` came later): no
   chunked mask, sliding windows only with ``window_size``;
@@ -65,6 +69,36 @@ def _ours(case: KernelCase, shape: Shape, device: torch.device, schedule: bool) 
         kw["schedule"] = build_block_schedule(
             cu_host, cu_host, longest, longest, causal=causal, window_left=wl,
             window_right=wr, chunk_size=chunk, block_m=bm, block_n=bn).to(device)
+
+    def make(q, k, v, dout):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        return (lambda a, b, c: varlen_attn(a, b, c, cu, cu, longest, longest, **kw),
+                leaves, dout, lambda o: o)
+    return Backend(name, make)
+
+
+def _ours_flash(case: KernelCase, shape: Shape, device: torch.device, backend: str
+                ) -> Backend:
+    from varlen_cp.kernels import varlen_attn
+    from varlen_cp.kernels.flash import resolve_flash
+
+    name = f"varlen_cp_{backend}"
+    causal, wl, wr, chunk = case.mask.params
+    if chunk:
+        return Backend(name, None, "a chunked mask is not one FA call on one device "
+                                   "(the CP tables cut it; this op runs it on Triton)")
+    try:
+        got, why = resolve_flash(backend, device, shape.dtype, shape.head_dim,
+                                 shape.head_dim_v)
+    except ValueError as e:   # the backend is not there at all (package, kernel)
+        return Backend(name, None, str(e)[:300])
+    if got != backend:
+        return Backend(name, None, f"{backend} cannot run it: {why}")
+    lengths = torch.tensor(case.lengths, dtype=torch.int64)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(
+        device=device, dtype=torch.int32)
+    longest = max(case.lengths)
+    kw = dict(case.mask.kernel_kwargs(), backend=backend)
 
     def make(q, k, v, dout):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -161,6 +195,8 @@ def backends(case: KernelCase, shape: Shape, device: torch.device) -> list[Backe
     out = []
     for name, build in (("varlen_cp", lambda: _ours(case, shape, device, False)),
                         ("varlen_cp_schedule", lambda: _ours(case, shape, device, True)),
+                        ("varlen_cp_flash", lambda: _ours_flash(case, shape, device, "flash")),
+                        ("varlen_cp_fa4", lambda: _ours_flash(case, shape, device, "fa4")),
                         ("torch_varlen_attn", lambda: _torch_varlen(case, shape, device)),
                         ("flex_attention", lambda: _flex(case, shape, device))):
         try:
@@ -297,6 +333,13 @@ def target_checks(rows: list[dict], cases: list[KernelCase]) -> list[dict]:
             theirs, _ = _best(rows, case, key, ("torch_varlen_attn",))
             ratio = ours / theirs if ours and theirs else None
             check(f"{case} {key} vs torch_varlen_attn", ratio, 0.8, who)
+    for case in (one, docs_small, docs_big, swa):   # our routing adds nothing to FA's time
+        for key in ("fwd_tflops", "bwd_tflops"):
+            ours, _ = _best(rows, case, key, ("varlen_cp_flash",))
+            theirs, _ = _best(rows, case, key, ("torch_varlen_attn",))
+            ratio = ours / theirs if ours and theirs else None
+            check(f"{case} {key} varlen_cp_flash vs torch_varlen_attn", ratio, 0.95,
+                  "varlen_cp_flash")
     for case, target in ((swa, 0.85), (chunk, 0.85), (docs_small, 0.7), (docs_big, 0.7)):
         for key in ("fwd_tflops", "bwd_tflops"):
             ours, who = _best(rows, case, key)

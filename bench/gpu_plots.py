@@ -47,20 +47,22 @@ def _kernels(plt, result: dict, path: Path) -> Path:
 
 
 def _replay(plt, result: dict, path: Path) -> Path:
-    # one colour per strategy, one marker per cp: ~40 cases stay readable
+    # one colour per backend, one marker per strategy: FA and Triton side by side
     results = result["replay"]["results"]
+    backends = list(dict.fromkeys(r.get("backend", "triton") for r in results))
     strategies = sorted({r["strategy"] for r in results})
-    colour = {s: f"C{i}" for i, s in enumerate(strategies)}
+    colour = {b: f"C{i}" for i, b in enumerate(backends)}
+    marker = {s: "o^sDv"[i % 5] for i, s in enumerate(strategies)}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, key, title in zip(axes, ("fwd_tflops", "bwd_tflops"), ("forward", "backward")):
         labelled = set()
         for r in results:
             pts = [(c["visible_pairs"], c[key]) for c in r.get("calls", []) if c.get(key)]
             if pts:
-                group = (r["strategy"], r["cp"])
-                ax.scatter(*zip(*pts), s=10, c=colour[r["strategy"]],
-                           marker="o" if r["cp"] <= 8 else "^",
-                           label=None if group in labelled else f"{r['strategy']} cp {r['cp']}")
+                backend = r.get("backend", "triton")
+                group = (backend, r["strategy"])
+                ax.scatter(*zip(*pts), s=10, c=colour[backend], marker=marker[r["strategy"]],
+                           label=None if group in labelled else f"{backend} {r['strategy']}")
                 labelled.add(group)
         ax.set_xscale("log")
         ax.set_xlabel("visible pairs per head in the call")

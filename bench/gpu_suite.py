@@ -40,7 +40,7 @@ BENCH = ROOT / "bench"
 # Budgets in seconds on a GPU. A case starts only while its part has time left, so a part
 # can overrun by its last case (a flex_attention compile is the longest, ~30-60 s): the
 # total leaves that and a minute of startup and plots inside the 10 minutes.
-BUDGETS = {"total": 540.0, "tests": 120.0, "kernels": 240.0, "replay": 150.0}
+BUDGETS = {"total": 540.0, "tests": 200.0, "kernels": 180.0, "replay": 150.0}
 PARTS = ("tests", "kernels", "replay")
 
 
@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> dict:
               file=sys.stderr)
         raise SystemExit(2)
     device = torch.device("cpu" if args.dry_run else "cuda")
+    if args.dry_run:   # backend "flash" on the CPU: the tests' emulator of torch's flash ops
+        from tests import flash_emulator
+        flash_emulator.register()
     name = "dry-run-cpu" if args.dry_run else torch.cuda.get_device_name()
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -124,11 +127,11 @@ def main(argv: list[str] | None = None) -> dict:
         from cp_replay import run_replays
         t0 = time.monotonic()
         shape = gpu_cases.replay_shape(args.dry_run)
-        backend = "triton"   # the interpreter on the dry run's CPU
-        print(f"== CP-rank replay: {shape.describe()}, busiest rank", flush=True)
-        result["replay"] = {"shape": shape.describe(), "backend": backend,
+        backends = _replay_backends(args.dry_run)
+        print(f"== CP-rank replay: {shape.describe()}, busiest rank, {backends}", flush=True)
+        result["replay"] = {"shape": shape.describe(), "backends": backends,
                             "results": run_replays(gpu_cases.replay_cases(args.dry_run),
-                                                   shape, device, backend, budget("replay"),
+                                                   shape, device, backends, budget("replay"),
                                                    args.dry_run, _replay_calls(args.dry_run))}
         result["part_seconds"]["replay"] = time.monotonic() - t0
         save()
@@ -156,14 +159,36 @@ def failures(result: dict) -> list[str]:
     if tests.get("status") in ("failed", "timeout", "no tests selected"):
         out.append(f"CUDA tests: {tests['status']} {tests.get('counts', '')}")
     for r in result.get("kernels", {}).get("rows", []):
-        if r["backend"] in ("varlen_cp", "varlen_cp_schedule") and r["status"] not in (
-                "ok", "skipped"):
+        if r["backend"].startswith("varlen_cp") and r["status"] not in (
+                "ok", "skipped", "unavailable"):
             out.append(f"kernels {r['case']} {r['backend']}: "
                        f"{r.get('fwd_error') or r.get('bwd_error') or r['status']}")
+    from cp_replay import DIFF_LIMIT
     for r in result.get("replay", {}).get("results", []):
         if r["status"] == "error":
-            out.append(f"replay {r['case']}: {r['error']}")
+            out.append(f"replay {r['case']} {r.get('backend')}: {r['error']}")
+        diff = r.get("max_rel_diff_vs")
+        if diff and (max(diff["out"], diff["dq"]) > DIFF_LIMIT or not diff["lse_inf_agree"]):
+            out.append(f"replay {r['case']} {r['backend']} vs {diff['backend']}: {diff}")
     return out
+
+
+def _replay_backends(dry_run: bool) -> tuple[str, ...]:
+    """Our Triton kernels (the interpreter on the dry run's CPU), then torch's flash ops
+    (FA2 unless FA3 / FA4 was activated; on the dry run's CPU the tests' emulator of them,
+    registered by :func:`main`) and flash-attn-4 where it is installed: each replay runs on
+    each."""
+    import torch
+
+    from varlen_cp.kernels.flash import fa4_interface, has_flash_kernel
+
+    device = torch.device("cpu" if dry_run else "cuda")
+    out = ["triton"]
+    if has_flash_kernel(device):
+        out.append("flash")
+    if not dry_run and fa4_interface() is not None:
+        out.append("fa4")
+    return tuple(out)
 
 
 def _replay_calls(dry_run: bool):

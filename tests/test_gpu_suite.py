@@ -164,7 +164,7 @@ def test_spent_budget_skips_cases(one_thread):
     assert {r["backend"]: r["status"] for r in rows}["varlen_cp"] == "skipped"
     assert all(r["status"] in ("skipped", "unavailable") for r in rows)
     results = cp_replay.run_replays(gpu_cases.replay_cases(True)[:2], gpu_cases.replay_shape(True),
-                                    CPU, "torch", Budget("replay", 0.0), dry_run=False,
+                                    CPU, ("torch",), Budget("replay", 0.0), dry_run=False,
                                     log=lambda s: None)
     assert [r["status"] for r in results] == ["skipped", "skipped"]
     import gpu_suite   # skipped cases and missing baselines are results, not failures
@@ -179,13 +179,46 @@ def test_replay_timed_path(one_thread):
     every call timed, the rank's figures from the sequence. ~2 s."""
     case = next(c for c in gpu_cases.replay_cases(True)
                 if c.strategy == "dispatch" and c.overlap_stages == 4 and c.cp == 8)
-    res = cp_replay.run_replays([case], gpu_cases.replay_shape(True), CPU, "torch",
+    res = cp_replay.run_replays([case], gpu_cases.replay_shape(True), CPU, ("torch",),
                                 Budget.of("replay", 60), dry_run=False, log=lambda s: None)[0]
     assert res["status"] == "ok" and res["stages"] == 4, res
     assert res["n_calls"] == res["n_calls_run"] >= 2      # the local call and transfers
     assert all(c["fwd_ms"] > 0 and c["bwd_ms"] > 0 for c in res["calls"])
     assert res["fwd_seq_ms"] > 0 and res["bwd_seq_ms"] > 0 and res["fwd_tflops"] > 0
     json.dumps(res)   # what the suite writes
+
+
+@pytest.mark.parametrize("strategy", ["dispatch", "p2p", "all_gather"])
+def test_replay_on_flash_agrees_with_twin(strategy, one_thread):
+    """The replay on backend "flash" (the tests' emulator of torch's flash ops) reads the
+    FA-form tables prepare_plan built, puts the rank's work on FA, and gives the twin's
+    out / LSE / dq on the same inputs (what the GPU run compares FA2 and Triton with)."""
+    from tests import flash_emulator as fe
+
+    was = fe.is_registered()
+    fe.register()
+    try:
+        case = next(c for c in gpu_cases.replay_cases(True) if c.cp == 8
+                    and c.strategy == strategy and c.mask_name == "causal"
+                    and c.mix == "lognormal_1k")
+        res = cp_replay.run_replays([case], gpu_cases.replay_shape(True), CPU,
+                                    ("torch", "flash"), Budget.of("replay", 60),
+                                    dry_run=True, log=lambda s: None)
+    finally:
+        if not was:
+            fe.unregister()
+    twin, flash = res
+    assert twin["status"] == flash["status"] == "ok", res
+    assert twin["flash_work_share"] == 0 and twin["flash_calls"] == 0
+    assert flash["flash_work_share"] == 1.0 and flash["flash_calls"] >= 1
+    assert flash["visible_pairs"] == twin["visible_pairs"] == flash["plan_visible_pairs"]
+    diff = flash["max_rel_diff_vs"]
+    assert diff["backend"] == "torch" and diff["lse_inf_agree"], diff
+    assert diff["out"] < 5e-3 and diff["dq"] < 5e-3 and diff["lse_abs"] < 1e-3, diff
+    import gpu_suite
+    assert gpu_suite.failures({"replay": {"results": res}}) == []
+    bad = dict(flash, max_rel_diff_vs=dict(diff, out=0.5))
+    assert len(gpu_suite.failures({"replay": {"results": [twin, bad]}})) == 1
 
 
 def test_replay_passes_layer_stats_once(one_thread, monkeypatch):
@@ -239,15 +272,21 @@ def test_dry_run(tmp_path):
     shape = gpu_cases.kernel_shape(True)
     assert {(r["case"], r["backend"]) for r in rows} == {
         (c.name, b) for c in cases
-        for b in ("varlen_cp", "varlen_cp_schedule", "torch_varlen_attn", "flex_attention")}
+        for b in ("varlen_cp", "varlen_cp_schedule", "varlen_cp_flash", "varlen_cp_fa4",
+                  "torch_varlen_attn", "flex_attention")}
     for case in cases:
         for r in (r for r in rows if r["case"] == case.name):
             pairs = _dense_pairs(case.lengths, case.mask)
             assert r["visible_pairs"] == pairs
             assert r["fwd_flops"] == 4 * shape.head_dim * pairs * shape.n_heads
-            if r["backend"].startswith("varlen_cp"):
+            # ours ran, except where the FA backends cannot (chunks; fa4 not installed)
+            fa_only = r["backend"] == "varlen_cp_fa4" or (
+                r["backend"] == "varlen_cp_flash" and case.mask.chunk_size)
+            if r["backend"].startswith("varlen_cp") and not fa_only:
                 assert r["status"] == "ok" and r["fwd_ms"] > 0 and r["bwd_ms"] > 0, r
-            if r["backend"] == "varlen_cp_schedule" or (
+            elif r["backend"].startswith("varlen_cp"):
+                assert r["status"] == "unavailable", r
+            if r["backend"] in ("varlen_cp_schedule", "varlen_cp_flash") and r.get("fwd_ms") or (
                     r["backend"] == "flex_attention" and r.get("fwd_ms")):
                 assert r["max_abs_diff_vs_varlen_cp"] < 1e-2, r
             if r["status"] == "unavailable":
@@ -258,7 +297,10 @@ def test_dry_run(tmp_path):
 
     # replay: every case planned from prepared tables; the cp 8 ones ran a call
     results = report["replay"]["results"]
-    assert [r["case"] for r in results] == [c.name for c in gpu_cases.replay_cases(True)]
+    # each case on our kernels, then on FA ("flash": the emulator), compared
+    assert report["replay"]["backends"] == ["triton", "flash"]
+    assert [(r["case"], r["backend"]) for r in results] == [
+        (c.name, b) for c in gpu_cases.replay_cases(True) for b in ("triton", "flash")]
     for r in results:
         assert r["status"] == "ok", r
         assert r["n_calls"] >= 1 and r["visible_pairs"] == r["plan_visible_pairs"]
