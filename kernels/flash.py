@@ -46,7 +46,29 @@ pins it; tests/test_flash_backend.py checks its call signatures)."""
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
+TRITON_BEATS_FA2_FROM = (9, 0)
+"""From this compute capability on, ``auto`` keeps our Triton kernels where torch's flash
+ops would run FA2: on an H200 (torch 2.11, bf16, d 128) FA2 did 333 / 312 TFLOP/s forward /
+backward on one 32K causal document against our kernels' 420 / 355, and lost on most of the
+CP-rank replay's calls too (bench/results/NVIDIA_H200.json). Below it (A100 and older) FA2
+is the field's tuned kernel and ours are untimed: ``auto`` takes FA2 there."""
+
+
 # ------------------------------------------------------------------------ availability
+def capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA ``device``."""
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def active_flash_impl() -> Optional[str]:
+    """The implementation torch's flash ops run once switched: "FA3" / "FA4" after
+    ``torch.nn.attention.activate_flash_attention_impl`` (``flash_impl``), None for the
+    built-in FA2 (also on a torch without that registry)."""
+    from torch.nn import attention
+    current = getattr(attention, "current_flash_attention_impl", None)
+    return current() if current is not None else None
+
+
 def has_flash_kernel(device: torch.device) -> bool:
     """Whether torch's flash ops have a kernel for ``device``'s dispatch key (CUDA builds:
     yes; CPU: only when one was registered, as the tests do)."""
@@ -89,7 +111,7 @@ def unsupported(backend: str, device: torch.device, dtype: torch.dtype, head_dim
                                               and max(head_dim, head_dim_v) <= 256):
         return f"head dims {head_dim}/{head_dim_v} (FA4: 8..256, multiples of 8)"
     if device.type == "cuda":
-        major = torch.cuda.get_device_capability(device)[0]
+        major = capability(device)[0]
         if major < 9:
             return f"sm{major}x (FA4's backward needs sm90 or newer)"
         small = head_dim <= 128 and head_dim_v <= 128
@@ -167,8 +189,10 @@ def resolve_flash(backend: str, device: torch.device, dtype: torch.dtype, head_d
                   head_dim_v: int, need_lse_grad: bool = False, need_max: bool = False
                   ) -> tuple[Optional[str], Optional[str]]:
     """(FlashAttention-class backend for this kind of call or None, why not): "auto" picks
-    "fa4" where installed and able, else "flash" (on CUDA; on CPUs our PyTorch twin, as
-    before); "flash" / "fa4" are taken where they can run this kind of call and give way
+    "fa4" where installed and able, else "flash" where torch's flash ops run FA3 / FA4
+    (activated) or the GPU predates sm90 (FA2 there), else our Triton kernels, which beat
+    FA2 on sm90 and newer (``TRITON_BEATS_FA2_FROM``); on CPUs our PyTorch twin; "flash" /
+    "fa4" are taken where they can run this kind of call and give way
     to our kernels where not (the reason says why). ValueError when "flash" / "fa4" cannot
     run on ``device`` at all (no kernel registered for a CPU; the package missing)."""
     device = torch.device(device)
@@ -180,6 +204,12 @@ def resolve_flash(backend: str, device: torch.device, dtype: torch.dtype, head_d
         why = unsupported("fa4", device, dtype, head_dim, head_dim_v, need_lse_grad, need_max)
         if why is None:
             return "fa4", None
+        if active_flash_impl() is None and capability(device) >= TRITON_BEATS_FA2_FROM:
+            return None, (f"torch's flash ops run FA2, which our Triton kernels outrun on "
+                          f"sm{''.join(map(str, capability(device)))} "
+                          f"(bench/results/NVIDIA_H200.json); "
+                          f"'auto' takes FA when flash-attn-4 is installed or flash_impl "
+                          f"activates FA3 / FA4")
         why_flash = unsupported("flash", device, dtype, head_dim, head_dim_v, need_lse_grad,
                                 need_max)
         return (None, why_flash) if why_flash else ("flash", None)
