@@ -50,7 +50,7 @@ def _check_close(what, got, ref64, plain):
 
 def grid_worker(rank, world, strategy, backend, stages):
     _install(backend)
-    n = used = 0
+    n = used = narrow = 0
     for i, (layout, mname) in enumerate((l, m) for l in LAYOUTS for m in MASKS):
         mask = MASKS[mname]
         hq, hkv = HEADS[world][i % 2]
@@ -76,9 +76,11 @@ def grid_worker(rank, world, strategy, backend, stages):
             assert not off, f"[{strategy} {layout} {mname}] {len(off)} calls not on FA"
         assert all(c.flash.backend == backend for c in calls if c.flash is not None)
         used += sum(c.flash is not None for c in calls)
+        narrow += sum(f.q_span != (0, c.q_pos.numel()) for c in calls if c.flash is not None
+                      for f in c.flash.calls)
         n += 1
     assert used > 0, "no call ran on FlashAttention"
-    return n
+    return n, narrow
 
 
 def plan_calls(plan):
@@ -106,15 +108,19 @@ def plan_calls(plan):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_strategies_on_flash_attention(strategy, backend, tmp_path):
     n = len(LAYOUTS) * len(MASKS)
-    assert run_distributed(grid_worker, 2, tmp_path, strategy, backend, None,
-                           timeout_s=600) == [n, n]
+    got = run_distributed(grid_worker, 2, tmp_path, strategy, backend, None, timeout_s=600)
+    assert [g[0] for g in got] == [n, n]
+    # FA calls handed part of the rows (spans: a window some documents need, a split
+    # call) ran and were exact, on every strategy
+    assert sum(g[1] for g in got) > 0, "no FA call ran on part of the rows (spans)"
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "dispatch"])
 def test_staged_on_flash_attention_cp4(strategy, tmp_path):
     n = len(LAYOUTS) * len(MASKS)
-    assert run_distributed(grid_worker, 4, tmp_path, strategy, "flash", 2,
-                           timeout_s=600) == [n] * 4
+    got = run_distributed(grid_worker, 4, tmp_path, strategy, "flash", 2, timeout_s=600)
+    assert [g[0] for g in got] == [n] * 4
+    assert sum(g[1] for g in got) > 0, "no FA call ran on part of the rows (spans)"
 
 
 # ------------------------------------------------------------------ softmax extras

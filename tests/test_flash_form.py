@@ -49,8 +49,8 @@ def _key_set(*holders):
 
 def _form(q_cu, q_pos, keys, k_range, mask, route=None):
     """The FA form of the call (query holder) x (key holder ``k_range`` of ``keys``)."""
-    return flash_forms(q_pos.size, query_pieces(q_cu, q_pos, mask.chunk_size or 0), keys,
-                       [k_range], mask, route or ROUTE)[0]
+    return flash_forms(query_pieces(q_cu, q_pos, mask.chunk_size or 0), keys, [k_range],
+                       mask, route or ROUTE)[0]
 
 
 def _mask_pairs(q_cu, q_pos, k_cu, k_pos, mask):
@@ -71,17 +71,21 @@ def _mask_pairs(q_cu, q_pos, k_cu, k_pos, mask):
 
 
 def _fa_pairs(form, n_q, n_k):
-    """The pairs FlashAttention computes for ``form``, by its own rule; also checks the
-    calls' coverage and non-overlap."""
+    """The pairs FlashAttention computes for ``form``, by its own rule, on the rows each
+    call is handed (its spans); also checks the calls' coverage and non-overlap."""
     out, pairs = set(), 0
     for n_call, call in enumerate(form.calls):
         cu_q, cu_k = call.cu_q.numpy(), call.cu_k.numpy()
+        (q_a, q_b), (k_a, k_b) = call.q_span, call.k_span
         index = (np.arange(n_k) if call.k_index is None else call.k_index.numpy())
-        assert cu_q[0] == 0 and cu_q[-1] == n_q, "every query row in a segment"
-        assert cu_k[0] == 0 and cu_k[-1] == index.size, "every key row in a segment"
+        assert 0 <= q_a <= q_b <= n_q and 0 <= k_a <= k_b <= index.size
+        assert cu_q[0] == 0 and cu_q[-1] == q_b - q_a, "every spanned query row in a segment"
+        assert cu_k[0] == 0 and cu_k[-1] == k_b - k_a, "every spanned key row in a segment"
         assert (np.diff(cu_q) >= 0).all() and (np.diff(cu_k) >= 0).all()
         if call.k_index is None:
             assert index.size == n_k
+        else:
+            assert (k_a, k_b) == (0, index.size)   # a gathered buffer is the call's own
         wl, wr = call.window
         for s in range(cu_q.size - 1):
             sq, sk = cu_q[s + 1] - cu_q[s], cu_k[s + 1] - cu_k[s]
@@ -89,7 +93,7 @@ def _fa_pairs(form, n_q, n_k):
             for i in range(sq):
                 for j in range(sk):
                     if (wl < 0 or j >= i + sk - sq - wl) and (wr < 0 or j <= i + sk - sq + wr):
-                        pair = (cu_q[s] + i, int(index[cu_k[s] + j]))
+                        pair = (q_a + cu_q[s] + i, int(index[k_a + cu_k[s] + j]))
                         assert pair not in out, "a pair computed twice"
                         out.add(pair)
                         pairs += 1
@@ -151,12 +155,15 @@ def test_dual_chunk_pieces_against_a_gathered_prefix_overlap_and_are_resolved():
     mask = AttnMask(causal=True)
     keys = _key_set((k_cu, k_pos))
     costly_kv = FlashRoute("flash", q_row_bytes=10, kv_row_bytes=10 ** 6)
-    for route in (ROUTE, costly_kv):
+    for route in (ROUTE, costly_kv, FlashRoute("flash", 10 ** 6, 10)):
         form = _form(q_cu, q_pos, keys, (0, 0, n), mask, route)
         assert form is not None
         assert _fa_pairs(form, q_pos.size, n) == _mask_pairs(q_cu, q_pos, k_cu, k_pos, mask)
-    # cheap K/V rows: gathered into one call; costly ones: two calls, no gather
-    gathered = _form(q_cu, q_pos, keys, (0, 0, n), mask)
+    # cheap K/V rows: gathered into one call; costly ones: two calls, no gather (the second
+    # call's spans: its 8 queries and the 64 keys they see, so it takes far costlier query
+    # rows to make the gather win)
+    costly_q = FlashRoute("flash", q_row_bytes=10 ** 6, kv_row_bytes=10)
+    gathered = _form(q_cu, q_pos, keys, (0, 0, n), mask, costly_q)
     assert len(gathered.calls) == 1 and gathered.calls[0].k_index is not None
     split = _form(q_cu, q_pos, keys, (0, 0, n), mask, costly_kv)
     assert len(split.calls) == 2 and all(c.k_index is None for c in split.calls)
@@ -183,3 +190,41 @@ def test_query_pieces_cut_at_gaps_chunks_segments_and_padding():
     assert list(zip(seg, row0, rows, qs)) == [(0, 0, 3, 0), (0, 3, 2, 5), (1, 7, 1, 3),
                                               (1, 8, 2, 4)]
     assert torch.equal(torch.from_numpy(rows), torch.tensor([3, 2, 1, 2]))
+
+
+def test_windows_over_key_gaps_are_cut_into_exact_pieces():
+    """A rank's two pieces of one document closer than the window (the balanced layout's
+    short stretches): the left edge of the second piece's queries runs through the first
+    piece, then the gap, then its own keys. Cut where it enters and leaves each, every
+    sub-piece is exact; the calls of windows that only some documents need are handed only
+    their rows (spans)."""
+    mask = AttnMask(causal=True, window_size=(40, 0))
+    doc = np.concatenate([np.arange(0, 8), np.arange(20, 70)])    # gap [8, 20) < window
+    other = np.arange(0, 30)                                       # a plain document after
+    q_pos = np.concatenate([doc, other])
+    q_cu = np.array([0, doc.size, q_pos.size])
+    keys = _key_set((q_cu, q_pos))
+    form = _form(q_cu, q_pos, keys, (0, 0, q_pos.size), mask)
+    assert form is not None and len(form.calls) >= 2
+    assert _fa_pairs(form, q_pos.size, q_pos.size) == _mask_pairs(q_cu, q_pos, q_cu, q_pos,
+                                                                  mask)
+    narrow = [c for c in form.calls if c.q_span != (0, q_pos.size)]
+    assert narrow and all(c.q_span[1] <= doc.size for c in narrow)   # the first document's
+    # without the cut the rule refuses the call (what it did before)
+    from varlen_cp.schedules import flash_form as ff
+    whole = ff.flash_forms(query_pieces(q_cu, q_pos, 0), keys, [(0, 0, q_pos.size)], mask,
+                           ROUTE, refined=True)
+    assert whole == [None]
+
+
+def test_split_pieces_cuts_inside_pieces_only():
+    from varlen_cp.schedules.flash_form import _split_pieces
+
+    pieces = (np.array([0, 0, 1]), np.array([0, 10, 20]), np.array([10, 5, 8]),
+              np.array([0, 100, 0]))
+    got = _split_pieces(pieces, np.array([0, 0, 0, 1, 1]), np.array([0, 4, 102, 8, 3]))
+    seg, row0, rows, start = (x.tolist() for x in got)
+    assert list(zip(seg, row0, rows, start)) == [
+        (0, 0, 4, 0), (0, 4, 6, 4), (0, 10, 2, 100), (0, 12, 3, 102), (1, 20, 3, 0),
+        (1, 23, 5, 3)]
+    assert _split_pieces(pieces, np.array([0]), np.array([0])) is None   # at a start: none

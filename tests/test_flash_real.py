@@ -15,24 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import flash_emulator as fe
-from tests.test_flash_emulator import (FA2_WINDOWS, HEADS, INF, K_LENS, Q_LENS, SCALE,
-                                       covered, fa2_fwd, inputs, layout, ref_mask)
+from tests.flash_cases import (  # noqa: F401  (registered: a fixture)
+    FA2_WINDOWS, HEADS, INF, K_LENS, Q_LENS, SCALE, covered, fa2_fwd, inputs, layout, ref_mask,
+    registered)
 
 pytestmark = pytest.mark.cuda
 CUDA = torch.device("cuda")
 D = 64   # FA2 on CUDA: q, k and v of one head dim, a multiple of 8
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@pytest.fixture(scope="module")
-def registered():
-    was = fe.is_registered()
-    fe.register()
-    yield
-    if not was:
-        fe.unregister()
 
 
 def _cuda(*ts):

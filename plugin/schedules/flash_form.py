@@ -33,8 +33,13 @@ gather costs ~3 passes over the duplicated K/V rows, each extra call an output, 
 and its dQ/dK/dV). Every call covers every query and key row with a segment (empty ones
 where nothing is seen), since FlashAttention never writes rows outside its segments.
 
-A call with a piece that is not exact, or that would take more than ``MAX_CALLS``
-FlashAttention calls (sliding windows cut by gaps), stays on the Triton kernels.
+A piece that is not exact because a window's edge runs through a gap of the call's keys is
+cut where the edge enters or leaves a run of keys (:func:`cut_at_gaps`), and the call tried
+again: each sub-piece is then exact, with a window of its own (one per document with such a
+gap). Each FlashAttention call is handed only the rows its segments span (``q_span`` /
+``k_span``), so these extra calls cost their documents' rows. A call with a piece still not
+exact, or that would take more than ``MAX_CALLS`` FlashAttention calls, stays on the Triton
+kernels.
 All integer math is numpy over pieces (a few per document and call), never per token,
 except the one pass over a holder's positions that finds its pieces (cached per holder).
 """
@@ -51,9 +56,12 @@ from ..masks import AttnMask
 from ..plan.runs import run_rows
 from .rounds import UniqueRounds
 
-MAX_CALLS = 4
-"""Most FlashAttention calls one of our calls may become (each extra one writes an output
-and merges it); beyond that, the Triton kernels take the call whole."""
+MAX_CALLS = 8
+"""Most FlashAttention calls one of our calls may become; beyond that, the Triton kernels
+take the call whole. Each extra call writes, merges and back-propagates only the rows its
+segments span (``FlashCall.q_span`` / ``k_span``), typically a few documents' worth: the
+windows that differ per document (a sliding window over keys with a gap, keys wholly
+before the queries) come one per such document, and Llama 4 mixes at cp 8 need up to 6."""
 
 
 @dataclass(frozen=True)
@@ -70,10 +78,14 @@ class FlashRoute:
 class FlashCall:
     """One FlashAttention varlen call (host tensors, or their device copies).
 
-    cu_q / cu_k: int32 [S+1], covering every query row and every row of the key buffer;
-    window: (left, right); k_index: None (the call's K/V as they are) or int64 rows of them
-    that make the key buffer (a gather with duplicates), ``k_rounds`` summing its gradient
-    back; pairs: visible (query, key) pairs it computes."""
+    q_span / k_span: the rows [first, end) of the call's queries and of its key buffer
+    that FlashAttention is handed (the rows its segments reach: a call of one window whose
+    segments lie in a few documents reads and writes only those rows, so that extra calls
+    cost their own rows, not the whole buffer's); cu_q / cu_k: int32 [S+1], relative to
+    the spans, covering every row of both; window: (left, right); k_index: None (the
+    call's K/V as they are) or int64 rows of them that make the key buffer (a gather with
+    duplicates), ``k_rounds`` summing its gradient back; pairs: visible (query, key) pairs
+    it computes."""
 
     cu_q: torch.Tensor
     cu_k: torch.Tensor
@@ -81,6 +93,8 @@ class FlashCall:
     max_k: int
     window: tuple[int, int]
     pairs: int
+    q_span: tuple[int, int]
+    k_span: tuple[int, int]
     k_index: torch.Tensor | None = None
     k_rounds: UniqueRounds | None = None
 
@@ -128,12 +142,16 @@ def query_pieces(cu: np.ndarray, pos: np.ndarray, chunk: int
 
 
 # ------------------------------------------------------------------------------- forms
-def flash_forms(n_q: int, pieces, keys, k_ranges: list[tuple[int, int, int]],
-                mask: AttnMask, route: FlashRoute) -> list[FlashForm | None]:
-    """The FlashAttention form of each call (the ``n_q`` query rows of one holder x the
+def flash_forms(pieces, keys, k_ranges: list[tuple[int, int, int]],
+                mask: AttnMask, route: FlashRoute, refined: bool = False
+                ) -> list[FlashForm | None]:
+    """The FlashAttention form of each call (the query rows of one holder x the
     keys of holder ``k_ranges[i]`` = (holder index, first row, rows) of the HolderSet
     ``keys``, whose searches by position, ``first_at`` / ``last_at``, give the rows), or
-    None where it is not exact. ``pieces``: :func:`query_pieces` of the query holder."""
+    None where it is not exact. ``pieces``: :func:`query_pieces` of the query holder. A
+    call with a piece that is not exact is tried once more with its pieces cut where the
+    window's edges cross a gap between its keys (:func:`cut_at_gaps`; ``refined``: that
+    second try)."""
     seg, row0, rows, qs = pieces
     n_calls, m = len(k_ranges), seg.size
     if n_calls == 0:
@@ -168,16 +186,76 @@ def flash_forms(n_q: int, pieces, keys, k_ranges: list[tuple[int, int, int]],
     pairs = _pairs(sq, sk, wl, wr)
     q0 = row_n + (t0 - qs_n)
     out = []
-    for i, (_, k_first, k_rows) in enumerate(k_ranges):
+    for i, (h, k_first, k_rows) in enumerate(k_ranges):
         s = slice(i * m, (i + 1) * m)
         keep = live[s]
         if not exact[s][keep].all():
-            out.append(None)
+            finer = None if refined else cut_at_gaps(pieces, keys, h, k_first, k_rows, mask)
+            out.append(None if finer is None else
+                       flash_forms(finer, keys, [k_ranges[i]], mask, route, True)[0])
             continue
         out.append(_call_form(seg_n[s][keep], q0[s][keep], sq[s][keep], kl[s][keep] - k_first,
-                              sk[s][keep], wl[s][keep], wr[s][keep], pairs[s][keep], n_q,
-                              k_rows, route))
+                              sk[s][keep], wl[s][keep], wr[s][keep], pairs[s][keep], route))
     return out
+
+
+def cut_at_gaps(pieces, keys, h: int, k_first: int, k_rows: int, mask: AttnMask):
+    """``pieces`` cut where the window's edges of their queries cross a gap between the
+    keys of one call (key rows ``[k_first, k_first + k_rows)`` of holder ``h`` in the
+    HolderSet ``keys``), or None when nothing would be cut.
+
+    A piece fails the exactness rule when its queries' left edge runs through a gap of
+    the keys (they lose no row while it crosses it, where FA's window drops one row per
+    query) or their right edge does (likewise gaining). Cut at the queries where an edge
+    enters or leaves a run of keys, each sub-piece sees its edges move through one run or
+    one gap only: exact, with a window of its own (a balanced layout's two pieces of one
+    document closer than the window give such gaps: issue 27's SWA coverage)."""
+    _, k_pos, offsets = keys._arrays
+    rows = slice(k_first, k_first + k_rows)
+    pos, seg = k_pos[rows], keys._cells[rows] - h * keys.n_seg
+    real = pos >= 0
+    pos, seg = pos[real], seg[real]
+    if pos.size < 2:
+        return None
+    brk = np.flatnonzero((pos[1:] != pos[:-1] + 1) | (seg[1:] != seg[:-1]))
+    if not brk.size:
+        return None
+    starts = np.concatenate([[0], brk + 1])
+    ends = np.concatenate([brk, [pos.size - 1]])
+    run_seg, first_pos, last_pos = seg[starts], pos[starts], pos[ends]
+    # queries where an edge reaches a run's first / past its last key, or a gap's
+    _, last_first = mask.query_interval(first_pos - 1)    # the left edge reaches the run
+    _, last_last = mask.query_interval(last_pos)          # the left edge leaves it
+    first_first, _ = mask.query_interval(first_pos)       # the right edge reaches it
+    first_after, _ = mask.query_interval(last_pos + 1)    # the right edge leaves it
+    cut_seg = np.tile(run_seg, 4)
+    cut_pos = np.concatenate([last_first + 1, last_last + 1, first_first, first_after])
+    return _split_pieces(pieces, cut_seg, cut_pos)
+
+
+def _split_pieces(pieces, cut_seg: np.ndarray, cut_pos: np.ndarray):
+    """``pieces`` (segment, first row, rows, first position) split at the positions
+    ``cut_pos`` of segments ``cut_seg`` that fall strictly inside them; None when none
+    does. Rows and positions advance together inside a piece."""
+    seg, row0, rows, qs = pieces
+    big = np.int64(1) << 40
+    cuts = np.unique(cut_seg * big + np.clip(cut_pos, -1, big - 1))
+    lo = np.searchsorted(cuts, seg * big + qs, side="right")
+    hi = np.searchsorted(cuts, seg * big + qs + rows, side="left")
+    inner = hi - lo
+    if not inner.any():
+        return None
+    owner = np.repeat(np.arange(seg.size), inner)           # the piece of each inner cut
+    at = cuts[run_rows(lo, inner)] - seg[owner] * big        # its position
+    piece = np.concatenate([np.arange(seg.size), owner])
+    start = np.concatenate([qs, at])
+    order = np.lexsort((start, piece))
+    piece, start = piece[order], start[order]
+    end = np.concatenate([start[1:], [0]])
+    last = np.ones(piece.size, dtype=bool)
+    last[:-1] = piece[1:] != piece[:-1]
+    end[last] = qs[piece[last]] + rows[piece[last]]
+    return (seg[piece], row0[piece] + (start - qs[piece]), end - start, start)
 
 
 def _windows(sk, sq, left_lost, first_hi, mask: AttnMask) -> tuple[np.ndarray, np.ndarray]:
@@ -215,7 +293,7 @@ def _relu_sum(c: np.ndarray, n: np.ndarray) -> np.ndarray:
     return np.where(cnt > 0, cnt * ((i0 + c) + (n - 1 + c)) // 2, 0)
 
 
-def _call_form(seg, q0, sq, k0, sk, wl, wr, pairs, n_q, n_k, route: FlashRoute
+def _call_form(seg, q0, sq, k0, sk, wl, wr, pairs, route: FlashRoute
                ) -> FlashForm | None:
     """Merge one call's exact pieces into segments, group them by window into
     FlashAttention calls (gathering or splitting overlapping key rows), or None when that
@@ -243,14 +321,14 @@ def _call_form(seg, q0, sq, k0, sk, wl, wr, pairs, n_q, n_k, route: FlashRoute
     for w_left, w_right in windows.tolist():
         sel = (wl == w_left) & (wr == w_right)
         plans.append(_window_calls(q0[sel], sq[sel], k0[sel], sk[sel], pairs[sel],
-                                   (int(w_left), int(w_right)), n_q, n_k, route))
+                                   (int(w_left), int(w_right)), route))
     calls = [c for p in plans for c in p]
     if len(calls) > MAX_CALLS:
         return None
     return FlashForm(route.backend, tuple(calls))
 
 
-def _window_calls(q0, sq, k0, sk, pairs, window, n_q, n_k, route: FlashRoute
+def _window_calls(q0, sq, k0, sk, pairs, window, route: FlashRoute
                   ) -> list[FlashCall]:
     """The calls of one window's segments (query rows increasing): one call when their key
     rows do not overlap, else gathered or split (fewer bytes)."""
@@ -259,22 +337,31 @@ def _window_calls(q0, sq, k0, sk, pairs, window, n_q, n_k, route: FlashRoute
     overlaps = np.zeros(k0.size, dtype=bool)
     overlaps[1:] = k0[1:] < reach[:-1]
     if not overlaps.any():
-        return [_call(q0, sq, k0, sk, pairs, window, n_q, n_k)]
+        return [_call(q0, sq, k0, sk, pairs, window)]
     # split: layer of a segment = how many earlier segments still hold its first key row
     # (exact for nested or chained ranges; checked, else only gathering is offered)
     layer = _layers(k0, k1)
     n_layers = int(layer.max()) + 1 if layer is not None else 0
     gathered = int(sk.sum())
     gather_bytes = 3 * gathered * route.kv_row_bytes
-    split_bytes = (n_layers - 1) * (2 * n_q * route.q_row_bytes + 2 * n_k * route.kv_row_bytes)
+    split_bytes = 0      # each call past the first: its spans' output, merge and gradients
+    for j in range(1, n_layers):
+        sel = layer == j
+        (qa, qb), (ka, kb) = _span(q0[sel], sq[sel]), _span(k0[sel], sk[sel])
+        split_bytes += 2 * (qb - qa) * route.q_row_bytes + 2 * (kb - ka) * route.kv_row_bytes
     if layer is not None and split_bytes < gather_bytes:
         return [_call(q0[layer == j], sq[layer == j], k0[layer == j], sk[layer == j],
-                      pairs[layer == j], window, n_q, n_k) for j in range(n_layers)]
+                      pairs[layer == j], window) for j in range(n_layers)]
     starts = np.cumsum(sk) - sk
     index = run_rows(k0, sk)
-    call = _call(q0, sq, starts, sk, pairs, window, n_q, gathered)
+    call = _call(q0, sq, starts, sk, pairs, window)
     return [replace(call, k_index=torch.from_numpy(index.astype(np.int64)),
                     k_rounds=UniqueRounds.of_runs(k0, sk, index))]
+
+
+def _span(first: np.ndarray, size: np.ndarray) -> tuple[int, int]:
+    """Rows [first[0], last end) of segments in increasing order (their span)."""
+    return (int(first[0]), int(first[-1] + size[-1])) if first.size else (0, 0)
 
 
 def _layers(k0: np.ndarray, k1: np.ndarray) -> np.ndarray | None:
@@ -292,10 +379,14 @@ def _layers(k0: np.ndarray, k1: np.ndarray) -> np.ndarray | None:
     return layer
 
 
-def _call(q0, sq, k0, sk, pairs, window, n_q: int, n_k: int) -> FlashCall:
+def _call(q0, sq, k0, sk, pairs, window) -> FlashCall:
     """One call over segments (query rows [q0, q0 + sq) x key rows [k0, k0 + sk), rows
-    increasing, key rows not overlapping), with empty segments over the rows between and
-    after them, so that every row of both buffers is in a segment."""
+    increasing, key rows not overlapping), on the rows they span, with empty segments over
+    the rows between them, so that every row of both spans is in a segment. (A gathered
+    key buffer is the call's own: its span is all of it.)"""
+    q_span, k_span = _span(q0, sq), _span(k0, sk)
+    q0, k0 = q0 - q_span[0], k0 - k_span[0]
+    n_q, n_k = q_span[1] - q_span[0], k_span[1] - k_span[0]
     n = q0.size
     q_gap = q0 - np.concatenate([[0], q0[:-1] + sq[:-1]])
     k_gap = k0 - np.concatenate([[0], k0[:-1] + sk[:-1]])
@@ -316,4 +407,5 @@ def _call(q0, sq, k0, sk, pairs, window, n_q: int, n_k: int) -> FlashCall:
     # which segments of 0 queries would break
     return FlashCall(torch.from_numpy(cu_q), torch.from_numpy(cu_k),
                      max(int(seq_q.max()) if seq_q.size else 0, 2),
-                     int(seq_k.max()) if seq_k.size else 0, window, int(pairs.sum()))
+                     int(seq_k.max()) if seq_k.size else 0, window, int(pairs.sum()),
+                     q_span, k_span)

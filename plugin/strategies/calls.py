@@ -104,14 +104,26 @@ def _keys(call, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 def flash_forward(form: FlashForm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out in q's dtype, lse) of a kernel call in FlashAttention's form: its calls'
-    partials merged by LSE (in fp32, then cast once)."""
+    """(out in q's dtype, lse) of a kernel call in FlashAttention's form: each FA call on
+    the rows it spans (``FlashCall.q_span`` / ``k_span``: row slices, views), its partial
+    merged by LSE into those rows of the result (in fp32, then cast once)."""
+    n_q = q.shape[0]
     out = lse = None
     for call in form.calls:
         k_c, v_c = _keys(call, k, v)
-        o, l = flash_fwd(form.backend, q, k_c, v_c, call.cu_q, call.cu_k, call.max_q,
-                         call.max_k, scale, call.window)
-        out, lse = (o, l) if out is None else merge_attn_partials_(out, lse, o, l)
+        (qa, qb), (ka, kb) = call.q_span, call.k_span
+        o, l = flash_fwd(form.backend, q[qa:qb], k_c[ka:kb], v_c[ka:kb], call.cu_q,
+                         call.cu_k, call.max_q, call.max_k, scale, call.window)
+        if out is None and (qa, qb) == (0, n_q):
+            out, lse = o, l
+            continue
+        if out is None:   # the rows no call spans yet: nothing seen
+            out = q.new_zeros(n_q, q.shape[1], v.shape[2], dtype=torch.float32)
+            lse = torch.full((q.shape[1], n_q), float("-inf"), device=q.device)
+        elif out.dtype != torch.float32:
+            out = out.float()
+        # in place on the rows' views (fp32 out: mul_ / addcmul_); the LSE written back
+        _, lse[:, qa:qb] = merge_attn_partials_(out[qa:qb], lse[:, qa:qb], o, l)
     if out is None:  # nothing visible
         out, lse, _ = empty_attn(q, v.shape[2], False)
     return out.to(q.dtype), lse
@@ -122,24 +134,35 @@ def flash_backward(form: FlashForm, dout: torch.Tensor, q: torch.Tensor, k: torc
                    dlse: torch.Tensor | None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of a kernel call in FlashAttention's form, given the FINAL out and
-    the LSE as FA's backward takes it (``BwdStats.flash_lse``); gathered keys' gradients
-    summed back in rounds of unique rows; several calls' in fp32."""
-    several = len(form.calls) > 1
-    dq = dk = dv = None
+    the LSE as FA's backward takes it (``BwdStats.flash_lse``), each FA call on its spans;
+    gathered keys' gradients summed back in rounds of unique rows; several calls', or a
+    call on part of the rows, summed in fp32."""
+    one = len(form.calls) == 1 and form.calls[0].q_span == (0, q.shape[0]) and \
+        form.calls[0].k_index is None and form.calls[0].k_span == (0, k.shape[0])
+    if not form.calls:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if one:   # the common case: FA's own gradients, no accumulation
+        call = form.calls[0]
+        return flash_bwd(form.backend, dout, q, k, v, out, lse, call.cu_q, call.cu_k,
+                         call.max_q, call.max_k, scale, call.window, dlse)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     for call in form.calls:
         k_c, v_c = _keys(call, k, v)
-        dq_c, dk_c, dv_c = flash_bwd(form.backend, dout, q, k_c, v_c, out, lse, call.cu_q,
-                                     call.cu_k, call.max_q, call.max_k, scale, call.window,
-                                     dlse)
-        if call.k_index is not None:
-            dk_c = call.k_rounds.add_(k.new_zeros(k.shape, dtype=torch.float32), dk_c.float())
-            dv_c = call.k_rounds.add_(v.new_zeros(v.shape, dtype=torch.float32), dv_c.float())
-        if dq is None:
-            dq, dk, dv = ((x.float() if several else x) for x in (dq_c, dk_c, dv_c))
+        (qa, qb), (ka, kb) = call.q_span, call.k_span
+        rows = slice(qa, qb)
+        dq_c, dk_c, dv_c = flash_bwd(
+            form.backend, dout[rows], q[rows], k_c[ka:kb], v_c[ka:kb], out[rows],
+            lse[:, rows].contiguous(), call.cu_q, call.cu_k, call.max_q, call.max_k, scale,
+            call.window, None if dlse is None else dlse[:, rows].contiguous())
+        dq[rows] += dq_c
+        if call.k_index is not None:   # the gathered buffer is the call's own (whole span)
+            call.k_rounds.add_(dk, dk_c.float())
+            call.k_rounds.add_(dv, dv_c.float())
         else:
-            dq, dk, dv = dq.add_(dq_c), dk.add_(dk_c), dv.add_(dv_c)
-    if dq is None:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+            dk[ka:kb] += dk_c
+            dv[ka:kb] += dv_c
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
