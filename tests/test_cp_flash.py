@@ -110,9 +110,11 @@ def test_strategies_on_flash_attention(strategy, backend, tmp_path):
     n = len(LAYOUTS) * len(MASKS)
     got = run_distributed(grid_worker, 2, tmp_path, strategy, backend, None, timeout_s=600)
     assert [g[0] for g in got] == [n, n]
-    # FA calls handed part of the rows (spans: a window some documents need, a split
-    # call) ran and were exact, on every strategy
-    assert sum(g[1] for g in got) > 0, "no FA call ran on part of the rows (spans)"
+    # FA calls handed part of the rows (spans: a window only some documents need, a split
+    # call) ran and were exact wherever a rank holds pieces of documents (a2a's whole
+    # documents make one call on every row)
+    narrow = sum(g[1] for g in got)
+    assert narrow > 0 if "a2a" not in strategy else narrow == 0, narrow
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "dispatch"])

@@ -49,8 +49,8 @@ def _key_set(*holders):
 
 def _form(q_cu, q_pos, keys, k_range, mask, route=None):
     """The FA form of the call (query holder) x (key holder ``k_range`` of ``keys``)."""
-    return flash_forms(query_pieces(q_cu, q_pos, mask.chunk_size or 0), keys, [k_range],
-                       mask, route or ROUTE)[0]
+    return flash_forms(q_pos.size, query_pieces(q_cu, q_pos, mask.chunk_size or 0), keys,
+                       [k_range], mask, route or ROUTE)[0]
 
 
 def _mask_pairs(q_cu, q_pos, k_cu, k_pos, mask):
@@ -212,8 +212,8 @@ def test_windows_over_key_gaps_are_cut_into_exact_pieces():
     assert narrow and all(c.q_span[1] <= doc.size for c in narrow)   # the first document's
     # without the cut the rule refuses the call (what it did before)
     from varlen_cp.schedules import flash_form as ff
-    whole = ff.flash_forms(query_pieces(q_cu, q_pos, 0), keys, [(0, 0, q_pos.size)], mask,
-                           ROUTE, refined=True)
+    whole = ff.flash_forms(q_pos.size, query_pieces(q_cu, q_pos, 0), keys,
+                           [(0, 0, q_pos.size)], mask, ROUTE, refined=True)
     assert whole == [None]
 
 

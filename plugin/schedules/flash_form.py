@@ -142,10 +142,10 @@ def query_pieces(cu: np.ndarray, pos: np.ndarray, chunk: int
 
 
 # ------------------------------------------------------------------------------- forms
-def flash_forms(pieces, keys, k_ranges: list[tuple[int, int, int]],
+def flash_forms(n_q: int, pieces, keys, k_ranges: list[tuple[int, int, int]],
                 mask: AttnMask, route: FlashRoute, refined: bool = False
                 ) -> list[FlashForm | None]:
-    """The FlashAttention form of each call (the query rows of one holder x the
+    """The FlashAttention form of each call (the ``n_q`` query rows of one holder x the
     keys of holder ``k_ranges[i]`` = (holder index, first row, rows) of the HolderSet
     ``keys``, whose searches by position, ``first_at`` / ``last_at``, give the rows), or
     None where it is not exact. ``pieces``: :func:`query_pieces` of the query holder. A
@@ -192,10 +192,11 @@ def flash_forms(pieces, keys, k_ranges: list[tuple[int, int, int]],
         if not exact[s][keep].all():
             finer = None if refined else cut_at_gaps(pieces, keys, h, k_first, k_rows, mask)
             out.append(None if finer is None else
-                       flash_forms(finer, keys, [k_ranges[i]], mask, route, True)[0])
+                       flash_forms(n_q, finer, keys, [k_ranges[i]], mask, route, True)[0])
             continue
         out.append(_call_form(seg_n[s][keep], q0[s][keep], sq[s][keep], kl[s][keep] - k_first,
-                              sk[s][keep], wl[s][keep], wr[s][keep], pairs[s][keep], route))
+                              sk[s][keep], wl[s][keep], wr[s][keep], pairs[s][keep], n_q,
+                              k_rows, route))
     return out
 
 
@@ -293,7 +294,7 @@ def _relu_sum(c: np.ndarray, n: np.ndarray) -> np.ndarray:
     return np.where(cnt > 0, cnt * ((i0 + c) + (n - 1 + c)) // 2, 0)
 
 
-def _call_form(seg, q0, sq, k0, sk, wl, wr, pairs, route: FlashRoute
+def _call_form(seg, q0, sq, k0, sk, wl, wr, pairs, n_q: int, n_k: int, route: FlashRoute
                ) -> FlashForm | None:
     """Merge one call's exact pieces into segments, group them by window into
     FlashAttention calls (gathering or splitting overlapping key rows), or None when that
@@ -325,7 +326,29 @@ def _call_form(seg, q0, sq, k0, sk, wl, wr, pairs, route: FlashRoute
     calls = [c for p in plans for c in p]
     if len(calls) > MAX_CALLS:
         return None
+    # the call spanning the most query rows goes first and runs on every row: its output
+    # starts the result (no merge, no zero-filled fp32 buffer); the others merge into the
+    # rows they span
+    widest = max(range(len(calls)), key=lambda i: calls[i].q_span[1] - calls[i].q_span[0])
+    calls.insert(0, _widen(calls.pop(widest), n_q, n_k))
     return FlashForm(route.backend, tuple(calls))
+
+
+def _widen(call: FlashCall, n_q: int, n_k: int) -> FlashCall:
+    """``call`` on every query row and every key row (a gathered buffer is already its
+    own): empty segments over the rows before and after its spans."""
+    (qa, qb), (ka, kb) = call.q_span, call.k_span
+    if call.k_index is not None:
+        ka, kb, n_k = 0, 0, 0
+    seq_q = np.concatenate([[qa, 0], np.diff(call.cu_q.numpy()), [n_q - qb, 0]])
+    seq_k = np.concatenate([[0, ka], np.diff(call.cu_k.numpy()), [0, n_k - kb]])
+    keep = (seq_q > 0) | (seq_k > 0)
+    seq_q, seq_k = seq_q[keep], seq_k[keep]
+    cu_q = torch.from_numpy(np.concatenate([[0], np.cumsum(seq_q)]).astype(np.int32))
+    cu_k = torch.from_numpy(np.concatenate([[0], np.cumsum(seq_k)]).astype(np.int32))
+    return replace(call, cu_q=cu_q, cu_k=cu_k, max_q=max(call.max_q, int(seq_q.max())),
+                   max_k=max(call.max_k, int(seq_k.max())), q_span=(0, n_q),
+                   k_span=call.k_span if call.k_index is not None else (0, n_k))
 
 
 def _window_calls(q0, sq, k0, sk, pairs, window, route: FlashRoute

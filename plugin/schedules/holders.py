@@ -294,9 +294,10 @@ def call_forms(qset: HolderSet, q: int, kset: HolderSet, ks: list[int], mask: At
                route: FlashRoute) -> list[FlashForm | None]:
     """FlashAttention's form of each call (holder ``q`` of ``qset``) x (holder k of
     ``kset``), None where it is not exact (``flash_form``), all calls at once."""
-    k_off = kset._arrays[2]
+    offsets, k_off = qset._arrays[2], kset._arrays[2]
     ranges = [(k, int(k_off[k]), int(k_off[k + 1] - k_off[k])) for k in ks]
-    return flash_forms(qset.pieces(q, mask.chunk_size or 0), kset, ranges, mask, route)
+    return flash_forms(int(offsets[q + 1] - offsets[q]), qset.pieces(q, mask.chunk_size or 0),
+                       kset, ranges, mask, route)
 
 
 def set_calls(qset: HolderSet, q: int, kset: HolderSet, ks: list[int], mask: AttnMask,

@@ -135,19 +135,20 @@ def flash_backward(form: FlashForm, dout: torch.Tensor, q: torch.Tensor, k: torc
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of a kernel call in FlashAttention's form, given the FINAL out and
     the LSE as FA's backward takes it (``BwdStats.flash_lse``), each FA call on its spans;
-    gathered keys' gradients summed back in rounds of unique rows; several calls', or a
-    call on part of the rows, summed in fp32."""
-    one = len(form.calls) == 1 and form.calls[0].q_span == (0, q.shape[0]) and \
-        form.calls[0].k_index is None and form.calls[0].k_span == (0, k.shape[0])
+    gathered keys' gradients summed back in rounds of unique rows; several calls' summed
+    in fp32 (the first spans every row, the others add into theirs)."""
     if not form.calls:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    if one:   # the common case: FA's own gradients, no accumulation
-        call = form.calls[0]
-        return flash_bwd(form.backend, dout, q, k, v, out, lse, call.cu_q, call.cu_k,
-                         call.max_q, call.max_k, scale, call.window, dlse)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    if len(form.calls) == 1:   # the common case: one call on every row (flash_form widens
+        call = form.calls[0]   # a form's first call), FA's own dq
+        k_c, v_c = _keys(call, k, v)
+        dq, dk, dv = flash_bwd(form.backend, dout, q, k_c, v_c, out, lse, call.cu_q,
+                               call.cu_k, call.max_q, call.max_k, scale, call.window, dlse)
+        if call.k_index is not None:
+            dk = call.k_rounds.add_(k.new_zeros(k.shape, dtype=torch.float32), dk.float())
+            dv = call.k_rounds.add_(v.new_zeros(v.shape, dtype=torch.float32), dv.float())
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
+    dq = dk = dv = None
     for call in form.calls:
         k_c, v_c = _keys(call, k, v)
         (qa, qb), (ka, kb) = call.q_span, call.k_span
@@ -156,11 +157,14 @@ def flash_backward(form: FlashForm, dout: torch.Tensor, q: torch.Tensor, k: torc
             form.backend, dout[rows], q[rows], k_c[ka:kb], v_c[ka:kb], out[rows],
             lse[:, rows].contiguous(), call.cu_q, call.cu_k, call.max_q, call.max_k, scale,
             call.window, None if dlse is None else dlse[:, rows].contiguous())
-        dq[rows] += dq_c
         if call.k_index is not None:   # the gathered buffer is the call's own (whole span)
-            call.k_rounds.add_(dk, dk_c.float())
-            call.k_rounds.add_(dv, dv_c.float())
-        else:
+            dk_c = call.k_rounds.add_(k.new_zeros(k.shape, dtype=torch.float32), dk_c.float())
+            dv_c = call.k_rounds.add_(v.new_zeros(v.shape, dtype=torch.float32), dv_c.float())
+            ka, kb = 0, k.shape[0]
+        if dq is None:   # the first call spans every row (flash_form widens it)
+            dq, dk, dv = dq_c.float(), dk_c.float(), dv_c.float()
+        else:            # the others add into the rows they span, in fp32
+            dq[rows] += dq_c
             dk[ka:kb] += dk_c
             dv[ka:kb] += dv_c
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
