@@ -213,6 +213,8 @@ def test_stock_torchtitan_model():
     (["--mix", "short_4k", "--cp", "2", "--heads", "4", "--seq-len", "100000000",
       "--tokens", "1000"], "fewer than one batch"),
     (["--mix", "short_4k", "--cp", "2", "--heads", "4", "--a2a-size", "2"], "--a2a-size"),
+    (["--mix", "short_4k", "--cp", "2", "--heads", "4", "--backend", "cuda"],
+     "--backend: backend must be one of"),
     (["--config", str(REPO / "README.md"), "--mix", "short_4k"], "not valid TOML"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, args, message):

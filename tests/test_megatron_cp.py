@@ -468,4 +468,5 @@ def test_train_entry_point_cp2(parity) -> None:
         for mask, _ in model.layer_masks:
             key = mask_label(mask)
             assert row[f"varlen_cp/work_imbalance/{key}"] == plan.work_imbalance(mask), key
+            assert row[f"varlen_cp/fa_work_share/{key}"] == 0.0   # CPU: no FA backend
         assert row["varlen_cp/plan_ms"] > 0

@@ -258,6 +258,10 @@ def test_metrics_reach_tensorboard(results, train_root):
             sent = catalogue.bytes_sent("dispatch", plan, mask, shape)
             assert value == max(f + b for f, b in zip(sent["fwd"], sent["bwd"]))
         assert all(v >= 1 for _, v in scalars[f"varlen_cp/stages/{key}"])
+        # the step's backend reached the report: on CPUs "auto" is the PyTorch twin, no FA
+        for what in ("work", "call"):
+            assert scalars[f"varlen_cp/fa_{what}_share/{key}"] == [(1, 0.0), (2, 0.0),
+                                                                    (3, 0.0)]
     assert all(v > 0 for _, v in scalars["varlen_cp/plan_ms"])
     assert [s for s, _ in scalars["varlen_cp/plan_wait_ms"]] == [1, 2, 3]
 

@@ -13,7 +13,8 @@ Job files:
 - megatron (``[gpt]`` / ``[parallel]`` sections): read with the megatron integration's
   ``load_config`` and its layer resolution (needs megatron-core installed).
 
-Flags override the file (``--cp``, ``--layout``, ``--strategy``, ``--mask``, heads, ...);
+Flags override the file (``--cp``, ``--layout``, ``--strategy``, ``--backend``, ``--mask``,
+heads, ...);
 without a file they describe the job alone. Mask syntax (``--mask``, repeatable):
 ``MASK[:LAYERS]`` with MASK a ``+``-joined list of ``causal`` (the default), ``full``
 (bidirectional), ``chunk=N`` (Llama 4 chunked attention), ``window=L`` (causal sliding
@@ -223,7 +224,7 @@ def parse_mask(text: str) -> tuple[AttnMask, int]:
         raise ValueError(f"--mask {text!r}: {e}") from None
 
 
-OPTION_FLAGS = ("layout", "strategy", "a2a_size", "overlap_stages", "tile_tokens",
+OPTION_FLAGS = ("layout", "strategy", "backend", "a2a_size", "overlap_stages", "tile_tokens",
                 "min_chunk_tokens", "pad_multiple")
 
 

@@ -13,7 +13,9 @@ packed into batches of ``--seq-len`` tokens (``varlen_cp.cli.lengths``). For the
 process group, no torchtitan needed) and prints, from ``varlen_cp.report``:
 
 - per layer type: layers, the strategy that runs (``auto`` resolved), stage count, work
-  max/mean over ranks, the busiest rank's K/V floor and bytes sent per layer;
+  max/mean over ranks, the busiest rank's K/V floor and bytes sent per layer; and rank 0's
+  backend coverage: the share of its visible pairs and of its kernel calls in
+  FlashAttention's form, and the FA backend they run on (``--backend``, below);
 - per rank (batch 0): tokens, work per layer type, K/V floor, bytes sent;
 - per strategy and layer type: the cost model's time per layer (forward + backward,
   slowest rank), compute, communication, bytes and memory kept for the backward, what
@@ -27,8 +29,17 @@ estimate against cp, ``--sweep``), which need matplotlib (``pip install
 note); ``--json FILE`` writes every figure, unrounded. Bad input: one line naming the flag
 or file and value, exit status 2.
 
+``--backend`` (default: the job file's ``[varlen_cp] backend``, else "auto") has an offline
+meaning, as there is no GPU here (``varlen_cp.report.Backends.planned``): "flash" / "fa4"
+build the FA forms a GPU run with that backend would build (on an sm90 GPU), where the
+library takes this model's calls at all (dtype, head dims, sinks, QK-clip); "auto" counts
+as FA-capable, so its coverage is what FlashAttention CAN take (FA4's rules): on a GPU
+where auto picks our Triton kernels (torch's flash ops running FA2 on sm90+, no
+flash-attn-4) none of it runs there; "triton" / "torch": our kernels only (0%).
+
 Limits: the rates are a model (``--flops``, ``--bandwidth``; defaults: one H100 node); one
-head shape for all layers; the plan is rank 0's view (every rank builds the same plan).
+head shape for all layers; the plan is rank 0's view (every rank builds the same plan);
+the coverage is rank 0's.
 """
 
 from __future__ import annotations
@@ -41,13 +52,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..config import LAYOUTS, STRATEGY_NAMES
+from ..config import BACKENDS, LAYOUTS, STRATEGY_NAMES
 from ..cp_call import check_heads
 from ..mixes import MIXES
 from ..options import AttnOptions
 from ..prepare import build_plan
-from ..report import PlanReport, plan_report
-from ..report.text import fmt_bytes, fmt_time, headline, layer_table, rank_lines, table
+from ..report import Backends, PlanReport, plan_report
+from ..report.text import (coverage_lines, fmt_bytes, fmt_share, fmt_time, headline,
+                           layer_table, rank_lines, table)
 from ..schedules.auto import CostModel
 from . import jobs, lengths, plots
 
@@ -65,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument("--cp", type=int, help="context-parallel degree")
     job.add_argument("--layout", choices=LAYOUTS)
     job.add_argument("--strategy", choices=STRATEGY_NAMES)
+    job.add_argument("--backend", metavar="{" + ",".join(BACKENDS) + "}",
+                     help="kernels' backend, for the FlashAttention coverage (default: the "
+                     "job file's, else auto). Offline: flash / fa4 build the FA forms as a "
+                     "GPU run would where the library takes the model's calls; auto counts "
+                     "as FA-capable (what FA CAN take); triton / torch: none on FA")
     job.add_argument("--mask", action="append", metavar="MASK[:LAYERS]",
                      help="a layer type's mask and layer count (repeat per layer type)")
     job.add_argument("--heads", type=int, help="query heads (per tensor-parallel rank)")
@@ -140,12 +157,15 @@ def sweep_values(text: str | None, job: jobs.Job, tokens: int) -> list[int]:
 
 
 # ---- analysis -----------------------------------------------------------------------------
-def analyse(job: jobs.Job, cu: Any, cp: int, model: CostModel) -> tuple[Any, PlanReport]:
+def analyse(job: jobs.Job, cu: Any, cp: int, model: CostModel,
+            backends: Backends | None = None) -> tuple[Any, PlanReport]:
+    """Rank 0's plan and report; ``backends``: with the backend coverage (None: without,
+    as the cp sweep needs only estimates)."""
     layer_masks = [(t.mask, t.n_layers) for t in job.layers]
     plan = build_plan(cu, job.config, cp_size=cp, cp_rank=0, layer_masks=layer_masks)
     return plan, plan_report(plan, job.layers, job.shape,
                              overlap_stages=job.config.overlap_stages,
-                             with_estimates=True, model=model)
+                             with_estimates=True, model=model, backends=backends)
 
 
 def auto_picks(rep: PlanReport) -> str:
@@ -200,6 +220,11 @@ def summary_lines(reps: list[PlanReport]) -> list[str]:
         out.append(f"  {first.label}: work max/mean mean {sum(values) / len(values):.3f}, "
                    f"worst {max(values):.3f}; auto picks "
                    + ", ".join(f"{n} in {c}" for n, c in picks.most_common()))
+        shares = [rep.layers[i].coverage.pair_share for rep in reps
+                  if rep.layers[i].coverage is not None]
+        if shares:
+            out[-1] += (f"; FA share of rank 0's work mean "
+                        f"{fmt_share(sum(shares) / len(shares))}, worst {fmt_share(min(shares))}")
     tokens = [rep.token_imbalance for rep in reps]
     out.append(f"  tokens max/mean: mean {sum(tokens) / len(tokens):.3f}, worst "
                f"{max(tokens):.3f}")
@@ -219,6 +244,11 @@ def report_text(job: jobs.Job, docs: str, reps: list[PlanReport], n_batches: int
     if cfg.overlap_stages is not None:
         lines[-1] += f"; overlap_stages {cfg.overlap_stages}"
     lines += ["layer types:"] + layer_table(rep)
+    if rep.backends is not None:
+        b = rep.backends
+        lines.append(f"kernels: --backend {b.backend} (offline: {b.note}); FA-form calls "
+                     f"on {b.flash or 'none'}")
+        lines += ["  " + line for line in coverage_lines(rep)]
     lines += ["per rank:"] + rank_lines(rep)
     if job.cp > 1:
         lines += ["strategies per layer type (one layer, fwd+bwd, slowest rank):"]
@@ -231,6 +261,17 @@ def report_text(job: jobs.Job, docs: str, reps: list[PlanReport], n_batches: int
     return lines
 
 
+def coverage_json(r: Any) -> dict[str, Any] | None:
+    """A layer type's backend coverage on rank 0 (None: not computed)."""
+    c = r.coverage
+    if c is None:
+        return None
+    return {"rank": c.rank, "flash_backend": r.flash_backend, "flash_pairs": c.flash_pairs,
+            "total_pairs": c.total_pairs, "pair_share": c.pair_share,
+            "flash_calls": c.flash_calls, "other_calls": c.other_calls,
+            "call_share": c.call_share, "fa_calls": c.fa_calls}
+
+
 def report_json(job: jobs.Job, docs: str, reps: list[PlanReport], n_batches: int,
                 sweep_data: dict, chosen: dict) -> dict[str, Any]:
     def layer(r: Any) -> dict[str, Any]:
@@ -238,11 +279,16 @@ def report_json(job: jobs.Job, docs: str, reps: list[PlanReport], n_batches: int
                 "strategy": r.strategy, "stages": r.stages, "work": r.work,
                 "work_imbalance": r.work_imbalance, "kv_floor_bytes": r.kv_floor_bytes,
                 "sent_bytes": r.sent_bytes, "auto_pick": r.auto_pick,
-                "estimates": {n: vars(e) for n, e in (r.estimates or {}).items()}}
+                "estimates": {n: vars(e) for n, e in (r.estimates or {}).items()},
+                "coverage": coverage_json(r)}
+
+    b = reps[0].backends
 
     return {"source": job.source, "documents": docs, "cp": job.cp,
             "layout": job.config.layout, "seq_len": job.seq_len, "rows": job.rows,
             "n_batches": n_batches,
+            "backend": None if b is None else {"backend": b.backend, "flash": b.flash,
+                                               "reason": b.reason, "note": b.note},
             "batches": [{"n_docs": rep.n_docs, "tokens": rep.tokens,
                          "token_imbalance": rep.token_imbalance,
                          "layers": [layer(r) for r in rep.layers]} for rep in reps],
@@ -257,12 +303,13 @@ def run(args: Any) -> int:
     if job.seq_len is None:
         job = jobs.Job(job.source, job.cp, job.config, job.layers, job.shape, 131072, job.rows)
     check_job(job)
+    backends = Backends.planned(job.config.backend, job.shape)
     jobs._int(args.batches, "--batches")
     cps = sweep_values(args.sweep, job, job.seq_len * job.rows)
     docs, where = read_documents(args, job)
     batches = lengths.pack(docs, job.seq_len, job.rows)
     start = time.perf_counter()
-    analysed = [analyse(job, cu, job.cp, model) for cu in batches[:args.batches]]
+    analysed = [analyse(job, cu, job.cp, model, backends) for cu in batches[:args.batches]]
     plan0, reps = analysed[0][0], [rep for _, rep in analysed]
     desc = (f"{len(docs)} lengths {where} ({sum(docs)} tokens, mean "
             f"{sum(docs) / len(docs):.0f}, max {max(docs)})")

@@ -1,7 +1,8 @@
 """The plan report: what a batch's plan gives each rank and what each layer type costs.
 
 ``plan_report(plan, layers, shape)`` computes, from the plan's closed forms only (run-level
-tables the strategies build anyway; no tile schedule, no device copy):
+tables the strategies build anyway; no tile schedule, no device copy; the coverage below
+reads the step's tables):
 
 - per rank: tokens (padding included) and, per layer type, visible pairs (the attention
   work, per query head), the K/V floor (other ranks' K/V bytes its queries see: what
@@ -13,13 +14,21 @@ tables the strategies build anyway; no tile schedule, no device copy):
   overlap stage count of staged strategies (``schedules.staged.resolve_stages``, as the
   strategy resolves it), and optionally every candidate strategy's estimate
   (``schedules.auto.estimates``: time per layer, forward + backward, slowest rank, and
-  bytes) with the one ``auto`` picks;
+  bytes) with the one ``auto`` picks; and, given the step's ``Backends``
+  (``report.coverage``), the backend coverage of the running strategy on the reporting
+  rank (``plan.cp_rank``): which FlashAttention-class backend its FA-form calls run on, the
+  share of its visible pairs and of its kernel calls in FA's form (the rest on our
+  kernels), the number of FA calls (``schedules.coverage.flash_coverage``; at cp 1 the
+  single-device op's one call);
 - the token imbalance (``plan.token_imbalance``).
 
 ``auto``'s choice and the stage counts are read through the same cache keys the step's
 ``prepare_plan`` fills, so on a prepared plan they cost a dictionary lookup. Estimates for
 every strategy are the expensive part (each staged candidate simulates its stages): the
-training logs compute them only in the first block and when a choice changes.
+training logs compute them only in the first block and when a choice changes. The
+coverage reads the rank's host tables under the keys the step's prepare filled (same
+route, tiles, stages), so in training it is cache lookups and a sum over a few calls;
+offline (the CLI, or an unprepared plan) it builds those tables.
 
 Limits: one head shape for every layer type; ``memory_budget_bytes`` of ``auto`` is not
 modelled (the integrations do not set it); the rates are :class:`CostModel`'s defaults
@@ -37,9 +46,11 @@ from ..masks import AttnMask
 from ..plan import CPPlan
 from ..schedules import catalogue
 from ..schedules.auto import CostModel, Estimate, choose_strategy, estimates, pick
+from ..schedules.coverage import FlashCoverage
 from ..schedules.selected import fetch_counts
 from ..schedules.shape import Shape, make_shape
 from ..schedules.staged import resolve_stages
+from .coverage import Backends, layer_coverage
 
 LOCAL = "local"  # the strategy name reported at cp 1, where every strategy is the local op
 
@@ -87,6 +98,8 @@ class LayerReport:
     sent_bytes: list[int]             # what the running strategy sends, fwd + bwd
     estimates: dict[str, Estimate] | None = None   # every candidate, when asked for
     auto_pick: str | None = None      # what ``auto`` picks among ``estimates``
+    coverage: FlashCoverage | None = None  # the reporting rank's calls on FA, when asked for
+    flash_backend: str | None = None  # what its FA-form calls run on (None: no FA route)
 
     @property
     def label(self) -> str:
@@ -106,6 +119,7 @@ class PlanReport:
     tokens: list[int]
     token_imbalance: float
     layers: list[LayerReport] = field(default_factory=list)
+    backends: Backends | None = None  # the kernels' route, when the coverage was asked for
 
     def choices(self) -> tuple:
         """What the step runs: layout and, per layer type, strategy and stage count (a
@@ -148,9 +162,12 @@ def resolve_strategy(plan: CPPlan, layer: LayerType, shape: AttnShape) -> str:
 
 def layer_report(plan: CPPlan, layer: LayerType, shape: AttnShape, *,
                  overlap_stages: int | None = None, with_estimates: bool = False,
-                 model: CostModel | None = None) -> LayerReport:
+                 model: CostModel | None = None, backends: Backends | None = None
+                 ) -> LayerReport:
     """One layer type's report (module docstring); ``with_estimates``: every candidate
-    strategy's estimate too (the expensive part)."""
+    strategy's estimate too (the expensive part); ``backends``: the backend coverage of
+    the running strategy on ``plan.cp_rank`` with that route and tiles (None: not
+    computed)."""
     cs = cost_shape(shape)
     mask = layer.mask
     name = resolve_strategy(plan, layer, shape) if plan.cp_size > 1 else LOCAL
@@ -172,18 +189,24 @@ def layer_report(plan: CPPlan, layer: LayerType, shape: AttnShape, *,
                           head_dim=shape.head_dim, head_dim_v=shape.value_dim,
                           dtype_bytes=shape.dtype.itemsize, model=model)
         auto_pick = pick(table, model)
+    coverage = None if backends is None else \
+        layer_coverage(plan, mask, name, backends, stages, layer.a2a_size, shape)
     return LayerReport(layer, name, stages, plan.work_per_rank(mask),
-                       plan.work_imbalance(mask), floor, sent, table, auto_pick)
+                       plan.work_imbalance(mask), floor, sent, table, auto_pick, coverage,
+                       None if backends is None else backends.flash)
 
 
 def plan_report(plan: CPPlan, layers: Sequence[LayerType], shape: AttnShape, *,
                 overlap_stages: int | None = None, with_estimates: bool | str = False,
-                model: CostModel | None = None) -> PlanReport:
+                model: CostModel | None = None, backends: Backends | None = None
+                ) -> PlanReport:
     """The report of ``plan`` for a model whose attention layers are ``layers`` (each mask
     with its layer count and strategy) of ``shape``; ``overlap_stages`` as configured
     (None: the cost model's per layer type). ``with_estimates``: every candidate's
     estimate for every layer type (True), for the ``auto`` layer types only ("auto"), or
-    none (False). See the module docstring."""
+    none (False). ``backends`` (``Backends.step`` / ``Backends.planned``): the backend
+    coverage of every layer type on ``plan.cp_rank`` (None: not computed). See the module
+    docstring."""
     if with_estimates not in (True, False, "auto"):
         raise ValueError(f"with_estimates must be True, False or 'auto', got "
                          f"{with_estimates!r}")
@@ -195,6 +218,9 @@ def plan_report(plan: CPPlan, layers: Sequence[LayerType], shape: AttnShape, *,
     layers = list(layers)
     if not layers or not all(isinstance(t, LayerType) for t in layers):
         raise ValueError(f"layers must be a non-empty list of LayerType, got {layers!r}")
+    if backends is not None and not isinstance(backends, Backends):
+        raise ValueError(f"backends must be a varlen_cp.report.Backends or None, got "
+                         f"{type(backends).__name__}")
     return PlanReport(
         cp=plan.cp_size, layout=plan.layout, n_docs=plan.n_docs,
         total_tokens=plan.total_tokens, padded_tokens=plan.padded_total_tokens, shape=shape,
@@ -203,7 +229,8 @@ def plan_report(plan: CPPlan, layers: Sequence[LayerType], shape: AttnShape, *,
         layers=[layer_report(plan, t, shape, overlap_stages=overlap_stages,
                              with_estimates=with_estimates is True or (
                                  with_estimates == "auto" and t.strategy == "auto"),
-                             model=model) for t in layers])
+                             model=model, backends=backends) for t in layers],
+        backends=backends)
 
 
 def layer_types(layer_masks: Sequence[tuple[AttnMask, int]], strategy: str,

@@ -3,10 +3,15 @@
 Numbers: bytes in binary units (KiB, MiB, GiB), visible pairs per query head with k / M /
 G, times in s / ms / us (the cost model's estimates: forward + backward, one layer, slowest
 rank). The training block lists every rank up to ``PER_RANK_MAX`` ranks, else min / mean / max;
-the CLI's rank table has a row per rank.
+the CLI's rank table has a row per rank. Backend coverage (when computed): one line per
+layer type, ``FA 100% of work, 12/12 calls (flash)``: the share of the reporting rank's
+visible pairs in FlashAttention's form, its kernel calls with an FA form of all its calls,
+and the backend they run on; the rest run on our kernels.
 """
 
 from __future__ import annotations
+
+import math
 
 from .build import LayerReport, PlanReport
 
@@ -37,6 +42,42 @@ def fmt_time(seconds: float) -> str:
     if seconds >= 1e-3:
         return f"{seconds * 1e3:.3f} ms"
     return f"{seconds * 1e6:.1f} us"
+
+
+def fmt_share(share: float) -> str:
+    """A share as a percentage, rounded down (99.96% is not shown as 100%)."""
+    if share >= 1:
+        return "100%"
+    return f"{math.floor(share * 1000) / 10:.1f}%" if share > 0 else "0%"
+
+
+def coverage_text(r: LayerReport) -> str:
+    """``FA 100% of work, 12/12 calls (flash)``; empty without a coverage."""
+    c = r.coverage
+    if c is None:
+        return ""
+    text = (f"FA {fmt_share(c.pair_share)} of work, {c.flash_calls}/"
+            f"{c.flash_calls + c.other_calls} calls ({r.flash_backend or 'no FA backend'})")
+    if c.other_calls and r.flash_backend:
+        text += ", the rest on our kernels"
+    return text
+
+
+def coverage_lines(rep: PlanReport) -> list[str]:
+    """Per layer type its backend coverage on the reporting rank, then why there is no FA
+    backend (when there is none)."""
+    if rep.backends is None:
+        return []
+    out = []
+    for r in rep.layers:
+        c = r.coverage   # each call with an FA form makes one or more FA calls
+        fa = f"; FA calls: {c.fa_calls}" if r.flash_backend else ""
+        out.append(f"backends ({r.label}, {r.strategy}, rank {c.rank}): {coverage_text(r)}"
+                   f"{fa}")
+    b = rep.backends
+    if b.route is None and b.reason:
+        out.append(f"no FlashAttention backend: {b.reason}")
+    return out
 
 
 def strategy_cell(r: LayerReport) -> str:
@@ -120,6 +161,7 @@ def block_lines(rep: PlanReport, *, step: int, plan_s: float | None = None,
     out = [f"plan at step {step}: {headline(rep)}; tokens max/mean "
            f"{rep.token_imbalance:.3f}"]
     out += layer_table(rep)
+    out += ["  " + line for line in coverage_lines(rep)]
     out += rank_columns(rep)
     out += ["  " + estimate_line(r) for r in rep.layers if r.estimates]
     if plan_s is not None:
@@ -140,6 +182,7 @@ def step_line(rep: PlanReport, *, step: int, plan_s: float | None, wait_s: float
               lead_s: float | None) -> str:
     """One line per logged step: balance per layer type, bytes, planner and prefetch."""
     parts = [f"{r.label} work {r.work_imbalance:.3f} sent {fmt_bytes(max(r.sent_bytes))}"
+             + ("" if r.coverage is None else f" FA {fmt_share(r.coverage.pair_share)}")
              for r in rep.layers]
     text = (f"step {step}: " + ", ".join(parts)
             + f"; tokens {rep.token_imbalance:.3f}")

@@ -16,15 +16,20 @@ metrics (torchtitan's MetricsProcessor, hence TensorBoard / W&B):
   busiest rank's bytes per layer (sent by the running strategy, fwd + bwd; the K/V its
   queries need from other ranks);
 - ``varlen_cp/stages/<layer type>`` for staged strategies;
+- ``varlen_cp/fa_work_share/<layer type>``, ``varlen_cp/fa_call_share/<layer type>``: the
+  share of this rank's visible pairs and of its kernel calls in FlashAttention's form (the
+  rest on our kernels), when the report knows the step's backend (``backend`` given);
 - ``varlen_cp/plan_ms`` (planner time of this batch), ``varlen_cp/plan_lead_ms`` (how long
   the plan was ready before the step asked), ``varlen_cp/plan_wait_ms`` (mean wait per step
   since the last logged step; 0 when the prefetcher kept ahead) and
   ``varlen_cp/plans_late`` (steps since the last log whose plan was not ready).
 
 Cost: the choice check is cache lookups (the prefetcher prepared the same keys); a log
-step's figures are the plan's closed forms (``build.plan_report`` without estimates);
-``bench/host_tables.py`` measures both. ``enabled=False`` (``[varlen_cp] report = false``)
-makes every method a no-op.
+step's figures are the plan's closed forms (``build.plan_report`` without estimates) and
+the backend coverage, read from the tables the step's prepare cached (the route and tiles
+are resolved once, as ``prepare_attention`` resolves them: the same cache keys);
+``bench/report_cost.py`` measures the first two, docs/plan-report.md the coverage's share.
+``enabled=False`` (``[varlen_cp] report = false``) makes every method a no-op.
 """
 
 from __future__ import annotations
@@ -32,11 +37,14 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
+import torch
+
 from ..config import STAGED_STRATEGIES, AttnShape
 from ..plan import CPPlan
 from ..prepare import PlanTiming
 from ..schedules.staged import resolve_stages
 from .build import LOCAL, LayerType, PlanReport, cost_shape, plan_report, resolve_strategy
+from .coverage import Backends, check_backend
 from .text import block_lines, step_line
 
 LOGGER = logging.getLogger("varlen_cp")
@@ -57,11 +65,18 @@ class TrainingReport:
     shape: their ``AttnShape`` (heads on this rank). overlap_stages: as configured.
     enabled: False silences everything. log_block: whether this rank writes the block and
     step lines (rank 0); metrics are computed wherever ``log_step`` is called.
+    backend, device: the configured kernels' backend (``CPConfig.backend``) and the
+    training device: the report then gives each layer type's backend coverage on this
+    rank, with the route and tiles the step resolves (``Backends.step``, resolved at the
+    first batch: after ``prepare_plan``, which resolves the same, so any error is the
+    step's own); None: no coverage.
     """
 
     def __init__(self, layers: Sequence[LayerType], shape: AttnShape, *,
                  overlap_stages: int | None = None, enabled: bool = True,
-                 log_block: bool = True, logger: logging.Logger = LOGGER) -> None:
+                 log_block: bool = True, logger: logging.Logger = LOGGER,
+                 backend: str | None = None,
+                 device: torch.device | str | None = None) -> None:
         self.layers = list(layers)
         self.keys = layer_keys(self.layers)
         self.shape = shape
@@ -75,6 +90,17 @@ class TrainingReport:
         self.blocks = 0
         self._waits: list[float] = []
         self._late = 0
+        if backend is not None:
+            check_backend(backend, "backend")
+        self.backend = backend
+        self.device = torch.device("cpu" if device is None else device)
+        self._backends: Backends | None = None
+
+    def backends(self) -> Backends | None:
+        """The step's route and tiles (None without a ``backend``); resolved once."""
+        if self.backend is not None and self._backends is None:
+            self._backends = Backends.step(self.backend, self.device, self.shape)
+        return self._backends
 
     def choices(self, plan: CPPlan) -> tuple:
         """(layout, cp, per layer type: strategy that runs, stage count); cache lookups on
@@ -106,7 +132,7 @@ class TrainingReport:
         if choices == self.last_choices:
             return
         rep = plan_report(plan, self.layers, self.shape, overlap_stages=self.overlap_stages,
-                          with_estimates="auto")
+                          with_estimates="auto", backends=self.backends())
         if self.last_choices is not None:
             self.logger.info("the plan's choices changed at step %d", step)
         self.last_choices = choices
@@ -121,7 +147,7 @@ class TrainingReport:
         if self.plan is None:
             return None
         return plan_report(self.plan, self.layers, self.shape,
-                           overlap_stages=self.overlap_stages)
+                           overlap_stages=self.overlap_stages, backends=self.backends())
 
     def log_step(self, step: int) -> dict[str, float]:
         """The metrics of the last batch (module docstring); logs one line on the logging
@@ -136,6 +162,9 @@ class TrainingReport:
             out[f"varlen_cp/kv_floor_bytes/{key}"] = float(max(r.kv_floor_bytes))
             if r.stages is not None:
                 out[f"varlen_cp/stages/{key}"] = float(r.stages)
+            if r.coverage is not None:
+                out[f"varlen_cp/fa_work_share/{key}"] = r.coverage.pair_share
+                out[f"varlen_cp/fa_call_share/{key}"] = r.coverage.call_share
         t = self.timing
         if t is not None:
             out["varlen_cp/plan_ms"] = t.plan_s * 1e3

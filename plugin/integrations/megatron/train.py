@@ -207,7 +207,8 @@ def train(job: MegatronJob, *, log_json: str | None = None) -> list[float]:
     rank0 = dist.get_rank() == 0
     report = TrainingReport(report_layers(config, job.options), attn_shape(config),
                             overlap_stages=job.options.overlap_stages,
-                            enabled=job.options.report, log_block=rank0)
+                            enabled=job.options.report, log_block=rank0,
+                            backend=job.options.backend, device=device)
     stdout_handler()
     losses: list[float] = []
     step_s: list[float] = []

@@ -263,8 +263,11 @@ class VarlenCPTrainer(Trainer):
         vc = self.config.varlen_cp
         layers = layer_types(self.layer_masks, vc.strategy, vc.a2a_size)
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        # the step's backend and device: the report's coverage reads the tables that
+        # prepare_plan (make_plan) caches for them
         return TrainingReport(layers, self.attn_shape, overlap_stages=vc.overlap_stages,
-                              enabled=vc.report and bool(self.attn_layers), log_block=rank0)
+                              enabled=vc.report and bool(self.attn_layers), log_block=rank0,
+                              backend=vc.backend, device=self.device)
 
     # ------------------------------------------------------------------ the batch's plan
     def make_plan(self, input_dict: dict[str, Any], labels: torch.Tensor) -> CPPlan:
