@@ -58,13 +58,13 @@ class Layer(torch.nn.Module):
     of the module (both public entries get compiled)."""
 
     def __init__(self, mask: AttnMask, strategy: str, group, functional: bool,
-                 a2a_size: int | None = None) -> None:
+                 a2a_size: int | None = None, attn_backend: str = "auto") -> None:
         super().__init__()
         self.norm = torch.nn.LayerNorm(DIM)
         self.qkv = torch.nn.Linear(DIM, (HQ + 2 * HKV) * HEAD_DIM)
         self.proj = torch.nn.Linear(HQ * HEAD_DIM, DIM)
         self.mask, self.group, self.functional = mask, group, functional
-        self.options = AttnOptions(strategy=strategy, a2a_size=a2a_size)
+        self.options = AttnOptions(strategy=strategy, a2a_size=a2a_size, backend=attn_backend)
         self.attn = ContextParallelVarlenAttention(mask, self.options, group)
 
     def forward(self, x: torch.Tensor, plan: CPPlan) -> torch.Tensor:
@@ -80,10 +80,12 @@ class Layer(torch.nn.Module):
 
 
 class Model(torch.nn.Module):
-    def __init__(self, strategy: str, group, a2a_size: int | None = None) -> None:
+    def __init__(self, strategy: str, group, a2a_size: int | None = None,
+                 attn_backend: str = "auto") -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList(
-            [Layer(m, strategy, group, i % 2 == 1, a2a_size) for i, m in enumerate(MASKS)])
+            [Layer(m, strategy, group, i % 2 == 1, a2a_size, attn_backend)
+             for i, m in enumerate(MASKS)])
 
     def forward(self, x: torch.Tensor, plan: CPPlan) -> torch.Tensor:
         for layer in self.layers:
@@ -91,14 +93,15 @@ class Model(torch.nn.Module):
         return x
 
 
-def _batch(docs: list[int], world: int, rank: int, layout: str, seed: int):
+def _batch(docs: list[int], world: int, rank: int, layout: str, seed: int,
+           dtype: torch.dtype = torch.float32):
     cu = torch.tensor([0] + docs).cumsum(0)
     plan = CPPlan.build(cu, cp_size=world, cp_rank=rank,
                         layout=DualChunk(min_chunk_tokens=8) if layout == "dual_chunk"
                         else layout)
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(sum(docs), DIM, generator=g)
-    target = torch.randn(sum(docs), DIM, generator=g)
+    x = torch.randn(sum(docs), DIM, generator=g).to(dtype)
+    target = torch.randn(sum(docs), DIM, generator=g).to(dtype)
     # plan.shard marks the token dim dynamic (it changes with every batch's documents)
     return plan, plan.shard(x).requires_grad_(), plan.shard(target)
 
@@ -120,11 +123,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def run_rank(rank: int, world: int, strategy: str, backend: str, n_batches: int,
              layout: str = "dual_chunk", check_eager: bool = True,
-             a2a_size: int | None = None) -> dict:
+             a2a_size: int | None = None, attn_backend: str = "auto",
+             dtype: torch.dtype = torch.float32) -> dict:
     """Compile the model with ``backend`` and run ``n_batches`` batches on this rank;
     returns the counters and timings, and the largest relative difference to eager (loss and
     every gradient, ``_rel``) and how many compiled calls' backward states are still held
-    (``graph_op``; 0: nothing leaks)."""
+    (``graph_op``; 0: nothing leaks). ``attn_backend`` / ``dtype``: the attention kernels'
+    backend (``AttnOptions.backend``) and the model's dtype ("flash" needs bf16 / fp16)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -133,11 +138,12 @@ def run_rank(rank: int, world: int, strategy: str, backend: str, n_batches: int,
     counters.clear()
     import torch.distributed as dist
     # an explicit CP group (its name is what the compiled op carries), not the default one
-    model = Model(strategy, dist.new_group(list(range(world))), a2a_size)
+    model = Model(strategy, dist.new_group(list(range(world))), a2a_size,
+                  attn_backend).to(dtype)
     compiled = torch.compile(model, backend=backend)
     graphs, breaks, seconds, diffs = [], [], [], []
     for i, docs in enumerate(document_mixes(n_batches)):
-        plan, x, target = _batch(docs, world, rank, layout, seed=100 + i)
+        plan, x, target = _batch(docs, world, rank, layout, seed=100 + i, dtype=dtype)
         start = time.perf_counter()
         loss, grads = _step(compiled, x, target, plan)
         seconds.append(round(time.perf_counter() - start, 3))

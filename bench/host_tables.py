@@ -1,7 +1,7 @@
 """Host planning time: what the integrations run for each batch, per strategy.
 
 Usage: ``python bench/host_tables.py [--quick] [--layouts balanced,dual_chunk]
-[--repeats N] [--out FILE]``.
+[--backend triton|flash] [--repeats N] [--out FILE]``.
 
 Timed, for one rank: ``varlen_cp.prepare.build_plan`` + ``prepare_plan`` exactly as the
 integrations call them (``CPConfig(strategy=..., layout=..., backend="triton")``, Llama 4's
@@ -19,6 +19,11 @@ middle, last: each rank plans its own tables, and a layer waits for the slowest)
 Batches: every document-length mix of ``varlen_cp.mixes`` at 128K tokens (1000 log-normal
 documents, a heavy tail, TE's 24-32K buckets, one 128K document, 5000 short ones, a few
 long among many short); cp 8 and 64. ``--quick``: three mixes, three repeats.
+
+``--backend flash``: the same with FlashAttention's forms built wherever they are exact
+(``flash_form``; what a GPU run with torch's flash ops, FA3 / FA4 activated, or
+flash-attn-4 plans), our tile schedules for the rest; the tests' CPU emulator of torch's
+flash ops is registered only so that the backend resolves on this CPU (no kernel runs).
 
 Budget (issue 22, item 4): every strategy's plan + tables <= 15 ms at cp 8 and <= 50 ms at
 cp 64 on the integrations' default layout (``balanced``); other layouts are reported.
@@ -55,6 +60,7 @@ SHAPE = AttnShape(n_heads=32, n_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 BUDGET_MS = {8: 15.0, 64: 50.0}
 BUDGET_LAYOUT = "balanced"
 QUICK_MIXES = ("lognormal_1k", "te_buckets", "one_128k")
+BACKEND = "triton"   # --backend
 
 
 def ranks_of(cp: int) -> tuple[int, ...]:
@@ -95,12 +101,12 @@ def measure(layout: str, mix: str, cp: int, repeats: int) -> dict:
     cu = torch.tensor([0] + MIXES[mix](TOTAL)).cumsum(0)
     row = {"layout": layout, "mix": mix, "docs": int(cu.numel() - 1), "cp": cp,
            "ranks": list(ranks_of(cp)), "plan_ms": 0.0, "total_ms": {}, "slowest_rank": {}}
-    base = CPConfig(layout=layout, backend="triton")
+    base = CPConfig(layout=layout, backend=BACKEND)
     row["plan_ms"] = max(min_ms(lambda: build_plan(cu, base, cp_size=cp, cp_rank=r,
                                                    layer_masks=LLAMA4), repeats)
                          for r in ranks_of(cp))
     for name in STRATEGY_NAMES:
-        config = CPConfig(strategy=name, layout=layout, backend="triton")
+        config = CPConfig(strategy=name, layout=layout, backend=BACKEND)
         if not applies(name, cp):
             row["total_ms"][name] = row["slowest_rank"][name] = None
             continue
@@ -158,8 +164,15 @@ def main() -> None:
     p.add_argument("--layouts", default=f"{BUDGET_LAYOUT},dual_chunk")
     p.add_argument("--cp", default="8,64", help="comma-separated CP sizes")
     p.add_argument("--repeats", type=int, default=None, help="runs per cell (default 7)")
+    p.add_argument("--backend", choices=("triton", "flash"), default="triton",
+                   help="flash: FlashAttention's forms where exact (see the docstring)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "host_tables.json"))
     args = p.parse_args()
+    global BACKEND
+    BACKEND = args.backend
+    if BACKEND == "flash":   # resolves on a CPU only with a registered kernel (none runs)
+        from tests import flash_emulator
+        flash_emulator.register()
     torch.set_num_threads(1)
     # As the integrations run: their PlanPrefetcher keeps freed host memory for the next
     # batch (VARLEN_CP_MALLOC_TUNING=0 times glibc's defaults instead).
@@ -173,7 +186,7 @@ def main() -> None:
               "machine": platform.processor() or platform.machine(),
               "torch": torch.__version__, "tokens": TOTAL,
               "masks": "Llama 4: chunked 8192 x3, causal x1",
-              "shape": "bf16, 32 / 8 heads, d 128 (Triton tiles 64 x 64)",
+              "shape": "bf16, 32 / 8 heads, d 128 (Triton tiles 64 x 64)", "backend": BACKEND,
               "timed": "build_plan + prepare_plan, thread CPU time",
               "malloc_tuned": malloc_tuned}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -16,7 +16,9 @@ cd "$(dirname "$0")/.."
 # (Triton on its interpreter, forward and backward, every mask; the api, merge and tile
 # schedule), the plan, the host tables of every strategy, and every CP strategy (p2p,
 # all_gather, a2a, a2a+p2p, dispatch, staged overlap) at 2-4 ranks against the
-# single-process reference. Left to the main stack: the torch twin's and the reliability
+# single-process reference; the FlashAttention routing (torch 2.11's aten flash op schema,
+# the CPU emulator registered through this torch's torch.library, the FA forms, every
+# strategy on "flash" / "fa4"). Left to the main stack: the torch twin's and the reliability
 # suites, the integrations (torchtitan 0.3.0 needs torch 2.14), and the cross-check of the
 # schedule builders against their per-token twin (85 of test_cp_schedules.py's 109 s under
 # load; pure integer math). Measured cost: README "Supported versions".
@@ -33,6 +35,10 @@ TESTS=(
   tests/test_cp_strategies.py
   tests/test_cp_dispatch.py
   tests/test_cp_overlap.py
+  tests/test_flash_emulator.py
+  tests/test_flash_resolve.py
+  tests/test_flash_form.py
+  tests/test_cp_flash.py
 )
 # triton 3.6's interpreter converts one-element arrays with int(), which numpy 1.25+ flags
 # once per kernel step (~2800 lines of the same DeprecationWarning; an error from numpy 2.4,

@@ -51,6 +51,44 @@ def test_compiled_model_has_no_break_no_recompile_and_equals_eager(backend, tmp_
             assert r["held_states"] == 0, what
 
 
+def flash_compile_worker(rank, world):
+    """The model in bf16 on backend "flash" (the tests' emulator of torch's flash ops),
+    compiled with aot_eager; counts the FlashAttention calls made at run time."""
+    from bench.compile_graphs import run_rank
+    from tests import flash_emulator
+    from varlen_cp.strategies import calls
+
+    flash_emulator.register()
+    made = []
+    real = calls.flash_fwd
+
+    def counted(*args, **kw):
+        made.append(args[0])
+        return real(*args, **kw)
+
+    calls.flash_fwd = counted
+    try:
+        out = [run_rank(rank, world, s, "aot_eager", n_batches=3, attn_backend="flash",
+                        dtype=torch.bfloat16) for s in ("p2p", "dispatch")]
+    finally:
+        calls.flash_fwd = real
+    return out, len(made)
+
+
+def test_compiled_model_on_flash_attention(tmp_path):
+    """Routing to FlashAttention keeps the step free of graph breaks and recompiles: the
+    FA calls run inside the op (opaque to dynamo), and the compiled model equals eager."""
+    results = run_distributed(flash_compile_worker, 2, tmp_path, timeout_s=900,
+                              collective_timeout_s=600)
+    for rank, (per_strategy, n_flash) in enumerate(results):
+        assert n_flash > 0, f"rank {rank}: no call ran on FlashAttention"
+        for r in per_strategy:
+            what = f"rank {rank} {r['strategy']} flash: {r}"
+            assert r["graph_breaks"] == 0 and r["graphs"] == 1, what
+            assert r["new_graphs_after_first"] == 0, what
+            assert r["max_diff_vs_eager"] == 0.0 and r["held_states"] == 0, what
+
+
 def test_compiled_cp1_call_sink_lse_and_errors(one_thread):
     """cp == 1 (the local strategy through the same op) with a sink and the LSE returned:
     equal to eager, one graph for two plans, nothing held after the backward or after a

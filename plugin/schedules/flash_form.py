@@ -302,7 +302,35 @@ def _call_form(seg, q0, sq, k0, sk, wl, wr, pairs, n_q: int, n_k: int, route: Fl
     n = seg.size
     if n == 0:
         return FlashForm(route.backend, ())
-    # merge: piece j joins piece j - 1 (same segment, adjacent query rows) when ...
+    if n > 1:
+        q0, sq, k0, sk, wl, wr, pairs = _merge(seg, q0, sq, k0, sk, wl, wr, pairs)
+    if (wl == wl[0]).all() and (wr == wr[0]).all():
+        # one window (most calls): its segments on every row at once when they need one
+        # call (no _widen after), else as below
+        calls = _window_calls(q0, sq, k0, sk, pairs, (int(wl[0]), int(wr[0])), route,
+                              (n_q, n_k))
+    else:
+        calls = []
+        for w_left, w_right in np.unique(np.stack([wl, wr], axis=1), axis=0).tolist():
+            sel = (wl == w_left) & (wr == w_right)
+            calls += _window_calls(q0[sel], sq[sel], k0[sel], sk[sel], pairs[sel],
+                                   (int(w_left), int(w_right)), route)
+    if len(calls) > MAX_CALLS:
+        return None
+    # the call spanning the most query rows goes first and runs on every row: its output
+    # starts the result (no merge, no zero-filled fp32 buffer); the others merge into the
+    # rows they span
+    if len(calls) > 1 or calls[0].q_span != (0, n_q):
+        widest = max(range(len(calls)), key=lambda i: calls[i].q_span[1] - calls[i].q_span[0])
+        calls.insert(0, _widen(calls.pop(widest), n_q, n_k))
+    return FlashForm(route.backend, tuple(calls))
+
+
+def _merge(seg, q0, sq, k0, sk, wl, wr, pairs):
+    """Pieces merged into segments (see the module docstring): piece j joins piece j - 1
+    (same segment, adjacent query rows, same first key row) when both see the same keys
+    without a window, or both are causal and j's keys extend j - 1's by j's rows."""
+    n = seg.size
     adj = np.zeros(n, dtype=bool)
     adj[1:] = (seg[1:] == seg[:-1]) & (q0[1:] == q0[:-1] + sq[:-1]) & (k0[1:] == k0[:-1])
     full = (wl == -1) & (wr == -1)
@@ -317,21 +345,7 @@ def _call_form(seg, q0, sq, k0, sk, wl, wr, pairs, n_q: int, n_k: int, route: Fl
     tail = np.concatenate([head[1:], [n]]) - 1
     sk, wl, wr = sk[tail], wl[tail], wr[tail]
     pairs = np.bincount(group, weights=pairs).astype(np.int64)
-    windows = np.unique(np.stack([wl, wr], axis=1), axis=0)
-    plans = []
-    for w_left, w_right in windows.tolist():
-        sel = (wl == w_left) & (wr == w_right)
-        plans.append(_window_calls(q0[sel], sq[sel], k0[sel], sk[sel], pairs[sel],
-                                   (int(w_left), int(w_right)), route))
-    calls = [c for p in plans for c in p]
-    if len(calls) > MAX_CALLS:
-        return None
-    # the call spanning the most query rows goes first and runs on every row: its output
-    # starts the result (no merge, no zero-filled fp32 buffer); the others merge into the
-    # rows they span
-    widest = max(range(len(calls)), key=lambda i: calls[i].q_span[1] - calls[i].q_span[0])
-    calls.insert(0, _widen(calls.pop(widest), n_q, n_k))
-    return FlashForm(route.backend, tuple(calls))
+    return q0, sq, k0, sk, wl, wr, pairs
 
 
 def _widen(call: FlashCall, n_q: int, n_k: int) -> FlashCall:
@@ -351,16 +365,14 @@ def _widen(call: FlashCall, n_q: int, n_k: int) -> FlashCall:
                    k_span=call.k_span if call.k_index is not None else (0, n_k))
 
 
-def _window_calls(q0, sq, k0, sk, pairs, window, route: FlashRoute
-                  ) -> list[FlashCall]:
+def _window_calls(q0, sq, k0, sk, pairs, window, route: FlashRoute,
+                  whole: tuple[int, int] | None = None) -> list[FlashCall]:
     """The calls of one window's segments (query rows increasing): one call when their key
-    rows do not overlap, else gathered or split (fewer bytes)."""
+    rows do not overlap (on ``whole`` = (query rows, key rows) when given), else gathered
+    or split (fewer bytes)."""
     k1 = k0 + sk
-    reach = np.maximum.accumulate(k1)
-    overlaps = np.zeros(k0.size, dtype=bool)
-    overlaps[1:] = k0[1:] < reach[:-1]
-    if not overlaps.any():
-        return [_call(q0, sq, k0, sk, pairs, window)]
+    if k0.size < 2 or (k0[1:] >= np.maximum.accumulate(k1)[:-1]).all():
+        return [_call(q0, sq, k0, sk, pairs, window, whole)]
     # split: layer of a segment = how many earlier segments still hold its first key row
     # (exact for nested or chained ranges; checked, else only gathering is offered)
     layer = _layers(k0, k1)
@@ -402,29 +414,36 @@ def _layers(k0: np.ndarray, k1: np.ndarray) -> np.ndarray | None:
     return layer
 
 
-def _call(q0, sq, k0, sk, pairs, window) -> FlashCall:
+def _call(q0, sq, k0, sk, pairs, window, whole: tuple[int, int] | None = None
+          ) -> FlashCall:
     """One call over segments (query rows [q0, q0 + sq) x key rows [k0, k0 + sk), rows
-    increasing, key rows not overlapping), on the rows they span, with empty segments over
-    the rows between them, so that every row of both spans is in a segment. (A gathered
-    key buffer is the call's own: its span is all of it.)"""
-    q_span, k_span = _span(q0, sq), _span(k0, sk)
-    q0, k0 = q0 - q_span[0], k0 - k_span[0]
-    n_q, n_k = q_span[1] - q_span[0], k_span[1] - k_span[0]
-    n = q0.size
-    q_gap = q0 - np.concatenate([[0], q0[:-1] + sq[:-1]])
-    k_gap = k0 - np.concatenate([[0], k0[:-1] + sk[:-1]])
-    q_end = n_q - (q0[-1] + sq[-1] if n else 0)
-    k_end = n_k - (k0[-1] + sk[-1] if n else 0)
-    zeros = np.zeros(n, dtype=np.int64)
-    # per segment: (query gap, no keys), (no queries, key gap), (the segment); then tails
-    seq_q = np.stack([q_gap, zeros, sq], axis=1).ravel()
-    seq_k = np.stack([zeros, k_gap, sk], axis=1).ravel()
-    seq_q = np.concatenate([seq_q, [q_end, 0]])
-    seq_k = np.concatenate([seq_k, [0, k_end]])
+    increasing, key rows not overlapping), on the rows they span (``whole`` = (query rows,
+    key rows): on all of them), with empty segments over the rows between them, so that
+    every row of both spans is in a segment. (A gathered key buffer is the call's own: its
+    span is all of it.)"""
+    if whole is not None:
+        q_span, k_span = (0, whole[0]), (0, whole[1])
+    else:
+        q_span, k_span = _span(q0, sq), _span(k0, sk)
+    n, m = q0.size, 3 * q0.size
+    # per segment: (query gap, no keys), (no queries, key gap), (the segment); then the
+    # tails (filled in place: this runs once per call, ~100 calls per ring at cp 64)
+    seq_q = np.zeros(m + 2, dtype=np.int64)
+    seq_k = np.zeros(m + 2, dtype=np.int64)
+    seq_q[0:m:3], seq_q[2:m:3] = q0, sq
+    seq_k[1:m:3], seq_k[2:m:3] = k0, sk
+    seq_q[3:m:3] -= q0[:-1] + sq[:-1]       # gaps: a segment's first row less the end of
+    seq_k[4:m:3] -= k0[:-1] + sk[:-1]       # the one before (the first: from the span)
+    seq_q[0] -= q_span[0]
+    seq_k[1] -= k_span[0]
+    seq_q[m] = q_span[1] - (q0[-1] + sq[-1] if n else q_span[0])
+    seq_k[m + 1] = k_span[1] - (k0[-1] + sk[-1] if n else k_span[0])
     keep = (seq_q > 0) | (seq_k > 0)
     seq_q, seq_k = seq_q[keep], seq_k[keep]
-    cu_q = np.concatenate([[0], np.cumsum(seq_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(seq_k)]).astype(np.int32)
+    cu_q = np.zeros(seq_q.size + 1, dtype=np.int32)
+    cu_k = np.zeros(seq_k.size + 1, dtype=np.int32)
+    np.cumsum(seq_q, out=cu_q[1:])
+    np.cumsum(seq_k, out=cu_k[1:])
     # max_q is a bound, and never 1: FA2 reads max_seqlen_q == 1 with GQA and no window as
     # "one query per segment" and reshapes q's heads into its rows (seqlenq_ngroups_swapped),
     # which segments of 0 queries would break
