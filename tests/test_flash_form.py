@@ -228,3 +228,47 @@ def test_split_pieces_cuts_inside_pieces_only():
         (0, 0, 4, 0), (0, 4, 6, 4), (0, 10, 2, 100), (0, 12, 3, 102), (1, 20, 3, 0),
         (1, 23, 5, 3)]
     assert _split_pieces(pieces, np.array([0]), np.array([0])) is None   # at a start: none
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=str)
+def test_calls_built_together_equal_calls_built_alone(mask):
+    """flash_forms builds the one-window calls of many key holders with shared array
+    operations (a ring's steps): each must be the call it makes for that holder alone."""
+    from varlen_cp.schedules.flash_form import flash_forms as forms_of
+
+    def same(a, b):
+        if a is None or b is None:
+            return a is b
+        return len(a.calls) == len(b.calls) and all(
+            torch.equal(x.cu_q, y.cu_q) and torch.equal(x.cu_k, y.cu_k)
+            and (x.max_q, x.max_k, x.window, x.pairs, x.q_span, x.k_span)
+            == (y.max_q, y.max_k, y.window, y.pairs, y.q_span, y.k_span)
+            and (x.k_index is None) == (y.k_index is None)
+            for x, y in zip(a.calls, b.calls))
+
+    # a call whose pieces' keys overlap (gathered or split, built alone) among simple ones
+    q_pos = np.concatenate([np.arange(0, 8), np.arange(56, 64)])
+    q_cu = np.array([0, q_pos.size])
+    holders = [(np.array([0, 64]), np.arange(64)), (np.array([0, 4]), np.arange(60, 64)),
+               (np.array([0, 0]), np.zeros(0, dtype=np.int64))]
+    keys = _key_set(*holders)
+    ranges = [(0, 0, 64), (1, 64, 4), (2, 68, 0)]
+    pieces = query_pieces(q_cu, q_pos, mask.chunk_size or 0)
+    mixed = forms_of(q_pos.size, pieces, keys, ranges, mask, ROUTE)
+    for r, form in zip(ranges, mixed):
+        assert same(form, forms_of(q_pos.size, pieces, keys, [r], mask, ROUTE)[0])
+    checked = 0
+    for seed in range(30):
+        rng = np.random.default_rng(seed)
+        lens = rng.integers(1, 40, size=int(rng.integers(1, 4)))
+        q_cu, q_pos = _holder(rng, lens, 0.8, pad=True)
+        holders = [_holder(rng, lens, keep, pad=False) for keep in (1.0, 0.5, 0.9, 0.3)]
+        keys = _key_set(*holders)
+        off = np.concatenate([[0], np.cumsum([p.size for _, p in holders])])
+        ranges = [(h, int(off[h]), int(off[h + 1] - off[h])) for h in range(len(holders))]
+        pieces = query_pieces(q_cu, q_pos, mask.chunk_size or 0)
+        together = forms_of(q_pos.size, pieces, keys, ranges, mask, ROUTE)
+        for r, form in zip(ranges, together):
+            assert same(form, forms_of(q_pos.size, pieces, keys, [r], mask, ROUTE)[0])
+            checked += form is not None and len(form.calls) > 0
+    assert checked > 0

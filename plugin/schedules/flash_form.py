@@ -185,19 +185,95 @@ def flash_forms(n_q: int, pieces, keys, k_ranges: list[tuple[int, int, int]],
     wl, wr = _windows(sk, sq, left_lost, first_hi, mask)
     pairs = _pairs(sq, sk, wl, wr)
     q0 = row_n + (t0 - qs_n)
-    out = []
-    for i, (h, k_first, k_rows) in enumerate(k_ranges):
-        s = slice(i * m, (i + 1) * m)
-        keep = live[s]
-        if not exact[s][keep].all():
-            finer = None if refined else cut_at_gaps(pieces, keys, h, k_first, k_rows, mask)
-            out.append(None if finer is None else
-                       flash_forms(n_q, finer, keys, [k_ranges[i]], mask, route, True)[0])
-            continue
-        out.append(_call_form(seg_n[s][keep], q0[s][keep], sq[s][keep], kl[s][keep] - k_first,
-                              sk[s][keep], wl[s][keep], wr[s][keep], pairs[s][keep], n_q,
-                              k_rows, route))
+    k_first = np.array([f for _, f, _ in k_ranges], dtype=np.int64)
+    n_k = np.array([r for _, _, r in k_ranges], dtype=np.int64)
+    call = np.repeat(np.arange(n_calls), m)
+    inexact = np.bincount(call[live & ~exact], minlength=n_calls) > 0
+    keep = live & ~inexact[call]
+    out: list[FlashForm | None] = [None] * n_calls
+    # the calls of one window without overlapping keys, all at once (most calls: a ring
+    # at cp 64 makes ~100 per mask); the others one by one
+    slow = _one_window_forms(out, call[keep], seg_n[keep], q0[keep], sq[keep],
+                             (kl - k_first[call])[keep], sk[keep], wl[keep], wr[keep],
+                             pairs[keep], n_q, n_k, route)
+    for i in np.flatnonzero(inexact).tolist():
+        h, first_row, k_rows = k_ranges[i]
+        finer = None if refined else cut_at_gaps(pieces, keys, h, first_row, k_rows, mask)
+        out[i] = None if finer is None else \
+            flash_forms(n_q, finer, keys, [k_ranges[i]], mask, route, True)[0]
+    for i in slow:
+        s = keep & (call == i)
+        out[i] = _call_form(seg_n[s], q0[s], sq[s], kl[s] - k_first[i], sk[s], wl[s], wr[s],
+                            pairs[s], n_q, int(n_k[i]), route)
     return out
+
+
+def _one_window_forms(out: list, call, seg, q0, sq, k0, sk, wl, wr, pairs, n_q: int,
+                      n_k: np.ndarray, route: FlashRoute) -> list[int]:
+    """Fill ``out[i]`` for every call ``i`` whose exact pieces (``call``: the call of each,
+    in call order) make one FlashAttention call on every row: one window, key rows that do
+    not overlap (the same call :func:`_call_form` makes for them, built for all such calls
+    with one set of array operations). Calls without pieces get no FA call. Returns the
+    calls left for :func:`_call_form`."""
+    n_calls = len(out)
+    for i in np.flatnonzero(np.bincount(call, minlength=n_calls) == 0).tolist():
+        if out[i] is None:
+            out[i] = FlashForm(route.backend, ())
+    if not call.size:
+        return []
+    call, q0, sq, k0, sk, wl, wr, pairs = _merge(call, seg, q0, sq, k0, sk, wl, wr, pairs)
+    head = np.flatnonzero(np.concatenate([[True], call[1:] != call[:-1]]))  # first segment
+    first = np.repeat(head, np.diff(np.concatenate([head, [call.size]])))   # of each call
+    k1 = k0 + sk
+    big = np.int64(1) << 40            # a running max of the key ends that restarts per call
+    reach = np.maximum.accumulate(call * big + k1) - call * big
+    later = np.arange(call.size) != first
+    clash = later & (k0 < np.concatenate([[0], reach[:-1]]))
+    clash |= (wl != wl[first]) | (wr != wr[first])
+    bad = np.bincount(call[clash], minlength=n_calls) > 0
+    calls = np.unique(call)
+    slow = calls[bad[calls]].tolist()
+    ok = ~bad[call]
+    if not ok.any():
+        return slow
+    call, q0, sq, k0, sk, wl, wr, pairs = (x[ok] for x in (call, q0, sq, k0, sk, wl, wr, pairs))
+    head = np.flatnonzero(np.concatenate([[True], call[1:] != call[:-1]]))
+    ids = call[head]
+    n, c = call.size, ids.size
+    # per segment (query gap, no keys), (no queries, key gap), (the segment); per call the
+    # two tails: laid out call by call (3 entries a segment, 2 a call)
+    at = 3 * np.arange(n) + 2 * np.cumsum(np.concatenate([[False], call[1:] != call[:-1]]))
+    tail = np.concatenate([at[head[1:]] - 2, [3 * n + 2 * c - 2]])
+    seq_q = np.zeros(3 * n + 2 * c, dtype=np.int64)
+    seq_k = np.zeros(3 * n + 2 * c, dtype=np.int64)
+    starts = np.concatenate([[True], call[1:] != call[:-1]])
+    end_q, end_k = q0 + sq, k0 + sk
+    seq_q[at] = q0 - np.where(starts, 0, np.concatenate([[0], end_q[:-1]]))
+    seq_k[at + 1] = k0 - np.where(starts, 0, np.concatenate([[0], end_k[:-1]]))
+    seq_q[at + 2], seq_k[at + 2] = sq, sk
+    last = np.concatenate([head[1:], [n]]) - 1
+    seq_q[tail] = n_q - end_q[last]
+    seq_k[tail + 1] = n_k[ids] - end_k[last]
+    owner = np.zeros(seq_q.size, dtype=np.int64)      # the call of every entry
+    owner[np.concatenate([[0], tail[:-1] + 2])] = 1
+    owner = np.cumsum(owner) - 1
+    kept = (seq_q > 0) | (seq_k > 0)
+    seq_q, seq_k, owner = seq_q[kept], seq_k[kept], owner[kept]
+    bounds = np.searchsorted(owner, np.arange(c + 1))
+    cum_q = np.concatenate([[0], np.cumsum(seq_q)])
+    cum_k = np.concatenate([[0], np.cumsum(seq_k)])
+    max_q = np.maximum.reduceat(seq_q, bounds[:-1])
+    max_k = np.maximum.reduceat(seq_k, bounds[:-1])
+    n_pairs = np.bincount(np.searchsorted(ids, call), weights=pairs, minlength=c)
+    for j, i in enumerate(ids.tolist()):
+        a, b = bounds[j], bounds[j + 1]
+        cu_q = torch.from_numpy((cum_q[a:b + 1] - cum_q[a]).astype(np.int32))
+        cu_k = torch.from_numpy((cum_k[a:b + 1] - cum_k[a]).astype(np.int32))
+        w = (int(wl[head[j]]), int(wr[head[j]]))
+        out[i] = FlashForm(route.backend, (FlashCall(
+            cu_q, cu_k, max(int(max_q[j]), 2), int(max_k[j]), w, int(n_pairs[j]), (0, n_q),
+            (0, int(n_k[i]))),))
+    return slow
 
 
 def cut_at_gaps(pieces, keys, h: int, k_first: int, k_rows: int, mask: AttnMask):
@@ -303,7 +379,8 @@ def _call_form(seg, q0, sq, k0, sk, wl, wr, pairs, n_q: int, n_k: int, route: Fl
     if n == 0:
         return FlashForm(route.backend, ())
     if n > 1:
-        q0, sq, k0, sk, wl, wr, pairs = _merge(seg, q0, sq, k0, sk, wl, wr, pairs)
+        _, q0, sq, k0, sk, wl, wr, pairs = _merge(np.zeros(n, dtype=np.int64), seg, q0, sq,
+                                                  k0, sk, wl, wr, pairs)
     if (wl == wl[0]).all() and (wr == wr[0]).all():
         # one window (most calls): its segments on every row at once when they need one
         # call (no _widen after), else as below
@@ -326,13 +403,14 @@ def _call_form(seg, q0, sq, k0, sk, wl, wr, pairs, n_q: int, n_k: int, route: Fl
     return FlashForm(route.backend, tuple(calls))
 
 
-def _merge(seg, q0, sq, k0, sk, wl, wr, pairs):
+def _merge(call, seg, q0, sq, k0, sk, wl, wr, pairs):
     """Pieces merged into segments (see the module docstring): piece j joins piece j - 1
-    (same segment, adjacent query rows, same first key row) when both see the same keys
-    without a window, or both are causal and j's keys extend j - 1's by j's rows."""
+    (same call and segment, adjacent query rows, same first key row) when both see the same
+    keys without a window, or both are causal and j's keys extend j - 1's by j's rows."""
     n = seg.size
     adj = np.zeros(n, dtype=bool)
-    adj[1:] = (seg[1:] == seg[:-1]) & (q0[1:] == q0[:-1] + sq[:-1]) & (k0[1:] == k0[:-1])
+    adj[1:] = ((call[1:] == call[:-1]) & (seg[1:] == seg[:-1]) & (q0[1:] == q0[:-1] + sq[:-1])
+               & (k0[1:] == k0[:-1]))
     full = (wl == -1) & (wr == -1)
     causal = (wl == -1) & (wr == 0)
     join = np.zeros(n, dtype=bool)
@@ -340,12 +418,12 @@ def _merge(seg, q0, sq, k0, sk, wl, wr, pairs):
                           | (causal[1:] & causal[:-1] & (sk[1:] - sk[:-1] == sq[1:])))
     head = np.flatnonzero(~join)
     group = np.cumsum(~join) - 1
-    q0, k0 = q0[head], k0[head]
+    call, q0, k0 = call[head], q0[head], k0[head]
     sq = np.bincount(group, weights=sq).astype(np.int64)
     tail = np.concatenate([head[1:], [n]]) - 1
     sk, wl, wr = sk[tail], wl[tail], wr[tail]
     pairs = np.bincount(group, weights=pairs).astype(np.int64)
-    return q0, sq, k0, sk, wl, wr, pairs
+    return call, q0, sq, k0, sk, wl, wr, pairs
 
 
 def _widen(call: FlashCall, n_q: int, n_k: int) -> FlashCall:
