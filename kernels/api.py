@@ -465,16 +465,3 @@ def varlen_bwd_stats(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     with torch.no_grad():
         return _stats_op(dout.contiguous(), out.contiguous(), lse.contiguous(),
                          None if dlse is None else dlse.float().contiguous(), backend)
-
-
-def varlen_attn_unchecked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          softmax_scale, causal, window_left, window_right, chunk_size,
-                          q_positions, k_positions, backend, schedule, return_max):
-    """Differentiable (through out and lse) ``varlen_attn`` with the contract of
-    :func:`varlen_fwd_unchecked`, for the cp == 1 strategy: (out, lse, row_max or None)."""
-    out, lse, row_max = _fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q,
-                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale),
-                                bool(causal), window_left, window_right, chunk_size,
-                                q_positions, k_positions, backend, *_schedule_args(schedule),
-                                bool(return_max))
-    return out, lse, (row_max if return_max else None)

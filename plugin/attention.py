@@ -50,7 +50,8 @@ from .config import AttnShape
 from .cp_call import (check_flags, check_heads, check_options, check_scale, flash_route,
                       prepare_call, run_eager, strategy_for)
 from .graph_op import graph_call
-from .kernels import SOFTMAX_TYPES, apply_softmax_sink, block_sizes_for
+from .kernels import block_sizes_for
+from .kernels.sink import SOFTMAX_TYPES, apply_softmax_sink
 from .masks import AttnMask
 from .options import AttnOptions
 from .plan import CPPlan

@@ -24,7 +24,7 @@ import torch
 
 from .checks import check_bool, check_choice, check_int
 from .kernels.flash import FLASH_IMPLS
-from .kernels import SOFTMAX_TYPES
+from .kernels.sink import SOFTMAX_TYPES
 from .kernels.validation import BACKENDS
 from .options import STAGED_STRATEGIES, STRATEGY_NAMES, AttnOptions
 from .plan.layout_spec import LAYOUTS, LayoutSpec, layout_spec

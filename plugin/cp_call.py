@@ -22,7 +22,9 @@ import torch
 import torch.distributed as dist
 
 from .checks import check_bool
-from .kernels import block_sizes_for, check_softmax_args, resolve_backend
+from .kernels import block_sizes_for
+from .kernels.api import resolve_backend
+from .kernels.sink import check_softmax_args
 from .kernels.flash import resolve_flash
 from .kernels.validation import check_qkv
 from .masks import AttnMask

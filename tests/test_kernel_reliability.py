@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from varlen_cp import kernels as K
+from varlen_cp.kernels import api as kernel_api
 from varlen_cp.kernels import (
     block_sizes_for, build_block_schedule, varlen_attn, varlen_attn_bwd, varlen_attn_fwd,
 )
@@ -84,8 +85,8 @@ def test_nonfinite_padding_triton_scan_mode(fill):
 
     def run(q, k, v, dout, dlse):
         args = (cu, cu, max_len, max_len, 0.25, True, 20, -1, 0, pos, pos, "triton", None)
-        out, lse, _ = K.varlen_fwd_unchecked(q, k, v, *args, False)
-        grads = K.varlen_bwd_unchecked(dout, q, k, v, out, lse, dlse, *args)
+        out, lse, _ = kernel_api.varlen_fwd_unchecked(q, k, v, *args, False)
+        grads = kernel_api.varlen_bwd_unchecked(dout, q, k, v, out, lse, dlse, *args)
         return (out, lse, *grads)
 
     _assert_same_as_zero_padding(run(q, k, v, dout, dlse), run(zq, zk, zv, zdout, zdlse), pad)
@@ -226,15 +227,15 @@ def test_unchecked_entries_match_public_ones_bit_for_bit(backend, explicit):
                           q_positions=pos, k_positions=pos, backend=backend, schedule=sched,
                           return_max_logit=True)
     args = (cu, cu, mx, mx, 0.3, True, 9, -1, 16, pos, pos, backend, sched)
-    got = K.varlen_fwd_unchecked(q, k, v, *args, True)
+    got = kernel_api.varlen_fwd_unchecked(q, k, v, *args, True)
     for a, b in zip(got, pub):
         assert torch.equal(a, b)
-    out, lse, row_max = K.varlen_fwd_unchecked(q, k, v, *args, False)
+    out, lse, row_max = kernel_api.varlen_fwd_unchecked(q, k, v, *args, False)
     assert row_max is None and torch.equal(out, pub[0]) and torch.equal(lse, pub[1])
     pub_grads = varlen_attn_bwd(dout, q, k, v, out, lse, cu, cu, mx, mx, 0.3, True, (9, -1),
                                 chunk_size=16, q_positions=pos, k_positions=pos,
                                 backend=backend, schedule=sched, dlse=dlse)
-    got_grads = K.varlen_bwd_unchecked(dout, q, k, v, out, lse, dlse, *args)
+    got_grads = kernel_api.varlen_bwd_unchecked(dout, q, k, v, out, lse, dlse, *args)
     for a, b in zip(got_grads, pub_grads):
         assert torch.equal(a, b)
 
@@ -253,17 +254,17 @@ def test_unchecked_entries_run_no_validation(monkeypatch, backend):
             monkeypatch.setattr(validation, name, refuse)
     for s in (sched, None):
         args = (cu, cu, mx, mx, 0.3, True, 9, -1, 16, pos, pos, backend, s)
-        out, lse, _ = K.varlen_fwd_unchecked(q, k, v, *args, False)
-        K.varlen_bwd_unchecked(dout, q, k, v, out, lse, dlse, *args)
-        K.varlen_bwd_unchecked(dout, q, k, v, out, lse, None, *args)
+        out, lse, _ = kernel_api.varlen_fwd_unchecked(q, k, v, *args, False)
+        kernel_api.varlen_bwd_unchecked(dout, q, k, v, out, lse, dlse, *args)
+        kernel_api.varlen_bwd_unchecked(dout, q, k, v, out, lse, None, *args)
 
 
 def test_resolve_backend():
-    assert K.resolve_backend("auto", torch.device("cpu")) == "torch"
-    assert K.resolve_backend("torch", "cpu") == "torch"
-    assert K.resolve_backend("triton", "cpu") == "triton"  # the interpreter is on in tests
+    assert kernel_api.resolve_backend("auto", torch.device("cpu")) == "torch"
+    assert kernel_api.resolve_backend("torch", "cpu") == "torch"
+    assert kernel_api.resolve_backend("triton", "cpu") == "triton"  # the interpreter is on in tests
     with pytest.raises(ValueError, match="backend"):
-        K.resolve_backend("cuda", "cpu")
+        kernel_api.resolve_backend("cuda", "cpu")
 
 
 def test_block_sizes_for_takes_the_dtype():

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from tests.reference import reference_attn
-from varlen_cp.kernels import merge_attn_partials, merge_attn_partials_
+from varlen_cp.kernels import merge_attn_partials
+from varlen_cp.kernels.merge import merge_attn_partials_
 
 
 @pytest.mark.parametrize("split", [0, 5, 11, 17])

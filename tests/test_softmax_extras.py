@@ -12,10 +12,8 @@ import pytest
 import torch
 
 from tests.reference import assert_close_to_reference, reference_attn
-from varlen_cp.kernels import (
-    apply_softmax_sink, check_softmax_args, max_logit_of, varlen_attn, varlen_attn_bwd,
-    varlen_attn_fwd,
-)
+from varlen_cp.kernels import varlen_attn, varlen_attn_bwd, varlen_attn_fwd
+from varlen_cp.kernels.sink import apply_softmax_sink, check_softmax_args, max_logit_of
 
 BACKENDS = ["torch", "triton"]
 NEG_INF = float("-inf")

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..kernels import (max_logit_of, merge_attn_partials_, varlen_bwd_stats,
-                       varlen_bwd_unchecked, varlen_fwd_unchecked)
+from ..kernels.api import varlen_bwd_stats, varlen_bwd_unchecked, varlen_fwd_unchecked
+from ..kernels.merge import merge_attn_partials_
+from ..kernels.sink import max_logit_of
 from ..kernels.flash import backward_lse, flash_bwd, flash_fwd
 from ..masks import AttnMask
 from ..schedules.flash_form import FlashForm

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import max_logit_of
+from ..kernels.sink import max_logit_of
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..schedules.flash_form import FlashRoute

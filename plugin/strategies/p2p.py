@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..kernels import merge_attn_partials_
+from ..kernels.merge import merge_attn_partials_
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..schedules.flash_form import FlashRoute

@@ -11,7 +11,7 @@ each supplies as an *exchange*; this module holds the engine and the autograd.Fu
 
 Forward: post transfer 1 (``async_op=True``), compute the local call, then for each
 transfer s: post s+1, wait for s, pick its keys (``gather``), compute, fold the partial
-(out, lse) into the accumulator (``fold_``: ``varlen_cp.kernels.merge_attn_partials_``, in
+(out, lse) into the accumulator (``fold_``: ``varlen_cp.kernels.merge.merge_attn_partials_``, in
 place, without out-sized fp32 temporaries; fp32 from the first fold on). The picked K/V are kept for
 the backward (the remote keys the queries see; with S = 1 the local ones too, as one call needs them
 in one tensor). Backward, with the FINAL out/lse and the same dlse in every call (ring-attention
@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..kernels import merge_attn_partials_
+from ..kernels.merge import merge_attn_partials_
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..schedules.flash_form import FlashRoute
