@@ -56,7 +56,11 @@ is the field's tuned kernel and ours are untimed: ``auto`` takes FA2 there."""
 
 # ------------------------------------------------------------------------ availability
 def capability(device: torch.device) -> tuple[int, int]:
-    """(major, minor) compute capability of a CUDA ``device``."""
+    """(major, minor) compute capability of a CUDA ``device``; (0, 0) where this process
+    has no CUDA to ask (tables planned for a CUDA device on a host without one, as the
+    tests' stand-in device does: the preference below sm90 then applies)."""
+    if not torch.cuda.is_available():
+        return (0, 0)
     return tuple(torch.cuda.get_device_capability(device))
 
 
@@ -204,15 +208,17 @@ def resolve_flash(backend: str, device: torch.device, dtype: torch.dtype, head_d
         why = unsupported("fa4", device, dtype, head_dim, head_dim_v, need_lse_grad, need_max)
         if why is None:
             return "fa4", None
+        why_flash = unsupported("flash", device, dtype, head_dim, head_dim_v, need_lse_grad,
+                                need_max)
+        if why_flash:   # (also where torch has no CUDA kernel: asked before the GPU is)
+            return None, why_flash
         if active_flash_impl() is None and capability(device) >= TRITON_BEATS_FA2_FROM:
             return None, (f"torch's flash ops run FA2, which our Triton kernels outrun on "
                           f"sm{''.join(map(str, capability(device)))} "
                           f"(bench/results/NVIDIA_H200.json); "
                           f"'auto' takes FA when flash-attn-4 is installed or flash_impl "
                           f"activates FA3 / FA4")
-        why_flash = unsupported("flash", device, dtype, head_dim, head_dim_v, need_lse_grad,
-                                need_max)
-        return (None, why_flash) if why_flash else ("flash", None)
+        return "flash", None
     if backend == "flash" and not has_flash_kernel(device):
         raise ValueError(f"backend='flash' on {device.type}: torch has no flash attention "
                          f"kernel for this device (CUDA builds have one; on a CPU only a "

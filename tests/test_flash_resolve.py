@@ -109,3 +109,10 @@ def test_active_flash_impl_reads_torch_registry(monkeypatch):
     assert flash.active_flash_impl() == "FA3"
     monkeypatch.delattr(attention, "current_flash_attention_impl")
     assert flash.active_flash_impl() is None   # a torch without the registry: FA2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a host without CUDA")
+def test_capability_without_cuda_is_unknown():
+    """Tables planned for a CUDA device on a host without CUDA (the tests' stand-in device)
+    do not ask the driver: the capability is (0, 0), and auto keeps its pre-sm90 choice."""
+    assert flash.capability(CUDA) == (0, 0)
