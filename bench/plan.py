@@ -53,6 +53,7 @@ for path in (ROOT, ROOT / "bench"):  # the package from a checkout; bench/mixes.
 from mixes import MIXES, TOTAL  # noqa: E402  (bench/mixes.py)
 from varlen_cp import AttnMask, CPPlan  # noqa: E402
 from varlen_cp.kernels import mask_math  # noqa: E402
+from varlen_cp.plan import Balanced  # noqa: E402
 from varlen_cp.plan.balanced import balanced_runs, normalize_masks  # noqa: E402
 
 LAYOUTS = ("contiguous", "te", "dual_chunk", "balanced")
@@ -201,8 +202,8 @@ def _timed(fn, repeats: int) -> tuple[object, float]:
 
 
 def _build(cu: torch.Tensor, cp: int, layout: str, masks) -> CPPlan:
-    kw = {"masks": list(masks)} if layout == "balanced" else {}
-    return CPPlan.build(cu, cp_size=cp, cp_rank=0, layout=layout, **kw)
+    spec = Balanced(masks=list(masks)) if layout == "balanced" else layout
+    return CPPlan.build(cu, cp_size=cp, cp_rank=0, layout=spec)
 
 
 def measure_balance(mix: str, lengths: list[int], cp: int, repeats: int) -> list[dict]:

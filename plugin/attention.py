@@ -62,24 +62,10 @@ from .schedules.shape import make_shape
 DEFAULT_OPTIONS = AttnOptions()  # one shared instance: the common call builds nothing
 
 
-def resolve_options(options: Any, **deprecated: Any) -> AttnOptions:
-    """The call's ``AttnOptions``: ``options``, or (deprecated, for one release) built from
-    the old keywords ``strategy``, ``backend``, ``validate``, ``a2a_size``,
-    ``overlap_stages`` (None: not given), or given a strategy name in the ``options`` slot
-    (its old positional place). ValueError for both at once or anything else."""
-    given = {k: v for k, v in deprecated.items() if v is not None}
-    if isinstance(options, str):  # the old positional ``strategy``
-        if "strategy" in given:
-            raise ValueError(f"strategy given twice: {options!r} (in the place of options) "
-                             f"and strategy={given['strategy']!r}")
-        options, given["strategy"] = None, options
-    if options is None:
-        return AttnOptions(**given) if given else DEFAULT_OPTIONS
-    if given:
-        raise ValueError(f"give the attention options as options=AttnOptions(...) or as the "
-                         f"deprecated keywords, not both: got options={options!r} and "
-                         f"{', '.join(f'{k}={v!r}' for k, v in given.items())}")
-    return check_options(options)
+def resolve_options(options: Any) -> AttnOptions:
+    """The call's ``AttnOptions``: ``options``, or the defaults for None (ValueError for
+    anything else: the options are given one way)."""
+    return DEFAULT_OPTIONS if options is None else check_options(options)
 
 
 def _results(out: torch.Tensor, lse: torch.Tensor, max_logit: torch.Tensor | None,
@@ -143,9 +129,7 @@ def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPl
                    mask: AttnMask, group: Any = None, options: AttnOptions | None = None,
                    softmax_scale: float | None = None, return_lse: bool = False, *,
                    return_max_logit: bool = False, softmax_type: str = "vanilla",
-                   sink: torch.Tensor | None = None, strategy: str | None = None,
-                   backend: str | None = None, validate: bool | None = None,
-                   a2a_size: int | None = None, overlap_stages: int | None = None):
+                   sink: torch.Tensor | None = None):
     """Context-parallel varlen attention of this rank's local tokens.
 
     q [T_local, Hq, D], k [T_local, Hkv, D], v [T_local, Hkv, Dv]: this rank's tokens in
@@ -165,9 +149,6 @@ def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPl
     ``softmax_type``: "vanilla", "off-by-one" (a zero sink logit per head) or "learnable"
     (``sink``: fp32 [Hq] logits on q's device, usually an ``nn.Parameter``; it gets this
     rank's share of the gradient).
-    ``strategy``, ``backend``, ``validate``, ``a2a_size``, ``overlap_stages`` (and a
-    strategy name in the place of ``options``): deprecated, kept for one release; they
-    build the ``AttnOptions`` (not together with ``options``).
     Returns out [T_local, Hq, Dv] in q's dtype; then with ``return_lse`` the fp32 LSE
     [Hq, T_local] (natural log, differentiable, including the sink when there is one; -inf
     for rows that see nothing, e.g. padding, or the sink logit); then with
@@ -175,8 +156,7 @@ def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPl
     batch (the same on every rank; -inf for a head that sees nothing; not differentiable).
     A tuple when more than one.
     """
-    options = resolve_options(options, strategy=strategy, backend=backend, validate=validate,
-                              a2a_size=a2a_size, overlap_stages=overlap_stages)
+    options = resolve_options(options)
     if torch.compiler.is_compiling():  # one opaque custom op: no break, no recompile
         check_flags(return_lse, return_max_logit, softmax_type, sink, q.shape[1], q.device)
         # The sink rescales by the merged LSE, so the op must hand it back.
@@ -195,9 +175,7 @@ class ContextParallelVarlenAttention(nn.Module):
     """``cp_varlen_attn`` as a module: the mask and the options are fixed at construction,
     the plan (shared by all layers of one batch) is passed to ``forward``.
 
-    ``options``: a ``varlen_cp.AttnOptions`` (default ``AttnOptions()``); ``strategy``,
-    ``backend``, ``a2a_size``, ``validate``, ``overlap_stages`` (and a strategy name in
-    the place of ``options``): deprecated, kept for one release. ``softmax_scale``: None
+    ``options``: a ``varlen_cp.AttnOptions`` (default ``AttnOptions()``). ``softmax_scale``: None
     for 1/sqrt(head_dim). ``softmax_type="learnable"`` creates ``self.sink =
     nn.Parameter(zeros(n_heads))`` (fp32; ``n_heads`` required); otherwise ``self.sink``
     is None. With ``track_max_logit`` every forward stores the global per-head max logit in
@@ -213,15 +191,11 @@ class ContextParallelVarlenAttention(nn.Module):
     def __init__(self, mask: AttnMask, options: AttnOptions | None = None,
                  group: Any = None, *, softmax_scale: float | None = None,
                  softmax_type: str = "vanilla", n_heads: int | None = None,
-                 track_max_logit: bool = False, strategy: str | None = None,
-                 backend: str | None = None, a2a_size: int | None = None,
-                 validate: bool | None = None, overlap_stages: int | None = None) -> None:
+                 track_max_logit: bool = False) -> None:
         super().__init__()
         # Everything that does not depend on the inputs is checked here, so a bad option
         # fails when the model is built, not at its first forward.
-        options = resolve_options(options, strategy=strategy, backend=backend,
-                                  validate=validate, a2a_size=a2a_size,
-                                  overlap_stages=overlap_stages)
+        options = resolve_options(options)
         if not isinstance(mask, AttnMask):
             raise ValueError(f"mask must be a varlen_cp.AttnMask, got {type(mask).__name__}")
         check_group_type(group)

@@ -120,12 +120,6 @@ class CPConfig:
             options["masks"] = masks
         return layout_spec(self.layout, **options)
 
-    def plan_kwargs(self, masks: Any = None) -> dict[str, Any]:
-        """``CPPlan.build``'s keyword arguments for this layout: ``{"layout":
-        self.layout_spec(masks)}``."""
-        return {"layout": self.layout_spec(masks)}
-
-
 @dataclass(frozen=True, kw_only=True)
 class AttnShape:
     """Head counts, head dims and dtype of a model's attention (what tile sizes and the

@@ -56,12 +56,12 @@ def _cu(lengths: list[int]) -> torch.Tensor:
 
 
 def _plans(lengths: list[int], cp: int, **kw) -> list[CPPlan]:
-    return [CPPlan.build(_cu(lengths), cp_size=cp, cp_rank=r, layout="balanced", **kw)
+    return [CPPlan.build(_cu(lengths), cp_size=cp, cp_rank=r, layout=Balanced(**kw))
             for r in range(cp)]
 
 
 def _plan(lengths: list[int], cp: int, **kw) -> CPPlan:
-    return CPPlan.build(_cu(lengths), cp_size=cp, cp_rank=0, layout="balanced", **kw)
+    return CPPlan.build(_cu(lengths), cp_size=cp, cp_rank=0, layout=Balanced(**kw))
 
 
 # 128K-token batches: the document mixes of bench/plan.py.
@@ -219,7 +219,7 @@ def test_fetch_below_dual_chunk() -> None:
         cu = _cu(MIXES[mix])
         for masks in (LLAMA4, GEMMA):
             for cp in (8, 16):
-                bal = CPPlan.build(cu, cp_size=cp, cp_rank=0, layout="balanced", masks=masks)
+                bal = CPPlan.build(cu, cp_size=cp, cp_rank=0, layout=Balanced(masks=masks))
                 dual = CPPlan.build(cu, cp_size=cp, cp_rank=0, layout="dual_chunk")
                 tb, td = bench.rank_tables(bal), bench.rank_tables(dual)
                 for m in _masks(masks):
@@ -404,8 +404,7 @@ def test_defaults_and_attributes() -> None:
     plan = CPPlan.build(_cu([100, 50]), cp_size=2, cp_rank=0,
                         layout=Balanced(masks=SMALL_SWA, tile_tokens=32))
     assert plan.layout_spec.masks == ((SMALL_SWA, 1.0),) and plan.layout_spec.tile_tokens == 32
-    plan = CPPlan.build(_cu([100, 50]), cp_size=2, cp_rank=0, layout="balanced",
-                        tile_tokens=16)
+    plan = CPPlan.build(_cu([100, 50]), cp_size=2, cp_rank=0, layout=Balanced(tile_tokens=16))
     assert plan.layout_spec.tile_tokens == 16
     other = CPPlan.build(_cu([100, 50]), cp_size=2, cp_rank=0, layout="dual_chunk")
     assert not hasattr(other.layout_spec, "masks")
@@ -415,8 +414,8 @@ def test_builds_are_deterministic() -> None:
     lengths = _mix(3, 200, [4000])
     masks = [(SMALL_CHUNKED, 3.0), (CAUSAL, 1.0)]
     a = _plans(lengths, 8, masks=masks)[0]
-    b = CPPlan.build(_cu(lengths).to(torch.int32), cp_size=8, cp_rank=0, layout="balanced",
-                     masks=masks)
+    b = CPPlan.build(_cu(lengths).to(torch.int32), cp_size=8, cp_rank=0,
+                     layout=Balanced(masks=masks))
     for r in range(8):
         assert torch.equal(a.token_indices_of(r), b.token_indices_of(r))
     assert a.fingerprint() == b.fingerprint()
@@ -441,7 +440,11 @@ def test_builds_are_deterministic() -> None:
     ({"layout": "te", "tile_tokens": 64}, "tile_tokens"),
 ])
 def test_bad_input(kw, name) -> None:
-    args = {"cp_size": 2, "cp_rank": 0, "layout": "balanced"}
-    args.update(kw)
+    """Bad layout options fail where the layout is named with them (``layout_spec``, what
+    CPConfig and the job files go through), before any plan is built."""
+    from varlen_cp.plan import layout_spec
+
+    kw = dict(kw)
+    layout = kw.pop("layout", "balanced")
     with pytest.raises(ValueError, match=name):
-        CPPlan.build(_cu([10, 20]), **args)
+        CPPlan.build(_cu([10, 20]), cp_size=2, cp_rank=0, layout=layout_spec(layout, **kw))

@@ -210,16 +210,10 @@ def test_overlap_stages_is_validated():
         with pytest.raises(ValueError, match="overlap_stages"):
             AttnOptions(strategy="dispatch", overlap_stages=bad)
         with pytest.raises(ValueError, match="overlap_stages"):
-            cp_varlen_attn(q, q, q, plan, AttnMask(), strategy="dispatch", overlap_stages=bad)
-        with pytest.raises(ValueError, match="overlap_stages"):
             CPConfig(strategy="dispatch", overlap_stages=bad)
-        with pytest.raises(ValueError, match="overlap_stages"):
-            ContextParallelVarlenAttention(AttnMask(), "all_gather", overlap_stages=bad)
     for strategy in ("p2p", "a2a", "a2a+p2p"):
         with pytest.raises(ValueError, match="overlap_stages applies"):
             AttnOptions(strategy=strategy, overlap_stages=2)
-        with pytest.raises(ValueError, match="overlap_stages applies"):
-            cp_varlen_attn(q, q, q, plan, AttnMask(), strategy=strategy, overlap_stages=2)
         with pytest.raises(ValueError, match="overlap_stages applies"):
             CPConfig(strategy=strategy, overlap_stages=2)
     for strategy in ("dispatch", "all_gather", "auto"):
@@ -338,10 +332,10 @@ def cases_worker(rank, world):
             for bad in (0, 1.5):
                 with pytest.raises(ValueError, match="overlap_stages"):
                     cp_varlen_attn(q, q[:, :1], q[:, :1], plan, MASKS["causal"], None,
-                                   "dispatch", overlap_stages=bad)  # the old keywords
+                                   AttnOptions(strategy="dispatch", overlap_stages=bad))
             with pytest.raises(ValueError, match="overlap_stages applies"):
-                cp_varlen_attn(q, q[:, :1], q[:, :1], plan, MASKS["causal"], None, "p2p",
-                               overlap_stages=2)
+                cp_varlen_attn(q, q[:, :1], q[:, :1], plan, MASKS["causal"], None,
+                               AttnOptions(strategy="p2p", overlap_stages=2))
     assert not errors, "\n".join(errors)
     return n
 

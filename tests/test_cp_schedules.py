@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.reference import reference_mask
-from varlen_cp import AttnMask, CPPlan
+from varlen_cp import AttnMask, AttnOptions, CPPlan
 from varlen_cp.config import CPConfig
 from varlen_cp.kernels import build_block_schedule
 from varlen_cp.kernels.schedule import work_list
@@ -171,14 +171,15 @@ def prepare_worker(rank, world):
     for current in ("p2p", "all_gather", "a2a", "a2a+p2p", "dispatch", "auto"):
         config = CPConfig(strategy=current, layout="balanced", validate=False)
         plan = CPPlan.build(_cu(DOCS), cp_size=world, cp_rank=rank,
-                            **config.plan_kwargs(masks))
+                            layout=config.layout_spec(masks))
         prepare_plan(plan, config, masks, shape, "cpu")
         q, k, v, dout = (plan.shard(t) for t in global_inputs(DOCS, 4, 2, seed=0))
         q.requires_grad_()
         CPPlan.cached = counting
         try:
             for mask, _ in masks:
-                out = cp_varlen_attn(q, k, v, plan, mask, strategy=current, validate=False)
+                out = cp_varlen_attn(q, k, v, plan, mask,
+                                     options=AttnOptions(strategy=current, validate=False))
                 out.backward(dout)
         finally:
             CPPlan.cached = cached

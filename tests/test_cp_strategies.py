@@ -191,8 +191,8 @@ def _expect(fn, match):
 
 def bad_input_worker(rank, world):
     """Every bad call raises ValueError on every rank before any collective (a collective
-    reached by one rank only would hang the others until the test's timeout); the
-    deprecated keywords are checked as the options object is."""
+    reached by one rank only would hang the others until the test's timeout); bad options
+    fail when the AttnOptions is built, before any call."""
     mask = MASKS["causal"]
     plan = small_plan(DOCS, world, rank, "dual_chunk")
     q, k, v, _ = (plan.shard(t) for t in global_inputs(DOCS, 4, 2, seed=0))
@@ -210,15 +210,14 @@ def bad_input_worker(rank, world):
     _expect(call(v=v[:, :1]), "head counts differ")
     _expect(call(k=k.half()), "dtypes differ")
     _expect(call(mask="causal"), "AttnMask")
-    _expect(call(strategy="ring"), "strategy must be one of")
-    _expect(call(None, "ring"), "strategy must be one of")
-    _expect(call(options="p2p", strategy="a2a"), "strategy given twice")
+    _expect(lambda: AttnOptions(strategy="ring"), "strategy must be one of")
+    _expect(call(None, "ring"), "options must be a varlen_cp.AttnOptions")   # one way only
+    _expect(call(options="p2p"), "options must be a varlen_cp.AttnOptions")
     _expect(call(options={"strategy": "p2p"}), "options must be a varlen_cp.AttnOptions")
     _expect(call(softmax_scale=-1.0), "softmax_scale")
-    _expect(call(backend="cuda"), "backend")
+    _expect(lambda: AttnOptions(backend="cuda"), "backend")
     _expect(call(plan="plan"), "CPPlan")
-    _expect(call(strategy="p2p", a2a_size=2), "a2a_size applies")
-    _expect(call(**opts(), backend="torch"), "not both")
+    _expect(lambda: AttnOptions(strategy="p2p", a2a_size=2), "a2a_size applies")
     other = small_plan(DOCS, world, 1 - rank, "dual_chunk")
     if other.num_tokens_of(1 - rank) == plan.num_tokens:
         _expect(call(plan=other), "cp_rank")
@@ -232,21 +231,18 @@ def bad_input_worker(rank, world):
     _expect(call(q=q6, k=k3, v=v3, **opts(strategy="a2a")), "Hkv=3")
     _expect(call(q=q6, k=k3, v=v3, **opts(strategy="a2a+p2p", a2a_size=2)), "Hkv=3")
     _expect(call(**opts(strategy="a2a+p2p", a2a_size=3)), "divisor")
-    _expect(call(strategy="a2a+p2p", a2a_size=3), "divisor")
     # Different plans with equal local sizes: only the fingerprint check can tell.
     docs = [40, 20, 90] if rank == 0 else [50, 50, 50]
     odd = CPPlan.build(cu(docs), cp_size=world, cp_rank=rank, layout="contiguous")
     qo, ko, vo, _ = (odd.shard(t) for t in global_inputs(docs, 4, 2, seed=0))
     _expect(call(q=qo, k=ko, v=vo, plan=odd, **opts(validate=True)), "different plans")
-    # The module equals the function, old keywords or options; the good call still works
-    # after all of the above.
+    # The module equals the function; the good call still works after all of the above.
     want = cp_varlen_attn(q, k, v, plan, mask, None, AttnOptions(strategy="p2p"))
-    for module in (ContextParallelVarlenAttention(mask, AttnOptions(strategy="all_gather")),
-                   ContextParallelVarlenAttention(mask, strategy="all_gather")):
-        assert module.options == AttnOptions(strategy="all_gather")
-        torch.testing.assert_close(module(q, k, v, plan), want)
-    torch.testing.assert_close(cp_varlen_attn(q, k, v, plan, mask, None, "dispatch",
-                                              backend="torch", validate=False), want)
+    module = ContextParallelVarlenAttention(mask, AttnOptions(strategy="all_gather"))
+    assert module.options == AttnOptions(strategy="all_gather")
+    torch.testing.assert_close(module(q, k, v, plan), want)
+    torch.testing.assert_close(cp_varlen_attn(q, k, v, plan, mask, None, AttnOptions(
+        strategy="dispatch", backend="torch", validate=False)), want)
     return True
 
 

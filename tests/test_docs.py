@@ -134,7 +134,7 @@ def cli_flags() -> dict[str, set[str]]:
     return flags
 
 
-MODULE_PROGRAMS = {"varlen_cp.cli.plan": "varlen-cp-plan", "varlen_cp.train": "launcher",
+MODULE_PROGRAMS = {"varlen_cp.cli.plan": "varlen-cp-plan",
                    "varlen_cp.integrations.torchtitan.train": "launcher",
                    "varlen_cp.integrations.megatron.train": "megatron",
                    "varlen_cp.cli.loss_curve": "loss_curve",

@@ -20,7 +20,7 @@ from varlen_cp.config import AttnShape, CPConfig
 from varlen_cp.kernels import host_copy
 from varlen_cp.kernels.host_copy import HostStager, to_device
 from varlen_cp.masks import AttnMask
-from varlen_cp.plan import CPPlan
+from varlen_cp.plan import CPPlan, DualChunk
 from varlen_cp.prepare import prepare_plan
 
 
@@ -137,7 +137,7 @@ def test_every_strategys_tables_reach_cuda_through_the_stager(strategy, fake_cud
     shape = AttnShape(n_heads=4, n_kv_heads=2, head_dim=16, head_dim_v=16,
                       dtype=torch.float16)
     plan = CPPlan.build(torch.tensor([0] + DOCS).cumsum(0), cp_size=4, cp_rank=1,
-                        **config.plan_kwargs(MASKS))
+                        layout=config.layout_spec(MASKS))
     import varlen_cp.attention as attention
     real_check = attention._check_device
     attention._check_device = torch.device   # the fake CUDA device passes
@@ -173,7 +173,7 @@ def test_kernel_call_copy_keeps_every_schedule_table(fake_cuda_stager, one_threa
 
     from varlen_cp.schedules.holders import rank_holder, kernel_call
     plan = CPPlan.build(torch.tensor([0] + DOCS).cumsum(0), cp_size=2, cp_rank=0,
-                        layout="dual_chunk", min_chunk_tokens=4)
+                        layout=DualChunk(min_chunk_tokens=4))
     holder = rank_holder(plan, 0)
     host = kernel_call(holder, rank_holder(plan, 1), AttnMask(causal=True), (32, 32))
     n0 = fake_cuda_stager.device_buffers

@@ -1,7 +1,7 @@
 """The package's layering (docs/design.md, "Folders and floors"): imports only go down.
 
 Floors, top to bottom:
-  (entry points: train, cli) -> integrations -> {prepare, report}
+  (entry point: cli) -> integrations -> {prepare, report}
   -> {config, attention, graph_op, cp_call} -> {strategies, sharding} -> options
   -> schedules -> plan -> {masks, checks, mixes, host_memory} -> kernels
 Read from the source with ``ast`` (no import side effects): every ``from .x import`` /
@@ -16,7 +16,6 @@ from pathlib import Path
 
 PLUGIN = Path(__file__).resolve().parent.parent / "plugin"
 FLOOR = {
-    "train": 9,  # the torchtitan launcher (an entry point above the integrations)
     "cli": 9,    # varlen-cp-plan (reads the integrations' job files)
     "integrations": 8, "prepare": 7, "report": 7, "config": 6, "attention": 6,
     "graph_op": 6, "cp_call": 6, "strategies": 5, "sharding": 5,

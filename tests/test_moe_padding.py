@@ -96,7 +96,7 @@ def test_padding_is_not_routed(name):
     from varlen_cp.integrations.torchtitan.attention import PackedBatch
     from varlen_cp.integrations.torchtitan.moe import feed_real_rows, padding_free_moe_for
     from varlen_cp.integrations.torchtitan.trainer import packed_cu_seqlens
-    from varlen_cp.plan import CPPlan
+    from varlen_cp.plan import CPPlan, layout_spec
 
     config = tiny_moe_config(name)
     if name != "llama4_style":
@@ -116,7 +116,7 @@ def test_padding_is_not_routed(name):
     flat = tokens.reshape(1, -1)
 
     def run(layout: str, **kwargs):
-        plan = CPPlan.build(cu, cp_size=1, cp_rank=0, layout=layout, **kwargs)
+        plan = CPPlan.build(cu, cp_size=1, cp_rank=0, layout=layout_spec(layout, **kwargs))
         outputs = {}
         hooks = [m.register_forward_hook(lambda mod, args, out, key=key: outputs.update(
             {key: out.detach()})) for key, m in _moe_layers(model).items()]

@@ -8,9 +8,8 @@ specs (tests/test_plan.py), and ``CPConfig`` composing both with its unchanged k
 - ``CPConfig``: the same fields (TOML keys) as before; ``attn_options`` and
   ``layout_spec(masks)`` are the objects the op and the plan take, and its checks are theirs
   (same messages).
-- The old keywords of ``cp_varlen_attn`` and the module (deprecated) map onto the same
-  ``AttnOptions`` and give the same results (cp == 1, the local op; every strategy's cp > 1
-  path runs in tests/test_cp_strategies.py).
+- ``cp_varlen_attn`` and the module take their options one way, an ``AttnOptions`` (the
+  keywords of the unreleased 0.1.0 are gone).
 Host only, well under a second.
 """
 
@@ -113,36 +112,33 @@ def test_cpconfig_keys_and_composition() -> None:
         assert str(ours.value) == str(theirs.value)
 
 
-def test_old_keywords_map_onto_the_options() -> None:
-    """cp_varlen_attn(strategy=..., ...) and the module's keywords: deprecated, the same
-    AttnOptions and results; never together with options."""
+def test_options_are_given_one_way() -> None:
+    """An AttnOptions (or None: the defaults) and nothing else: the 0.1.0 keywords and a
+    strategy name in the options' place are refused."""
     docs = [7, 1, 12]
     plan = CPPlan.build(cu(docs), cp_size=1, cp_rank=0)
     q, k, v, _ = global_inputs(docs, 4, 2, seed=0)
     mask = AttnMask(chunk_size=4)
-    new = cp_varlen_attn(q, k, v, plan, mask, None,
+    out = cp_varlen_attn(q, k, v, plan, mask, None,
                          AttnOptions(strategy="a2a+p2p", a2a_size=1, backend="torch"))
-    old = cp_varlen_attn(q, k, v, plan, mask, None, strategy="a2a+p2p", a2a_size=1,
-                         backend="torch")
-    positional = cp_varlen_attn(q, k, v, plan, mask, None, "a2a+p2p", a2a_size=1,
-                                backend="torch")
-    assert torch.equal(new, old) and torch.equal(new, positional)
-    module = ContextParallelVarlenAttention(mask, strategy="dispatch", overlap_stages=2,
-                                            validate=False)
-    assert module.options == AttnOptions(strategy="dispatch", overlap_stages=2,
-                                         validate=False)
-    assert module.strategy == "dispatch"
-    assert ContextParallelVarlenAttention(mask, "all_gather").options == \
-        AttnOptions(strategy="all_gather")
+    ref = cp_varlen_attn(q, k, v, plan, mask, None, AttnOptions(backend="torch"))
+    assert torch.equal(out, ref)   # cp 1: every strategy is the local op
     assert ContextParallelVarlenAttention(mask).options == AttnOptions()
-    with pytest.raises(ValueError, match="not both"):
-        cp_varlen_attn(q, k, v, plan, mask, None, AttnOptions(), validate=False)
-    with pytest.raises(ValueError, match="not both"):
-        ContextParallelVarlenAttention(mask, AttnOptions(), backend="torch")
-    with pytest.raises(ValueError, match="options must be a varlen_cp.AttnOptions"):
-        ContextParallelVarlenAttention(mask, {"strategy": "p2p"})
-    with pytest.raises(TypeError):   # positions after group are keywords now
-        ContextParallelVarlenAttention(mask, "p2p", None, "torch")
+    module = ContextParallelVarlenAttention(mask, AttnOptions(strategy="dispatch",
+                                                              overlap_stages=2))
+    assert module.strategy == "dispatch"
+    for bad in ("p2p", {"strategy": "p2p"}):
+        with pytest.raises(ValueError, match="options must be a varlen_cp.AttnOptions"):
+            cp_varlen_attn(q, k, v, plan, mask, None, bad)
+        with pytest.raises(ValueError, match="options must be a varlen_cp.AttnOptions"):
+            ContextParallelVarlenAttention(mask, bad)
+    for old in ("strategy", "backend", "validate", "a2a_size", "overlap_stages"):
+        with pytest.raises(TypeError, match=old):
+            cp_varlen_attn(q, k, v, plan, mask, **{old: None})
+        with pytest.raises(TypeError, match=old):
+            ContextParallelVarlenAttention(mask, **{old: None})
+    with pytest.raises(TypeError):   # positions after group are keywords
+        ContextParallelVarlenAttention(mask, AttnOptions(), None, 0.5)
 
 
 def test_flash_impl_is_checked_when_the_config_is_built() -> None:

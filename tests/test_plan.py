@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from tests.helpers import FIXED_MIXES, check_balanced, check_invariants
 from tests.reference import reference_mask
 from varlen_cp import AttnMask
-from varlen_cp.plan import LAYOUTS, TE, Balanced, CPPlan, DualChunk, pair_segments
+from varlen_cp.plan import LAYOUTS, TE, Balanced, CPPlan, DualChunk, layout_spec, pair_segments
 
 MASKS = [AttnMask(causal=True), AttnMask(causal=False), AttnMask(window_size=(7, 0)),
          AttnMask(causal=False, window_size=(3, 5)), AttnMask(causal=False, chunk_size=16),
@@ -31,7 +31,7 @@ def _cu(lengths: list[int]) -> torch.Tensor:
 
 
 def _plans(lengths, cp, layout, **kw) -> list[CPPlan]:
-    return [CPPlan.build(_cu(lengths), cp_size=cp, cp_rank=r, layout=layout, **kw)
+    return [CPPlan.build(_cu(lengths), cp_size=cp, cp_rank=r, layout=layout_spec(layout, **kw))
             for r in range(cp)]
 
 
@@ -212,8 +212,14 @@ def test_dual_chunk_balances_causal_work_better_than_contiguous() -> None:
 
 
 def _bad_build(**over):
+    """CPPlan.build with ``over``; a layout's options given flat go through ``layout_spec``
+    (the one way to name a layout with options), whose checks they exercise."""
     kw = dict(cu_seqlens=torch.tensor([0, 3, 7]), cp_size=2, cp_rank=0)
     kw.update(over)
+    flat = {k: kw.pop(k) for k in ("min_chunk_tokens", "pad_multiple", "masks", "tile_tokens")
+            if k in kw}
+    if flat:
+        kw["layout"] = layout_spec(kw.get("layout", "balanced"), **flat)
     return CPPlan.build(kw.pop("cu_seqlens"), **kw)
 
 
@@ -260,7 +266,7 @@ def test_layout_specs_hold_only_their_own_options() -> None:
     layout is refused; the default is balanced for causal attention."""
     from dataclasses import FrozenInstanceError, fields
 
-    from varlen_cp.plan import Contiguous, layout_spec
+    from varlen_cp.plan import Contiguous
     assert {s.name: {f.name for f in fields(s)} for s in (Balanced, DualChunk, TE,
                                                             Contiguous)} == {
         "balanced": {"masks", "tile_tokens"}, "dual_chunk": {"min_chunk_tokens"},
@@ -287,10 +293,10 @@ def test_layout_specs_hold_only_their_own_options() -> None:
     assert torch.equal(default.token_indices,
                        CPPlan.build(cu, cp_size=3, cp_rank=1, layout=Balanced(
                            masks=AttnMask())).token_indices)
-    flat = CPPlan.build(cu, cp_size=3, cp_rank=1, layout="dual_chunk", min_chunk_tokens=4)
-    assert flat.layout_spec == DualChunk(min_chunk_tokens=4)
-    assert torch.equal(flat.token_indices, CPPlan.build(
-        cu, cp_size=3, cp_rank=1, layout=DualChunk(min_chunk_tokens=4)).token_indices)
+    named = CPPlan.build(cu, cp_size=3, cp_rank=1, layout="dual_chunk")   # its defaults
+    assert named.layout_spec == DualChunk()
+    with pytest.raises(TypeError, match="min_chunk_tokens"):   # one way: the spec
+        CPPlan.build(cu, cp_size=3, cp_rank=1, layout="dual_chunk", min_chunk_tokens=4)
     assert CPPlan.build(cu, cp_size=3, cp_rank=1, layout="te").layout_spec == \
         TE(pad_multiple=6)   # resolved: 2 * cp
 

@@ -21,15 +21,12 @@ PUBLIC = {
         "ContextParallelVarlenAttention": (
             'class(mask, options=None, group=None, *, '
             "softmax_scale=None, softmax_type='vanilla', "
-            'n_heads=None, track_max_logit=False, strategy=None, '
-            'backend=None, a2a_size=None, validate=None, '
-            'overlap_stages=None)'
+            'n_heads=None, track_max_logit=False)'
         ),
         "cp_varlen_attn": (
             'function(q, k, v, plan, mask, group=None, options=None, '
             'softmax_scale=None, return_lse=False, *, return_max_logit=False, '
-            "softmax_type='vanilla', sink=None, strategy=None, backend=None, "
-            'validate=None, a2a_size=None, overlap_stages=None)'
+            "softmax_type='vanilla', sink=None)"
         ),
     },
     "varlen_cp.kernels": {

@@ -90,9 +90,10 @@ def disagree_worker(rank, world):
             plan = CPPlan.build(_cu(docs), cp_size=world, cp_rank=rank, layout=layout)
             q, k, v, _ = _local(plan, _inputs(sum(docs)), grad=False)
             outcomes[f"{kind}/{strategy}"] = _outcome(
-                lambda: cp_varlen_attn(q, k, v, plan, CAUSAL, None, strategy))
+                lambda: cp_varlen_attn(q, k, v, plan, CAUSAL, None,
+                                       AttnOptions(strategy=strategy)))
         # The module's default is the function's.
-        module = ContextParallelVarlenAttention(CAUSAL, strategy="p2p")
+        module = ContextParallelVarlenAttention(CAUSAL, AttnOptions(strategy="p2p"))
         outcomes[f"{kind}/module"] = _outcome(lambda: module(q, k, v, plan))
     docs = [40, 20, 90]
     inputs = _inputs(sum(docs))

@@ -239,7 +239,8 @@ def test_shipped_configs_load(name):
 
 def test_launcher_exits_2_with_one_line_error(tmp_path):
     path = write(tmp_path, "[training]\nstepz = 1\n")
-    proc = subprocess.run([sys.executable, "-m", "varlen_cp.train", "--config", path],
+    proc = subprocess.run([sys.executable, "-m", "varlen_cp.integrations.torchtitan.train",
+                           "--config", path],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2
     assert "stepz" in proc.stderr and "job.toml" in proc.stderr
@@ -352,8 +353,7 @@ runpy.run_module("%s", run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("module", ["varlen_cp.integrations.torchtitan.train",
-                                    "varlen_cp.train"])
+@pytest.mark.parametrize("module", ["varlen_cp.integrations.torchtitan.train"])
 def test_launcher_without_torchtitan_names_the_extra(tmp_path, module):
     proc = subprocess.run([sys.executable, "-c", HIDE_TORCHTITAN % module],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)

@@ -155,9 +155,7 @@ class CPPlan:
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int,
-              layout: LayoutSpec | str = "balanced", min_chunk_tokens: int | None = None,
-              pad_multiple: int | None = None, masks: Any = None,
-              tile_tokens: int | None = None) -> "CPPlan":
+              layout: LayoutSpec | str = "balanced") -> "CPPlan":
         """Plan the layout of the global batch ``cu_seqlens`` (CPU int [n_docs+1]).
 
         layout: a layout spec (``varlen_cp.plan.Balanced(masks=..., tile_tokens=...)``,
@@ -165,14 +163,9 @@ class CPPlan:
         see ``plan/layout_spec.py``), or a layout name for that layout with its default
         options. Default: ``balanced`` for causal attention, what the integrations use
         (pass the model's masks in ``Balanced(masks=...)`` to balance each of them).
-        min_chunk_tokens, pad_multiple, masks, tile_tokens: deprecated (kept for one
-        release): the options of the layout named by ``layout``, given flat; an option of
-        another layout is a ValueError.
         """
         cu = _check_cu_seqlens(cu_seqlens)
-        spec = layout_spec(layout, **{k: v for k, v in (
-            ("min_chunk_tokens", min_chunk_tokens), ("pad_multiple", pad_multiple),
-            ("masks", masks), ("tile_tokens", tile_tokens)) if v is not None})
+        spec = layout_spec(layout)
         spec = _check_params(cp_size, cp_rank, spec)
         lengths = cu[1:] - cu[:-1]
         pieces = layout_pieces(lengths, cp_size, spec)
