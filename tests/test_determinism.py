@@ -22,7 +22,7 @@ from tests.dist_utils import run_distributed
 from tests.helpers import compare_fp32, gather, global_inputs, single_device
 from varlen_cp import AttnOptions
 from varlen_cp.masks import AttnMask
-from varlen_cp.plan import CPPlan
+from varlen_cp.plan import CPPlan, DualChunk
 from varlen_cp.schedules.staged import staged_tables
 
 # A long document cut over every rank (its first keys are fetched by every later rank:
@@ -36,8 +36,8 @@ def _cu(docs):
 
 
 def _plan(world, rank):
-    return CPPlan.build(_cu(DOCS), cp_size=world, cp_rank=rank, layout="dual_chunk",
-                        min_chunk_tokens=4)
+    return CPPlan.build(_cu(DOCS), cp_size=world, cp_rank=rank,
+                        layout=DualChunk(min_chunk_tokens=4))
 
 
 # The torch twin (the CPU kernels, backend "torch") accumulates its own tiles with

@@ -33,7 +33,7 @@ from varlen_cp import AttnOptions
 from varlen_cp.attention import ContextParallelVarlenAttention, cp_varlen_attn
 from varlen_cp.kernels import varlen_attn
 from varlen_cp.masks import AttnMask
-from varlen_cp.plan import CPPlan
+from varlen_cp.plan import CPPlan, DualChunk
 from varlen_cp.strategies import STRATEGIES
 
 ALL = tuple(STRATEGIES)                       # every registered strategy
@@ -99,8 +99,9 @@ def disagree_worker(rank, world):
     inputs = _inputs(sum(docs))
     plan = CPPlan.build(_cu(docs), cp_size=world, cp_rank=rank, layout="contiguous")
     q, k, v, _ = _local(plan, inputs, grad=False)
-    want = cp_varlen_attn(q, k, v, plan, CAUSAL, None, "p2p")
-    after = {s: bool(torch.allclose(cp_varlen_attn(q, k, v, plan, CAUSAL, None, s), want,
+    want = cp_varlen_attn(q, k, v, plan, CAUSAL, None, AttnOptions(strategy="p2p"))
+    after = {s: bool(torch.allclose(cp_varlen_attn(q, k, v, plan, CAUSAL, None,
+                                                   AttnOptions(strategy=s)), want,
                                     atol=1e-5, rtol=1e-4)) for s in ALL}
     return outcomes, after
 
@@ -129,29 +130,30 @@ def once_worker(rank, world):
     inputs = _inputs(sum(docs))
     counts = {}
     for strategy in ALL:
-        plan = CPPlan.build(_cu(docs), cp_size=world, cp_rank=rank, layout="dual_chunk",
-                            min_chunk_tokens=4)
+        plan = CPPlan.build(_cu(docs), cp_size=world, cp_rank=rank,
+                            layout=DualChunk(min_chunk_tokens=4))
         with AllReduceCounter() as c:
             for _step in range(2):
                 q, k, v, dout = _local(plan, inputs)
                 x = q
                 for mask in (CAUSAL, CHUNK, CAUSAL):   # e.g. Llama 4's chunked : global
-                    x = cp_varlen_attn(x, k, v, plan, mask, None, strategy)
+                    x = cp_varlen_attn(x, k, v, plan, mask, None,
+                                       AttnOptions(strategy=strategy))
                 x.backward(dout)
             counts[f"{strategy}/steps"] = list(c.calls)
-            module = ContextParallelVarlenAttention(CHUNK, strategy=strategy)
+            module = ContextParallelVarlenAttention(CHUNK, AttnOptions(strategy=strategy))
             module(*_local(plan, inputs, grad=False)[:3], plan)
             counts[f"{strategy}/module"] = len(c.calls)
-            fresh = CPPlan.build(_cu(docs), cp_size=world, cp_rank=rank, layout="dual_chunk",
-                                 min_chunk_tokens=4)
+            fresh = CPPlan.build(_cu(docs), cp_size=world, cp_rank=rank,
+                                 layout=DualChunk(min_chunk_tokens=4))
             cp_varlen_attn(*_local(fresh, inputs, grad=False)[:3], fresh, CAUSAL, None,
-                           strategy)
+                           AttnOptions(strategy=strategy))
             cp_varlen_attn(*_local(fresh, inputs, grad=False)[:3], fresh, CHUNK, None,
-                           strategy)
+                           AttnOptions(strategy=strategy))
             counts[f"{strategy}/new_plan"] = len(c.calls)
             unchecked = CPPlan.build(_cu(docs), cp_size=world, cp_rank=rank)
             cp_varlen_attn(*_local(unchecked, inputs, grad=False)[:3], unchecked, CAUSAL,
-                           None, strategy, validate=False)
+                           None, AttnOptions(strategy=strategy, validate=False))
             counts[f"{strategy}/validate_false"] = len(c.calls)
     # What the check remembers does not keep a plan (and its tables) alive once the step's
     # tensors are gone (an output's autograd graph refers to its plan).
@@ -203,7 +205,8 @@ def stall_worker(rank, world, flag_dir):
     q, k, v, _ = _local(plan, _inputs(sum(docs)), grad=False)
 
     def step():
-        return cp_varlen_attn(q, k, v, plan, CAUSAL, cp, "a2a+p2p", a2a_size=2)
+        return cp_varlen_attn(q, k, v, plan, CAUSAL, cp,
+                              AttnOptions(strategy="a2a+p2p", a2a_size=2))
 
     step()                                # builds the sub-groups {0, 1} and {2, 3}
     sub, _ = ulysses_subgroup(cp, 2)
@@ -344,8 +347,8 @@ def _option_outcomes(rank, world):
     for name, (strategy, opts, hq, hkv) in OPTION_CASES.items():
         plan = CPPlan.build(_cu([5, 9]), cp_size=world, cp_rank=rank)
         q, k, v, _ = _local(plan, _inputs(14, hq, hkv), grad=False)
-        outcome = _outcome(lambda: cp_varlen_attn(q, k, v, plan, CAUSAL, None, strategy,
-                                                  **opts))
+        outcome = _outcome(lambda: cp_varlen_attn(q, k, v, plan, CAUSAL, None,
+                                                  AttnOptions(strategy=strategy, **opts)))
         outcomes[name] = outcome.replace(f"cp_size={world}", "cp_size=N")
     return outcomes
 
@@ -407,12 +410,14 @@ def test_plan_build_rejects_batches_beyond_its_int32_tables(one_thread):
 
 def test_module_checks_its_options_when_built(one_thread):
     """Before, these passed the constructor and failed at the first forward."""
-    for kw, match in (({"group": 3}, "group"), ({"backend": "cuda"}, "backend"),
+    with pytest.raises(ValueError, match="group"):
+        ContextParallelVarlenAttention(CAUSAL, group=3)
+    for kw, match in (({"backend": "cuda"}, "backend"),
                       ({"strategy": "p2p", "a2a_size": 2}, "a2a_size applies"),
                       ({"strategy": "a2a+p2p", "a2a_size": 0}, "a2a_size"),
                       ({"validate": 1}, "validate"), ({"strategy": "ring"}, "strategy")):
-        with pytest.raises(ValueError, match=match):
-            ContextParallelVarlenAttention(CAUSAL, **kw)
+        with pytest.raises(ValueError, match=match):   # the options, checked when built
+            ContextParallelVarlenAttention(CAUSAL, AttnOptions(**kw))
 
 
 def test_plan_and_sharding_reject_bad_arguments(one_thread):
@@ -496,7 +501,8 @@ def _cp_case(plan, inputs, docs, mask, strategy, group=None, poison=float("nan")
     for t in (q, k, v, dout):
         t[pad] = poison
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out, lse = cp_varlen_attn(q, k, v, plan, mask, group, strategy, return_lse=True)
+    out, lse = cp_varlen_attn(q, k, v, plan, mask, group, AttnOptions(strategy=strategy),
+                              return_lse=True)
     out.backward(dout)
     local = (out.detach(), lse.detach(), q.grad, k.grad, v.grad)
     errors = []

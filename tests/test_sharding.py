@@ -14,7 +14,7 @@ import traceback
 import pytest
 import torch
 
-from varlen_cp.plan import LAYOUTS, CPPlan
+from varlen_cp.plan import LAYOUTS, CPPlan, DualChunk
 from varlen_cp.sharding import cu_seqlens_from_positions, gather_sequence, shard_packed_batch
 
 MIXES = [[5, 0, 1, 7], [300, 1, 17, 0, 64, 129], [2, 3], [1] * 9, []]
@@ -29,8 +29,8 @@ def _positions(lengths: list[int]) -> torch.Tensor:
 
 
 def _plans(lengths, cp, layout) -> list[CPPlan]:
-    kw = {"min_chunk_tokens": 4} if layout == "dual_chunk" else {}
-    return [CPPlan.build(_cu(lengths), cp_size=cp, cp_rank=r, layout=layout, **kw)
+    spec = DualChunk(min_chunk_tokens=4) if layout == "dual_chunk" else layout
+    return [CPPlan.build(_cu(lengths), cp_size=cp, cp_rank=r, layout=spec)
             for r in range(cp)]
 
 
@@ -129,8 +129,8 @@ def test_positions_to_plan_pipeline() -> None:
     positions = _positions(lengths).unsqueeze(0)
     cu = cu_seqlens_from_positions(positions)
     for layout in ("dual_chunk", "contiguous"):
-        plan = CPPlan.build(cu, cp_size=2, cp_rank=1, layout=layout,
-                            **({"min_chunk_tokens": 4} if layout == "dual_chunk" else {}))
+        plan = CPPlan.build(cu, cp_size=2, cp_rank=1, layout=DualChunk(min_chunk_tokens=4)
+                            if layout == "dual_chunk" else layout)
         out = shard_packed_batch({"positions": positions}, plan)
         assert torch.equal(out["positions"], plan.shard(positions, dim=1))
 

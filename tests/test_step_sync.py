@@ -21,7 +21,7 @@ from tests.helpers import AllReduceCounter, forbid_host_reads
 from varlen_cp import AttnOptions
 from varlen_cp.attention import cp_varlen_attn
 from varlen_cp.masks import AttnMask
-from varlen_cp.plan import CPPlan
+from varlen_cp.plan import CPPlan, DualChunk
 from varlen_cp.plan import agreement
 from varlen_cp.sharding import shard_packed_batch
 
@@ -45,8 +45,8 @@ def _batch(total, seed=0):
 def step_worker(rank, world):
     counts = {}
     for strategy in STRATEGIES:
-        plan = CPPlan.build(_cu(DOCS), cp_size=world, cp_rank=rank, layout="dual_chunk",
-                            min_chunk_tokens=4)
+        plan = CPPlan.build(_cu(DOCS), cp_size=world, cp_rank=rank,
+                            layout=DualChunk(min_chunk_tokens=4))
         with forbid_host_reads():
             with AllReduceCounter() as sharding:
                 local = shard_packed_batch(_batch(sum(DOCS)), plan, validate=True)
