@@ -90,11 +90,11 @@ def fa4_interface():
         return None
 
 
-def unsupported(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
-                head_dim_v: int, need_lse_grad: bool = False, need_max: bool = False
-                ) -> Optional[str]:
-    """Why ``backend`` ("flash" or "fa4") cannot run calls of this kind (None: it can).
-    The reason names the limit, for the plan report and the docs."""
+def call_limits(backend: str, dtype: torch.dtype, head_dim: int, head_dim_v: int,
+                need_lse_grad: bool = False, need_max: bool = False) -> Optional[str]:
+    """Why ``backend`` ("flash" or "fa4") cannot run calls of this kind on any machine
+    (None: it can on some): the limits that depend on the call alone, which the offline
+    plan report applies too (FA4's sm100 head dims are machine limits: in ``unsupported``)."""
     if need_max:
         return "the row max (QK-clip) is not an output of FlashAttention"
     if dtype not in _DTYPES:
@@ -106,14 +106,27 @@ def unsupported(backend: str, device: torch.device, dtype: torch.dtype, head_dim
             return f"head dims {head_dim}/{head_dim_v} (torch's flash ops need one head dim)"
         if head_dim % 8 or head_dim > 256:
             return f"head dim {head_dim} (torch's flash ops: a multiple of 8, <= 256)"
-        if not has_flash_kernel(device):
-            return f"no flash kernel registered for {device.type}"
         return None
-    if fa4_interface() is None:
-        return "the flash-attn-4 package is not installed (pip install varlen-cp[fa4])"
     if head_dim % 8 or head_dim_v % 8 or not (8 <= min(head_dim, head_dim_v)
                                               and max(head_dim, head_dim_v) <= 256):
         return f"head dims {head_dim}/{head_dim_v} (FA4: 8..256, multiples of 8)"
+    return None
+
+
+def unsupported(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                head_dim_v: int, need_lse_grad: bool = False, need_max: bool = False
+                ) -> Optional[str]:
+    """Why ``backend`` ("flash" or "fa4") cannot run calls of this kind on ``device``
+    (None: it can): :func:`call_limits`, then what this machine has. The reason names the
+    limit, for the plan report and the docs."""
+    why = call_limits(backend, dtype, head_dim, head_dim_v, need_lse_grad, need_max)
+    if why is not None:
+        return why
+    if backend == "flash":
+        return None if has_flash_kernel(device) else \
+            f"no flash kernel registered for {device.type}"
+    if fa4_interface() is None:
+        return "the flash-attn-4 package is not installed (pip install varlen-cp[fa4])"
     if device.type == "cuda":
         major = capability(device)[0]
         if major < 9:

@@ -119,9 +119,7 @@ def flash_route(backend: str, device: torch.device, dtype: torch.dtype, n_heads:
     name, _ = resolve_flash(backend, device, dtype, head_dim, head_dim_v, need_lse, need_max)
     if name is None:
         return None
-    size = dtype.itemsize
-    return FlashRoute(name, n_heads * (head_dim + head_dim_v) * size,
-                      n_kv_heads * (head_dim + head_dim_v) * size)
+    return FlashRoute.of(name, dtype, n_heads, n_kv_heads, head_dim, head_dim_v)
 
 
 def strategy_for(plan: CPPlan, strategy: str) -> Strategy:

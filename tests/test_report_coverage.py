@@ -216,7 +216,7 @@ SHAPES = [AttnShape(n_heads=4, n_kv_heads=2, head_dim=d, head_dim_v=dv, dtype=dt
 
 @pytest.mark.parametrize("backend", ["flash", "fa4"])
 def test_offline_rules_are_the_kernels_rules(stand_ins, backend):
-    """``planned_reason`` restates the machine-independent rules of
+    """``planned_reason`` applies the machine-independent rules of
     ``kernels.flash.unsupported``: with the stand-ins registered on a CPU (a flash kernel,
     the package, no sm check) both must say the same."""
     from varlen_cp.kernels.flash import unsupported

@@ -10,8 +10,8 @@ CUDA, the PyTorch twin on CPUs), why there is none, and our kernels' tile sizes.
   the step's prepare cached (training logs, metrics);
 - ``Backends.planned(backend, shape)``: offline, for ``varlen-cp-plan`` (no GPU there):
   "flash" / "fa4" build the FA forms as a GPU run with that backend would, where the
-  library takes this kind of call (:func:`planned_reason`, the machine-independent rules of
-  ``kernels.flash.unsupported``, on an sm90 GPU); "auto" counts as FA-capable: what FA
+  library takes this kind of call (:func:`planned_reason`: ``kernels.flash.call_limits``,
+  the limits of the call alone, those of an sm90 GPU); "auto" counts as FA-capable: what FA
   *can* take (on the GPU, auto runs FA4 where installed, torch's flash ops where they run
   FA3 / FA4 or the GPU predates sm90, else our Triton kernels, and then none of it);
   "triton" / "torch": none.
@@ -32,7 +32,7 @@ import torch
 from ..config import AttnShape
 from ..cp_call import flash_route
 from ..kernels import block_sizes_for
-from ..kernels.flash import resolve_flash
+from ..kernels.flash import call_limits, resolve_flash
 from ..kernels.validation import BACKENDS
 from ..masks import AttnMask
 from ..plan import CPPlan
@@ -83,7 +83,9 @@ class Backends:
                        note="our kernels only")
         lib = "fa4" if backend == "auto" else backend   # auto's FA rules are FA4's, the
         reason = planned_reason(lib, shape)               # widest (a superset of flash's)
-        route = None if reason else row_route(lib, shape)
+        route = None if reason else FlashRoute.of(lib, shape.dtype, shape.n_heads,
+                                                  shape.n_kv_heads, shape.head_dim,
+                                                  shape.value_dim)
         note = ("counted as FA-capable: what FlashAttention can take, FA4's rules; where "
                 "auto picks Triton on the GPU, none of it runs there" if backend == "auto" else
                 "FA forms as a GPU run builds them, sm90 rules")
@@ -95,34 +97,12 @@ def check_backend(backend: object, where: str) -> None:
         raise ValueError(f"{where} must be one of {', '.join(BACKENDS)}, got {backend!r}")
 
 
-def row_route(backend: str, shape: AttnShape) -> FlashRoute:
-    """The route's row sizes as ``cp_call.flash_route`` makes them."""
-    size = shape.dtype.itemsize
-    width = shape.head_dim + shape.value_dim
-    return FlashRoute(backend, shape.n_heads * width * size, shape.n_kv_heads * width * size)
-
-
 def planned_reason(backend: str, shape: AttnShape) -> str | None:
     """Why ``backend`` ("flash" / "fa4") cannot take this model's calls on any machine
-    (None: it can): the rules of ``kernels.flash.unsupported`` that do not depend on the
-    device or an installed package, for an sm90 GPU (FA4's sm100 head-dim limits are not
-    applied). tests/test_report_coverage.py checks them against ``unsupported``."""
-    d, dv = shape.head_dim, shape.value_dim
-    if shape.row_max:
-        return "the row max (QK-clip) is not an output of FlashAttention"
-    if shape.dtype not in (torch.float16, torch.bfloat16):
-        return f"{shape.dtype} (FlashAttention takes float16 / bfloat16)"
-    if backend == "flash":
-        if shape.lse_grad:
-            return "an LSE gradient (sinks, or a returned LSE): FA2 / FA3 drop it"
-        if d != dv:
-            return f"head dims {d}/{dv} (torch's flash ops need one head dim)"
-        if d % 8 or d > 256:
-            return f"head dim {d} (torch's flash ops: a multiple of 8, <= 256)"
-        return None
-    if d % 8 or dv % 8 or not (8 <= min(d, dv) and max(d, dv) <= 256):
-        return f"head dims {d}/{dv} (FA4: 8..256, multiples of 8)"
-    return None
+    (None: it can): ``kernels.flash.call_limits``, the limits of the call alone (FA4's
+    sm100 head-dim limits are a machine's, not applied)."""
+    return call_limits(backend, shape.dtype, shape.head_dim, shape.value_dim, shape.lse_grad,
+                       shape.row_max)
 
 
 def layer_coverage(plan: CPPlan, mask: AttnMask, strategy: str, backends: Backends,

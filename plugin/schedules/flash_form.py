@@ -73,6 +73,13 @@ class FlashRoute:
     q_row_bytes: int
     kv_row_bytes: int
 
+    @classmethod
+    def of(cls, backend: str, dtype: torch.dtype, n_heads: int, n_kv_heads: int,
+           head_dim: int, head_dim_v: int) -> "FlashRoute":
+        """The route of a layer of this head shape: q + out per query row, K + V per key."""
+        width = (head_dim + head_dim_v) * dtype.itemsize
+        return cls(backend, n_heads * width, n_kv_heads * width)
+
 
 @dataclass(frozen=True)
 class FlashCall:
