@@ -51,12 +51,13 @@ from varlen_cp.schedules.selected import fetched_tokens  # noqa: E402
 from varlen_cp.strategies import STRATEGIES, get_strategy  # noqa: E402
 from varlen_cp.schedules import auto, staged  # noqa: E402
 from varlen_cp.schedules.catalogue import STAGED  # noqa: E402
-from varlen_cp.schedules.cost import Shape, make_shape  # noqa: E402
+from varlen_cp.shape import AttnShape  # noqa: E402
 from varlen_cp.schedules.hybrid import group_members  # noqa: E402
 from varlen_cp.schedules.selected import fetch_counts  # noqa: E402
 
 # Llama-3-8B-like attention: 32 query heads, 8 K/V heads, head dim 128, bf16.
 MODEL = {"n_heads": 32, "n_kv_heads": 8, "head_dim": 128, "head_dim_v": 128, "dtype_bytes": 2}
+SHAPE = AttnShape(n_heads=32, n_kv_heads=8, head_dim=128, head_dim_v=128)  # MODEL, bf16
 # Tile sizes of the Triton kernels for d=128 (kernels.triton_common.triton_block_sizes).
 BLOCK = (64, 64)
 MIB = float(1 << 20)
@@ -97,7 +98,7 @@ def _fits(strategy: str, cp: int) -> bool:
 
 def needed_bytes(plan: CPPlan, mask: AttnMask) -> list[int]:
     """K/V bytes from other ranks that each rank's queries see (the floor)."""
-    row = MODEL["n_kv_heads"] * (MODEL["head_dim"] + MODEL["head_dim_v"]) * MODEL["dtype_bytes"]
+    row = SHAPE.kv_row
     return [n * row for n in fetched_tokens(plan, mask)]
 
 
@@ -111,8 +112,8 @@ def measure(docs: list[int], cp: int, mask: AttnMask, layout: str) -> dict:
             continue
         mod = get_strategy(name)
         opts = {"a2a_size": hybrid_size(cp)} if name == "a2a+p2p" else {}
-        b = mod.bytes_sent_per_rank(plan, mask, **MODEL, **opts)
-        c = mod.compute_per_rank(plan, mask, block=BLOCK, **MODEL, **opts)
+        b = mod.bytes_sent_per_rank(plan, mask, SHAPE, **opts)
+        c = mod.compute_per_rank(plan, mask, SHAPE, block=BLOCK, **opts)
         row["strategies"][name] = {"bytes_fwd": b["fwd"], "bytes_bwd": b["bwd"],
                                    "visited": c["visited"], "visible": c["visible"], **opts}
     return row
@@ -158,7 +159,7 @@ def h100(cp: int) -> auto.CostModel:
     return auto.CostModel(flops_per_s=4e14, bytes_per_s=1.5e11 if cp <= 8 else 4.5e10)
 
 
-def old_selected_memory(name: str, plan: CPPlan, mask: AttnMask, shape: Shape
+def old_selected_memory(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape
                         ) -> dict[str, list[int]]:
     """Per rank, the peak bytes of the one-shot dispatch / all_gather code that staging
     replaced (commit 9644a3b), walked in its program order like ``staged.staged_memory``:
@@ -168,7 +169,7 @@ def old_selected_memory(name: str, plan: CPPlan, mask: AttnMask, shape: Shape
     cp, b = plan.cp_size, shape.dtype_bytes
     counts = fetch_counts(plan, mask)
     kv, kv4 = shape.kv_row, shape.kv_row * 4 // b
-    out = shape.n_heads * shape.head_dim_v * b
+    out = shape.n_heads * shape.value_dim * b
     dq = shape.n_heads * shape.head_dim * b
     stride = max(plan.num_tokens_of(r) for r in range(cp))
     fwd, bwd, kept = [], [], []
@@ -197,47 +198,47 @@ def old_selected_memory(name: str, plan: CPPlan, mask: AttnMask, shape: Shape
     return {"forward": fwd, "backward": bwd, "kept": kept}
 
 
-def ring_memory(plan: CPPlan, shape: Shape) -> int:
+def ring_memory(plan: CPPlan, shape: AttnShape) -> int:
     """p2p, approximate: K/V in hand and in flight, the fp32 out accumulator, one step's
     output and merge_attn_partials' three fp32 temporaries; backward: K/V in hand and in
     flight, fp32 dQ and dK|dV accumulators, one step's gradients, two partials out and two
     in. Max over ranks and phases."""
     b = shape.dtype_bytes
     t = max(plan.num_tokens_of(r) for r in range(plan.cp_size))
-    kv, out, out4 = shape.kv_row, shape.n_heads * shape.head_dim_v * b, \
-        shape.n_heads * shape.head_dim_v * 4
+    kv, out, out4 = shape.kv_row, shape.n_heads * shape.value_dim * b, \
+        shape.n_heads * shape.value_dim * 4
     dq, dq4 = shape.n_heads * shape.head_dim * b, shape.n_heads * shape.head_dim * 4
     fwd = t * (2 * kv + 4 * out4 + out)
     bwd = t * (2 * kv + dq4 + kv * 4 // b + dq + kv + 4 * kv)
     return max(fwd, bwd)
 
 
-def ulysses_memory(plan: CPPlan, shape: Shape, size: int) -> int:
+def ulysses_memory(plan: CPPlan, shape: AttnShape, size: int) -> int:
     """a2a, approximate: the group's tokens for this rank's heads (packed, then split; out,
     then picked), this rank's output; backward: the kept q/k/v/out slices, dout in and
     picked, the gradients, packed and picked, and the tokens they go back to. Max over
     groups and phases."""
     b = shape.dtype_bytes
     hk = max(1, shape.n_kv_heads // size)
-    w = (shape.n_heads // size * shape.head_dim + hk * (shape.head_dim + shape.head_dim_v)) * b
-    wo = shape.n_heads // size * shape.head_dim_v * b
+    w = (shape.n_heads // size * shape.head_dim + hk * (shape.head_dim + shape.value_dim)) * b
+    wo = shape.n_heads // size * shape.value_dim * b
     t = max(plan.num_tokens_of(r) for r in range(plan.cp_size))
     n = max(sum(plan.num_tokens_of(m) for m in group_members(g, size))
             for g in range(0, plan.cp_size, size))
     full = (shape.n_heads * shape.head_dim + shape.n_kv_heads
-            * (shape.head_dim + shape.head_dim_v)) * b
-    fwd = n * (2 * w + 2 * wo) + t * shape.n_heads * shape.head_dim_v * b
+            * (shape.head_dim + shape.value_dim)) * b
+    fwd = n * (2 * w + 2 * wo) + t * shape.n_heads * shape.value_dim * b
     bwd = n * (w + wo) + n * (2 * wo + 3 * w) + t * full
     return max(fwd, bwd)
 
 
-def overlap_row(docs: list[int], cp: int, mname: str, mask: AttnMask, shape: Shape) -> dict:
+def overlap_row(docs: list[int], cp: int, mname: str, mask: AttnMask, shape: AttnShape) -> dict:
     cu = torch.tensor([0] + docs).cumsum(0)
     plan = CPPlan.build(cu, cp_size=cp, cp_rank=0, layout=Balanced(masks=mask))
     model = h100(cp)
     pairs = [plan.work_of(r, mask) for r in range(cp)]
-    flops = (2 * (shape.head_dim + shape.head_dim_v) + 6 * shape.head_dim
-             + 4 * shape.head_dim_v) * shape.n_heads
+    flops = (2 * (shape.head_dim + shape.value_dim) + 6 * shape.head_dim
+             + 4 * shape.value_dim) * shape.n_heads
     ideal = sum(pairs) / cp * flops / model.flops_per_s
     row = {"cp": cp, "mask": mname, "n_docs": len(docs), "ideal_ms": ideal * 1e3,
            "strategies": {}}
@@ -269,8 +270,7 @@ def overlap_row(docs: list[int], cp: int, mname: str, mask: AttnMask, shape: Sha
 
 
 def run_overlap(cps: tuple[int, ...]) -> list[dict]:
-    shape = make_shape(MODEL["n_heads"], MODEL["n_kv_heads"], MODEL["head_dim"],
-                       MODEL["head_dim_v"], MODEL["dtype_bytes"])
+    shape = SHAPE
     rows = []
     for cp in cps:
         tokens = TOKENS_PER_GPU * cp

@@ -33,7 +33,6 @@ import torch
 from gpu_cases import ReplayCase, Shape, mask_area_flops, tflops
 from gpu_timing import Budget, measure
 from varlen_cp.config import AttnShape, CPConfig
-from varlen_cp.cp_call import flash_route
 from varlen_cp.kernels import block_sizes_for, merge_attn_partials
 from varlen_cp.kernels.validation import check_backend
 from varlen_cp.kernels.schedule import segment_ids
@@ -42,7 +41,7 @@ from varlen_cp.plan import CPPlan
 from varlen_cp.prepare import build_plan, prepare_plan
 from varlen_cp.schedules.holders import KernelCall
 from varlen_cp.schedules.ring import p2p_tables
-from varlen_cp.schedules.shape import make_shape
+from varlen_cp.resolve import kernel_route
 from varlen_cp.schedules.catalogue import STAGED
 from varlen_cp.schedules.staged import resolve_stages
 from varlen_cp.strategies.calls import Attn
@@ -77,8 +76,7 @@ def _prepared_only(plan: CPPlan) -> Iterator[list]:
 def route_of(backend: str, shape: Shape, device: torch.device):
     """The FlashAttention route the strategies take for ``backend`` (None: our kernels),
     resolved as ``prepare_plan`` and each call resolve it (no LSE gradient, no row max)."""
-    return flash_route(backend, device, shape.dtype, shape.n_heads, shape.n_kv_heads,
-                       shape.head_dim, shape.head_dim_v, False, False)
+    return kernel_route(backend, device, shape)[2]
 
 
 def rank_calls(plan: CPPlan, mask: AttnMask, strategy: str, block: tuple[int, int],
@@ -90,15 +88,13 @@ def rank_calls(plan: CPPlan, mask: AttnMask, strategy: str, block: tuple[int, in
     exact with a ``route``, :func:`route_of`). RuntimeError when a table was not
     prepared."""
     rank = plan.cp_rank
-    cost_shape = make_shape(shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.head_dim_v,
-                            shape.dtype.itemsize)
     with _prepared_only(plan) as built:
         if strategy == "p2p":   # p2p.py's lookup: one ring position's tables
             ring = p2p_tables(plan, mask, block, rank, device, route)
             fwd = [(f"ring step {t}", c) for t, c in enumerate(ring.calls) if c is not None]
             bwd, stages = fwd, None
         elif strategy in STAGED:
-            stages = resolve_stages(plan, mask, strategy, cost_shape, overlap_stages)
+            stages = resolve_stages(plan, mask, strategy, shape, overlap_stages)
             tab = staged_device_tables(plan, mask, block, strategy, stages, device, route)
             local = [("local keys", tab.local)] if tab.local is not None else []
             fetched = [(f"transfer {i + 1}" if stages > 1 else "all keys", s.call)
@@ -155,7 +151,7 @@ def plan_rank(case: ReplayCase, shape: Shape, device: torch.device, backend: str
     t1 = time.process_time()
     prepare_plan(plan, config, layer_masks,
                  AttnShape(n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads,
-                           head_dim=shape.head_dim, head_dim_v=shape.head_dim_v,
+                           head_dim=shape.head_dim, head_dim_v=shape.value_dim,
                            dtype=shape.dtype), device)
     t2 = time.process_time()
     return plan, {"rank": rank, "plan_cpu_ms": 1e3 * (t1 - t0),
@@ -174,7 +170,7 @@ def random_kv(shape: Shape, device: torch.device, seed: int = 0) -> KVSource:
         n = call.k_pos.numel()
         return (torch.randn(n, shape.n_kv_heads, shape.head_dim, generator=g, device=device,
                             dtype=shape.dtype),
-                torch.randn(n, shape.n_kv_heads, shape.head_dim_v, generator=g,
+                torch.randn(n, shape.n_kv_heads, shape.value_dim, generator=g,
                             device=device, dtype=shape.dtype))
     return make
 
@@ -200,7 +196,7 @@ def replay_rank(plan: CPPlan, case: ReplayCase, shape: Shape, device: torch.devi
     ``q``, ``dout`` (default random) and ``kv_source`` (default :func:`random_kv`) let a
     test feed the real global tensors; the dict's ``"tensors"`` entry holds (out, lse, dq)
     of the calls that ran. The dry run calls each kernel once (its timing is that call)."""
-    block = block_sizes_for(backend, device, shape.head_dim, shape.head_dim_v,
+    block = block_sizes_for(backend, device, shape.head_dim, shape.value_dim,
                             dtype=shape.dtype)
     fwd_calls, bwd_calls, stages = rank_calls(plan, case.mask, case.strategy, tuple(block),
                                               shape, device, case.overlap_stages,
@@ -228,7 +224,7 @@ def replay_rank(plan: CPPlan, case: ReplayCase, shape: Shape, device: torch.devi
             partials.append(t.last[:2])
             row.update(fwd_ms=t.ms, fwd_tflops=tflops(mask_area_flops(pairs, shape)[0], t.ms))
         rows.append(row)
-    out, lse = merge_partials(q, partials, shape.head_dim_v)
+    out, lse = merge_partials(q, partials, shape.value_dim)
     del partials
     if dout is None:
         dout = torch.randn(out.shape, generator=g, device=device, dtype=shape.dtype)

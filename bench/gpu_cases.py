@@ -36,6 +36,7 @@ for _p in (str(ROOT), str(ROOT / "bench")):
 
 from mixes import lognormal_docs  # noqa: E402  (bench/mixes.py)
 from varlen_cp.masks import AttnMask  # noqa: E402
+from varlen_cp.shape import AttnShape  # noqa: E402
 
 BWD_FLOPS_FACTOR = 2.5
 TOKENS_PER_GPU = 8192
@@ -50,20 +51,21 @@ def masks(scale: float = 1.0) -> dict[str, AttnMask]:
     }
 
 
-@dataclass(frozen=True)
-class Shape:
-    """Heads, head dims and dtype of a benchmark."""
+Shape = AttnShape   # the library's one head-shape type
 
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    head_dim_v: int
-    dtype: torch.dtype
 
-    def describe(self) -> dict:
-        return {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads,
-                "head_dim": self.head_dim, "head_dim_v": self.head_dim_v,
-                "dtype": str(self.dtype).replace("torch.", "")}
+def make_shape(n_heads: int, n_kv_heads: int, head_dim: int, head_dim_v: int,
+               dtype: torch.dtype) -> AttnShape:
+    """A benchmark's heads, head dims and dtype (no softmax extras)."""
+    return AttnShape(n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                     head_dim_v=head_dim_v, dtype=dtype)
+
+
+def describe(shape: AttnShape) -> dict:
+    """The shape as the results' JSON records it."""
+    return {"n_heads": shape.n_heads, "n_kv_heads": shape.n_kv_heads,
+            "head_dim": shape.head_dim, "head_dim_v": shape.value_dim,
+            "dtype": str(shape.dtype).replace("torch.", "")}
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ def visible_pairs(lengths, mask: AttnMask) -> int:
 
 def mask_area_flops(pairs: int, shape: Shape) -> tuple[float, float]:
     """(forward, backward) FLOPs of ``pairs`` visible pairs per head over all query heads."""
-    fwd = 2.0 * (shape.head_dim + shape.head_dim_v) * pairs * shape.n_heads
+    fwd = 2.0 * (shape.head_dim + shape.value_dim) * pairs * shape.n_heads
     return fwd, BWD_FLOPS_FACTOR * fwd
 
 
@@ -123,8 +125,8 @@ def kernel_shape(dry_run: bool) -> Shape:
     # The dry run runs on Triton's CPU interpreter, which computes bf16 wrongly and fails
     # its atomics: fp16 there (docs/design.md); small heads and head dim keep it to seconds.
     if dry_run:
-        return Shape(1, 1, 32, 32, torch.float16)
-    return Shape(16, 16, 128, 128, torch.bfloat16)
+        return make_shape(1, 1, 32, 32, torch.float16)
+    return make_shape(16, 16, 128, 128, torch.bfloat16)
 
 
 def kernel_cases(dry_run: bool) -> list[KernelCase]:
@@ -147,8 +149,8 @@ def kernel_cases(dry_run: bool) -> list[KernelCase]:
 
 def replay_shape(dry_run: bool) -> Shape:
     if dry_run:
-        return Shape(2, 1, 32, 32, torch.float16)
-    return Shape(32, 8, 128, 128, torch.bfloat16)
+        return make_shape(2, 1, 32, 32, torch.float16)
+    return make_shape(32, 8, 128, 128, torch.bfloat16)
 
 
 # (strategy, layout), most important first: dispatch is the strategy built for local masks

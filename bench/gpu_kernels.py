@@ -63,7 +63,7 @@ def _ours(case: KernelCase, shape: Shape, device: torch.device, schedule: bool) 
     longest = max(case.lengths)
     kw = dict(case.mask.kernel_kwargs(), backend="triton")
     if schedule:
-        bm, bn = block_sizes_for("triton", device, shape.head_dim, shape.head_dim_v,
+        bm, bn = block_sizes_for("triton", device, shape.head_dim, shape.value_dim,
                                  dtype=shape.dtype)
         causal, wl, wr, chunk = case.mask.params
         kw["schedule"] = build_block_schedule(
@@ -89,7 +89,7 @@ def _ours_flash(case: KernelCase, shape: Shape, device: torch.device, backend: s
                                    "(the CP tables cut it; this op runs it on Triton)")
     try:
         got, why = resolve_flash(backend, device, shape.dtype, shape.head_dim,
-                                 shape.head_dim_v)
+                                 shape.value_dim)
     except ValueError as e:   # the backend is not there at all (package, kernel)
         return Backend(name, None, str(e)[:300])
     if got != backend:
@@ -214,7 +214,7 @@ def _inputs(case: KernelCase, shape: Shape, device: torch.device):
     def rnd(h, d):
         return torch.randn(t, h, d, device=device, dtype=shape.dtype, generator=g)
     return (rnd(shape.n_heads, shape.head_dim), rnd(shape.n_kv_heads, shape.head_dim),
-            rnd(shape.n_kv_heads, shape.head_dim_v), rnd(shape.n_heads, shape.head_dim_v))
+            rnd(shape.n_kv_heads, shape.value_dim), rnd(shape.n_heads, shape.value_dim))
 
 
 def _error(e: BaseException) -> str:

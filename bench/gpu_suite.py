@@ -115,9 +115,9 @@ def main(argv: list[str] | None = None) -> dict:
         from gpu_kernels import run_kernels, target_checks
         t0 = time.monotonic()
         shape, cases = gpu_cases.kernel_shape(args.dry_run), gpu_cases.kernel_cases(args.dry_run)
-        print(f"== kernels: {shape.describe()}, TFLOP/s of the mask area", flush=True)
+        print(f"== kernels: {gpu_cases.describe(shape)}, TFLOP/s of the mask area", flush=True)
         rows = run_kernels(cases, shape, device, budget("kernels"), args.dry_run)
-        result["kernels"] = {"shape": shape.describe(), "rows": rows,
+        result["kernels"] = {"shape": gpu_cases.describe(shape), "rows": rows,
                              "flops": "forward 2*(d+dv) per visible pair per head; "
                                       "backward 2.5x forward",
                              "targets": target_checks(rows, cases)}
@@ -128,8 +128,9 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.monotonic()
         shape = gpu_cases.replay_shape(args.dry_run)
         backends = _replay_backends(args.dry_run)
-        print(f"== CP-rank replay: {shape.describe()}, busiest rank, {backends}", flush=True)
-        result["replay"] = {"shape": shape.describe(), "backends": backends,
+        print(f"== CP-rank replay: {gpu_cases.describe(shape)}, busiest rank, {backends}",
+              flush=True)
+        result["replay"] = {"shape": gpu_cases.describe(shape), "backends": backends,
                             "results": run_replays(gpu_cases.replay_cases(args.dry_run),
                                                    shape, device, backends, budget("replay"),
                                                    args.dry_run, _replay_calls(args.dry_run))}

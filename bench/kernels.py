@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
         from gpu_kernels import run_kernels
         from gpu_timing import Budget
         shape, cases = gpu_cases.kernel_shape(False), gpu_cases.kernel_cases(False)
-        print(f"== CUDA {result['device']}: {shape.describe()}, TFLOP/s of the mask area")
+        print(f"== CUDA {result['device']}: {gpu_cases.describe(shape)}, TFLOP/s of the mask area")
         result["cuda"] = run_kernels(cases, shape, torch.device("cuda"),
                                      Budget.of("kernels", 1e9), dry_run=False)
     else:

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .triton_common import (
-    LOG2E, boundary_offset, boundary_tiles, check_schedule, device_arch, device_work_list,
+    LOG2E, boundary_offset, boundary_tiles, device_arch, device_work_list,
     kernel_constants, kernel_tiles, key_ranges, load_full_tile, load_positions, load_rows,
     query_ranges, resolve_blocks, segment_bounds, tile_may_see, tile_split, unit_last_stride,
     visible, work_item,
@@ -413,7 +413,6 @@ def triton_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     arch = device_arch(q.device)
     block_m, block_n = resolve_blocks(schedule, block_sizes, q.dtype, head_dim, head_dim_v,
                                       arch)
-    check_schedule(schedule, n_seg, max_seqlen_q, max_seqlen_k)
     q, k, v = (unit_last_stride(t) for t in (q, k, v))
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)

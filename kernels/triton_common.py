@@ -170,25 +170,6 @@ def resolve_blocks(schedule, block_sizes, dtype: torch.dtype, head_dim: int,
     return int(bm), int(bn)
 
 
-def check_schedule(schedule, n_seg: int, max_seqlen_q: int, max_seqlen_k: int) -> None:
-    """The tables must match this call's segments and block counts (shape metadata only)."""
-    if schedule is None:
-        return
-    want_kv = (n_seg, triton.cdiv(max(max_seqlen_q, 1), schedule.block_m), 2)
-    want_q = (n_seg, triton.cdiv(max(max_seqlen_k, 1), schedule.block_n), 2)
-    for name, want in (("kv_range", want_kv), ("kv_full", want_kv), ("q_range", want_q),
-                       ("q_full", want_q)):
-        table = getattr(schedule, name)
-        if table is not None and tuple(table.shape) != want:
-            side = "q" if name.startswith("kv") else "k"
-            raise ValueError(f"schedule.{name} has shape {tuple(table.shape)}, expected "
-                             f"{want} for these cu_seqlens_{side} / max_seqlen_{side}")
-    for name in ("q_tiles", "k_tiles"):
-        if getattr(schedule, name) is None:
-            raise ValueError(f"schedule.{name} is missing: build the schedule's tables on "
-                             f"the host (BlockSchedule makes them from host ranges)")
-
-
 def device_work_list(cu: torch.Tensor, block: int, n_blocks: int, total: int) -> torch.Tensor:
     """int32 work list ``segment * n_blocks + block`` of every block holding rows, built
     with device ops of known sizes (no sync), padded with -1 to a host-known length.

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .triton_common import (
-    LOG2E, boundary_offset, boundary_tiles, check_schedule, device_arch, device_work_list,
+    LOG2E, boundary_offset, boundary_tiles, device_arch, device_work_list,
     kernel_constants, kernel_tiles, key_ranges, load_full_tile, load_positions, load_rows,
     resolve_blocks, segment_bounds, tile_may_see, tile_split, unit_last_stride, visible,
     work_item,
@@ -204,7 +204,6 @@ def triton_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqle
     arch = device_arch(q.device)
     block_m, block_n = resolve_blocks(schedule, block_sizes, q.dtype, head_dim, head_dim_v,
                                       arch)
-    check_schedule(schedule, n_seg, max_seqlen_q, max_seqlen_k)
     q, k, v = (unit_last_stride(t) for t in (q, k, v))
     out = torch.zeros(total_q, n_heads, head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.full((n_heads, total_q), float("-inf"), dtype=torch.float32, device=q.device)

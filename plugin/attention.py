@@ -46,18 +46,15 @@ import torch
 from torch import nn
 
 from .checks import check_bool
-from .config import AttnShape
-from .cp_call import (check_flags, check_heads, check_options, check_scale, flash_route,
-                      prepare_call, run_eager, strategy_for)
+from .cp_call import check_flags, check_scale, check_types, prepare_call, run_eager
 from .graph_op import graph_call
-from .kernels import block_sizes_for
 from .kernels.sink import SOFTMAX_TYPES, apply_softmax_sink
 from .masks import AttnMask
 from .options import AttnOptions
 from .plan import CPPlan
 from .plan.collective import check_group_type
-from .schedules.auto import choose_strategy
-from .schedules.shape import make_shape
+from .resolve import resolve
+from .shape import AttnShape
 
 DEFAULT_OPTIONS = AttnOptions()  # one shared instance: the common call builds nothing
 
@@ -65,7 +62,12 @@ DEFAULT_OPTIONS = AttnOptions()  # one shared instance: the common call builds n
 def resolve_options(options: Any) -> AttnOptions:
     """The call's ``AttnOptions``: ``options``, or the defaults for None (ValueError for
     anything else: the options are given one way)."""
-    return DEFAULT_OPTIONS if options is None else check_options(options)
+    if options is None:
+        return DEFAULT_OPTIONS
+    if not isinstance(options, AttnOptions):
+        raise ValueError(f"options must be a varlen_cp.AttnOptions, got "
+                         f"{type(options).__name__}")
+    return options
 
 
 def _results(out: torch.Tensor, lse: torch.Tensor, max_logit: torch.Tensor | None,
@@ -86,42 +88,26 @@ def _check_device(device: Any) -> torch.device:
                          f"{device!r} ({e})") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {device} requested, but CUDA is not available")
+    if device.type == "cuda" and device.index is None:
+        # the index a tensor on it reports, so the call's resolution key matches
+        device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
-def prepare_attention(plan: CPPlan, mask: AttnMask, options: AttnOptions, shape: Any,
+def prepare_attention(plan: CPPlan, mask: AttnMask, options: AttnOptions, shape: AttnShape,
                       device: torch.device) -> str:
-    """Build and cache in ``plan`` every table ``cp_varlen_attn(..., mask, options=options)``
-    will need for inputs of ``shape`` (``varlen_cp.config.AttnShape``) on ``device``;
-    returns the strategy that will run (``auto`` resolved; "p2p" at cp 1). Host work and
-    non-blocking copies only (see ``varlen_cp.prepare``)."""
-    check_options(options)
-    if not isinstance(plan, CPPlan):
-        raise ValueError(f"plan must be a varlen_cp.CPPlan, got {type(plan).__name__}")
-    if not isinstance(mask, AttnMask):
-        raise ValueError(f"mask must be a varlen_cp.AttnMask, got {type(mask).__name__}")
+    """Resolve (``varlen_cp.resolve``) and build, cached in ``plan``, every table
+    ``cp_varlen_attn(..., mask, options=options)`` will need for inputs of ``shape``
+    (``varlen_cp.AttnShape``) on ``device``; returns the strategy that will run (``auto``
+    resolved; the configured name at cp 1). Host work and non-blocking copies only (see
+    ``varlen_cp.prepare``)."""
+    check_types(plan, mask, options)
     if not isinstance(shape, AttnShape):
-        raise ValueError(f"shape must be a varlen_cp.config.AttnShape, got "
-                         f"{type(shape).__name__}")
+        raise ValueError(f"shape must be a varlen_cp.AttnShape, got {type(shape).__name__}")
     device = _check_device(device)
-    # the call's own rule, so a bad option fails ahead of the step
-    check_heads(options, shape.n_heads, shape.n_kv_heads, plan.cp_size)
-    block = tuple(block_sizes_for(options.backend, device, shape.head_dim, shape.value_dim,
-                                  dtype=shape.dtype))
-    cost_shape = make_shape(shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.value_dim,
-                            shape.dtype.itemsize)
-    strategy = options.strategy
-    if strategy == "auto" and plan.cp_size > 1:
-        strategy = choose_strategy(plan, mask, n_heads=shape.n_heads,
-                                   n_kv_heads=shape.n_kv_heads, head_dim=shape.head_dim,
-                                   head_dim_v=shape.value_dim,
-                                   dtype_bytes=shape.dtype.itemsize)
-    chosen = strategy_for(plan, strategy)
-    route = flash_route(options.backend, device, shape.dtype, shape.n_heads, shape.n_kv_heads,
-                        shape.head_dim, shape.value_dim, shape.lse_grad, shape.row_max)
-    chosen.prepare(plan, mask, block, device, cost_shape, options.a2a_size,
-                   options.overlap_stages if chosen.staged else None, route)
-    return "p2p" if strategy == "auto" else strategy
+    res = resolve(plan, mask, options, shape, device)
+    res.strategy.build_tables(plan, mask, res, device)
+    return res.name
 
 
 # ------------------------------------------------------------------------------ the op
@@ -157,15 +143,15 @@ def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPl
     A tuple when more than one.
     """
     options = resolve_options(options)
+    check_types(plan, mask, options)
+    check_flags(return_lse, return_max_logit, softmax_type, sink, q.shape[1], q.device)
+    need_lse = return_lse or softmax_type != "vanilla"  # a sink rescales by the merged LSE
     if torch.compiler.is_compiling():  # one opaque custom op: no break, no recompile
-        check_flags(return_lse, return_max_logit, softmax_type, sink, q.shape[1], q.device)
-        # The sink rescales by the merged LSE, so the op must hand it back.
-        need_lse = return_lse or softmax_type != "vanilla"
         out, lse, max_logit = graph_call(q, k, v, plan, mask, group, options, softmax_scale,
                                          need_lse, return_max_logit)
     else:
         chosen, spec = prepare_call(q, k, v, plan, mask, group, options, softmax_scale,
-                                    return_lse, return_max_logit, softmax_type, sink)
+                                    need_lse, return_max_logit)
         out, lse, max_logit = run_eager(q, k, v, chosen, spec)
     out, lse = apply_softmax_sink(out, lse, softmax_type, sink)
     return _results(out, lse, max_logit, return_lse)

@@ -20,14 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from .checks import check_bool, check_choice, check_int
+from .checks import check_bool, check_choice
 from .kernels.flash import FLASH_IMPLS
 from .kernels.sink import SOFTMAX_TYPES
 from .kernels.validation import BACKENDS
 from .options import STAGED_STRATEGIES, STRATEGY_NAMES, AttnOptions
 from .plan.layout_spec import LAYOUTS, LayoutSpec, layout_spec
+from .shape import AttnShape
 
 __all__ = ["CPConfig", "AttnShape", "AttnOptions", "LAYOUTS", "STRATEGY_NAMES",
            "STAGED_STRATEGIES", "BACKENDS", "SOFTMAX_TYPES"]
@@ -119,35 +118,3 @@ class CPConfig:
         if self.layout == "balanced":
             options["masks"] = masks
         return layout_spec(self.layout, **options)
-
-@dataclass(frozen=True, kw_only=True)
-class AttnShape:
-    """Head counts, head dims and dtype of a model's attention (what tile sizes and the
-    ``auto`` cost model depend on), and the softmax extras its layers use, which decide
-    which calls FlashAttention may take: ``lse_grad`` (attention sinks, or a returned
-    LSE: FA2 / FA3 cannot take its gradient) and ``row_max`` (QK-clip's max logit)."""
-
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    head_dim_v: int | None = None
-    dtype: torch.dtype = torch.bfloat16
-    lse_grad: bool = False
-    row_max: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("n_heads", "n_kv_heads", "head_dim"):
-            check_int(f"AttnShape.{name}", getattr(self, name), 1)
-        check_int("AttnShape.head_dim_v", self.head_dim_v, 1, optional=True)
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"AttnShape: n_heads={self.n_heads} must be a multiple of "
-                             f"n_kv_heads={self.n_kv_heads}")
-        check_bool("AttnShape.lse_grad", self.lse_grad)
-        check_bool("AttnShape.row_max", self.row_max)
-        if self.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(f"AttnShape.dtype must be torch.float16, bfloat16 or float32, "
-                             f"got {self.dtype!r}")
-
-    @property
-    def value_dim(self) -> int:
-        return self.head_dim if self.head_dim_v is None else self.head_dim_v

@@ -1,11 +1,14 @@
-"""One context-parallel attention call: its checks, and the call itself, in two forms.
+"""One context-parallel attention call: its per-call checks, and the call itself, in two
+forms.
 
-``prepare_call`` runs every check of ``cp_varlen_attn`` that involves the plan, the group or
-the tensors (local token counts, GQA, the strategy's head rules, the plan agreement), picks
-the strategy ("auto" from the plan's costs) and returns it with the call's ``CallSpec``,
-all before any communication. The options themselves (``varlen_cp.AttnOptions``) were
-checked when they were built; :func:`check_heads` is their one rule that needs the head
-counts and cp. Then either:
+``prepare_call`` checks what only the call's tensors can tell (shapes, dtypes, devices,
+GQA, the local token count against the plan; the scale, the group), reads the call's
+``AttnShape`` off them and looks its resolution up (``varlen_cp.resolve.resolve``: strategy,
+backend, tiles, FlashAttention route, stages; computed ahead of the step by
+``prepare_plan``, or here at the first call of a plan), all before any communication; the
+plan agreement (``options.validate``) follows. Its arguments' types (``CPPlan``,
+``AttnMask``, ``AttnOptions``) were checked at the public entry (``cp_varlen_attn``) and
+their fields when they were built. Then either:
 - ``run_eager``: the strategy's autograd.Function, as every eager call has run it;
 - ``varlen_cp.graph_op``: the same Function's forward and backward inside ONE opaque custom
   op, which is what torch.compile sees (no plan, group or table ever reaches a graph).
@@ -22,19 +25,15 @@ import torch
 import torch.distributed as dist
 
 from .checks import check_bool
-from .kernels import block_sizes_for
-from .kernels.api import resolve_backend
 from .kernels.sink import check_softmax_args
-from .kernels.flash import resolve_flash
 from .kernels.validation import check_qkv
 from .masks import AttnMask
 from .options import AttnOptions
 from .plan import CPPlan
 from .plan.agreement import agree_on_plan
-from .plan.collective import check_group_type
-from .schedules.auto import choose_strategy
-from .schedules.flash_form import FlashRoute
-from .strategies import LOCAL, CallSpec, Strategy, get_strategy
+from .resolve import check_group, resolve
+from .shape import AttnShape
+from .strategies import CallSpec, Strategy
 from .strategies.calls import Attn
 
 
@@ -56,76 +55,6 @@ def check_scale(softmax_scale: Any) -> None:
                          f"got {softmax_scale!r}")
 
 
-def check_options(options: Any) -> AttnOptions:
-    """``options`` if it is a ``varlen_cp.AttnOptions`` (whose fields it checked itself)."""
-    if not isinstance(options, AttnOptions):
-        raise ValueError(f"options must be a varlen_cp.AttnOptions, got "
-                         f"{type(options).__name__}")
-    return options
-
-
-def check_heads(options: AttnOptions, n_heads: int, n_kv_heads: int, cp_size: int) -> None:
-    """The strategy's head rule for these options (the Ulysses split of "a2a", and an
-    ``a2a_size`` that divides cp and splits the heads for "a2a+p2p"): ValueError
-    otherwise. "auto" only considers strategies that fit. Run at every cp, so cp=1
-    debugging catches a rule that cp>1 would break."""
-    if options.strategy != "auto":
-        get_strategy(options.strategy).check_heads(n_heads, n_kv_heads, cp_size,
-                                                   options.a2a_size)
-
-
-def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any,
-                 mask: Any) -> None:
-    """Local q/k/v against each other (the kernels' own ``check_qkv``: shapes, dtypes,
-    devices, GQA, head dims) and against the plan (local token counts)."""
-    if not isinstance(plan, CPPlan):
-        raise ValueError(f"plan must be a varlen_cp.CPPlan, got {type(plan).__name__}")
-    if not isinstance(mask, AttnMask):
-        raise ValueError(f"mask must be a varlen_cp.AttnMask, got {type(mask).__name__}")
-    check_qkv(q, k, v)
-    n_local = plan.num_tokens_of(plan.cp_rank)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.shape[0] != n_local:
-            raise ValueError(f"{name} has {t.shape[0]} local tokens, but the plan gives "
-                             f"rank {plan.cp_rank} {n_local} tokens")
-
-
-def resolve_group(group: Any, plan: CPPlan) -> Any:
-    """The CP process group (``group``, else the default group) after checking that it is
-    one, that its size is the plan's cp_size and that this process is the plan's rank."""
-    check_group_type(group)
-    if plan.cp_size == 1 and group is None:
-        return None
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(f"group: torch.distributed is not initialized, but the plan has "
-                         f"cp_size={plan.cp_size} > 1")
-    group = dist.group.WORLD if group is None else group
-    size = dist.get_world_size(group)
-    if size != plan.cp_size:
-        raise ValueError(f"group: size {size} differs from the plan's cp_size={plan.cp_size}")
-    rank = dist.get_rank(group)
-    if rank != plan.cp_rank:
-        raise ValueError(f"plan: built for cp_rank={plan.cp_rank}, but this process is rank "
-                         f"{rank} of the group")
-    return group
-
-
-def flash_route(backend: str, device: torch.device, dtype: torch.dtype, n_heads: int,
-                n_kv_heads: int, head_dim: int, head_dim_v: int, need_lse: bool,
-                need_max: bool) -> FlashRoute | None:
-    """The FlashAttention-class backend of a layer's calls (``kernels.flash.resolve_flash``)
-    and the row sizes its tables weigh gathers with; None: our kernels only. The same
-    resolution ahead of the step (``prepare_attention``) and per call."""
-    name, _ = resolve_flash(backend, device, dtype, head_dim, head_dim_v, need_lse, need_max)
-    if name is None:
-        return None
-    return FlashRoute.of(name, dtype, n_heads, n_kv_heads, head_dim, head_dim_v)
-
-
-def strategy_for(plan: CPPlan, strategy: str) -> Strategy:
-    return LOCAL if plan.cp_size == 1 else get_strategy(strategy)
-
-
 # ------------------------------------------------------------------------------ the call
 def check_flags(return_lse: Any, return_max_logit: Any, softmax_type: Any, sink: Any,
                 n_heads: int, device: torch.device) -> None:
@@ -135,36 +64,40 @@ def check_flags(return_lse: Any, return_max_logit: Any, softmax_type: Any, sink:
     check_softmax_args(softmax_type, sink, n_heads, device)
 
 
-def prepare_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any, mask: Any,
-                 group: Any, options: AttnOptions, softmax_scale: Any, return_lse: bool,
-                 need_max: bool, softmax_type: str = "vanilla", sink: Any = None
-                 ) -> tuple[Strategy, CallSpec]:
-    """Every check of the call (ValueError, before any communication), the plan agreement
-    (``options.validate``), and the strategy that will run with its spec. The strategy
-    returns the LSE when ``return_lse`` or a sink needs it."""
-    check_options(options)
-    check_inputs(q, k, v, plan, mask)
+def check_types(plan: Any, mask: Any, options: Any) -> None:
+    """The public entry's check of the call's description objects (their fields were
+    checked when they were built)."""
+    if not isinstance(plan, CPPlan):
+        raise ValueError(f"plan must be a varlen_cp.CPPlan, got {type(plan).__name__}")
+    if not isinstance(mask, AttnMask):
+        raise ValueError(f"mask must be a varlen_cp.AttnMask, got {type(mask).__name__}")
+    if not isinstance(options, AttnOptions):
+        raise ValueError(f"options must be a varlen_cp.AttnOptions, got "
+                         f"{type(options).__name__}")
+
+
+def prepare_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan,
+                 mask: AttnMask, group: Any, options: AttnOptions, softmax_scale: Any,
+                 need_lse: bool, need_max: bool) -> tuple[Strategy, CallSpec]:
+    """The per-call checks (module docstring; ValueError, before any communication), the
+    call's resolution, the plan agreement (``options.validate``), and the strategy that
+    will run with its spec. ``need_lse``: the caller wants the LSE (returned, or for a
+    sink's rescaling), which is also its gradient's input."""
+    check_qkv(q, k, v)
+    n_local = plan.num_tokens_of(plan.cp_rank)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[0] != n_local:
+            raise ValueError(f"{name} has {t.shape[0]} local tokens, but the plan gives "
+                             f"rank {plan.cp_rank} {n_local} tokens")
     check_scale(softmax_scale)
-    check_flags(return_lse, need_max, softmax_type, sink, q.shape[1], q.device)
-    need_lse = return_lse or softmax_type != "vanilla"
-    backend = resolve_backend(options.backend, q.device)
-    block = tuple(block_sizes_for(backend, q.device, q.shape[2], v.shape[2], dtype=q.dtype))
-    group = resolve_group(group, plan)
-    check_heads(options, q.shape[1], k.shape[1], plan.cp_size)
-    strategy = options.strategy
-    if plan.cp_size > 1:
-        if strategy == "auto":  # closed-form costs, cached in the plan per (mask, shapes)
-            strategy = choose_strategy(plan, mask, n_heads=q.shape[1], n_kv_heads=k.shape[1],
-                                       head_dim=q.shape[2], head_dim_v=v.shape[2],
-                                       dtype_bytes=q.element_size())
-        if options.validate:  # on the host, and a no-op when the step's sharding checked it
-            agree_on_plan(plan, group)
+    res = resolve(plan, mask, options, AttnShape.of(q, k, v, lse_grad=need_lse,
+                                                    row_max=need_max), q.device)
+    group = check_group(group, plan)
+    if plan.cp_size > 1 and options.validate:
+        agree_on_plan(plan, group)  # on the host; a no-op when the step's sharding did it
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-    route = flash_route(options.backend, q.device, q.dtype, q.shape[1], k.shape[1],
-                        q.shape[2], v.shape[2], need_lse, need_max)
-    spec = CallSpec(plan, Attn(mask, scale, backend), group, block, need_lse, need_max,
-                    options, route)
-    return strategy_for(plan, strategy), spec
+    return res.strategy, CallSpec(plan, Attn(mask, scale, res.backend), group, res, need_lse,
+                                  need_max)
 
 
 def global_max(max_part: torch.Tensor | None, n_heads: int, device: torch.device,

@@ -8,9 +8,10 @@ op ``varlen_cp::cp_attention`` with a fake implementation (output shapes from q,
 alone) and a registered autograd formula whose backward is ``varlen_cp::cp_attention_bwd``.
 What the graph sees: q, k, v, the plan's ``handle`` (a 1-element CPU int64 tensor that names
 the plan in a weak registry, ``CPPlan.handle``: a graph input like any tensor, so a new
-plan is new data, never a guard or a constant) and the call's constants (the mask's and the
-``AttnOptions``' fields, scale, flags, group name). At run time the op looks the plan up, runs
-every check of the eager call (``cp_call.prepare_call``, before any communication) and the
+plan is new data, never a guard or a constant) and the call's constants (the
+``AttnOptions``' key, the mask's fields, scale, flags, group name). At run time the op looks
+the plan and the options up, runs the eager call's per-call checks and resolution
+(``cp_call.prepare_call``, before any communication) and the
 strategy's own autograd.Function ``forward`` with a stand-in ctx; the max logit's
 all-reduce runs inside too. The sink (``apply_softmax_sink``) is plain differentiable
 tensor math outside the op, traced by dynamo.
@@ -101,10 +102,9 @@ def _own(t: torch.Tensor, others: list[torch.Tensor]) -> torch.Tensor:
 # ------------------------------------------------------------------------------ the op
 @torch.library.custom_op("varlen_cp::cp_attention", mutates_args=())
 def _cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: torch.Tensor,
-                  strategy: str, causal: bool, window_left: int, window_right: int,
-                  chunk_size: int, softmax_scale: Optional[float], backend: str,
-                  validate: bool, need_lse: bool, need_max: bool, a2a_size: Optional[int],
-                  overlap_stages: Optional[int], group_name: str, save: bool
+                  options_key: int, causal: bool, window_left: int, window_right: int,
+                  chunk_size: int, softmax_scale: Optional[float], need_lse: bool,
+                  need_max: bool, group_name: str, save: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = plan_of_handle(handle)
     group = None
@@ -113,8 +113,7 @@ def _cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: tor
         group = _resolve_process_group(group_name)
     mask = AttnMask(causal=causal, window_size=(window_left, window_right),
                     chunk_size=chunk_size or None)
-    options = AttnOptions(strategy=strategy, backend=backend, validate=validate,
-                          a2a_size=a2a_size, overlap_stages=overlap_stages)
+    options = AttnOptions.of_key(options_key)
     chosen, spec = prepare_call(q, k, v, plan, mask, group, options, softmax_scale, need_lse,
                                 need_max)
     # (the sink, if any, was checked while tracing and is applied outside the op)
@@ -140,8 +139,8 @@ def _cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: tor
 
 
 @_cp_attention.register_fake
-def _(q, k, v, handle, strategy, causal, window_left, window_right, chunk_size, softmax_scale,
-      backend, validate, need_lse, need_max, a2a_size, overlap_stages, group_name, save):
+def _(q, k, v, handle, options_key, causal, window_left, window_right, chunk_size,
+      softmax_scale, need_lse, need_max, group_name, save):
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     lse = q.new_empty(q.shape[1], q.shape[0] if need_lse else 0, dtype=torch.float32)
     max_logit = q.new_empty(q.shape[1] if need_max else 0, dtype=torch.float32)
@@ -192,7 +191,7 @@ def _backward(ctx, dout, dlse, _dmax, _dtoken):
         dlse = None
     dq, dk, dv = _cp_attention_bwd(dout, None if dlse is None else dlse.contiguous(), q, k,
                                    v, out, lse, token)
-    return (dq, dk, dv) + (None,) * 15
+    return (dq, dk, dv) + (None,) * 11
 
 
 _cp_attention.register_autograd(_backward, setup_context=_setup_context)
@@ -203,14 +202,12 @@ def graph_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any, mas
                group: Any, options: AttnOptions, softmax_scale: Any, need_lse: bool,
                need_max: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(out, lse, global max logit or None) of one CP call as the custom op; what dynamo
-    traces here reads only the plan's handle, the mask's and the options' fields and the
-    group's name (the op rebuilds the options from their fields)."""
+    traces here reads only the plan's handle, the options' key, the mask's fields and the
+    group's name (the op looks the options up by their key)."""
     save = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                         or v.requires_grad)
     causal, window_left, window_right, chunk_size = mask.params
     out, lse, max_logit, _token = _cp_attention(
-        q, k, v, plan.handle, options.strategy, causal, window_left, window_right, chunk_size,
-        softmax_scale, options.backend, options.validate, need_lse, need_max,
-        options.a2a_size, options.overlap_stages, "" if group is None else group.group_name,
-        save)
+        q, k, v, plan.handle, options.key, causal, window_left, window_right, chunk_size,
+        softmax_scale, need_lse, need_max, "" if group is None else group.group_name, save)
     return out, lse, (max_logit if need_max else None)

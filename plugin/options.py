@@ -7,7 +7,8 @@ strategies' ``CallSpec``. Everything that can be said about them without the ten
 checked here, in ``__post_init__``, so the layers below take the object as given; the
 rules that need the head counts and cp (the Ulysses head split, an ``a2a_size`` that
 divides cp) are the strategies' own (``Strategy.check_heads``, called through
-``varlen_cp.cp_call.check_heads``).
+``varlen_cp.resolve.check_heads``). Under torch.compile the options cross the custom op as
+their ``key`` (an int; ``AttnOptions.of_key`` gives the object back), not taken apart.
 
 Which strategy takes which option is :data:`TAKES`, read by :class:`AttnOptions` and by
 megatron's per-layer strategy lists (:func:`check_taken`). The strategy names and which
@@ -98,3 +99,29 @@ class AttnOptions:
         check_bool("validate", self.validate)
         for option in TAKES:
             check_taken(option, getattr(self, option), (self.strategy,))
+        # The compiled op's handle on these options (a plain int the graph can carry):
+        # equal options share one, and ``of_key`` gives the object back whole.
+        key = _KEYS.setdefault(self, len(_KEYS))
+        if key == len(_BY_KEY):
+            _BY_KEY.append(self)
+        object.__setattr__(self, "key", key)
+
+    def __reduce__(self):
+        # rebuilt through __init__ in another process, so it gets that process's key
+        return (_rebuild, (self.strategy, self.backend, self.validate, self.a2a_size,
+                           self.overlap_stages))
+
+    @staticmethod
+    def of_key(key: int) -> "AttnOptions":
+        """The options whose ``key`` is ``key`` (made in this process)."""
+        return _BY_KEY[key]
+
+
+_KEYS: dict[AttnOptions, int] = {}
+_BY_KEY: list[AttnOptions] = []
+
+
+def _rebuild(strategy: str, backend: str, validate: bool, a2a_size: int | None,
+             overlap_stages: int | None) -> AttnOptions:
+    return AttnOptions(strategy=strategy, backend=backend, validate=validate,
+                       a2a_size=a2a_size, overlap_stages=overlap_stages)

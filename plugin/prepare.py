@@ -26,7 +26,6 @@ import torch
 from .checks import check_bool, check_int
 from .config import AttnShape, CPConfig
 from .host_memory import keep_freed_host_memory
-from .cp_call import check_options
 from .masks import AttnMask
 from .options import AttnOptions
 from .plan import CPPlan
@@ -45,7 +44,9 @@ def build_plan(cu_seqlens: torch.Tensor, config: CPConfig, *, cp_size: int, cp_r
     layout balances one by one (others ignore them)."""
     if not isinstance(config, CPConfig):
         raise ValueError(f"config must be a varlen_cp.CPConfig, got {type(config).__name__}")
-    masks = None if layer_masks is None else normalize_masks(list(layer_masks))
+    masks = None if layer_masks is None else list(layer_masks)
+    if masks is not None and config.layout != "balanced":
+        normalize_masks(masks)  # checked only: balanced's spec checks (and keeps) its own
     return CPPlan.build(cu_seqlens, cp_size=cp_size, cp_rank=cp_rank,
                         layout=config.layout_spec(masks))
 
@@ -69,7 +70,7 @@ def prepare_plan(plan: CPPlan, config: CPConfig, layer_masks: LayerMasks, shape:
         raise ValueError(f"options must have one entry per mask ({len(masks)}), got "
                          f"{len(options)}")
     for mask, opts in zip(masks, options):
-        prepare_attention(plan, mask, check_options(opts), shape, device)
+        prepare_attention(plan, mask, opts, shape, device)
     return plan
 
 

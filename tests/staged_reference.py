@@ -33,7 +33,7 @@ from varlen_cp.schedules.cost_model import CostModel
 from varlen_cp.schedules.holders import KernelCall, holder_from_counts, kernel_call, rank_holder
 from varlen_cp.schedules.rounds import UniqueRounds, rank_within
 from varlen_cp.schedules.selected import fetch_counts, pair_counts, select_keys, sent_keys
-from varlen_cp.schedules.shape import Shape
+from varlen_cp.shape import AttnShape
 from varlen_cp.schedules.staged import (CANDIDATE_STAGES, Stage, StagedMemory, StagedTables,
                                         StagedTime, dispatch_stage_counts, gather_stage_counts,
                                         gather_stage_rows, stage_counts, transfers)
@@ -158,9 +158,9 @@ def staged_tables(name: str, plan: CPPlan, mask: AttnMask, rank: int,
 
 
 # ---- the time model and memory walk as torch ops, one stage count at a time ---------------
-def _flops_per_pair(shape: Shape) -> tuple[float, float]:
+def _flops_per_pair(shape: AttnShape) -> tuple[float, float]:
     """(forward, backward) FLOPs per visible pair, all query heads (as ``auto``)."""
-    d, dv = shape.head_dim, shape.head_dim_v
+    d, dv = shape.head_dim, shape.value_dim
     return 2.0 * (d + dv) * shape.n_heads, (6.0 * d + 4.0 * dv) * shape.n_heads
 
 
@@ -171,7 +171,7 @@ def _fs(seconds: float) -> int:
     return round(seconds * _FS)
 
 
-def staged_time(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: Any,
+def staged_time(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape, model: Any,
                 stages: int) -> StagedTime:
     """Estimate of ``name`` with ``stages`` stages (module docstring); ``model``: a
     ``varlen_cp.schedules.auto.CostModel``. Integer tables; the per-rank pipeline in
@@ -204,7 +204,7 @@ def staged_time(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: An
         return StagedTime(1, fwd, bwd, compute, comm, bound)
     offsets = plan.rank_offsets()
     tokens = offsets[1:] - offsets[:-1]
-    elems_o = tokens * (shape.n_heads * shape.head_dim_v)
+    elems_o = tokens * (shape.n_heads * shape.value_dim)
     elems_q = tokens * (shape.n_heads * shape.head_dim)
     up = (b + 4) if b != 4 else 0          # a conversion to fp32 and back, per element
     folds = (pairs > 0).any(0)             # 2+ partials on this rank
@@ -236,7 +236,7 @@ def staged_time(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: An
     return StagedTime(n_parts + 1, fwd, bwd, compute, comm, bound)
 
 
-def default_stages(plan: CPPlan, mask: AttnMask, name: str, shape: Shape,
+def default_stages(plan: CPPlan, mask: AttnMask, name: str, shape: AttnShape,
                    model: Any = None) -> int:
     """The S in CANDIDATE_STAGES with the least ``staged_time`` (the fewest among those
     within 1% of it) among those whose peak memory (``staged_memory``, max over ranks) is
@@ -405,7 +405,7 @@ def _backward_walk(w: _Walk, have: torch.Tensor) -> torch.Tensor:
     return live.peak
 
 
-def staged_memory(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, stages: int
+def staged_memory(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape, stages: int
                   ) -> StagedMemory:
     """Host count of the buffers ``selected_keys``' engine allocates, walked in its program
     order (its allocations and frees, mirrored one by one), every rank at once (int64
@@ -419,7 +419,7 @@ def staged_memory(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, stages:
     one = stages == 1 and counts.shape[0] > 0      # one call over local and fetched keys
     own = fetch_counts(plan, mask).diagonal()
     offsets = plan.rank_offsets()
-    o, g = shape.n_heads * shape.head_dim_v, shape.n_heads * shape.head_dim
+    o, g = shape.n_heads * shape.value_dim, shape.n_heads * shape.head_dim
     w = _Walk(name, plan.cp_size, offsets[1:] - offsets[:-1], counts.sum(2), counts.sum(1),
               own, counts.sum(2) + (own if one else 0),
               (pair_counts(plan, mask).diagonal() > 0) & (not one), one,

@@ -17,6 +17,7 @@ from varlen_cp.cli import jobs, lengths, loss_curve, plan, plots
 from varlen_cp.config import CPConfig
 from varlen_cp.prepare import build_plan
 from varlen_cp.schedules.auto import choose_strategy
+from varlen_cp.shape import AttnShape
 from varlen_cp.schedules.selected import fetched_tokens
 
 REPO = Path(__file__).resolve().parent.parent
@@ -112,7 +113,7 @@ def test_lengths_file_with_flags(capsys, tmp_path, one_thread):
         check_batch_against_plan(batch, cu, 4, config, masks, kv_row, out if i == 0 else None)
     p0 = build_plan(cus[0], config, cp_size=4, cp_rank=0, layer_masks=masks)
     for layer, (mask, _) in zip(rep["batches"][0]["layers"], masks):
-        pick = choose_strategy(p0, mask, n_heads=16, n_kv_heads=4, head_dim=64)
+        pick = choose_strategy(p0, mask, AttnShape(n_heads=16, n_kv_heads=4, head_dim=64))
         assert layer["strategy"] == layer["auto_pick"] == pick
         assert f"{layer['label']} -> {pick}" in out
     # per-rank table of batch 0: one row per rank, tokens first

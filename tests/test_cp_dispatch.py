@@ -16,11 +16,13 @@ from tests.helpers import MASKS, cu, small_plan
 from varlen_cp.masks import AttnMask
 from varlen_cp.plan import CPPlan
 from varlen_cp.schedules import selected
+from varlen_cp.shape import AttnShape
 from varlen_cp.strategies import get_strategy
 
 dispatch = get_strategy("dispatch")
 
 LAYOUTS = ("dual_chunk", "te", "balanced", "contiguous")
+ONE_HEAD = AttnShape(n_heads=1, n_kv_heads=1, head_dim=1)  # pairs do not depend on heads
 
 
 def _plan(docs, cp, rank, layout, mask=None):
@@ -50,7 +52,7 @@ def test_needed_keys_are_exactly_the_visible_ones(one_thread):
     """Per rank: the needed keys (local and fetched), in (doc, position) order, with
     owners and rows that point at those very tokens; bytes = the plan's needed ranges."""
     docs = [300, 17, 1, 90, 0, 5, 411]
-    kw = dict(head_dim=64, head_dim_v=32, n_kv_heads=2, n_heads=4, dtype_bytes=2)
+    shape = AttnShape(n_heads=4, n_kv_heads=2, head_dim=64, head_dim_v=32)
     row = 2 * (64 + 32) * 2
     for layout in LAYOUTS:
         for cp in (2, 3, 4):
@@ -72,7 +74,7 @@ def test_needed_keys_are_exactly_the_visible_ones(one_thread):
                     fetched.append(int(remote.sum()))
                     for s in n.owner[remote].tolist():
                         sent_to[s] += 1
-                got = dispatch.bytes_sent_per_rank(plan, mask, **kw)
+                got = dispatch.bytes_sent_per_rank(plan, mask, shape)
                 assert got == {"fwd": [s * row for s in sent_to],
                                "bwd": [f * row for f in fetched]}, (layout, cp, mname)
 
@@ -82,11 +84,11 @@ def test_dispatch_never_sends_more_than_all_gather_and_local_masks_send_little(o
     the 7 keys before its slice, and nothing else."""
     plan = CPPlan.build(cu([400]), cp_size=4, cp_rank=0, layout="contiguous")
     mask = AttnMask(causal=True, window_size=(7, 0))
-    kw = dict(head_dim=128, head_dim_v=128, n_kv_heads=2, n_heads=8, dtype_bytes=2)
+    shape = AttnShape(n_heads=8, n_kv_heads=2, head_dim=128, head_dim_v=128)
     row = 2 * 256 * 2
-    got = dispatch.bytes_sent_per_rank(plan, mask, **kw)
+    got = dispatch.bytes_sent_per_rank(plan, mask, shape)
     assert got == {"fwd": [7 * row] * 3 + [0], "bwd": [0] + [7 * row] * 3}
-    ag = get_strategy("all_gather").bytes_sent_per_rank(plan, mask, **kw)
+    ag = get_strategy("all_gather").bytes_sent_per_rank(plan, mask, shape)
     assert all(a <= b for a, b in zip(got["fwd"], ag["fwd"]))
 
 
@@ -96,7 +98,7 @@ def test_compute_counts_every_visible_pair_once(one_thread):
         for cp in (2, 3):
             for mask in MASKS.values():
                 plan = _plan(docs, cp, 0, layout, mask)
-                c = dispatch.compute_per_rank(plan, mask, block=(64, 64))
+                c = dispatch.compute_per_rank(plan, mask, ONE_HEAD, block=(64, 64))
                 assert c["visible"] == [float(plan.work_of(r, mask)) for r in range(cp)]
                 assert all(a >= b for a, b in zip(c["visited"], c["visible"]))
 
@@ -112,7 +114,8 @@ def test_auto_picks_dispatch_for_local_masks_on_short_documents(one_thread):
         for layout in ("balanced", "dual_chunk"):
             plan = _plan(SHORT, 4, 0, layout, mask) if layout == "balanced" else \
                 CPPlan.build(cu(SHORT), cp_size=4, cp_rank=0, layout=layout)
-            got = choose_strategy(plan, mask, n_heads=32, n_kv_heads=8, head_dim=128)
+            got = choose_strategy(plan, mask,
+                                  AttnShape(n_heads=32, n_kv_heads=8, head_dim=128))
             assert got == "dispatch", (mask, layout, got)
 
 
@@ -124,8 +127,9 @@ def test_auto_on_global_masks_on_long_documents(one_thread, monkeypatch):
     for mask in (AttnMask(causal=True), AttnMask(causal=False)):
         plan = CPPlan.build(cu(LONG), cp_size=4, cp_rank=0, layout="dual_chunk")
         for hq, hkv in ((32, 8), (8, 8), (16, 2)):
-            got = auto.choose_strategy(plan, mask, n_heads=hq, n_kv_heads=hkv, head_dim=128)
-            est = auto.estimates(plan, mask, n_heads=hq, n_kv_heads=hkv, head_dim=128)
+            shape = AttnShape(n_heads=hq, n_kv_heads=hkv, head_dim=128)
+            got = auto.choose_strategy(plan, mask, shape)
+            est = auto.estimates(plan, mask, shape)
             best = min(e.seconds for e in est.values())
             close = {n: e for n, e in est.items() if e.seconds <= best * 1.05}
             assert got in ("a2a", "p2p", "dispatch"), (mask, hq, hkv, got)
@@ -133,10 +137,9 @@ def test_auto_on_global_masks_on_long_documents(one_thread, monkeypatch):
                 e.bytes_sent for e in close.values()), (mask, hq, hkv, got, est)
             with monkeypatch.context() as m:  # cached in the plan: no second estimate
                 m.setattr(auto, "estimates", lambda *a, **k: pytest.fail("recomputed"))
-                assert auto.choose_strategy(plan, mask, n_heads=hq, n_kv_heads=hkv,
-                                            head_dim=128) == got
+                assert auto.choose_strategy(plan, mask, shape) == got
         # heads that don't split over cp: a2a is no candidate
-        est = auto.estimates(plan, mask, n_heads=6, n_kv_heads=3, head_dim=64)
+        est = auto.estimates(plan, mask, AttnShape(n_heads=6, n_kv_heads=3, head_dim=64))
         assert "a2a" not in est and {"p2p", "dispatch", "all_gather"} <= set(est)
 
 
@@ -144,12 +147,12 @@ def test_auto_memory_budget_and_tie_rule(one_thread):
     from varlen_cp.schedules.auto import CostModel, Estimate, choose_strategy, pick
     mask = AttnMask(window_size=(256, 0))
     plan = _plan(SHORT, 4, 0, "balanced", mask)
-    kw = dict(n_heads=32, n_kv_heads=8, head_dim=128)
-    assert choose_strategy(plan, mask, memory_budget_bytes=0, **kw) == "p2p"
+    shape = AttnShape(n_heads=32, n_kv_heads=8, head_dim=128)
+    assert choose_strategy(plan, mask, shape, memory_budget_bytes=0) == "p2p"
     need = max(selected.select_keys(plan, mask, r).owner.numel()
                for r in range(plan.cp_size)) * 8 * 256 * 2
-    assert choose_strategy(plan, mask, memory_budget_bytes=need, **kw) == "dispatch"
-    assert choose_strategy(plan, mask, memory_budget_bytes=need - 1, **kw) != "dispatch"
+    assert choose_strategy(plan, mask, shape, memory_budget_bytes=need) == "dispatch"
+    assert choose_strategy(plan, mask, shape, memory_budget_bytes=need - 1) != "dispatch"
     # Within the tolerance the fewest bytes win; outside it the fastest.
     e = {"p2p": Estimate(1.00, 1.0, 0.0, 300, 0), "a2a": Estimate(1.04, 1.0, 0.04, 100, 9),
          "dispatch": Estimate(1.06, 1.0, 0.06, 50, 9)}
@@ -165,11 +168,17 @@ def test_auto_bad_arguments():
     mask = AttnMask()
     kw = dict(n_heads=8, n_kv_heads=2, head_dim=64)
     for bad, match in ((dict(n_heads=0), "n_heads"), (dict(n_kv_heads=3), "multiple"),
-                       (dict(head_dim_v=1.5), "head_dim_v"), (dict(dtype_bytes=True), "dtype"),
-                       (dict(memory_budget_bytes=-1), "memory_budget_bytes"),
+                       (dict(head_dim_v=1.5), "head_dim_v"), (dict(dtype=True), "dtype")):
+        with pytest.raises(ValueError, match=match):   # the shape checks its fields
+            choose_strategy(plan, mask, AttnShape(**{**kw, **bad}))
+    shape = AttnShape(**kw)
+    for bad, match in ((dict(memory_budget_bytes=-1), "memory_budget_bytes"),
                        (dict(model="h100"), "model")):
         with pytest.raises(ValueError, match=match):
-            choose_strategy(plan, mask, **{**kw, **bad})
+            choose_strategy(plan, mask, shape, **bad)
+    for bad_shape in (kw, (8, 2, 64)):
+        with pytest.raises(ValueError, match="shape must be a varlen_cp.AttnShape"):
+            choose_strategy(plan, mask, bad_shape)
     for field in ("flops_per_s", "bytes_per_s"):
         with pytest.raises(ValueError, match=field):
             CostModel(**{field: 0})

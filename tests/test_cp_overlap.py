@@ -43,7 +43,7 @@ from varlen_cp.masks import AttnMask
 from varlen_cp.plan import CPPlan
 from varlen_cp.schedules import selected, staged
 from varlen_cp.schedules.auto import CostModel
-from varlen_cp.schedules.cost import make_shape
+from varlen_cp.shape import AttnShape
 from varlen_cp.strategies import get_strategy
 
 DOCS = [1, 2, 37, 9, 0, 130, 5, 23]            # 207 tokens, as the other CP tests
@@ -166,7 +166,7 @@ def test_staged_time_by_hand(one_thread):
     transfer + compute; S = 2 overlaps the transfer with the local call."""
     plan = CPPlan.build(cu([400]), cp_size=4, cp_rank=0, layout="contiguous")
     mask = AttnMask(causal=True, window_size=(7, 0))
-    shape = make_shape(8, 2, 64, 64, 2)
+    shape = AttnShape(n_heads=8, n_kv_heads=2, head_dim=64, head_dim_v=64, dtype=torch.bfloat16)
     model = CostModel(flops_per_s=1e12, bytes_per_s=1e9, stage_latency_s=1e-6,
                       memory_bytes_per_s=1e11)
     row = shape.kv_row
@@ -190,7 +190,7 @@ def test_staged_time_by_hand(one_thread):
         assert two.backward_s == pytest.approx(b1 + max(b0, y))
     # Slow links: stages hide the transfer; fast links: one call, no fold.
     plan = CPPlan.build(cu([4096] * 4), cp_size=4, cp_rank=0, layout="dual_chunk")
-    big = make_shape(32, 8, 128, 128, 2)
+    big = AttnShape(n_heads=32, n_kv_heads=8, head_dim=128, head_dim_v=128, dtype=torch.bfloat16)
     causal = AttnMask(causal=True)
     slow = CostModel(flops_per_s=4e14, bytes_per_s=1e10)
     s = staged.default_stages(plan, causal, "dispatch", big, slow)
@@ -234,8 +234,9 @@ def test_prepare_plan_builds_what_attention_reads(one_thread):
             prepare_plan(plan, CPConfig(strategy=name, overlap_stages=stages), [(mask, 1)],
                          AttnShape(n_heads=4, n_kv_heads=2, head_dim=D, head_dim_v=DV,
                                    dtype=torch.float32), "cpu")
-            want = stages or staged.default_stages(plan, mask, name,
-                                                   make_shape(4, 2, D, DV, 4))
+            want = stages or staged.default_stages(
+                plan, mask, name, AttnShape(n_heads=4, n_kv_heads=2, head_dim=D, head_dim_v=DV,
+                                            dtype=torch.float32))
             keys = [k for k in plan._cache if getattr(k, "kind", None) == f"{name}_staged"]
             assert keys and all(k.extra[-1] == want for k in keys), keys
 
@@ -297,8 +298,8 @@ def cases_worker(rank, world):
             what = f"[{strategy} S={stages} cp={world} {layout} {mname} {hq}/{hkv}]"
             check_padding(plan, local[0], local[1], local[2:])
             errors += compare_fp32(gather(plan, local), ref, what)
-            want = mod.bytes_sent_per_rank(plan, mask, head_dim=D, head_dim_v=DV,
-                                           n_heads=hq, n_kv_heads=hkv, dtype_bytes=4)
+            want = mod.bytes_sent_per_rank(plan, mask, AttnShape(
+                n_heads=hq, n_kv_heads=hkv, head_dim=D, head_dim_v=DV, dtype=torch.float32))
             if sent != (want["fwd"][rank], want["bwd"][rank]):
                 errors.append(f"{what} bytes sent {sent}, model "
                               f"{(want['fwd'][rank], want['bwd'][rank])}")
@@ -314,8 +315,9 @@ def cases_worker(rank, world):
             plan, local, sent = _run(rank, world, "contiguous", MASKS["causal"], strategy,
                                      stages, inputs, docs=docs)
             want = get_strategy(strategy).bytes_sent_per_rank(
-                plan, MASKS["causal"], head_dim=D, head_dim_v=DV, n_heads=HEADS[world][0][0],
-                n_kv_heads=HEADS[world][0][1], dtype_bytes=4)
+                plan, MASKS["causal"], AttnShape(n_heads=HEADS[world][0][0],
+                                                 n_kv_heads=HEADS[world][0][1], head_dim=D,
+                                                 head_dim_v=DV, dtype=torch.float32))
             if sent != (want["fwd"][rank], want["bwd"][rank]):
                 errors.append(f"[{strategy} S={stages} nothing remote] sent {sent}")
             errors += compare_fp32(gather(plan, local), ref, f"[{strategy} S={stages} "

@@ -26,6 +26,7 @@ from tests.helpers import (DOCS, DV, HEADS, LAYOUTS, MASKS, NAMES, TINY, D, Byte
 from varlen_cp import AttnOptions
 from varlen_cp.attention import ContextParallelVarlenAttention, cp_varlen_attn
 from varlen_cp.masks import AttnMask
+from varlen_cp.shape import AttnShape
 from varlen_cp.plan import CPPlan
 
 STRATEGIES = ("p2p", "all_gather", "a2a", "a2a+p2p", "dispatch")
@@ -167,8 +168,8 @@ def bytes_worker(rank, world):
             with ByteCounter() as bwd:
                 out.backward(plan.shard(dout).half())
             want = get_strategy(strategy).bytes_sent_per_rank(
-                plan, mask, head_dim=D, head_dim_v=DV, n_heads=hq, n_kv_heads=hkv,
-                dtype_bytes=2, a2a_size=options.a2a_size)
+                plan, mask, AttnShape(n_heads=hq, n_kv_heads=hkv, head_dim=D, head_dim_v=DV,
+                                      dtype=torch.float16), a2a_size=options.a2a_size)
             got = (fwd.total, bwd.total)
             if got != (want["fwd"][rank], want["bwd"][rank]):
                 mismatches.append(f"{strategy} {layout} {mname}: sent {got}, model "
@@ -286,7 +287,8 @@ def test_cost_model_counts_every_visible_pair_once(one_thread):
                 total = sum(plan.work_of(r, mask) for r in range(cp))
                 for strategy in ("p2p", "all_gather", "a2a", "a2a+p2p"):
                     c = get_strategy(strategy).compute_per_rank(
-                        plan, mask, block=(64, 64), n_heads=12, n_kv_heads=cp)
+                        plan, mask, AttnShape(n_heads=12, n_kv_heads=cp, head_dim=1),
+                        block=(64, 64))
                     assert sum(c["visible"]) == pytest.approx(total), (strategy, layout, cp)
                     assert all(a >= b for a, b in zip(c["visited"], c["visible"]))
 
@@ -297,17 +299,17 @@ def test_cost_model_bytes_by_hand(one_thread):
     from varlen_cp.strategies import get_strategy
     plan = CPPlan.build(cu([400]), cp_size=4, cp_rank=0, layout="contiguous")
     mask = AttnMask(causal=True, window_size=(7, 0))
-    kw = dict(head_dim=128, head_dim_v=128, n_kv_heads=2, n_heads=8, dtype_bytes=2)
+    shape = AttnShape(n_heads=8, n_kv_heads=2, head_dim=128, head_dim_v=128)
     kv_row = 2 * 256 * 2
-    p2p = get_strategy("p2p").bytes_sent_per_rank(plan, mask, **kw)
+    p2p = get_strategy("p2p").bytes_sent_per_rank(plan, mask, shape)
     assert p2p["fwd"] == [100 * kv_row] * 4
     # Backward: K/V again, plus the partial dK/dV of the left neighbour's keys (rank 0's
     # queries see nothing of rank 3, so it sends no partial).
     assert p2p["bwd"] == [100 * kv_row] + [200 * kv_row] * 3
-    ag = get_strategy("all_gather").bytes_sent_per_rank(plan, mask, **kw)
+    ag = get_strategy("all_gather").bytes_sent_per_rank(plan, mask, shape)
     assert ag["fwd"] == [3 * 100 * kv_row] * 4
     assert ag["bwd"] == [0, 7 * kv_row, 7 * kv_row, 7 * kv_row]
-    a2a = get_strategy("a2a").bytes_sent_per_rank(plan, mask, **kw)
+    a2a = get_strategy("a2a").bytes_sent_per_rank(plan, mask, shape)
     qkv_row = (2 * 128 + 1 * 256) * 2      # per member: 2 q heads, 1 K/V head (replicated)
     out_row = 2 * 128 * 2
     assert a2a["fwd"] == [3 * 100 * qkv_row + 300 * out_row] * 4

@@ -118,7 +118,7 @@ def test_real_flash_replay_matches_triton():
     import gpu_cases
     from gpu_timing import Budget
 
-    shape = gpu_cases.Shape(4, 2, 64, 64, torch.bfloat16)
+    shape = gpu_cases.make_shape(4, 2, 64, 64, torch.bfloat16)
     m = gpu_cases.masks(1 / 64)
     lengths = tuple(gpu_cases.lognormal_docs(64, 0, 8 * 1024))
     cases = [gpu_cases.ReplayCase(f"cp8_{s}_{n}", 8, "lognormal", lengths, n, m[n], s, lay)

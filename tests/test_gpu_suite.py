@@ -52,7 +52,7 @@ def test_mask_area_flops(mask):
     lengths = (1, 13, 40, 13, 64)
     pairs = gpu_cases.visible_pairs(lengths, mask)
     assert pairs == _dense_pairs(lengths, mask)
-    shape = gpu_cases.Shape(3, 1, 16, 8, torch.float16)
+    shape = gpu_cases.make_shape(3, 1, 16, 8, torch.float16)
     fwd, bwd = gpu_cases.mask_area_flops(pairs, shape)
     assert fwd == 2 * (16 + 8) * pairs * 3 and bwd == 2.5 * fwd
 
@@ -106,7 +106,7 @@ def test_replay_calls_make_the_ranks_attention(strategy, layout, stages, mask_na
     mask = {"causal": AttnMask(causal=True), "swa": AttnMask(window_size=(40, 0)),
             "chunk": AttnMask(chunk_size=96)}[mask_name]
     lengths = (600, 5, 33, 1, 190, 17)   # dual_chunk cuts documents of >= 2 * cp * 64
-    cp, shape = 4, gpu_cases.Shape(4, 2, 16, 8, torch.float32)
+    cp, shape = 4, gpu_cases.make_shape(4, 2, 16, 8, torch.float32)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     g = torch.Generator().manual_seed(3)
     t = sum(lengths)
@@ -147,7 +147,7 @@ def test_replay_reads_only_prepared_tables(one_thread):
     cu = torch.tensor([0, 100, 160])
     plan = build_plan(cu, CPConfig(strategy="dispatch"), cp_size=2, cp_rank=0,
                       layer_masks=[(mask, 1)])
-    shape = gpu_cases.Shape(2, 1, 16, 16, torch.float32)
+    shape = gpu_cases.make_shape(2, 1, 16, 16, torch.float32)
     with pytest.raises(RuntimeError, match="prepare_plan did not build"):
         cp_replay.rank_calls(plan, mask, "dispatch", (128, 128), shape, CPU)
     with pytest.raises(ValueError, match="strategy must be one of"):

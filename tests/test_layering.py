@@ -2,8 +2,8 @@
 
 Floors, top to bottom:
   (entry point: cli) -> integrations -> {prepare, report}
-  -> {config, attention, graph_op, cp_call} -> {strategies, sharding} -> options
-  -> schedules -> plan -> {masks, checks, mixes, host_memory} -> kernels
+  -> {config, attention, graph_op, cp_call, resolve} -> {strategies, sharding} -> options
+  -> schedules -> plan -> {masks, shape, checks, mixes, host_memory} -> kernels
 Read from the source with ``ast`` (no import side effects): every ``from .x import`` /
 ``from ..x import`` inside ``plugin/`` is resolved to its top-level part of the package, and
 no part may import a part on a higher floor, nor be in an import cycle with another part.
@@ -18,9 +18,10 @@ PLUGIN = Path(__file__).resolve().parent.parent / "plugin"
 FLOOR = {
     "cli": 9,    # varlen-cp-plan (reads the integrations' job files)
     "integrations": 8, "prepare": 7, "report": 7, "config": 6, "attention": 6,
-    "graph_op": 6, "cp_call": 6, "strategies": 5, "sharding": 5,
+    "graph_op": 6, "cp_call": 6, "resolve": 6, "strategies": 5, "sharding": 5,
     "options": 4,  # AttnOptions: held by the strategies' call spec, so below them
-    "schedules": 3, "plan": 2, "masks": 1, "checks": 1, "mixes": 1, "host_memory": 1,
+    "schedules": 3, "plan": 2,
+    "masks": 1, "shape": 1, "checks": 1, "mixes": 1, "host_memory": 1,
     "kernels": 0,
 }
 

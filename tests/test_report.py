@@ -16,7 +16,6 @@ from varlen_cp.report import LayerType, TrainingReport, layer_types, mask_label,
 from varlen_cp.report.training import layer_keys
 from varlen_cp.schedules import catalogue
 from varlen_cp.schedules.auto import choose_strategy
-from varlen_cp.schedules.shape import make_shape
 from varlen_cp.schedules.staged import resolve_stages
 
 CU = torch.tensor([0, 37, 40, 140, 200, 330])
@@ -74,7 +73,8 @@ def test_report_matches_brute_force_and_plan_api(one_thread, layout):
         assert r.work_imbalance == pytest.approx(max(work) * 3 / sum(work))
         assert r.work_imbalance == plan.work_imbalance(mask)
         assert r.kv_floor_bytes == [f * KV_ROW for f in floor]
-        sent = catalogue.bytes_sent("p2p", plan, mask, make_shape(8, 2, 16, 8, 2))
+        sent = catalogue.bytes_sent("p2p", plan, mask, AttnShape(
+            n_heads=8, n_kv_heads=2, head_dim=16, head_dim_v=8, dtype=torch.bfloat16))
         assert r.sent_bytes == [f + b for f, b in zip(sent["fwd"], sent["bwd"])]
         assert (r.layer.n_layers, r.strategy, r.stages, r.estimates) == (n, "p2p", None, None)
 
@@ -84,10 +84,9 @@ def test_auto_and_stages_resolve_as_the_op_does(one_thread):
     plan = build_plan(CU, config, cp_size=2, cp_rank=0, layer_masks=MASKS)
     prepare_plan(plan, config, MASKS, SHAPE, "cpu")
     rep = plan_report(plan, layer_types(MASKS, "auto"), SHAPE, with_estimates="auto")
-    shape = make_shape(8, 2, 16, 8, 2)
+    shape = AttnShape(n_heads=8, n_kv_heads=2, head_dim=16, head_dim_v=8, dtype=torch.bfloat16)
     for r, (mask, _) in zip(rep.layers, MASKS):
-        picked = choose_strategy(plan, mask, n_heads=8, n_kv_heads=2, head_dim=16,
-                                 head_dim_v=8, dtype_bytes=2)
+        picked = choose_strategy(plan, mask, shape)
         assert r.strategy == r.auto_pick == picked
         assert set(r.estimates) >= {"p2p", "dispatch", "all_gather"}
         staged = picked in ("dispatch", "all_gather")
@@ -154,8 +153,8 @@ def test_training_report_block_and_metrics(one_thread, caplog):
     rows = {line.split()[0]: line.split() for line in lines[1:4]}
     for mask, n in MASKS:
         row = rows[mask_label(mask)]
-        picked = choose_strategy(plans[0], mask, n_heads=8, n_kv_heads=2, head_dim=16,
-                                 head_dim_v=8, dtype_bytes=2)
+        picked = choose_strategy(plans[0], mask, AttnShape(n_heads=8, n_kv_heads=2,
+                                                           head_dim=16, head_dim_v=8))
         assert row[1:5] == [str(n), "auto", "->", picked]
         assert f"{plans[0].work_imbalance(mask):.3f}" in row
     tokens = [line for line in lines if line.strip().startswith("tokens ")][0].split()

@@ -193,11 +193,13 @@ def test_key_dataclasses_hash_as_their_fields() -> None:
     import pickle
 
     from varlen_cp.schedules.cost_model import CostModel
-    from varlen_cp.schedules.shape import make_shape
+    from varlen_cp.shape import AttnShape
 
     objects = [AttnMask(), AttnMask(causal=False, window_size=[128, 0]),
-               AttnMask(chunk_size=8192), make_shape(32, 8, 128, None, 2),
-               make_shape(4, 4, 16, 8, 4), CostModel(), CostModel(flops_per_s=1e12)]
+               AttnMask(chunk_size=8192),
+               AttnShape(n_heads=32, n_kv_heads=8, head_dim=128, dtype=torch.bfloat16),
+               AttnShape(n_heads=4, n_kv_heads=4, head_dim=16, head_dim_v=8,
+                         dtype=torch.float32), CostModel(), CostModel(flops_per_s=1e12)]
     for x in objects:
         fields = tuple(getattr(x, f.name) for f in dataclasses.fields(x))
         assert hash(x) == hash(fields)

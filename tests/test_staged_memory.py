@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import varlen_cp.strategies.all_gather as all_gather_module
 from varlen_cp import AttnMask, CPPlan
-from varlen_cp.schedules.shape import make_shape
+from varlen_cp.shape import AttnShape
 from varlen_cp.schedules.staged import staged_memory, staged_tables
 from varlen_cp.strategies import get_strategy
 from varlen_cp.strategies.calls import Attn
@@ -132,7 +132,7 @@ def _tally(rank: int, world: int) -> int:
                             layout=layout)
         t = plan.num_tokens
         assert t not in (HQ, 48, 32, 64), t   # no counted buffer may look like [Hq, T]
-        shape = make_shape(HQ, HKV, D, DV, dtype.itemsize)
+        shape = AttnShape(n_heads=HQ, n_kv_heads=HKV, head_dim=D, head_dim_v=DV, dtype=dtype)
         want = staged_memory(name, plan, mask, shape, stages)
         tab = staged_tables(name, plan, mask, rank, BLOCK, stages)
         attn = Attn(mask, D ** -0.5, "torch")

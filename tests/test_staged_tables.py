@@ -27,7 +27,7 @@ from varlen_cp.schedules.cost_model import CostModel
 from varlen_cp.schedules.rounds import UniqueRounds
 from varlen_cp.schedules.selected import fetch_counts
 from varlen_cp.plan.layout_spec import layout_spec
-from varlen_cp.schedules.shape import make_shape
+from varlen_cp.shape import AttnShape
 
 MASKS = (AttnMask(), AttnMask(causal=False), AttnMask(window_size=(7, 0)),
          AttnMask(chunk_size=16), AttnMask(window_size=(5, 3), causal=False),
@@ -169,7 +169,8 @@ def test_counts_time_walk_and_default_stages_equal_the_reference(one_thread):
     picked = set()
     for _ in range(40):
         plan, mask = _batch(rng)
-        shape = make_shape(*rng.choice([(8, 2, 16, 16, 2), (32, 8, 128, 128, 2)]))
+        hq, hkv, d, dv = rng.choice([(8, 2, 16, 16), (32, 8, 128, 128)])
+        shape = AttnShape(n_heads=hq, n_kv_heads=hkv, head_dim=d, head_dim_v=dv)
         model = rng.choice(models)
         for parts in (1, 2, 3, 7):
             _same(staged.dispatch_stage_counts(plan, mask, parts),

@@ -235,11 +235,12 @@ def test_log_states_the_plan(results, train_root):
 
 
 def test_metrics_reach_tensorboard(results, train_root):
+    import torch
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from varlen_cp.report import mask_label
     from varlen_cp.schedules import catalogue
-    from varlen_cp.schedules.shape import make_shape
+    from varlen_cp.shape import AttnShape
 
     plans, masks = reference_plans(train_root, "cp2_dispatch")
     (events,) = (train_root / "cp2_dispatch" / "dump" / "tb").iterdir()
@@ -247,7 +248,7 @@ def test_metrics_reach_tensorboard(results, train_root):
     acc.Reload()
     scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)]
                for tag in acc.Tags()["scalars"] if tag.startswith("varlen_cp/")}
-    shape = make_shape(4, 2, 16, 16, 4)
+    shape = AttnShape(n_heads=4, n_kv_heads=2, head_dim=16, head_dim_v=16, dtype=torch.float32)
     for mask, _ in masks:
         key = mask_label(mask)
         work = scalars[f"varlen_cp/work_imbalance/{key}"]

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import BACKENDS, LAYOUTS, STRATEGY_NAMES
-from ..cp_call import check_heads
+from ..resolve import check_heads
 from ..mixes import MIXES
 from ..options import AttnOptions
 from ..prepare import build_plan

@@ -15,7 +15,6 @@ import torch
 
 from ..plan import CPPlan
 from ..report import PlanReport
-from ..report.build import cost_shape
 from ..schedules.selected import fetch_counts
 
 INSTALL_HINT = 'the PNGs need matplotlib: pip install "varlen-cp[bench]"'
@@ -43,7 +42,7 @@ def traffic_matrix(plan: CPPlan, rep: PlanReport) -> torch.Tensor:
     """float64 [cp, cp]: bytes of K/V rank s's queries need from rank o per step, forward,
     summed over every layer (layer types weighted by their layer counts); diagonal 0. What
     ``dispatch`` moves; the floor of any strategy that moves K/V."""
-    row = cost_shape(rep.shape).kv_row
+    row = rep.shape.kv_row
     total = torch.zeros(plan.cp_size, plan.cp_size, dtype=torch.float64)
     for r in rep.layers:
         total += fetch_counts(plan, r.layer.mask).double() * (row * r.layer.n_layers)

@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..config import STAGED_STRATEGIES, AttnShape
+from ..config import STAGED_STRATEGIES
 from ..options import takes
 from ..masks import AttnMask
 from ..plan import CPPlan
@@ -48,8 +48,8 @@ from ..schedules import catalogue
 from ..schedules.auto import CostModel, Estimate, choose_strategy, estimates, pick
 from ..schedules.coverage import FlashCoverage
 from ..schedules.selected import fetch_counts
-from ..schedules.shape import Shape, make_shape
 from ..schedules.staged import resolve_stages
+from ..shape import AttnShape
 from .coverage import Backends, layer_coverage
 
 LOCAL = "local"  # the strategy name reported at cp 1, where every strategy is the local op
@@ -143,21 +143,12 @@ class PlanReport:
         return total
 
 
-def cost_shape(shape: AttnShape) -> Shape:
-    """The schedules' head shape for an ``AttnShape`` (as ``prepare_attention`` makes it,
-    so cached choices are found)."""
-    return make_shape(shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.value_dim,
-                      shape.dtype.itemsize)
-
-
 def resolve_strategy(plan: CPPlan, layer: LayerType, shape: AttnShape) -> str:
     """The strategy the step runs for ``layer`` (``auto`` resolved as the op resolves it,
     cached in the plan; "p2p" at cp 1, where every strategy is the local op)."""
     if layer.strategy != "auto":
         return layer.strategy
-    return choose_strategy(plan, layer.mask, n_heads=shape.n_heads,
-                           n_kv_heads=shape.n_kv_heads, head_dim=shape.head_dim,
-                           head_dim_v=shape.value_dim, dtype_bytes=shape.dtype.itemsize)
+    return choose_strategy(plan, layer.mask, shape)
 
 
 def layer_report(plan: CPPlan, layer: LayerType, shape: AttnShape, *,
@@ -168,7 +159,7 @@ def layer_report(plan: CPPlan, layer: LayerType, shape: AttnShape, *,
     strategy's estimate too (the expensive part); ``backends``: the backend coverage of
     the running strategy on ``plan.cp_rank`` with that route and tiles (None: not
     computed)."""
-    cs = cost_shape(shape)
+    cs = shape
     mask = layer.mask
     name = resolve_strategy(plan, layer, shape) if plan.cp_size > 1 else LOCAL
     stages = None
@@ -185,9 +176,7 @@ def layer_report(plan: CPPlan, layer: LayerType, shape: AttnShape, *,
     table = auto_pick = None
     if with_estimates and plan.cp_size > 1:
         model = CostModel() if model is None else model
-        table = estimates(plan, mask, n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads,
-                          head_dim=shape.head_dim, head_dim_v=shape.value_dim,
-                          dtype_bytes=shape.dtype.itemsize, model=model)
+        table = estimates(plan, mask, shape, model=model)
         auto_pick = pick(table, model)
     coverage = None if backends is None else \
         layer_coverage(plan, mask, name, backends, stages, layer.a2a_size, shape)

@@ -5,8 +5,8 @@ the calls exact in FA's varlen form run there; None: every call on our kernels, 
 CUDA, the PyTorch twin on CPUs), why there is none, and our kernels' tile sizes.
 
 - ``Backends.step(backend, device, shape)``: what the step resolves, with the same calls
-  ``attention.prepare_attention`` makes (``cp_call.flash_route`` with the shape's
-  ``lse_grad`` / ``row_max``, ``kernels.block_sizes_for``), so the coverage reads the tables
+  ``varlen_cp.resolve`` makes (``resolve.kernel_route`` with the shape's ``lse_grad`` /
+  ``row_max``), so the coverage reads the tables
   the step's prepare cached (training logs, metrics);
 - ``Backends.planned(backend, shape)``: offline, for ``varlen-cp-plan`` (no GPU there):
   "flash" / "fa4" build the FA forms as a GPU run with that backend would, where the
@@ -29,13 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import AttnShape
-from ..cp_call import flash_route
-from ..kernels import block_sizes_for
-from ..kernels.flash import call_limits, resolve_flash
+from ..shape import AttnShape
+from ..kernels.flash import call_limits
 from ..kernels.validation import BACKENDS
 from ..masks import AttnMask
 from ..plan import CPPlan
+from ..resolve import kernel_route
 from ..schedules.coverage import LOCAL, FlashCoverage, flash_coverage
 from ..schedules.flash_form import FlashRoute
 from ..schedules.hybrid import default_a2a_size
@@ -66,12 +65,7 @@ class Backends:
         """As the step resolves them (``prepare_attention``: same route, same tiles)."""
         check_backend(backend, "backend")
         device = torch.device(device)
-        dv = shape.value_dim
-        _, reason = resolve_flash(backend, device, shape.dtype, shape.head_dim, dv,
-                                  shape.lse_grad, shape.row_max)
-        route = flash_route(backend, device, shape.dtype, shape.n_heads, shape.n_kv_heads,
-                            shape.head_dim, dv, shape.lse_grad, shape.row_max)
-        block = tuple(block_sizes_for(backend, device, shape.head_dim, dv, dtype=shape.dtype))
+        _, block, route, reason = kernel_route(backend, device, shape)
         return cls(backend, route, reason, block, f"as the step resolves it on {device}")
 
     @classmethod

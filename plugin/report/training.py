@@ -43,7 +43,7 @@ from ..config import STAGED_STRATEGIES, AttnShape
 from ..plan import CPPlan
 from ..prepare import PlanTiming
 from ..schedules.staged import resolve_stages
-from .build import LOCAL, LayerType, PlanReport, cost_shape, plan_report, resolve_strategy
+from .build import LOCAL, LayerType, PlanReport, plan_report, resolve_strategy
 from .coverage import Backends, check_backend
 from .text import block_lines, step_line
 
@@ -105,14 +105,13 @@ class TrainingReport:
     def choices(self, plan: CPPlan) -> tuple:
         """(layout, cp, per layer type: strategy that runs, stage count); cache lookups on
         a prepared plan. Equal to ``PlanReport.choices`` of the same plan."""
-        cs = cost_shape(self.shape)
         out = []
         for t in self.layers:
             if plan.cp_size == 1:
                 out.append((t.label, LOCAL, None))
                 continue
             name = resolve_strategy(plan, t, self.shape)
-            stages = resolve_stages(plan, t.mask, name, cs, self.overlap_stages) \
+            stages = resolve_stages(plan, t.mask, name, self.shape, self.overlap_stages) \
                 if name in STAGED_STRATEGIES else None
             out.append((t.label, name, stages))
         return (plan.layout, plan.cp_size, tuple(out))

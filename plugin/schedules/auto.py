@@ -49,10 +49,10 @@ from typing import Any
 from ..checks import check_int
 from ..masks import AttnMask
 from ..plan import CPPlan
+from ..shape import AttnShape
 from .catalogue import CATALOGUE, traits
 from .cost_model import CostModel, check_model
 from .keys import host_table, table_key
-from .shape import Shape, make_shape
 from .staged import default_stages, staged_time
 
 # Tie order: simpler / less memory first (the catalogue's tie ranks).
@@ -73,18 +73,18 @@ class Estimate:
     saved_bytes: int      # max over ranks: kept for the backward beyond inputs and out
 
 
-def candidate_options(name: str, shape: Shape, cp: int) -> dict[str, Any] | None:
+def candidate_options(name: str, shape: AttnShape, cp: int) -> dict[str, Any] | None:
     """Strategy options, or None when the strategy is not a candidate for these heads."""
     return traits(name).options(shape, cp)
 
 
-def estimate(plan: CPPlan, mask: AttnMask, name: str, shape: Shape, model: CostModel,
+def estimate(plan: CPPlan, mask: AttnMask, name: str, shape: AttnShape, model: CostModel,
              a2a_size: int | None = None) -> Estimate:
     """Time, bytes and saved memory of strategy ``name`` (host only, closed form)."""
     entry = traits(name)
     sent = entry.bytes_sent(plan, mask, shape, a2a_size)
     pairs = max(entry.visible_pairs(plan, mask, shape, a2a_size)) * shape.n_heads
-    d, dv = shape.head_dim, shape.head_dim_v
+    d, dv = shape.head_dim, shape.value_dim
     c_fwd = pairs * 2 * (d + dv) / model.flops_per_s
     c_bwd = pairs * (6 * d + 4 * dv) / model.flops_per_s
     x_fwd = max(sent["fwd"]) / model.bytes_per_s
@@ -105,13 +105,10 @@ def estimate(plan: CPPlan, mask: AttnMask, name: str, shape: Shape, model: CostM
                     entry.saved_bytes(plan, mask, shape, a2a_size))
 
 
-def estimates(plan: CPPlan, mask: AttnMask, *, n_heads: int, n_kv_heads: int, head_dim: int,
-              head_dim_v: int | None = None, dtype_bytes: int = 2,
+def estimates(plan: CPPlan, mask: AttnMask, shape: AttnShape, *,
               model: CostModel | None = None) -> dict[str, Estimate]:
     """Estimate of every candidate strategy (see the module docstring), in tie order."""
-    if not isinstance(mask, AttnMask):
-        raise ValueError(f"mask must be a varlen_cp.AttnMask, got {type(mask).__name__}")
-    shape = make_shape(n_heads, n_kv_heads, head_dim, head_dim_v, dtype_bytes)
+    check_kinds(mask=mask, shape=shape)
     model = check_model(model)
     out = {}
     for name in CANDIDATES:
@@ -119,6 +116,15 @@ def estimates(plan: CPPlan, mask: AttnMask, *, n_heads: int, n_kv_heads: int, he
         if opts is not None:
             out[name] = estimate(plan, mask, name, shape, model, opts.get("a2a_size"))
     return out
+
+
+def check_kinds(*, mask: object, shape: object) -> None:
+    """ValueError unless ``mask`` is an ``AttnMask`` and ``shape`` an ``AttnShape`` (the
+    host-cost entry points take them from users and tools)."""
+    if not isinstance(mask, AttnMask):
+        raise ValueError(f"mask must be a varlen_cp.AttnMask, got {type(mask).__name__}")
+    if not isinstance(shape, AttnShape):
+        raise ValueError(f"shape must be a varlen_cp.AttnShape, got {type(shape).__name__}")
 
 
 def pick(costs: dict[str, Estimate], model: CostModel,
@@ -131,24 +137,20 @@ def pick(costs: dict[str, Estimate], model: CostModel,
     return min(close, key=lambda n: (fits[n].bytes_sent, CANDIDATES.index(n)))
 
 
-def choose_strategy(plan: CPPlan, mask: AttnMask, *, n_heads: int, n_kv_heads: int,
-                    head_dim: int, head_dim_v: int | None = None, dtype_bytes: int = 2,
+def choose_strategy(plan: CPPlan, mask: AttnMask, shape: AttnShape, *,
                     memory_budget_bytes: int | None = None,
                     model: CostModel | None = None) -> str:
-    """The strategy ``strategy="auto"`` runs for ``mask`` on ``plan`` (rule: module
-    docstring). ``memory_budget_bytes``: what a strategy may keep per layer and rank for
-    the backward beyond its inputs (None: no limit). Cached in the plan per arguments; the
-    same on every rank (host integer math on the shared plan)."""
+    """The strategy ``strategy="auto"`` runs for ``mask`` on ``plan`` for layers of
+    ``shape`` (rule: module docstring). ``memory_budget_bytes``: what a strategy may keep
+    per layer and rank for the backward beyond its inputs (None: no limit). Cached in the
+    plan per arguments; the same on every rank (host integer math on the shared plan)."""
+    check_kinds(mask=mask, shape=shape)
     check_int("memory_budget_bytes", memory_budget_bytes, 0, optional=True)
-    shape = make_shape(n_heads, n_kv_heads, head_dim, head_dim_v, dtype_bytes)
     model = check_model(model)
     if plan.cp_size == 1:
         return "p2p"  # every strategy is the local op
     key = table_key("auto", mask, None, shape, memory_budget_bytes, model)
 
     def choose() -> str:
-        costs = estimates(plan, mask, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                          head_dim=head_dim, head_dim_v=head_dim_v, dtype_bytes=dtype_bytes,
-                          model=model)
-        return pick(costs, model, memory_budget_bytes)
+        return pick(estimates(plan, mask, shape, model=model), model, memory_budget_bytes)
     return host_table(plan, key, choose)

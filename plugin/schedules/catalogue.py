@@ -23,7 +23,7 @@ from ..masks import AttnMask
 from ..plan import CPPlan
 from . import cost
 from .hybrid import default_a2a_size, heads_fit
-from .shape import Shape
+from ..shape import AttnShape
 
 AUTO = "auto"   # not a strategy: the option that picks one per plan and mask
 
@@ -38,7 +38,7 @@ class StrategyTraits:
     name: str
     overlap: str
     tie_rank: int
-    options: Callable[[Shape, int], dict[str, Any] | None]
+    options: Callable[[AttnShape, int], dict[str, Any] | None]
     bytes_sent: Callable[..., dict[str, list[int]]]
     visible_pairs: Callable[..., list[float]]
     visited_pairs: Callable[..., list[float]]
@@ -50,15 +50,15 @@ class StrategyTraits:
         return self.overlap == "stages"
 
 
-def _any_heads(shape: Shape, cp: int) -> dict[str, Any]:
+def _any_heads(shape: AttnShape, cp: int) -> dict[str, Any]:
     return {}
 
 
-def _a2a_heads(shape: Shape, cp: int) -> dict[str, Any] | None:
+def _a2a_heads(shape: AttnShape, cp: int) -> dict[str, Any] | None:
     return {} if heads_fit(shape.n_heads, shape.n_kv_heads, cp) else None
 
 
-def _hybrid_heads(shape: Shape, cp: int) -> dict[str, Any] | None:
+def _hybrid_heads(shape: AttnShape, cp: int) -> dict[str, Any] | None:
     size = default_a2a_size(shape.n_heads, shape.n_kv_heads, cp)
     return {"a2a_size": size} if 1 < size < cp else None
 
@@ -88,26 +88,26 @@ def traits(name: Any) -> StrategyTraits:
 
 
 # ---- costs by name ---------------------------------------------------------------------------
-def bytes_sent(name: str, plan: CPPlan, mask: AttnMask, shape: Shape,
+def bytes_sent(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape,
                a2a_size: int | None = None) -> dict[str, list[int]]:
     """Bytes each rank sends per layer: {"fwd": [...], "bwd": [...]} (input dtype)."""
     return traits(name).bytes_sent(plan, mask, shape, a2a_size)
 
 
-def visible_pairs(name: str, plan: CPPlan, mask: AttnMask, shape: Shape,
+def visible_pairs(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape,
                   a2a_size: int | None = None) -> list[float]:
     """Per rank, per query head of the model: the visible pairs its kernels compute."""
     return traits(name).visible_pairs(plan, mask, shape, a2a_size)
 
 
-def visited_pairs(name: str, plan: CPPlan, mask: AttnMask, shape: Shape,
+def visited_pairs(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape,
                   block: tuple[int, int], a2a_size: int | None = None) -> list[float]:
     """Per rank, per query head of the model: pairs the kernels' tiles cover (builds every
     rank's schedules: benchmarks and tests)."""
     return traits(name).visited_pairs(plan, mask, shape, block, a2a_size)
 
 
-def saved_bytes(name: str, plan: CPPlan, mask: AttnMask, shape: Shape,
+def saved_bytes(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape,
                 a2a_size: int | None = None) -> int:
     """Max over ranks of what ``name`` keeps for the backward beyond q, k, v, out, lse."""
     return traits(name).saved_bytes(plan, mask, shape, a2a_size)

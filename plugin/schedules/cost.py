@@ -21,20 +21,20 @@ from ..plan import CPPlan
 from .hybrid import default_a2a_size, group_members, group_visibility, hybrid_ring_tables
 from .ring import p2p_tables, rank_visibility, ring_length
 from .selected import fetch_counts, fetched_tokens, selected_tokens
-from .shape import Shape, kv_heads_per_rank, make_shape
+from ..shape import AttnShape, kv_heads_per_rank
 from .staged import staged_tables
 from .ulysses import group_call
 
 Sent = dict[str, list[int]]   # {"fwd": bytes per rank, "bwd": bytes per rank}
 
-__all__ = ["Shape", "make_shape", "Sent", "hybrid_size", "ring_rows", "ulysses_bytes",
+__all__ = ["Sent", "hybrid_size", "ring_rows", "ulysses_bytes",
            "ulysses_rank_bytes", "p2p_bytes", "all_gather_bytes", "dispatch_bytes",
            "a2a_bytes", "hybrid_bytes", "rank_pairs", "a2a_pairs", "hybrid_pairs",
            "p2p_visited", "all_gather_visited", "dispatch_visited", "a2a_visited",
            "hybrid_visited", "nothing_saved", "selected_saved", "a2a_saved", "hybrid_saved"]
 
 
-def hybrid_size(plan: CPPlan, shape: Shape, a2a_size: int | None) -> int:
+def hybrid_size(plan: CPPlan, shape: AttnShape, a2a_size: int | None) -> int:
     """a2a+p2p's Ulysses group size: ``a2a_size``, or the largest the heads allow."""
     return default_a2a_size(shape.n_heads, shape.n_kv_heads, plan.cp_size) \
         if a2a_size is None else a2a_size
@@ -58,16 +58,16 @@ def ring_rows(sizes: torch.Tensor, vis: torch.Tensor) -> tuple[torch.Tensor, tor
     return kv, grads
 
 
-def ulysses_bytes(sizes: tuple[int, ...], index: int, shape: Shape, need_lse: bool = False
+def ulysses_bytes(sizes: tuple[int, ...], index: int, shape: AttnShape, need_lse: bool = False
                   ) -> tuple[int, int]:
     """(forward, backward) bytes member ``index`` of a group with ``sizes`` sends in its
     all-to-alls (rows to itself excluded), as the engine packs them."""
     size = len(sizes)
     hk, _ = kv_heads_per_rank(shape.n_kv_heads, size)
     hq = shape.n_heads // size
-    qkv_row = (hq * shape.head_dim + hk * (shape.head_dim + shape.head_dim_v)) \
+    qkv_row = (hq * shape.head_dim + hk * (shape.head_dim + shape.value_dim)) \
         * shape.dtype_bytes
-    out_row = hq * shape.head_dim_v * shape.dtype_bytes
+    out_row = hq * shape.value_dim * shape.dtype_bytes
     mine, others = sizes[index], sum(sizes) - sizes[index]
     fwd = (size - 1) * mine * qkv_row + others * out_row
     bwd = (size - 1) * mine * out_row + others * qkv_row
@@ -77,7 +77,7 @@ def ulysses_bytes(sizes: tuple[int, ...], index: int, shape: Shape, need_lse: bo
     return fwd, bwd
 
 
-def ulysses_rank_bytes(sizes: torch.Tensor, size: int, shape: Shape
+def ulysses_rank_bytes(sizes: torch.Tensor, size: int, shape: AttnShape
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`ulysses_bytes` of every rank at once (groups of ``size`` consecutive ranks;
     int64 [cp] each; zeros for size 1)."""
@@ -85,22 +85,22 @@ def ulysses_rank_bytes(sizes: torch.Tensor, size: int, shape: Shape
         return torch.zeros_like(sizes), torch.zeros_like(sizes)
     hk, _ = kv_heads_per_rank(shape.n_kv_heads, size)
     hq = shape.n_heads // size
-    qkv_row = (hq * shape.head_dim + hk * (shape.head_dim + shape.head_dim_v)) \
+    qkv_row = (hq * shape.head_dim + hk * (shape.head_dim + shape.value_dim)) \
         * shape.dtype_bytes
-    out_row = hq * shape.head_dim_v * shape.dtype_bytes
+    out_row = hq * shape.value_dim * shape.dtype_bytes
     others = sizes.view(-1, size).sum(1).repeat_interleave(size) - sizes
     return ((size - 1) * sizes * qkv_row + others * out_row,
             (size - 1) * sizes * out_row + others * qkv_row)
 
 
-def p2p_bytes(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+def p2p_bytes(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | None = None
               ) -> Sent:
     """The ring: every pass's K/V forward, again backward with the dK/dV partials."""
     kv, grads = ring_rows(_local_sizes(plan), rank_visibility(plan, mask))
     return {"fwd": (kv * shape.kv_row).tolist(), "bwd": ((kv + grads) * shape.kv_row).tolist()}
 
 
-def all_gather_bytes(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+def all_gather_bytes(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | None = None
                      ) -> Sent:
     """Every rank's padded K/V to every other; back only the picked keys' dK/dV."""
     cp, row = plan.cp_size, shape.kv_row
@@ -109,7 +109,7 @@ def all_gather_bytes(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int |
             "bwd": [f * row for f in fetched_tokens(plan, mask)]}
 
 
-def dispatch_bytes(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+def dispatch_bytes(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | None = None
                    ) -> Sent:
     """Exactly the keys others see forward, their dK/dV backward."""
     row = shape.kv_row
@@ -118,13 +118,13 @@ def dispatch_bytes(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | N
     return {"fwd": (sent * row).tolist(), "bwd": [f * row for f in fetched_tokens(plan, mask)]}
 
 
-def _group_bytes(plan: CPPlan, mask: AttnMask, shape: Shape, size: int) -> Sent:
+def _group_bytes(plan: CPPlan, mask: AttnMask, shape: AttnShape, size: int) -> Sent:
     """Ulysses groups of ``size`` ranks, a ring of the groups when size < cp."""
     sizes = _local_sizes(plan)
     fwd, bwd = ulysses_rank_bytes(sizes, size, shape)
     if size < plan.cp_size:  # a ring across the groups, on this rank's head slice
         hk, _ = kv_heads_per_rank(shape.n_kv_heads, size)
-        ring_row = hk * (shape.head_dim + shape.head_dim_v) * shape.dtype_bytes
+        ring_row = hk * (shape.head_dim + shape.value_dim) * shape.dtype_bytes
         group_sizes = sizes.view(-1, size).sum(1)
         kv, grads = ring_rows(group_sizes, group_visibility(plan, mask, size))
         fwd = fwd + (kv * ring_row).repeat_interleave(size)
@@ -132,18 +132,18 @@ def _group_bytes(plan: CPPlan, mask: AttnMask, shape: Shape, size: int) -> Sent:
     return {"fwd": fwd.tolist(), "bwd": bwd.tolist()}
 
 
-def a2a_bytes(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+def a2a_bytes(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | None = None
               ) -> Sent:
     return _group_bytes(plan, mask, shape, plan.cp_size)
 
 
-def hybrid_bytes(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+def hybrid_bytes(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | None = None
                  ) -> Sent:
     return _group_bytes(plan, mask, shape, hybrid_size(plan, shape, a2a_size))
 
 
 # ---- compute ----------------------------------------------------------------------------
-def rank_pairs(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+def rank_pairs(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | None = None
                ) -> list[float]:
     """Per rank, per query head of the model: the visible pairs of its own queries (p2p,
     all_gather, dispatch)."""
@@ -157,17 +157,17 @@ def _group_pairs(plan: CPPlan, mask: AttnMask, size: int) -> list[float]:
             for r in range(plan.cp_size)]
 
 
-def a2a_pairs(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+def a2a_pairs(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | None = None
               ) -> list[float]:
     return _group_pairs(plan, mask, plan.cp_size)
 
 
-def hybrid_pairs(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+def hybrid_pairs(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | None = None
                  ) -> list[float]:
     return _group_pairs(plan, mask, hybrid_size(plan, shape, a2a_size))
 
 
-def p2p_visited(plan: CPPlan, mask: AttnMask, shape: Shape, block: tuple[int, int],
+def p2p_visited(plan: CPPlan, mask: AttnMask, shape: AttnShape, block: tuple[int, int],
                 a2a_size: int | None = None) -> list[float]:
     """Per rank, per query head of the model: pairs the ring's tiles cover (builds every
     rank's schedules: benchmarks and tests)."""
@@ -185,17 +185,17 @@ def _staged_visited(name: str, plan: CPPlan, mask: AttnMask, block: tuple[int, i
     return out
 
 
-def all_gather_visited(plan: CPPlan, mask: AttnMask, shape: Shape, block: tuple[int, int],
+def all_gather_visited(plan: CPPlan, mask: AttnMask, shape: AttnShape, block: tuple[int, int],
                        a2a_size: int | None = None) -> list[float]:
     return _staged_visited("all_gather", plan, mask, block)
 
 
-def dispatch_visited(plan: CPPlan, mask: AttnMask, shape: Shape, block: tuple[int, int],
+def dispatch_visited(plan: CPPlan, mask: AttnMask, shape: AttnShape, block: tuple[int, int],
                      a2a_size: int | None = None) -> list[float]:
     return _staged_visited("dispatch", plan, mask, block)
 
 
-def _group_visited(plan: CPPlan, mask: AttnMask, shape: Shape, block: tuple[int, int],
+def _group_visited(plan: CPPlan, mask: AttnMask, shape: AttnShape, block: tuple[int, int],
                    size: int) -> list[float]:
     cp = plan.cp_size
     if size == 1:  # a2a+p2p over groups of one rank is the ring of ranks
@@ -208,46 +208,46 @@ def _group_visited(plan: CPPlan, mask: AttnMask, shape: Shape, block: tuple[int,
             / size for r in range(cp)]
 
 
-def a2a_visited(plan: CPPlan, mask: AttnMask, shape: Shape, block: tuple[int, int],
+def a2a_visited(plan: CPPlan, mask: AttnMask, shape: AttnShape, block: tuple[int, int],
                 a2a_size: int | None = None) -> list[float]:
     return _group_visited(plan, mask, shape, block, plan.cp_size)
 
 
-def hybrid_visited(plan: CPPlan, mask: AttnMask, shape: Shape, block: tuple[int, int],
+def hybrid_visited(plan: CPPlan, mask: AttnMask, shape: AttnShape, block: tuple[int, int],
                    a2a_size: int | None = None) -> list[float]:
     return _group_visited(plan, mask, shape, block, hybrid_size(plan, shape, a2a_size))
 
 
 # ---- memory -----------------------------------------------------------------------------
 # Max over ranks of what a strategy keeps for the backward beyond q, k, v, out, lse.
-def nothing_saved(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+def nothing_saved(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | None = None
                   ) -> int:
     """The ring re-sends K/V in the backward: it keeps nothing extra."""
     return 0
 
 
-def selected_saved(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+def selected_saved(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | None = None
                    ) -> int:
     """dispatch, all_gather: the K/V the local queries see."""
     return max(selected_tokens(plan, mask)) * shape.kv_row
 
 
-def _group_saved(plan: CPPlan, shape: Shape, size: int) -> int:
+def _group_saved(plan: CPPlan, shape: AttnShape, size: int) -> int:
     """The head-sharded q/k/v/out of the group."""
     if size == 1:
         return 0
     hk, _ = kv_heads_per_rank(shape.n_kv_heads, size)
-    width = (shape.n_heads // size + hk) * (shape.head_dim + shape.head_dim_v)
+    width = (shape.n_heads // size + hk) * (shape.head_dim + shape.value_dim)
     tokens = max(sum(plan.num_tokens_of(m) for m in group_members(g, size))
                  for g in range(0, plan.cp_size, size))
     return tokens * width * shape.dtype_bytes
 
 
-def a2a_saved(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+def a2a_saved(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | None = None
               ) -> int:
     return _group_saved(plan, shape, plan.cp_size)
 
 
-def hybrid_saved(plan: CPPlan, mask: AttnMask, shape: Shape, a2a_size: int | None = None
+def hybrid_saved(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | None = None
                  ) -> int:
     return _group_saved(plan, shape, hybrid_size(plan, shape, a2a_size))

@@ -22,6 +22,7 @@ import torch
 from ..kernels.host_copy import one_to_device
 from ..masks import AttnMask
 from ..plan import CPPlan
+from ..shape import AttnShape
 
 
 class TableKey(NamedTuple):
@@ -39,8 +40,11 @@ class TableKey(NamedTuple):
 
 def table_key(kind: str, mask: AttnMask | None = None, block: tuple[int, int] | None = None,
               *extra: Any, route: Any = None) -> TableKey:
-    return TableKey(kind, mask, None if block is None else tuple(block), tuple(extra),
-                    route=route)
+    """A head shape among ``extra`` enters as ``AttnShape.costs`` (no softmax extras: no
+    table or cost depends on them, the FlashAttention route they choose is ``route``), so
+    calls that differ only there share every entry."""
+    extra = tuple(x.costs if isinstance(x, AttnShape) else x for x in extra)
+    return TableKey(kind, mask, None if block is None else tuple(block), extra, route=route)
 
 
 def table_mask(plan: CPPlan, mask: AttnMask | None) -> AttnMask | None:

@@ -15,7 +15,7 @@ from ..schedules.catalogue import STRATEGY_NAMES, traits
 from .a2a import A2A
 from .a2a_p2p import A2AP2P
 from .all_gather import AllGather
-from .base import CallSpec, Strategy
+from .base import CallSpec, Resolution, Strategy
 from .dispatch import Dispatch
 from .local import Local
 from .p2p import P2P
@@ -34,4 +34,4 @@ def get_strategy(name: str) -> Strategy:
     return STRATEGIES[traits(name).name]
 
 
-__all__ = ["STRATEGIES", "LOCAL", "CallSpec", "Strategy", "get_strategy"]
+__all__ = ["STRATEGIES", "LOCAL", "CallSpec", "Resolution", "Strategy", "get_strategy"]

@@ -29,11 +29,10 @@ import torch.distributed as dist
 
 from ..masks import AttnMask
 from ..plan import CPPlan
-from ..schedules.flash_form import FlashRoute
-from ..schedules.shape import Shape, kv_heads_per_rank
+from ..shape import kv_heads_per_rank
 from ..schedules.hybrid import heads_fit
 from ..schedules.ulysses import UlyssesTables, group_call, ulysses_tables
-from .base import CallSpec, Strategy
+from .base import CallSpec, Resolution, Strategy
 from .calls import dlse_or_none, empty_attn, head_max, no_max
 
 
@@ -224,13 +223,12 @@ class A2A(Strategy):
         """Hq % cp == 0, and Hkv % cp == 0 or cp % Hkv == 0 (ValueError otherwise)."""
         check_head_split(n_heads, n_kv_heads, cp_size, "strategy 'a2a'")
 
-    def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
-                device: torch.device, shape: Shape, a2a_size: int | None = None,
-                overlap_stages: int | None = None, route: FlashRoute | None = None) -> None:
-        spec = LocalSpec(CallSpec(plan, None, None, block), None, plan.cp_size,
+    def build_tables(self, plan: CPPlan, mask: AttnMask, res: Resolution,
+                     device: torch.device) -> None:
+        spec = LocalSpec(CallSpec(plan, None, None, res), None, plan.cp_size,
                          tuple(range(plan.cp_size)))
         spec.tables(device)
-        group_call(plan, spec.members, mask, block, device, route)
+        group_call(plan, spec.members, mask, res.block, device, res.route)
 
     def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
                  ) -> tuple[type[torch.autograd.Function], tuple]:

@@ -34,12 +34,10 @@ from ..checks import is_int
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..plan.collective import group_timeout
-from ..schedules.flash_form import FlashRoute
-from ..schedules.shape import Shape
-from ..schedules.hybrid import default_a2a_size, group_members, hybrid_ring_tables
+from ..schedules.hybrid import group_members, hybrid_ring_tables
 from ..schedules.ulysses import ulysses_tables
 from .a2a import A2A, UlyssesAttention, UlyssesSpec, check_head_split
-from .base import CallSpec, Strategy
+from .base import CallSpec, Resolution, Strategy
 from .calls import global_rank
 from .p2p import P2P, Ring, ring_backward, ring_forward
 
@@ -132,28 +130,22 @@ class A2AP2P(Strategy):
         check_head_split(n_heads, n_kv_heads, a2a_size,
                          f"strategy 'a2a+p2p' (a2a_size={a2a_size})")
 
-    @staticmethod
-    def _size(plan: CPPlan, n_heads: int, n_kv_heads: int, a2a_size: int | None) -> int:
-        return default_a2a_size(n_heads, n_kv_heads, plan.cp_size) if a2a_size is None \
-            else a2a_size
-
-    def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
-                device: torch.device, shape: Shape, a2a_size: int | None = None,
-                overlap_stages: int | None = None, route: FlashRoute | None = None) -> None:
-        size = self._size(plan, shape.n_heads, shape.n_kv_heads, a2a_size)
+    def build_tables(self, plan: CPPlan, mask: AttnMask, res: Resolution,
+                     device: torch.device) -> None:
+        size = res.a2a_size
         if size == 1:
-            return P2P().prepare(plan, mask, block, device, shape, route=route)
+            return P2P().build_tables(plan, mask, res, device)
         if size == plan.cp_size:
-            return A2A().prepare(plan, mask, block, device, shape, route=route)
+            return A2A().build_tables(plan, mask, res, device)
         g = plan.cp_rank // size
         members = group_members(plan.cp_rank, size)
         ulysses_tables(plan, members, device)
-        hybrid_ring_tables(plan, mask, size, g, block, device, route)
+        hybrid_ring_tables(plan, mask, size, g, res.block, device, res.route)
 
     def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
                  ) -> tuple[type[torch.autograd.Function], tuple]:
         plan = spec.plan
-        size = self._size(plan, q.shape[1], k.shape[1], spec.options.a2a_size)
+        size = spec.res.a2a_size
         if size == 1:
             return P2P().function(q, k, v, spec)
         if size == plan.cp_size:

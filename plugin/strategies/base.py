@@ -5,12 +5,10 @@ with:
 - ``check_heads(n_heads, n_kv_heads, cp_size, a2a_size)``: ValueError when the head counts
   (or the option) do not suit it; run by ``varlen_cp.attention`` at every cp, before any
   communication;
-- ``prepare(plan, mask, block, device, shape, a2a_size, overlap_stages, route)``: build and
-  cache in the plan every
-  host table its ``attention`` will read, and their device copies (``varlen_cp.prepare``
-  calls it ahead of the step); staged strategies (``staged``: the catalogue says so;
-  dispatch, all_gather) also take ``overlap_stages`` there and read
-  ``spec.options.overlap_stages``;
+- ``build_tables(plan, mask, res, device)``: build and cache in the plan every host table
+  its ``attention`` will read for the call's :class:`Resolution` (tiles, FlashAttention
+  route, stage count, Ulysses group size), and their device copies (``varlen_cp.prepare``
+  has it done ahead of the step);
 - ``function(q, k, v, spec) -> (Function, args)``: its ``torch.autograd.Function`` and the
   arguments after q, k, v. ``attention(q, k, v, spec) -> (out, lse, max_part)`` applies it:
   differentiable in q, k, v through out AND lse (attention sinks compose on the merged
@@ -35,27 +33,49 @@ from typing import Any, ClassVar
 import torch
 
 from ..masks import AttnMask
-from ..options import AttnOptions
 from ..plan import CPPlan
 from ..schedules import catalogue
 from ..schedules.flash_form import FlashRoute
-from ..schedules.shape import Shape, make_shape
+from ..shape import AttnShape
 from .calls import Attn, maybe_max
 
 
 @dataclass(frozen=True)
+class Resolution:
+    """How the calls of one (plan, mask, options, head shape, device) run, resolved once
+    by ``varlen_cp.resolve.resolve`` (cached in the plan): ahead of the step it says which
+    tables to build, per call it is looked up. ``name``: the strategy the step runs
+    ("auto" resolved; the configured name at cp 1, where ``strategy`` is the local op);
+    ``backend``: our kernels ("triton" / "torch") for the calls FlashAttention does not
+    take; ``block``: their tiles; ``route``: FlashAttention for the calls it expresses
+    exactly (None: none); ``stages``: a staged strategy's stage count; ``a2a_size``: the
+    Ulysses group size of "a2a+p2p" (the heads' default when not given)."""
+
+    name: str
+    strategy: "Strategy"
+    backend: str
+    block: tuple[int, int]
+    route: FlashRoute | None
+    shape: AttnShape
+    stages: int | None = None
+    a2a_size: int | None = None
+
+
+@dataclass(frozen=True)
 class CallSpec:
-    """Everything but the tensors of one ``cp_varlen_attn`` call, as a strategy sees it;
-    ``options`` as the caller gave them (checked, and against the heads and cp)."""
+    """Everything but the tensors of one ``cp_varlen_attn`` call, as a strategy sees it."""
 
     plan: CPPlan
     attn: Attn
     group: Any                       # the CP process group (None: the default group)
-    block: tuple[int, int]           # tile sizes the schedules are built with
+    res: Resolution
     need_lse: bool = True
     need_max: bool = False
-    options: AttnOptions = AttnOptions()
-    route: FlashRoute | None = None  # FlashAttention for the calls it can express exactly
+
+    def __post_init__(self) -> None:
+        # the two the strategies read most, as plain attributes (read on every layer call)
+        object.__setattr__(self, "block", self.res.block)   # tiles the tables are built with
+        object.__setattr__(self, "route", self.res.route)   # FlashAttention (None: ours only)
 
 
 class Strategy(ABC):
@@ -74,11 +94,10 @@ class Strategy(ABC):
         """Any GQA head split works unless a strategy says otherwise."""
 
     @abstractmethod
-    def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
-                device: torch.device, shape: Shape, a2a_size: int | None = None,
-                overlap_stages: int | None = None, route: FlashRoute | None = None) -> None:
-        """Build and cache this rank's host tables and their ``device`` copies (calls in
-        FlashAttention's form where exact, with a ``route``)."""
+    def build_tables(self, plan: CPPlan, mask: AttnMask, res: Resolution,
+                     device: torch.device) -> None:
+        """Build and cache this rank's host tables for ``res`` and their ``device`` copies
+        (calls in FlashAttention's form where exact, with ``res.route``)."""
 
     @abstractmethod
     def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
@@ -94,22 +113,18 @@ class Strategy(ABC):
         return out, lse, maybe_max(max_part)
 
     # ---- costs (host only) -------------------------------------------------------------
-    def bytes_sent_per_rank(self, plan: CPPlan, mask: AttnMask, *, head_dim: int,
-                            n_kv_heads: int, dtype_bytes: int, n_heads: int | None = None,
-                            head_dim_v: int | None = None, a2a_size: int | None = None
-                            ) -> dict[str, list[int]]:
-        """Bytes each rank posts per layer: {"fwd": [...], "bwd": [...]}."""
-        shape = make_shape(n_heads or n_kv_heads, n_kv_heads, head_dim, head_dim_v,
-                           dtype_bytes)
+    def bytes_sent_per_rank(self, plan: CPPlan, mask: AttnMask, shape: AttnShape, *,
+                            a2a_size: int | None = None) -> dict[str, list[int]]:
+        """Bytes each rank posts per layer for layers of ``shape``: {"fwd": [...],
+        "bwd": [...]}."""
         return catalogue.bytes_sent(self.name, plan, mask, shape, a2a_size)
 
-    def compute_per_rank(self, plan: CPPlan, mask: AttnMask, *, block: tuple[int, int],
-                         n_heads: int = 1, n_kv_heads: int = 1, a2a_size: int | None = None,
-                         head_dim: int | None = None, head_dim_v: int | None = None,
-                         dtype_bytes: int | None = None) -> dict[str, list[float]]:
+    def compute_per_rank(self, plan: CPPlan, mask: AttnMask, shape: AttnShape, *,
+                         block: tuple[int, int], a2a_size: int | None = None
+                         ) -> dict[str, list[float]]:
         """Per rank, per query head of the model: pairs the kernels' tiles visit and the
-        visible pairs among them (head dims and dtype do not change them)."""
-        shape = make_shape(n_heads, n_kv_heads, 1, 1, 1)
+        visible pairs among them (head dims and dtype do not change them; the head counts
+        do where heads move)."""
         return {"visited": catalogue.visited_pairs(self.name, plan, mask, shape, tuple(block),
                                                    a2a_size),
                 "visible": catalogue.visible_pairs(self.name, plan, mask, shape, a2a_size)}

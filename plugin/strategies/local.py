@@ -13,10 +13,9 @@ from ..kernels.sink import max_logit_of
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..schedules.flash_form import FlashRoute
-from ..schedules.shape import Shape
 from ..schedules.holders import KernelCall
 from ..schedules.local import local_call
-from .base import CallSpec, Strategy
+from .base import CallSpec, Resolution, Strategy
 from .calls import dlse_or_none, no_max
 
 
@@ -55,10 +54,9 @@ class Local(Strategy):
 
     name = "local"
 
-    def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
-                device: torch.device, shape: Shape, a2a_size: int | None = None,
-                overlap_stages: int | None = None, route: FlashRoute | None = None) -> None:
-        _local_call(plan, mask, block, device, route)
+    def build_tables(self, plan: CPPlan, mask: AttnMask, res: Resolution,
+                     device: torch.device) -> None:
+        _local_call(plan, mask, res.block, device, res.route)
 
     def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
                  ) -> tuple[type[torch.autograd.Function], tuple]:

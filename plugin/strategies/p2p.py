@@ -37,10 +37,8 @@ import torch.distributed as dist
 from ..kernels.merge import merge_attn_partials_
 from ..masks import AttnMask
 from ..plan import CPPlan
-from ..schedules.flash_form import FlashRoute
-from ..schedules.shape import Shape
 from ..schedules.ring import RingTables, p2p_tables
-from .base import CallSpec, Strategy
+from .base import CallSpec, Resolution, Strategy
 from .calls import (Attn, dlse_or_none, global_rank, head_max, no_max, pack_flat,
                     unpack_flat)
 
@@ -205,11 +203,9 @@ class P2P(Strategy):
 
     name = "p2p"
 
-    def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
-                device: torch.device, shape: Shape, a2a_size: int | None = None,
-                overlap_stages: int | None = None, route: FlashRoute | None = None) -> None:
-        rank = plan.cp_rank
-        p2p_tables(plan, mask, block, rank, device, route)
+    def build_tables(self, plan: CPPlan, mask: AttnMask, res: Resolution,
+                     device: torch.device) -> None:
+        p2p_tables(plan, mask, res.block, plan.cp_rank, device, res.route)
 
     def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
                  ) -> tuple[type[torch.autograd.Function], tuple]:

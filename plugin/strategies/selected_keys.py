@@ -40,9 +40,8 @@ from ..kernels.merge import merge_attn_partials_
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..schedules.flash_form import FlashRoute
-from ..schedules.shape import Shape, make_shape
-from ..schedules.staged import Stage, StagedTables, resolve_stages, staged_tables
-from .base import CallSpec, Strategy
+from ..schedules.staged import Stage, StagedTables, staged_tables
+from .base import CallSpec, Resolution, Strategy
 from .calls import Attn, dlse_or_none, head_max, no_max
 
 
@@ -257,17 +256,12 @@ class SelectedKeysStrategy(Strategy):
 
     exchange: Callable[..., Pending]
 
-    def prepare(self, plan: CPPlan, mask: AttnMask, block: tuple[int, int],
-                device: torch.device, shape: Shape, a2a_size: int | None = None,
-                overlap_stages: int | None = None, route: FlashRoute | None = None) -> None:
-        """Build and cache this rank's staged tables and their ``device`` copy (the stage
-        count resolved as ``attention`` will resolve it)."""
-        tables(plan, mask, block, self.name,
-               resolve_stages(plan, mask, self.name, shape, overlap_stages), device, route)
+    def build_tables(self, plan: CPPlan, mask: AttnMask, res: Resolution,
+                     device: torch.device) -> None:
+        """Build and cache this rank's staged tables (``res.stages`` stages) and their
+        ``device`` copy."""
+        tables(plan, mask, res.block, self.name, res.stages, device, res.route)
 
     def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
                  ) -> tuple[type[torch.autograd.Function], tuple]:
-        shape = make_shape(q.shape[1], k.shape[1], q.shape[2], v.shape[2], q.element_size())
-        stages = resolve_stages(spec.plan, spec.attn.mask, self.name, shape,
-                                spec.options.overlap_stages)
-        return StagedKeysAttention, (spec, self, stages)
+        return StagedKeysAttention, (spec, self, spec.res.stages)

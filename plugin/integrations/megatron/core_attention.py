@@ -45,6 +45,7 @@ from ...masks import AttnMask
 from ...plan import CPPlan
 from .options import (CAUSAL_TYPES, VarlenCPOptions, layer_a2a_size, layer_mask,
                       layer_strategy)
+from .planning import tracks_max_logit
 from .rope import apply_plan_rope
 from .sharding import cp_group_and_rank, plan_from_packed_seq_params, sbhd_plan
 
@@ -75,11 +76,6 @@ def _local_heads(config: Any) -> int:
         raise ValueError(f"config.num_attention_heads={config.num_attention_heads} is not "
                          f"divisible by tensor_model_parallel_size={tp}")
     return config.num_attention_heads // tp
-
-
-def _tracks_max_logit(config: Any) -> bool:
-    return bool(getattr(config, "qk_clip", False)
-                or getattr(config, "log_max_attention_logit", False))
 
 
 class VarlenCPCoreAttention(MegatronModule, ContextParallelVarlenAttention):
@@ -120,7 +116,7 @@ class VarlenCPCoreAttention(MegatronModule, ContextParallelVarlenAttention):
         ContextParallelVarlenAttention.__init__(
             self, layer_mask(config, options, layer_number, attn_mask_type),
             options.layer_options(strategy, layer_a2a_size(config, options, strategy)), group,
-            softmax_scale=scale, track_max_logit=_tracks_max_logit(config))
+            softmax_scale=scale, track_max_logit=tracks_max_logit(config))
         self.config = config
         self.varlen_options = options
         self.layer_number = layer_number

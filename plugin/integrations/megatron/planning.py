@@ -73,8 +73,19 @@ def attn_shape(config: Any) -> AttnShape:
         if n % tp:
             raise ValueError(f"config.{name}={n} is not divisible by "
                              f"tensor_model_parallel_size={tp}")
+    # The softmax extras the layers' calls ask for (so the resolution ahead of the step
+    # is the one each call looks up): a sink needs the LSE's gradient, QK-clip (or the
+    # logged max logit) the row max.
     return AttnShape(n_heads=heads // tp, n_kv_heads=groups // tp, head_dim=head_dim,
-                     head_dim_v=head_dim_v, dtype=_dtype(config))
+                     head_dim_v=head_dim_v, dtype=_dtype(config),
+                     lse_grad=getattr(config, "softmax_type", "vanilla") != "vanilla",
+                     row_max=tracks_max_logit(config))
+
+
+def tracks_max_logit(config: Any) -> bool:
+    """Whether the core attention records the max logit (QK-clip, or its logging)."""
+    return bool(getattr(config, "qk_clip", False)
+                or getattr(config, "log_max_attention_logit", False))
 
 
 def model_attention(config: Any, options: VarlenCPOptions | None = None,

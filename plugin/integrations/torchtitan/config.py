@@ -382,7 +382,7 @@ def _finish(config: Any, by_section: dict[str, list[Setting]]) -> Any:
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-    from ...cp_call import check_heads
+    from ...resolve import check_heads
     from .data import SyntheticPackedDataLoader, SyntheticTokenizer
     from .stock import _shape_of
 

@@ -42,6 +42,7 @@ from torchtitan.config.override import OverrideConfig, apply_overrides, derive, 
 from torchtitan.models.common.attention import BaseAttention
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.common.param_init import skip_param_init
+from torchtitan.models.gpt_oss.model import Attention as GptOssAttention
 from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
 from torchtitan.protocols.module import Module
 
@@ -93,6 +94,8 @@ class AttentionLayer:
     fqn: str
     mask: AttnMask
     shape: tuple[int, int, int, int]  # (n_heads, n_kv_heads, head_dim, head_dim_v)
+    lse_grad: bool = False            # a sink (ours, or gpt_oss's out_transform)
+    row_max: bool = False             # the layer tracks its max logit
 
 
 def _shape_of(attn: Any) -> tuple[int, int, int, int]:
@@ -113,7 +116,9 @@ def attention_layers(model_config: Any) -> list[AttentionLayer]:
     for fqn, attn, _, _ in model_config.traverse(BaseAttention.Config):
         inner = attn.inner_attention
         if isinstance(inner, VarlenCPInnerAttention.Config):
-            out.append(AttentionLayer(fqn, inner.mask(), _shape_of(attn)))
+            sinks = inner.softmax_type != "vanilla" or isinstance(attn, GptOssAttention.Config)
+            out.append(AttentionLayer(fqn, inner.mask(), _shape_of(attn), sinks,
+                                      inner.track_max_logit))
     return out
 
 
@@ -125,7 +130,10 @@ def layer_masks(layers: list[AttentionLayer]) -> list[tuple[AttnMask, int]]:
 
 
 def attention_shape(layers: list[AttentionLayer], *, tp: int, dtype: str) -> AttnShape:
-    """The shape every layer's attention call has on this rank (heads split over TP)."""
+    """The shape every layer's attention call has on this rank (heads split over TP), with
+    the softmax extras its layers ask for (so that the resolution made ahead of the step
+    is the one each call looks up; a model whose layers differ there resolves the others
+    at their first call of each batch)."""
     shapes = {layer.shape for layer in layers}
     if len(shapes) != 1:
         raise ValueError(f"varlen_cp: attention layers with different shapes are not supported "
@@ -133,7 +141,9 @@ def attention_shape(layers: list[AttentionLayer], *, tp: int, dtype: str) -> Att
     n_heads, n_kv, head_dim, head_dim_v = shapes.pop()
     return AttnShape(n_heads=max(n_heads // tp, 1), n_kv_heads=max(n_kv // tp, 1),
                      head_dim=head_dim, head_dim_v=head_dim_v,
-                     dtype=DTYPES.get(dtype, torch.float32))
+                     dtype=DTYPES.get(dtype, torch.float32),
+                     lse_grad=any(layer.lse_grad for layer in layers),
+                     row_max=any(layer.row_max for layer in layers))
 
 
 # ------------------------------------------------------------------------ fp32 experts

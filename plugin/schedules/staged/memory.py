@@ -18,7 +18,7 @@ import numpy as np
 from ...masks import AttnMask
 from ...plan import CPPlan
 from ..selected import fetch_counts, pair_counts
-from ..shape import Shape
+from ...shape import AttnShape
 from .routes import gather_stage_rows, stage_counts, transfers
 
 
@@ -190,7 +190,7 @@ def _backward_walk(w: _Walk, have: np.ndarray) -> np.ndarray:
     return live.peak
 
 
-def staged_memory(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, stages: int
+def staged_memory(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape, stages: int
                   ) -> StagedMemory:
     """Host count of the buffers ``selected_keys``' engine allocates, walked in its program
     order (its allocations and frees, mirrored one by one), every rank at once (int64
@@ -204,12 +204,12 @@ def staged_memory(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, stages:
     one = stages == 1 and counts.shape[0] > 0      # one call over local and fetched keys
     own = np.diagonal(fetch_counts(plan, mask).numpy())
     offsets = plan.rank_offsets().numpy()
-    o, g = shape.n_heads * shape.head_dim_v, shape.n_heads * shape.head_dim
+    o, g = shape.n_heads * shape.value_dim, shape.n_heads * shape.head_dim
     w = _Walk(name, plan.cp_size, offsets[1:] - offsets[:-1], counts.sum(2), counts.sum(1),
               own, counts.sum(2) + (own if one else 0),
               (np.diagonal(pair_counts(plan, mask).numpy()) > 0) & (not one), one,
               gather_stage_rows(plan, transfers(stages)) if name == "all_gather" else (),
               b, shape.kv_row, shape.kv_row * 4 // b, o * b, o * 4, g * b, g * 4,
-              (shape.n_kv_heads * shape.head_dim * b, shape.n_kv_heads * shape.head_dim_v * b))
+              (shape.n_kv_heads * shape.head_dim * b, shape.n_kv_heads * shape.value_dim * b))
     fwd, have = _forward_walk(w)
     return StagedMemory(fwd.tolist(), _backward_walk(w, have).tolist(), have.tolist())

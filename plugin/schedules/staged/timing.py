@@ -40,7 +40,7 @@ from ...plan import CPPlan
 from ..cost_model import CostModel, check_model
 from ..keys import host_table, table_key
 from ..selected import fetch_counts, pair_counts
-from ..shape import Shape
+from ...shape import AttnShape
 from .memory import staged_memory
 from .routes import gather_stage_rows, stage_counts, transfers
 
@@ -66,9 +66,9 @@ class StagedTime:
         return self.forward_s + self.backward_s
 
 
-def _flops_per_pair(shape: Shape) -> tuple[float, float]:
+def _flops_per_pair(shape: AttnShape) -> tuple[float, float]:
     """(forward, backward) FLOPs per visible pair, all query heads (as ``auto``)."""
-    d, dv = shape.head_dim, shape.head_dim_v
+    d, dv = shape.head_dim, shape.value_dim
     return 2.0 * (d + dv) * shape.n_heads, (6.0 * d + 4.0 * dv) * shape.n_heads
 
 
@@ -90,16 +90,16 @@ class _Rates:
     elems_q: np.ndarray    # dQ elements per rank
 
 
-def _rates(plan: CPPlan, mask: AttnMask, shape: Shape) -> _Rates:
+def _rates(plan: CPPlan, mask: AttnMask, shape: AttnShape) -> _Rates:
     vis = pair_counts(plan, mask).numpy()
     offsets = plan.rank_offsets().numpy()
     tokens = offsets[1:] - offsets[:-1]
     return _Rates(vis, np.maximum(fetch_counts(plan, mask).numpy(), 1), np.diagonal(vis),
-                  tokens * (shape.n_heads * shape.head_dim_v),
+                  tokens * (shape.n_heads * shape.value_dim),
                   tokens * (shape.n_heads * shape.head_dim))
 
 
-def _simulate(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: CostModel,
+def _simulate(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape, model: CostModel,
               stage_list: tuple[int, ...], r: _Rates) -> dict[int, StagedTime]:
     """``staged_time`` of every S in ``stage_list`` on shared inputs, in one pass: the
     per-stage counts of all S concatenated (one set of numpy operations instead of one per
@@ -147,7 +147,7 @@ def _simulate(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: Cost
 
 
 def _pipelines(spans: list[tuple[int, int, list[float], list[float]]], pairs_all: np.ndarray,
-               r: _Rates, shape: Shape, model: CostModel) -> tuple[list[int], list[int]]:
+               r: _Rates, shape: AttnShape, model: CostModel) -> tuple[list[int], list[int]]:
     """Forward and backward end times (int femtoseconds, slowest rank) of the staged
     pipelines of several stage counts side by side: ``spans`` gives each one's first row and
     stage count in ``pairs_all`` [sum P, cp] and its transfer and return seconds."""
@@ -218,7 +218,7 @@ def _backward_ends(b0: np.ndarray, bb: np.ndarray, back_fs: np.ndarray, n: np.nd
     return np.maximum((start + b0).max(1), returned[pick, n]).tolist()
 
 
-def _simulated(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: CostModel,
+def _simulated(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape, model: CostModel,
                stage_list: tuple[int, ...]) -> dict[int, StagedTime]:
     """:func:`_simulate` with the plan's cached rates."""
     rates = host_table(plan, table_key("staged_rates", mask, None, shape),
@@ -226,7 +226,7 @@ def _simulated(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: Cos
     return _simulate(name, plan, mask, shape, model, stage_list, rates)
 
 
-def staged_time(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: CostModel,
+def staged_time(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape, model: CostModel,
                 stages: int) -> StagedTime:
     """Estimate of ``name`` with ``stages`` stages (module docstring). Integer tables; the
     per-rank pipeline in int64 femtoseconds, every rank at once (no floating tensor is
@@ -236,7 +236,7 @@ def staged_time(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: Co
                       lambda: _simulated(name, plan, mask, shape, model, (stages,))[stages])
 
 
-def staged_times(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: CostModel
+def staged_times(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape, model: CostModel
                  ) -> dict[int, StagedTime]:
     """:func:`staged_time` of every stage count in ``CANDIDATE_STAGES``, simulated together
     (one pass; each also cached as ``staged_time``'s entry)."""
@@ -246,7 +246,7 @@ def staged_times(name: str, plan: CPPlan, mask: AttnMask, shape: Shape, model: C
                           lambda s=s: both[s]) for s in CANDIDATE_STAGES}
 
 
-def default_stages(plan: CPPlan, mask: AttnMask, name: str, shape: Shape,
+def default_stages(plan: CPPlan, mask: AttnMask, name: str, shape: AttnShape,
                    model: CostModel | None = None) -> int:
     """The S in CANDIDATE_STAGES with the least ``staged_time`` (the fewest among those
     within 1% of it) among those whose peak memory (``staged_memory``, max over ranks) is
@@ -270,7 +270,7 @@ def default_stages(plan: CPPlan, mask: AttnMask, name: str, shape: Shape,
                       choose)
 
 
-def resolve_stages(plan: CPPlan, mask: AttnMask, name: str, shape: Shape,
+def resolve_stages(plan: CPPlan, mask: AttnMask, name: str, shape: AttnShape,
                    stages: int | None) -> int:
     """``stages`` when given, else the cost model's default."""
     return default_stages(plan, mask, name, shape) if stages is None else stages

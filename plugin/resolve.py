@@ -1,0 +1,104 @@
+"""One resolution per (plan, mask, options, head shape, device): how a layer's calls run.
+
+``resolve`` is the single place where a CP call is decided: the strategy's head rules (and
+``a2a_size``'s), our kernels' backend and tiles, the FlashAttention route for the calls it
+expresses exactly (``kernels.flash.resolve_flash``), ``auto``'s strategy (closed-form costs
+on the plan), a staged strategy's stage count and the Ulysses group size of "a2a+p2p". Its
+result, a frozen :class:`~varlen_cp.strategies.Resolution`, is cached in the plan, so
+- ahead of the step (``varlen_cp.prepare.prepare_plan`` -> ``attention.prepare_attention``)
+  it decides which host tables the strategy builds;
+- per call (eager, and inside the compiled custom op) the same key finds it: a call then
+  only checks what depends on its tensors (``cp_call.prepare_call``) and the group
+  (:func:`check_group`).
+The inputs are the library's own validated types (``AttnMask``, ``AttnOptions``,
+``AttnShape``: each checked its fields when built), so nothing here re-checks them; the
+public entry points check that they are those types.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .kernels import block_sizes_for
+from .kernels.api import resolve_backend
+from .kernels.flash import resolve_flash
+from .masks import AttnMask
+from .options import AttnOptions
+from .plan import CPPlan
+from .plan.collective import check_group as check_plan_group, check_group_type
+from .schedules.auto import choose_strategy
+from .schedules.flash_form import FlashRoute
+from .schedules.hybrid import default_a2a_size
+from .schedules.staged import resolve_stages
+from .shape import AttnShape
+from .strategies import LOCAL, Resolution, get_strategy
+
+
+def kernel_route(backend: str, device: torch.device, shape: AttnShape
+                 ) -> tuple[str, tuple[int, int], FlashRoute | None, str | None]:
+    """(our kernels' backend, their tiles, the FlashAttention route or None, why none) of
+    ``backend`` for calls of ``shape`` on ``device`` (the part of a resolution that needs
+    no plan; the plan report's coverage reads it too)."""
+    ours = resolve_backend(backend, device)
+    block = tuple(block_sizes_for(ours, device, shape.head_dim, shape.value_dim,
+                                  dtype=shape.dtype))
+    name, why = resolve_flash(backend, device, shape.dtype, shape.head_dim, shape.value_dim,
+                              shape.lse_grad, shape.row_max)
+    route = None if name is None else FlashRoute.of(name, shape.dtype, shape.n_heads,
+                                                    shape.n_kv_heads, shape.head_dim,
+                                                    shape.value_dim)
+    return ours, block, route, why
+
+
+def check_heads(options: AttnOptions, n_heads: int, n_kv_heads: int, cp_size: int) -> None:
+    """The strategy's head rule for these options (the Ulysses split of "a2a", and an
+    ``a2a_size`` that divides cp and splits the heads for "a2a+p2p"): ValueError
+    otherwise. "auto" only considers strategies that fit. Run at every cp, so cp=1
+    debugging catches a rule that cp>1 would break."""
+    if options.strategy != "auto":
+        get_strategy(options.strategy).check_heads(n_heads, n_kv_heads, cp_size,
+                                                   options.a2a_size)
+
+
+def _resolve(plan: CPPlan, mask: AttnMask, options: AttnOptions, shape: AttnShape,
+             device: torch.device) -> Resolution:
+    check_heads(options, shape.n_heads, shape.n_kv_heads, plan.cp_size)
+    backend, block, route, _ = kernel_route(options.backend, device, shape)
+    name = options.strategy
+    if name == "auto" and plan.cp_size > 1:
+        name = choose_strategy(plan, mask, shape)
+    elif name == "auto":
+        name = "p2p"   # cp 1: every strategy is the local op
+    strategy = LOCAL if plan.cp_size == 1 else get_strategy(name)
+    stages = a2a_size = None
+    if strategy.staged:
+        stages = resolve_stages(plan, mask, name, shape, options.overlap_stages)
+    if strategy.name == "a2a+p2p":
+        a2a_size = options.a2a_size
+        if a2a_size is None:
+            a2a_size = default_a2a_size(shape.n_heads, shape.n_kv_heads, plan.cp_size)
+    return Resolution(name, strategy, backend, block, route, shape, stages, a2a_size)
+
+
+def resolve(plan: CPPlan, mask: AttnMask, options: AttnOptions, shape: AttnShape,
+            device: torch.device) -> Resolution:
+    """How calls of ``shape`` with ``mask`` and ``options`` on ``device`` run on ``plan``
+    (module docstring); computed once per plan and key, then a dict lookup. ValueError
+    (before any communication) for a head rule the options break or a backend the device
+    cannot run."""
+    return plan.cached(("resolution", mask, options, shape, device),
+                       lambda: _resolve(plan, mask, options, shape, device))
+
+
+def check_group(group: Any, plan: CPPlan) -> Any:
+    """The CP process group of a call on ``plan`` (``group``, else the default group; None
+    at cp 1 without one), after ``plan.collective.check_group``'s checks: a ProcessGroup
+    of the plan's cp_size in which this process is the plan's rank."""
+    check_group_type(group)
+    if plan.cp_size == 1 and group is None:
+        return None
+    check_plan_group(group, plan.cp_size, plan.cp_rank)
+    return dist.group.WORLD if group is None else group
