@@ -225,8 +225,8 @@ def dual_chunk_pieces(lengths: torch.Tensor, cp_size: int, min_chunk_tokens: int
 def balanced_pieces(lengths: torch.Tensor, cp_size: int, masks: MaskWeights,
                     tile_tokens: int) -> Pieces:
     """The ``balanced`` layout's runs as pieces (no padding)."""
-    rank, doc, start, length = balanced_runs(lengths, cp_size, masks, tile_tokens)
-    return Pieces(rank, doc, start, length, lengths.clone())
+    runs = balanced_runs(lengths.numpy(), cp_size, masks, tile_tokens)  # numpy runs
+    return Pieces(*(torch.from_numpy(x) for x in runs), lengths.clone())
 
 
 def layout_pieces(lengths: torch.Tensor, cp_size: int, spec: LayoutSpec) -> Pieces:
