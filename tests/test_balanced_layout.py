@@ -315,15 +315,15 @@ def test_fold_units_match_dense_count(masks, var) -> None:
     equals a dense count over the positions its runs cover; the units tile every
     document exactly once (folded items, and items in position order split into tail
     blocks and remainders off the tile grid)."""
-    lengths = torch.tensor([150, 7, 64, 97, 200, 33, 1, 129])
+    lengths = np.array([150, 7, 64, 97, 200, 33, 1, 129])  # the solver's arrays are numpy
     mw = B.normalize_masks(masks)
     prof = profile_of(mw, 8)
     units = units_of(cut_items(lengths, prof, 3, var), lengths, prof)
     covered = [[] for _ in lengths]
-    for u in range(units.doc.numel()):
+    for u in range(units.doc.size):
         d = int(units.doc[u])
         length = int(units.a_len[u] + units.b_len[u])
-        m = int(torch.minimum(units.a_len[u], units.b_len[u]))
+        m = int(min(units.a_len[u], units.b_len[u]))
         ut = np.array([u])
         for stop, vec in ((length, units.vec[u]), (2 * m, units.mid[u])):
             runs = [(int(a[0]), int(n[0])) for a, n in unit_runs(units, ut, np.array([0]),

@@ -7,6 +7,12 @@ process group, no device, identical on every rank. Every layer of the
 model shares one plan; derived tables (per-mask schedules, index maps on a device) are
 memoized with :meth:`CPPlan.cached`, so Llama 4's chunked and global layers reuse it.
 
+One array library: ``cu_seqlens`` is checked and converted ONCE, to an int64 numpy array;
+the layouts, the balanced solver and the token tables compute in numpy only. Tensors are
+made where the plan hands its tables out (its attributes and accessors: ``torch.from_numpy``
+views, made once, no copy; index tables for a device, copied once and cached), in the
+dtypes the strategies and kernels have always received.
+
 Invariant every strategy relies on: local segment i of any rank is document i (possibly
 empty); its local tokens are contiguous, ordered by increasing position, padding last.
 
@@ -19,9 +25,9 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import struct
 import sys
 import weakref
+from functools import cached_property
 from typing import Any, Callable
 
 import numpy as np
@@ -42,8 +48,9 @@ MAX_DOC_TOKENS = 1 << 30          # real positions < 2**30 (kernels/validation.p
 MAX_TOTAL_TOKENS = (1 << 31) - 1  # int32 cu_seqlens and row offsets
 
 
-def _check_cu_seqlens(cu: Any) -> torch.Tensor:
-    """Validated copy of the global cu_seqlens as int64 (CPU)."""
+def _check_cu_seqlens(cu: Any) -> np.ndarray:
+    """The global cu_seqlens, validated, as a new int64 numpy array: the one conversion of
+    the plan (everything after it reads this array)."""
     if not isinstance(cu, torch.Tensor):
         raise ValueError(f"cu_seqlens must be a torch.Tensor, got {type(cu).__name__}")
     if cu.device.type != "cpu":
@@ -53,8 +60,7 @@ def _check_cu_seqlens(cu: Any) -> torch.Tensor:
     if cu.dim() != 1 or cu.numel() < 1:
         raise ValueError(f"cu_seqlens must be 1-D with n_docs+1 >= 1 entries, got shape "
                          f"{tuple(cu.shape)}")
-    cu = cu.to(torch.int64).clone()
-    c = cu.numpy()  # the checks in numpy: ~4 torch ops of ~10 us each saved a batch
+    c = cu.numpy().astype(np.int64)  # a copy: the plan never aliases the caller's tensor
     if int(c[0]) != 0:
         raise ValueError(f"cu_seqlens[0] must be 0, got {int(c[0])}")
     steps = c[1:] - c[:-1]
@@ -69,7 +75,7 @@ def _check_cu_seqlens(cu: Any) -> torch.Tensor:
         raise ValueError(f"cu_seqlens: document {i} has {int(steps[i])} tokens, more than "
                          f"the {MAX_DOC_TOKENS} (2**30) the kernels' int32 positions allow")
     _check_total(int(c[-1]), "cu_seqlens")
-    return cu
+    return c
 
 
 def _check_total(total: int, what: str) -> None:
@@ -124,28 +130,42 @@ def mark_token_dim(x: torch.Tensor, dim: int) -> torch.Tensor:
 class CPPlan:
     """Token layout of one packed batch over ``cp_size`` ranks, seen from ``cp_rank``.
 
-    Build with :meth:`build`. Tensors returned by the ``*_of`` accessors are views of the
+    Build with :meth:`build`. Tensors returned by the ``*_of`` accessors and the tensor
+    attributes (``cu_seqlens``, ``doc_lengths``, ``cu_seqlens_padded``) are views of the
     plan's tables: treat them as read-only.
     """
 
-    def __init__(self, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int,
-                 spec: LayoutSpec, padded_lengths: torch.Tensor, tables: TokenTables) -> None:
-        self.cu_seqlens = cu_seqlens
+    def __init__(self, cu_seqlens: np.ndarray, cp_size: int, cp_rank: int,
+                 spec: LayoutSpec, padded_lengths: np.ndarray, tables: TokenTables) -> None:
+        """From :meth:`build`'s checked values: ``cu_seqlens`` and ``padded_lengths`` int64
+        numpy arrays, ``tables`` the layout's token tables (numpy)."""
         self.cp_size = cp_size
         self.cp_rank = cp_rank
         self.layout_spec = spec  # the layout and its options (te: pad_multiple resolved)
         self.layout = spec.name
-        self.n_docs = cu_seqlens.numel() - 1
-        self.doc_lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        self.max_document_length = int(self.doc_lengths.max()) if self.n_docs else 0
+        self.n_docs = cu_seqlens.size - 1
+        self._cu = cu_seqlens
+        self._doc_lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        self.max_document_length = int(self._doc_lengths.max()) if self.n_docs else 0
         self.total_tokens = int(cu_seqlens[-1])
-        self.padded_total_tokens = int(tables.token_index.numel())
-        self.cu_seqlens_padded = torch.cat([torch.zeros(1, dtype=torch.int64),
-                                            torch.cumsum(padded_lengths, 0)])
+        self.padded_total_tokens = int(tables.token_index.size)
+        cu_padded = np.zeros(self.n_docs + 1, dtype=np.int64)
+        np.cumsum(padded_lengths, out=cu_padded[1:])
+        # The public tensors (int64, as they always were): views of the numpy arrays.
+        self.cu_seqlens = torch.from_numpy(cu_seqlens)
+        self.doc_lengths = torch.from_numpy(self._doc_lengths)
+        self.cu_seqlens_padded = torch.from_numpy(cu_padded)
         self._t = tables
+        # The tables the accessors slice, as tensors once (views: no copy).
+        self._token_index = torch.from_numpy(tables.token_index)
+        self._padded_index = (self._token_index if tables.padded_index is tables.token_index
+                              else torch.from_numpy(tables.padded_index))
+        self._position = torch.from_numpy(tables.position)
+        self._local_cu = torch.from_numpy(tables.local_cu)
+        self._rank_offsets = torch.from_numpy(tables.rank_offsets)
         self._offsets = tables.rank_offsets.tolist()
         seg = tables.local_cu[:, 1:] - tables.local_cu[:, :-1]
-        self._max_seg = (seg.amax(1) if self.n_docs else torch.zeros(cp_size)).tolist()
+        self._max_seg = (seg.max(1) if self.n_docs else np.zeros(cp_size, np.int64)).tolist()
         self._cache: dict[Any, Any] = {}
         # A graph input that names this plan (torch.compile: the plan is data, never a
         # guard or a constant; ``varlen_cp.graph_op`` looks it up with plan_of_handle).
@@ -156,7 +176,8 @@ class CPPlan:
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int,
               layout: LayoutSpec | str = "balanced") -> "CPPlan":
-        """Plan the layout of the global batch ``cu_seqlens`` (CPU int [n_docs+1]).
+        """Plan the layout of the global batch ``cu_seqlens`` (CPU int tensor [n_docs+1];
+        checked, then converted once to int64 numpy for all of the planning).
 
         layout: a layout spec (``varlen_cp.plan.Balanced(masks=..., tile_tokens=...)``,
         ``DualChunk(min_chunk_tokens=...)``, ``TE(pad_multiple=...)``, ``Contiguous()``;
@@ -188,21 +209,21 @@ class CPPlan:
 
     def token_indices_of(self, rank: int) -> torch.Tensor:
         """int64 [n_local]: global token index of each of ``rank``'s tokens; -1 = padding."""
-        return self._t.token_index[self._rows(rank)]
+        return self._token_index[self._rows(rank)]
 
     def padded_token_indices_of(self, rank: int) -> torch.Tensor:
         """int64 [n_local]: index in the packed sequence padded per ``cu_seqlens_padded``
         (for ``te``: exactly TransformerEngine's ``thd_get_partitioned_indices``)."""
-        return self._t.padded_index[self._rows(rank)]
+        return self._padded_index[self._rows(rank)]
 
     def positions_of(self, rank: int) -> torch.Tensor:
         """int32 [n_local]: position of each token within its document; -1 = padding."""
-        return self._t.position[self._rows(rank)]
+        return self._position[self._rows(rank)]
 
     def local_cu_seqlens_of(self, rank: int) -> torch.Tensor:
         """int32 [n_docs+1]: local segment i = ``rank``'s tokens of document i."""
         self._rows(rank)
-        return self._t.local_cu[rank]
+        return self._local_cu[rank]
 
     def num_tokens_of(self, rank: int) -> int:
         """Local token count of ``rank`` (padding included)."""
@@ -214,11 +235,13 @@ class CPPlan:
         self._rows(rank)
         return int(self._max_seg[rank])
 
-    @property
+    @cached_property
     def runs(self) -> Runs:
         """Every rank's runs of consecutive real positions (holder = rank), sorted by
-        (rank, doc, start); ``row`` is the run's first local row on its rank. Read-only."""
-        return self._t.runs
+        (rank, doc, start); ``row`` is the run's first local row on its rank (int64
+        tensors, views of the plan's run table). Read-only."""
+        r = self._t.runs
+        return Runs(*(torch.from_numpy(x) for x in (r.rank, r.doc, r.start, r.length, r.row)))
 
     def local_rows_of(self, rank: int) -> slice:
         """``rank``'s rows in the concatenation of every rank's local tokens (the order of
@@ -227,27 +250,32 @@ class CPPlan:
 
     def all_positions(self) -> torch.Tensor:
         """int32 [padded_total]: every rank's local positions, concatenated in rank order."""
-        return self._t.position
+        return self._position
 
     def all_local_cu_seqlens(self) -> torch.Tensor:
         """int32 [cp, n_docs+1]: every rank's local cu_seqlens."""
-        return self._t.local_cu
+        return self._local_cu
 
     def rank_offsets(self) -> torch.Tensor:
         """int64 [cp+1]: each rank's first row in the all-rank tables (``all_positions``)."""
-        return self._t.rank_offsets
+        return self._rank_offsets
 
     def max_local_seqlens(self) -> tuple[int, ...]:
         """Every rank's longest local segment."""
         return tuple(int(x) for x in self._max_seg)
 
     def all_documents(self) -> torch.Tensor:
-        """int64 [padded_total]: the document of every rank's local tokens, in rank order."""
-        return self._t.doc
+        """int64 [padded_total]: the document of every rank's local tokens, in rank order
+        (built on first use)."""
+        return self._documents
+
+    @cached_property
+    def _documents(self) -> torch.Tensor:
+        return torch.from_numpy(self._t.doc)
 
     def all_padded_indices(self) -> torch.Tensor:
         """int64 [padded_total]: the padded global index of every rank's local tokens."""
-        return self._t.padded_index
+        return self._padded_index
 
     @property
     def token_indices(self) -> torch.Tensor:
@@ -274,8 +302,9 @@ class CPPlan:
     def num_real_tokens(self) -> int:
         """This rank's tokens that are not padding (``num_tokens`` less the ``te``
         layout's padding): what a per-token count (tokens seen, routed tokens) adds up."""
+        index = self._t.token_index[self._rows(self.cp_rank)]
         return self.cached(("plan_real_count", self.cp_rank),
-                           lambda: int((self.token_indices >= 0).sum()))
+                           lambda: int(np.count_nonzero(index >= 0)))
 
     def real_rows(self, device: torch.device | str) -> torch.Tensor | None:
         """int64 [num_real_tokens]: the local rows of this rank's real tokens, on
@@ -286,9 +315,9 @@ class CPPlan:
         count, which changes with every batch, is marked dynamic for the same reason."""
         if self.layout != "te":
             return None
-        index = self.token_indices
+        index = self._t.token_index[self._rows(self.cp_rank)]
         rows = self._on("real_rows", torch.device(device),
-                        lambda: torch.nonzero(index >= 0).flatten())
+                        lambda: torch.from_numpy(np.flatnonzero(index >= 0)))
         return mark_token_dim(rows, 0)
 
     # ---- sharding ----------------------------------------------------------------------
@@ -316,10 +345,12 @@ class CPPlan:
         padding tokens are zeros. The token dim is marked dynamic for torch.compile
         (:func:`mark_token_dim`)."""
         dim = self._check_tokens(x, dim, self.total_tokens, "x")
-        index = self.token_indices
-        out = x.index_select(dim, self._on("shard", x.device, lambda: index.clamp(min=0)))
-        if self.num_tokens and bool((index < 0).any()):
-            pad = self._on("shard_pad", x.device, lambda: torch.nonzero(index < 0).flatten())
+        index = self._t.token_index[self._rows(self.cp_rank)]
+        out = x.index_select(dim, self._on("shard", x.device,
+                                           lambda: torch.from_numpy(np.maximum(index, 0))))
+        if self.num_real_tokens < self.num_tokens:  # padding rows: zeros
+            pad = self._on("shard_pad", x.device,
+                           lambda: torch.from_numpy(np.flatnonzero(index < 0)))
             out.index_fill_(dim, pad, 0)
         return mark_token_dim(out, dim)
 
@@ -327,15 +358,15 @@ class CPPlan:
         """Row of every global token in the concatenation of all ranks' local rows, each
         rank's block ``stride`` rows long (``None``: exactly its local count)."""
         t = self._t
-        rows = torch.arange(t.token_index.numel())
+        rows = np.arange(t.token_index.size, dtype=np.int64)
         if stride is not None:
             counts = t.rank_offsets[1:] - t.rank_offsets[:-1]
-            rank = torch.repeat_interleave(torch.arange(self.cp_size), counts)
+            rank = np.repeat(np.arange(self.cp_size, dtype=np.int64), counts)
             rows = rows - t.rank_offsets[rank] + rank * stride
         real = t.token_index >= 0
-        index = torch.empty(self.total_tokens, dtype=torch.int64)
+        index = np.empty(self.total_tokens, dtype=np.int64)
         index[t.token_index[real]] = rows[real]
-        return index
+        return torch.from_numpy(index)
 
     def unshard_parts(self, parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
         """The global tensor (unpadded, global order) from every rank's local part, given
@@ -386,11 +417,10 @@ class CPPlan:
         def compute() -> list[int]:
             # Each run's queries against its whole document, in closed form.
             r = self._t.runs
-            start = r.start.numpy()
-            pairs = pair_work(start, r.stop.numpy(), np.zeros_like(start),
-                                 self.doc_lengths.numpy()[r.doc.numpy()], mask)
+            pairs = pair_work(r.start, r.start + r.length, np.zeros_like(r.start),
+                              self._doc_lengths[r.doc], mask)
             work = np.zeros(self.cp_size, dtype=np.int64)
-            np.add.at(work, r.holder.numpy(), pairs)   # exact int64 sums
+            np.add.at(work, r.rank, pairs)   # exact int64 sums
             return work.tolist()
 
         return self.cached(("plan_work", mask), compute)
@@ -429,5 +459,5 @@ class CPPlan:
         h = hashlib.blake2b(digest_size=8)
         # A spec's repr is its class and fields (masks: AttnMask reprs), no addresses.
         h.update(repr((self.cp_size, self.layout_spec)).encode())
-        h.update(struct.pack(f"<{self.n_docs + 1}q", *self.cu_seqlens.tolist()))
+        h.update(self._cu.astype("<i8", copy=False).tobytes())  # little-endian int64s
         return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)

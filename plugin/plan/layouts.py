@@ -4,6 +4,8 @@ A layout is described by *pieces*: runs of consecutive positions of one document
 rank. Positions here are *padded* positions (only the ``te`` layout pads; a padded position
 at or beyond the document's length is a padding token). ``tables.expand_pieces`` turns pieces
 into per-token tables, so a layout only decides the runs and never touches single tokens.
+numpy only: int64 document lengths in, int64 pieces out (exact integer math, the same on
+every rank).
 
 - ``dual_chunk``: documents of at least ``2 * cp * min_chunk_tokens`` tokens
   ("long") are cut into ``2 * cp`` chunks (sizes differ by at most one token, no padding)
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from .balanced import MaskWeights, balanced_runs
 from .layout_spec import TE, Balanced, Contiguous, DualChunk, LayoutSpec
@@ -51,56 +53,56 @@ from .layout_spec import TE, Balanced, Contiguous, DualChunk, LayoutSpec
 @dataclass(frozen=True)
 class Pieces:
     """Runs of padded positions ``start .. start + length - 1`` of document ``doc`` held by
-    rank ``rank`` (all int64 [P]); ``padded_lengths`` int64 [n_docs] is each document's
-    length including the layout's padding."""
+    rank ``rank`` (all int64 numpy [P]); ``padded_lengths`` int64 [n_docs] is each
+    document's length including the layout's padding."""
 
-    rank: torch.Tensor
-    doc: torch.Tensor
-    start: torch.Tensor
-    length: torch.Tensor
-    padded_lengths: torch.Tensor
+    rank: np.ndarray
+    doc: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    padded_lengths: np.ndarray
 
 
-def _dual_chunk_rank(cp_size: int) -> torch.Tensor:
+def _dual_chunk_rank(cp_size: int) -> np.ndarray:
     """Owner of each of the 2*cp chunks: chunk i -> i for i < cp, else 2*cp-1-i."""
-    i = torch.arange(2 * cp_size)
-    return torch.where(i < cp_size, i, 2 * cp_size - 1 - i)
+    i = np.arange(2 * cp_size, dtype=np.int64)
+    return np.where(i < cp_size, i, 2 * cp_size - 1 - i)
 
 
-def _causal_work(start: torch.Tensor, stop: torch.Tensor) -> torch.Tensor:
+def _causal_work(start: np.ndarray, stop: np.ndarray) -> np.ndarray:
     """Causal visible pairs of the queries at positions [start, stop): sum of (p + 1)."""
     return (stop * (stop + 1) - start * (start + 1)) // 2
 
 
-def contiguous_pieces(lengths: torch.Tensor, cp_size: int) -> Pieces:
+def contiguous_pieces(lengths: np.ndarray, cp_size: int) -> Pieces:
     """Rank r holds packed tokens [r*T//cp, (r+1)*T//cp): slice sizes differ by <= 1."""
-    cu = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
+    cu = np.concatenate([np.zeros(1, np.int64), np.cumsum(lengths)])
     total = int(cu[-1])
-    bounds = torch.arange(cp_size + 1, dtype=torch.int64) * total // cp_size
+    bounds = np.arange(cp_size + 1, dtype=np.int64) * total // cp_size
     # Every run ends at a document boundary or a slice boundary, whichever comes first.
-    points = torch.unique(torch.cat([cu, bounds]))
+    points = np.unique(np.concatenate([cu, bounds]))
     first, stop = points[:-1], points[1:]
-    # right=True skips zero-length documents / empty slices that share the same start.
-    doc = torch.searchsorted(cu, first, right=True) - 1
-    rank = torch.searchsorted(bounds, first, right=True) - 1
-    return Pieces(rank, doc, first - cu[doc], stop - first, lengths.clone())
+    # side="right" skips zero-length documents / empty slices that share the same start.
+    doc = np.searchsorted(cu, first, side="right") - 1
+    rank = np.searchsorted(bounds, first, side="right") - 1
+    return Pieces(rank, doc, first - cu[doc], stop - first, lengths.copy())
 
 
-def te_pieces(lengths: torch.Tensor, cp_size: int, pad_multiple: int) -> Pieces:
+def te_pieces(lengths: np.ndarray, cp_size: int, pad_multiple: int) -> Pieces:
     """TransformerEngine's padded dual-chunk layout (see the module docstring)."""
     n_chunks = 2 * cp_size
     padded = (lengths + pad_multiple - 1) // pad_multiple * pad_multiple
     chunk = padded // n_chunks  # [n_docs]; exact because pad_multiple % (2*cp) == 0
-    n_docs = lengths.numel()
-    i = torch.arange(n_chunks).expand(n_docs, n_chunks)
-    rank = _dual_chunk_rank(cp_size).expand(n_docs, n_chunks)
-    doc = torch.arange(n_docs).unsqueeze(1).expand(n_docs, n_chunks)
-    start = i * chunk.unsqueeze(1)
-    length = chunk.unsqueeze(1).expand(n_docs, n_chunks)
-    return Pieces(rank.flatten(), doc.flatten(), start.flatten(), length.flatten(), padded)
+    n_docs = lengths.size
+    shape = (n_docs, n_chunks)
+    rank = np.broadcast_to(_dual_chunk_rank(cp_size), shape).ravel()
+    doc = np.repeat(np.arange(n_docs, dtype=np.int64), n_chunks)
+    start = (np.arange(n_chunks, dtype=np.int64) * chunk[:, None]).ravel()
+    length = np.repeat(chunk, n_chunks)
+    return Pieces(rank, doc, start, length, padded)
 
 
-def _dual_chunk_sizes(lengths: torch.Tensor, cp_size: int) -> torch.Tensor:
+def _dual_chunk_sizes(lengths: np.ndarray, cp_size: int) -> np.ndarray:
     """Chunk sizes [n_long, 2*cp] of each long document: floor or ceil of L / (2*cp).
 
     The ``L % (2*cp)`` leftover tokens are dealt to rank pairs (chunk r, chunk 2*cp-1-r)
@@ -113,13 +115,13 @@ def _dual_chunk_sizes(lengths: torch.Tensor, cp_size: int) -> torch.Tensor:
     extra = lengths % n_chunks
     both = extra // cp_size  # 1 when every pair gets one extra token in each chunk
     rem = extra % cp_size  # pairs that get one more token, dealt round-robin
-    offset = (torch.cumsum(rem, 0) - rem) % cp_size
-    pair = torch.arange(cp_size)
-    turn = (pair.unsqueeze(0) - offset.unsqueeze(1)) % cp_size
-    per_pair = both.unsqueeze(1) + (turn < rem.unsqueeze(1)).to(torch.int64)  # 0, 1 or 2
-    front = base.unsqueeze(1) + (per_pair >= 1).to(torch.int64)  # chunk r
-    back = base.unsqueeze(1) + (per_pair >= 2).to(torch.int64)  # chunk 2*cp-1-r
-    return torch.cat([front, back.flip(1)], dim=1)
+    offset = (np.cumsum(rem) - rem) % cp_size
+    pair = np.arange(cp_size, dtype=np.int64)
+    turn = (pair[None, :] - offset[:, None]) % cp_size
+    per_pair = both[:, None] + (turn < rem[:, None])  # 0, 1 or 2
+    front = base[:, None] + (per_pair >= 1)  # chunk r
+    back = base[:, None] + (per_pair >= 2)  # chunk 2*cp-1-r
+    return np.concatenate([front, back[:, ::-1]], axis=1)
 
 
 def spread_limit(total: int, cp_size: int, min_chunk_tokens: int) -> int:
@@ -185,24 +187,26 @@ def _greedy_owner(items: list[tuple[int, list[tuple[int, int]]]], work: list[int
     return owner
 
 
-def dual_chunk_pieces(lengths: torch.Tensor, cp_size: int, min_chunk_tokens: int) -> Pieces:
+def dual_chunk_pieces(lengths: np.ndarray, cp_size: int, min_chunk_tokens: int) -> Pieces:
     """Load-balanced dual-chunk layout without padding (see the module docstring)."""
     n_chunks = 2 * cp_size
     is_long = lengths >= n_chunks * min_chunk_tokens
-    long_docs = torch.nonzero(is_long).flatten()
-    n_long = long_docs.numel()
+    long_docs = np.flatnonzero(is_long)
+    n_long = long_docs.size
     size = _dual_chunk_sizes(lengths[long_docs], cp_size)
-    start = torch.cumsum(size, 1) - size
-    rank = _dual_chunk_rank(cp_size).expand(n_long, n_chunks).flatten()
-    work = torch.zeros(cp_size, dtype=torch.int64).scatter_add_(
-        0, rank, _causal_work(start, start + size).flatten())
-    tokens = torch.zeros(cp_size, dtype=torch.int64).scatter_add_(0, rank, size.flatten())
+    start = np.cumsum(size, 1) - size
+    rank = np.broadcast_to(_dual_chunk_rank(cp_size), (n_long, n_chunks)).ravel()
+    # Rank r holds chunks r and 2*cp-1-r of every long document: exact int64 sums per
+    # column (no scatter).
+    cw = _causal_work(start, start + size)
+    work = cw[:, :cp_size].sum(0) + cw[:, cp_size:][:, ::-1].sum(0)
+    tokens = size[:, :cp_size].sum(0) + size[:, cp_size:][:, ::-1].sum(0)
 
     # Zero-length documents hold no tokens: they need no piece (their local segments are
     # empty on every rank).
     total = int(lengths.sum())
     limit = spread_limit(total, cp_size, min_chunk_tokens)
-    rest = torch.nonzero(~is_long & (lengths > 0)).flatten()
+    rest = np.flatnonzero(~is_long & (lengths > 0))
     items = []
     for doc, length in zip(rest.tolist(), lengths[rest].tolist()):
         n_pairs = min(-(-length // limit), length // (2 * min_chunk_tokens), cp_size)
@@ -212,26 +216,26 @@ def dual_chunk_pieces(lengths: torch.Tensor, cp_size: int, min_chunk_tokens: int
             items.append((doc, [(0, length)]))
     owner = _greedy_owner(items, work.tolist(), tokens.tolist(), total)
     runs = [(r, doc, s, n) for r, (doc, item) in zip(owner, items) for s, n in item]
-    extra = torch.tensor(runs, dtype=torch.int64).view(-1, 4)
+    extra = np.array(runs, dtype=np.int64).reshape(-1, 4)
     return Pieces(
-        rank=torch.cat([rank, extra[:, 0]]),
-        doc=torch.cat([long_docs.unsqueeze(1).expand(n_long, n_chunks).flatten(), extra[:, 1]]),
-        start=torch.cat([start.flatten(), extra[:, 2]]),
-        length=torch.cat([size.flatten(), extra[:, 3]]),
-        padded_lengths=lengths.clone(),
+        rank=np.concatenate([rank, extra[:, 0]]),
+        doc=np.concatenate([np.repeat(long_docs, n_chunks), extra[:, 1]]),
+        start=np.concatenate([start.ravel(), extra[:, 2]]),
+        length=np.concatenate([size.ravel(), extra[:, 3]]),
+        padded_lengths=lengths.copy(),
     )
 
 
-def balanced_pieces(lengths: torch.Tensor, cp_size: int, masks: MaskWeights,
+def balanced_pieces(lengths: np.ndarray, cp_size: int, masks: MaskWeights,
                     tile_tokens: int) -> Pieces:
     """The ``balanced`` layout's runs as pieces (no padding)."""
     rank, doc, start, length = balanced_runs(lengths, cp_size, masks, tile_tokens)
-    return Pieces(rank, doc, start, length, lengths.clone())
+    return Pieces(rank, doc, start, length, lengths.copy())
 
 
-def layout_pieces(lengths: torch.Tensor, cp_size: int, spec: LayoutSpec) -> Pieces:
+def layout_pieces(lengths: np.ndarray, cp_size: int, spec: LayoutSpec) -> Pieces:
     """Pieces of the layout ``spec`` (``te``: its ``pad_multiple`` resolved) for documents
-    of ``lengths`` (int64, CPU); inputs validated."""
+    of ``lengths`` (int64 numpy); inputs validated."""
     if isinstance(spec, Balanced):
         return balanced_pieces(lengths, cp_size, spec.masks, spec.tile_tokens)
     if isinstance(spec, DualChunk):

@@ -16,7 +16,10 @@ Three facts from docs/design.md's mask table make runs enough:
   (:func:`pair_work`), piecewise-quadratic in the ends, split at chunk edges.
 
 Everything is int64 host math over arrays of runs (no Python loop over runs, documents or
-rank pairs). Limits: positions must stay below 2^40 (mask_math's UNBOUNDED).
+rank pairs). The plan keeps its runs as numpy (``tables.RunTable``); :class:`Runs` is the
+tensor form ``CPPlan.runs`` hands to the schedules, and :func:`per_token` a helper of theirs
+on it (torch, as the schedules' selections are). Limits: positions must stay below 2^40
+(mask_math's UNBOUNDED).
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ STRIDE = 1 << 42
 
 @dataclass(frozen=True)
 class Runs:
-    """Runs sorted by (holder, doc, start), all int64 [R]; ``row`` is the run's first
-    token's row among its holder's local tokens (its order there), ``length`` > 0."""
+    """Runs sorted by (holder, doc, start), all int64 tensors [R]; ``row`` is the run's
+    first token's row among its holder's local tokens (its order there), ``length`` > 0."""
 
     holder: torch.Tensor
     doc: torch.Tensor

@@ -2,7 +2,9 @@
 
 All ranks' tables live in one concatenation (rank r's local tokens are rows
 ``rank_offsets[r]:rank_offsets[r+1]``) so that building them is a handful of vectorized ops
-over the global token count, with no per-token or per-rank Python loop. Host (CPU) only.
+over the global token count, with no per-token or per-rank Python loop. Host (CPU) only,
+numpy only: the plan (``cpplan.py``) hands them out as tensors (``torch.from_numpy`` views,
+no copy).
 
 Local order: pieces sorted by (rank, document, start), so each document's local tokens are
 contiguous, documents appear in global order, positions increase, and padding (only at a
@@ -15,15 +17,26 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-import torch
 
 from .layouts import Pieces
-from .runs import Runs
+
+
+@dataclass(frozen=True)
+class RunTable:
+    """The layout's pieces in local order, real tokens only, all int64 [R]: a rank's runs of
+    consecutive real positions of one document (the plan hands them out as
+    ``runs.Runs``, holder = rank)."""
+
+    rank: np.ndarray
+    doc: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    row: np.ndarray  # local row of the run's first token on its rank
 
 
 @dataclass(frozen=True)
 class TokenTables:
-    """Every rank's local tokens, concatenated in rank order.
+    """Every rank's local tokens, concatenated in rank order (numpy).
 
     rank_offsets:  int64 [cp+1].
     token_index:   int64 [N] global (unpadded) token index, -1 for padding.
@@ -31,26 +44,25 @@ class TokenTables:
                    (TransformerEngine's / Megatron's padded THD indexing for ``te``).
     position:      int32 [N] position within the document, -1 for padding.
     local_cu:      int32 [cp, n_docs+1] local cu_seqlens of each rank.
-    runs:          the layout's pieces in local order, real tokens only (``runs.Runs``:
-                   holder = rank, row = local row of the run's first token).
+    runs:          the layout's pieces in local order, real tokens only (:class:`RunTable`).
     piece_doc, piece_count: the merged pieces' documents and token counts (local order).
     doc:           int64 [N] document of each token, built on first use (only the
                    Ulysses schedules read it: 1 MB and a pass at 128K tokens saved for
                    the others).
     """
 
-    rank_offsets: torch.Tensor
-    token_index: torch.Tensor
-    padded_index: torch.Tensor
-    position: torch.Tensor
-    local_cu: torch.Tensor
-    runs: Runs
+    rank_offsets: np.ndarray
+    token_index: np.ndarray
+    padded_index: np.ndarray
+    position: np.ndarray
+    local_cu: np.ndarray
+    runs: RunTable
     piece_doc: np.ndarray
     piece_count: np.ndarray
 
     @cached_property
-    def doc(self) -> torch.Tensor:
-        return torch.from_numpy(np.repeat(self.piece_doc, self.piece_count))
+    def doc(self) -> np.ndarray:
+        return np.repeat(self.piece_doc, self.piece_count)
 
 
 def _local_order(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, n_docs: int,
@@ -104,16 +116,15 @@ def _ramp(first_value: np.ndarray, first_row: np.ndarray, count: np.ndarray,
     return out
 
 
-def expand_pieces(p: Pieces, lengths: torch.Tensor, cp_size: int) -> TokenTables:
-    """Token tables of pieces ``p`` over documents of ``lengths`` (int64 [n_docs]).
+def expand_pieces(p: Pieces, lengths_np: np.ndarray, cp_size: int) -> TokenTables:
+    """Token tables of pieces ``p`` over documents of ``lengths_np`` (int64 [n_docs]).
 
-    numpy inside (tensors in and out): per-piece values, then each per-token table (two
-    without padding: token index and position) one in-place pass, :func:`_ramp`. Pieces
-    that come sorted (``balanced``'s runs) are not sorted again. 128K tokens, cp 8, in the
-    build: ~2.2 ms -> ~0.5 ms (most of the old time was page faults on temporaries)."""
-    rank, doc, start, count = (p.rank.numpy(), p.doc.numpy(), p.start.numpy(),
-                               p.length.numpy())
-    lengths_np, padded_np = lengths.numpy(), p.padded_lengths.numpy()
+    Per-piece values, then each per-token table (two without padding: token index and
+    position) one in-place pass, :func:`_ramp`. Pieces that come sorted (``balanced``'s
+    runs) are not sorted again. 128K tokens, cp 8, in the build: ~2.2 ms -> ~0.5 ms (most
+    of the old time was page faults on temporaries)."""
+    rank, doc, start, count = p.rank, p.doc, p.start, p.length
+    padded_np = p.padded_lengths
     n_docs = lengths_np.size
     order = _local_order(rank, doc, start, n_docs, padded_np)
     if order is not None:
@@ -138,9 +149,8 @@ def expand_pieces(p: Pieces, lengths: torch.Tensor, cp_size: int) -> TokenTables
     # Real part of each piece (``te`` pads at a document's end, so padding trails a piece).
     real_len = np.maximum(np.minimum(start + count, lengths_np[doc]) - start, 0)
     keep = real_len > 0
-    runs = Runs(*(torch.from_numpy(x) for x in (
-        rank[keep], doc[keep], start[keep], real_len[keep],
-        (first_row - rank_offsets[rank])[keep])))
+    runs = RunTable(rank[keep], doc[keep], start[keep], real_len[keep],
+                    (first_row - rank_offsets[rank])[keep])
     if np.array_equal(padded_np, lengths_np):   # no padding (every layout but te)
         token_index = _ramp(cu[doc] + start, first_row, count, n_tokens, np.int64)
         position = _ramp(start, first_row, count, n_tokens, np.int32)
@@ -154,11 +164,11 @@ def expand_pieces(p: Pieces, lengths: torch.Tensor, cp_size: int) -> TokenTables
         padded_index = _ramp(cu_padded[doc] + start, first_row, count, n_tokens, np.int64)
         position = np.where(real, padded_pos, -1).astype(np.int32)
     return TokenTables(
-        rank_offsets=torch.from_numpy(rank_offsets),
-        token_index=torch.from_numpy(token_index),
-        padded_index=torch.from_numpy(padded_index),
-        position=torch.from_numpy(position),
-        local_cu=torch.from_numpy(local_cu),
+        rank_offsets=rank_offsets,
+        token_index=token_index,
+        padded_index=padded_index,
+        position=position,
+        local_cu=local_cu,
         runs=runs,
         piece_doc=doc,
         piece_count=count,

@@ -6,10 +6,10 @@ global causal x1) or a Gemma-style one (window (4096, 0) x5 : causal x1) needs e
 balanced by one token layout, not a weighted sum. Targets: each mask's work (visible
 query-key pairs of a rank's queries) within 3% of its mean over ranks, tokens within 2%,
 no padding. Layer counts (the masks' weights) only set priorities: a snap error goes to the
-masks of fewer layers first. Host (CPU), vectorized, deterministic: tensors in and out,
-numpy inside (the solver runs ~1000 ops a batch on arrays of 1 to a few thousand elements,
-where a numpy op costs ~0.5-1 us and a torch op 1.5-6 us), float reductions and products
-left in torch so that every layout is the same to the bit as with the torch solver.
+masks of fewer layers first. Host (CPU), vectorized, deterministic, numpy only (int64
+positions and counts, float64 work; arrays in and out): the solver runs ~1000 ops a batch
+on arrays of 1 to a few thousand elements, where a numpy op costs ~0.5-1 us and a torch op
+1.5-6 us. The plan (``plan/cpplan.py``) makes tensors of its tables; nothing here does.
 
 A rank holding part of a document fetches the keys its queries see and it does not hold:
 for a causal layer everything before its first position, for a window one window, for
@@ -82,11 +82,11 @@ Worked example (a test runs it): a Llama 4-like model with chunks of 16 (chunked
 causal x1), tiles of 4, cp 2, documents of 40, 13, 8 and 13 tokens. Each rank's share is
 37 tokens, 263 chunked and 519 causal pairs.
 
->>> import torch
+>>> import numpy as np
 >>> from varlen_cp import AttnMask
 >>> from varlen_cp.plan.balanced import balanced_runs, normalize_masks, prefix_work
 >>> masks = normalize_masks([(AttnMask(chunk_size=16), 3), (AttnMask(), 1)])
->>> lengths = torch.tensor([40, 13, 8, 13])
+>>> lengths = np.array([40, 13, 8, 13])
 >>> [prefix_work(lengths, lengths, m).tolist() for m, _ in masks]  # chunked, causal
 [[308, 91, 36, 91], [820, 91, 36, 91]]
 
@@ -124,7 +124,7 @@ so cutting the body list by excess (two units a rank) balances both:
 >>> from varlen_cp.plan.balanced.units import units_of
 >>> from varlen_cp.plan.balanced.variants import Variant
 >>> units = units_of(cut_items(lengths, prof, 2, Variant()), lengths, prof)
->>> body = units.body.nonzero().flatten()
+>>> body = np.flatnonzero(units.body)
 >>> list(zip(units.a_start[body].tolist(), units.b_start[body].tolist()))  # tile a, b
 [(8, 36), (12, 32), (16, 28), (20, 24)]
 >>> units.vec[body].tolist()  # tokens, chunked, causal of each unit

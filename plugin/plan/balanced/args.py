@@ -13,7 +13,6 @@ import math
 from typing import Any
 
 import numpy as np
-import torch
 
 from ...masks import AttnMask
 from ..runs import prefix_pairs
@@ -54,11 +53,11 @@ def normalize_masks(masks: Any) -> MaskWeights:
     return tuple(out)
 
 
-def prefix_work(doc_len: torch.Tensor, stop: torch.Tensor, mask: AttnMask) -> torch.Tensor:
+def prefix_work(doc_len: Any, stop: Any, mask: AttnMask) -> np.ndarray:
     """int64: visible pairs of the queries at positions [0, stop) of documents of
     ``doc_len`` tokens (all keys of the document) under ``mask``; elementwise, 0 <= stop <=
-    doc_len. Closed form per mask, checked against a dense count in the tests. Evaluated
-    in numpy (``runs.prefix_pairs``, the same integer math): the solver calls it on
-    arrays of a few elements, where numpy's per-op cost is a third of torch's."""
-    return torch.from_numpy(np.asarray(prefix_pairs(
-        doc_len.to(torch.int64).numpy(), stop.to(torch.int64).numpy(), mask)))
+    doc_len (integer arrays, or anything ``np.asarray`` takes, such as a CPU tensor).
+    Closed form per mask (``runs.prefix_pairs``), checked against a dense count in the
+    tests."""
+    return np.asarray(prefix_pairs(np.asarray(doc_len, dtype=np.int64),
+                                   np.asarray(stop, dtype=np.int64), mask))

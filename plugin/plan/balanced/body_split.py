@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from .profile import Profile
 from .segments import excess_of
@@ -37,14 +36,14 @@ def _last_true(lo: np.ndarray, hi: np.ndarray, pred: Any) -> np.ndarray:
     return lo
 
 
-def tail_split(lengths: torch.Tensor, prof: Profile, cp: int, doc: np.ndarray,
+def tail_split(lengths: np.ndarray, prof: Profile, cp: int, doc: np.ndarray,
                start: np.ndarray, end: np.ndarray, memo: dict
                ) -> tuple[np.ndarray, np.ndarray]:
     """(p, n) per body [start, end): the excess of [p, end) is n whole rank shares (n =
     floor of the body's excess in shares), p the largest position with at least that much
     (p = end when n = 0)."""
     excess, total = excess_of(lengths, prof, memo)
-    dl = lengths.numpy()[doc]
+    dl = lengths[doc]
     share = total / cp
     n = np.floor(excess(start, end, dl) / share * (1 + 1e-12)).astype(np.int64)
     want = n.astype(np.float64) * share
@@ -52,13 +51,13 @@ def tail_split(lengths: torch.Tensor, prof: Profile, cp: int, doc: np.ndarray,
     return p, n
 
 
-def density_split(lengths: torch.Tensor, prof: Profile, doc: np.ndarray,
+def density_split(lengths: np.ndarray, prof: Profile, doc: np.ndarray,
                   start: np.ndarray, end: np.ndarray, memo: dict) -> np.ndarray:
     """Per body [start, end): the first position whose token carries at least the bodies'
     mean excess per token. With every mask looking left a token's work depends on its
     position only, and grows with it, so one search over positions serves all bodies."""
     excess, _ = excess_of(lengths, prof, memo)
-    dl = lengths.numpy()[doc]
+    dl = lengths[doc]
     mean = float(excess(start, end, dl).sum()) / max(float((end - start).sum()), 1.0)
     top = int(lengths.max())
     # First position p with excess(p, p+1) >= mean: a coarse grid, then the bracket.

@@ -24,7 +24,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from ..runs import prefix_pairs
 from .body_split import density_split, tail_split
@@ -42,17 +41,17 @@ TAIL_BLOCK, REMAINDER = 1, 2
 
 @dataclass
 class Items:
-    """Items [I] (int64 unless noted): filler first, then bodies."""
+    """Items [I] (numpy, int64 unless noted): filler first, then bodies."""
 
-    doc: torch.Tensor
-    start: torch.Tensor
-    end: torch.Tensor
-    kind: torch.Tensor  # MIRRORED / CHUNK_PAIRS / POSITION_ORDER
-    body: torch.Tensor  # bool: carries excess work (phase 1) vs filler (phase 2)
-    block: torch.Tensor  # TAIL_BLOCK / REMAINDER for the bodies of "blocks" / "split", else 0
+    doc: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    kind: np.ndarray  # MIRRORED / CHUNK_PAIRS / POSITION_ORDER
+    body: np.ndarray  # bool: carries excess work (phase 1) vs filler (phase 2)
+    block: np.ndarray  # TAIL_BLOCK / REMAINDER for the bodies of "blocks" / "split", else 0
 
 
-def cut_items(lengths: torch.Tensor, prof: Profile, cp: int, var: Variant,
+def cut_items(lengths: np.ndarray, prof: Profile, cp: int, var: Variant,
               memo: dict | None = None) -> Items:
     """Cut the documents into filler items (short documents, heads) and bodies.
 
@@ -97,7 +96,7 @@ def cut_items(lengths: torch.Tensor, prof: Profile, cp: int, var: Variant,
                            kind]),
            np.concatenate([np.zeros(n_f, dtype=bool), np.full(n_b, excess, dtype=bool)]),
            np.concatenate([np.zeros(n_f, dtype=np.int64), block]))
-    return Items(*(torch.from_numpy(x) for x in out))
+    return Items(*out)
 
 
 def _heads(prof: Profile, blocks: bool, start: np.ndarray, end: np.ndarray,
@@ -122,7 +121,7 @@ def _heads(prof: Profile, blocks: bool, start: np.ndarray, end: np.ndarray,
     return h, tail, ends
 
 
-def _split_bodies(lengths: torch.Tensor, prof: Profile, cp: int, var: Variant,
+def _split_bodies(lengths: np.ndarray, prof: Profile, cp: int, var: Variant,
                   blocks: bool, n_long: int, b_doc: np.ndarray, b_start: np.ndarray,
                   b_end: np.ndarray, memo: dict) -> tuple[np.ndarray, ...]:
     """The body items (the first ``n_long`` are the long segments' bodies) with their
@@ -145,7 +144,7 @@ def _split_bodies(lengths: torch.Tensor, prof: Profile, cp: int, var: Variant,
                           b_end[:n_long], memo)
         if _MINLATE > 0:
             excess, tot_e = excess_of(lengths, prof, memo)
-            small = (excess(p, b_end[:n_long], lengths.numpy()[b_doc[:n_long]])
+            small = (excess(p, b_end[:n_long], lengths[b_doc[:n_long]])
                      < _MINLATE * tot_e / cp)
             p = np.where(small, b_end[:n_long], p)
         tail = np.flatnonzero(p < b_end[:n_long])
@@ -160,7 +159,7 @@ def _split_bodies(lengths: torch.Tensor, prof: Profile, cp: int, var: Variant,
     return b_doc, b_start, b_end, np.full(n_b, POSITION_ORDER, dtype=np.int64), block
 
 
-def _filler_kinds(lengths: torch.Tensor, prof: Profile, cp: int, var: Variant,
+def _filler_kinds(lengths: np.ndarray, prof: Profile, cp: int, var: Variant,
                   f_doc: np.ndarray, f_start: np.ndarray, f_end: np.ndarray,
                   memo: dict) -> np.ndarray:
     """How each filler item is walked: in position order (``var.fill == "prefix"``),
@@ -173,7 +172,7 @@ def _filler_kinds(lengths: torch.Tensor, prof: Profile, cp: int, var: Variant,
     f_kind = np.full(n_f, POSITION_ORDER, dtype=np.int64)
     if var.big < math.inf:
         m0 = prof.masks[0]
-        fl = lengths.numpy()[f_doc]
+        fl = lengths[f_doc]
         w = (prefix_pairs(fl, f_end, m0) - prefix_pairs(fl, f_start, m0)
              ).astype(np.float64)
         share = float(doc_work(lengths, prof, memo)[:, 0].sum()) / cp

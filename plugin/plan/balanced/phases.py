@@ -16,7 +16,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from .items import REMAINDER, TAIL_BLOCK, Items
 from .profile import Profile, excess_functional
@@ -61,8 +60,8 @@ class _Setup:
 
     n_items: int
     is_body: np.ndarray       # [units] bool
-    total: torch.Tensor       # [1+M] tokens and each mask's work
-    share: list[float]        # total / cp (torch's division, as plain floats)
+    total: np.ndarray         # [1+M] float64: tokens and each mask's work
+    share: list[float]        # total / cp
     k: np.ndarray             # rank boundaries 0..cp (int64)
     n_tok: np.ndarray         # token targets: floor(k T / cp)
     tok_budget: float
@@ -71,42 +70,41 @@ class _Setup:
     doc_order: np.ndarray     # [items] rank of each item in document order
     item_t: np.ndarray        # [items] tokens (float64)
     u_item: np.ndarray        # [units] item of each unit
-    phi: torch.Tensor | None  # the excess functional (None without excess)
+    phi: np.ndarray | None    # the excess functional (None without excess)
     item_phi: np.ndarray | None  # [items] its sum per item
     fail: "Layout"
 
     @property
     def n_masks(self) -> int:
-        return self.total.numel() - 1
+        return self.total.size - 1
 
 
 def _setup(units: Units, prof: Profile, cp: int) -> _Setup:
     """Targets and orders of ``units`` for ``cp`` ranks (the same for every attempt on
     these units: solve.py keeps one per units)."""
-    u_item = units.item.numpy()
+    u_item = units.item
     n_items = int(u_item.max()) + 1 if u_item.size else 0
-    total = units.vec.sum(0)  # [1+M]; torch's summation order, as before
-    total_np = total.numpy()
-    T = float(total_np[0])
+    total = units.vec.sum(0)  # [1+M]
+    T = float(total[0])
     k = np.arange(cp + 1, dtype=np.int64)
     # Items in document order (items are numbered filler first, bodies after; every item
     # has units, and its first position is unique).
     first = np.full(n_items, np.iinfo(np.int64).max, dtype=np.int64)
-    np.minimum.at(first, u_item, units.doc.numpy() * (1 << 40) + units.a_start.numpy())
+    np.minimum.at(first, u_item, units.doc * (1 << 40) + units.a_start)
     doc_order = np.empty(n_items, dtype=np.int64)
     doc_order[first.argsort(kind="stable")] = np.arange(n_items)
-    fail = Layout([], [], np.full((cp, total.numel()), math.inf, dtype=np.float64))
+    fail = Layout([], [], np.full((cp, total.size), math.inf, dtype=np.float64))
     # The filler column: the mask with least work (its relative errors are the largest).
     phi = excess_functional(prof, total) if prof.excess.shape[0] else None
-    return _Setup(n_items, units.body.numpy() & (prof.excess.shape[0] > 0), total,
+    return _Setup(n_items, units.body & (prof.excess.shape[0] > 0), total,
                   (total / cp).tolist(), k, k * int(T) // cp, _TOKEN_BUDGET * T / cp,
-                  1 + int(np.argmin(total_np[1:])), first, doc_order,
+                  1 + int(np.argmin(total[1:])), first, doc_order,
                   item_sums(units, n_items, 0), u_item, phi,
                   None if phi is None else item_sums(units, n_items, phi), fail)
 
 
 def solve_attempt(units: Units, prof: Profile, cp: int, var: Variant, items: Items,
-                  lengths: torch.Tensor, cache: dict | None = None) -> Layout:
+                  lengths: np.ndarray, cache: dict | None = None) -> Layout:
     """Phase 1 (bodies: the excess work) then phase 2 (filler: tokens and the rest).
 
     Bodies (``var``): one list spread by excess per token and cut by excess alone (a
@@ -120,14 +118,14 @@ def solve_attempt(units: Units, prof: Profile, cp: int, var: Variant, items: Ite
         cache["setup"] = _setup(units, prof, cp)
     st = cache["setup"]
     lists, cuts = [], []
-    b_val = np.zeros((cp + 1, st.total.numel()), dtype=np.float64)
+    b_val = np.zeros((cp + 1, st.total.size), dtype=np.float64)
     if prof.excess.shape[0] and bool(st.is_body.any()):
         lists, cuts, b_val = _cut_bodies(units, prof, cp, var, st, lengths)
     return _cut_filler(units, prof, var, items, lengths, st, lists, cuts, b_val, cache)
 
 
 def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
-                lengths: torch.Tensor) -> tuple[list, list, np.ndarray]:
+                lengths: np.ndarray) -> tuple[list, list, np.ndarray]:
     """Phase 1: bodies, cut so that every rank gets 1/cp of the excess work: (lists, cuts,
     the cumulative vector [cp+1, 1+M] they give the rank boundaries)."""
     is_body, k, tok_budget = st.is_body, st.k, st.tok_budget
@@ -138,7 +136,7 @@ def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
     if var.body == "split":
         # Late parts (dense in excess) and early parts, in position order and document
         # order, cut rank by rank to equal tokens and excess.
-        late = is_body & (units.block.numpy() == TAIL_BLOCK)
+        late = is_body & (units.block == TAIL_BLOCK)
         dense = new_list(units, unit_order(units, late, st.doc_order), tok_budget)
         sparse = new_list(units, unit_order(units, is_body & ~late, st.doc_order), tok_budget)
         t_b = dense.total + sparse.total
@@ -149,9 +147,8 @@ def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
     body_items = np.zeros(st.n_items, dtype=bool)
     body_items[st.u_item[is_body]] = True
     if var.pair:
-        # Sums in torch: its summation order, as before (item_phi is not integral).
-        t_b = float(torch.from_numpy(st.item_t[body_items]).sum())
-        p_b = float(torch.from_numpy(item_phi[body_items]).sum())
+        t_b = float(st.item_t[body_items].sum())
+        p_b = float(item_phi[body_items].sum())
         hi = (item_phi * t_b > p_b * st.item_t)[st.u_item]
         dense = new_list(units, unit_order(units, is_body & hi, st.doc_order), tok_budget)
         sparse = new_list(units, unit_order(units, is_body & ~hi, st.doc_order), tok_budget)
@@ -170,20 +167,20 @@ def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
     if var.body == "blocks":
         target = _block_targets(units, body, phi, cp)
     else:
-        target = k.astype(np.float64) * float(torch.from_numpy(body.pv[-1]) @ phi) / cp
+        target = k.astype(np.float64) * float(body.pv[-1] @ phi) / cp
     x = cut_excess(body, phi, target, budget)
     x[0], x[-1] = 0, body.total
     return [body], [x], body.at(x)
 
 
-def _block_order(units: Units, st: _Setup, lengths: torch.Tensor) -> torch.Tensor:
+def _block_order(units: Units, st: _Setup, lengths: np.ndarray) -> np.ndarray:
     """Item key of the body blocks: remainders first, largest, smallest, second largest,
     ... (about two on a rank: each costs a chunk of causal keys to fetch), then the tail
     blocks, longest documents first, so that the last rank, which phase 2 gives what is
     left of every filler list, holds the shortest document's end."""
     i_blk = np.zeros(st.n_items, dtype=np.int64)
-    i_blk[st.u_item] = units.block.numpy()  # one block class per item
-    ln = lengths.numpy()[st.first >> 40]
+    i_blk[st.u_item] = units.block  # one block class per item
+    ln = lengths[st.first >> 40]
     key = ((1 << 40) - ln) * (1 << 22) + (st.first >> 40)
     r_idx = np.flatnonzero(i_blk == REMAINDER)
     o = r_idx[np.argsort(-st.item_t[r_idx], kind="stable")]
@@ -195,19 +192,19 @@ def _block_order(units: Units, st: _Setup, lengths: torch.Tensor) -> torch.Tenso
     return key.argsort(kind="stable").argsort(kind="stable")
 
 
-def _block_targets(units: Units, body: UnitList, phi: torch.Tensor, cp: int) -> np.ndarray:
+def _block_targets(units: Units, body: UnitList, phi: np.ndarray, cp: int) -> np.ndarray:
     """Excess targets [cp+1] of the "blocks" body list (remainders first, then tail
     blocks): the remainders in equal shares, then each tail block in equal shares of its
     own, so that the cuts fall on the blocks' boundaries (each block is a whole number of
     shares up to one token)."""
-    it = units.item.numpy()[body.order]
+    it = units.item[body.order]
     new = np.ones(body.n, dtype=bool)
     new[1:] = it[1:] != it[:-1]
     first = np.flatnonzero(new)
     cum = body.column(phi)
     c_s = cum[2 * first]
     c_e = np.append(c_s[1:], cum[-1])
-    tail = units.block.numpy()[body.order[first]] == TAIL_BLOCK
+    tail = units.block[body.order[first]] == TAIL_BLOCK
     total = float(cum[-1])
     n_sh = np.maximum(np.round((c_e - c_s)[tail] * cp / max(total, 1e-300)), 1).astype(np.int64)
     n_rest = cp - int(n_sh.sum())
@@ -233,7 +230,7 @@ def _sums(units: Units, sel: np.ndarray, sel_items: np.ndarray, st: _Setup,
 
 
 def _cut_filler(units: Units, prof: Profile, var: Variant, items: Items,
-                lengths: torch.Tensor, st: _Setup, lists: list, cuts: list,
+                lengths: np.ndarray, st: _Setup, lists: list, cuts: list,
                 b_val: np.ndarray, cache: dict) -> Layout:
     """Phase 2: filler (short documents and heads), dense / sparse in the filler column,
     cut to what phase 1 left of every rank's targets."""

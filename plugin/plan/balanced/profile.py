@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from ...masks import AttnMask
 from .args import MaskWeights
@@ -36,7 +35,7 @@ def locality(mask: AttnMask, with_chunk: bool = True) -> tuple[int, bool]:
     return min(chunk if (chunk and with_chunk) else INF, w), left
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Profile:
     """What the mask set implies for the layout (see the module docstring).
 
@@ -54,6 +53,9 @@ class Profile:
     coef:     [M, 2] work of a short segment = coef[m, 0] * L + coef[m, 1] * L^2.
     excess:   [E, 1+M] functionals of (tokens, work per mask) that vanish on short segments
               (E = M - 1): what short documents cannot balance.
+
+    Compared and hashed by identity (``eq=False``: its fields hold arrays); profiles are
+    cached per (masks, tile) and never modified.
     """
 
     masks: tuple[AttnMask, ...]
@@ -65,8 +67,8 @@ class Profile:
     chunk: int
     prefix: int
     suffix: int
-    coef: torch.Tensor
-    excess: torch.Tensor
+    coef: np.ndarray
+    excess: np.ndarray
 
 
 def profile_of(masks: MaskWeights, tile: int) -> Profile:
@@ -96,46 +98,46 @@ def profile_of(masks: MaskWeights, tile: int) -> Profile:
             head, chunk = "chunk", next(iter(c))
         else:
             head, prefix = "prefix", theta // tile * tile
-    coef = torch.tensor([[0.5, 0.5] if lf else [0.0, 1.0] for _, lf in loc],
-                        dtype=torch.float64)
+    coef = np.array([[0.5, 0.5] if lf else [0.0, 1.0] for _, lf in loc], dtype=np.float64)
     # Annihilator of span{(1, coef[:, 0]), (0, coef[:, 1])} relative to mask 0.
     rows = []
     for m in range(1, len(ms)):
-        r = torch.zeros(1 + len(ms), dtype=torch.float64)
+        r = np.zeros(1 + len(ms), dtype=np.float64)
         ratio = coef[m, 1] / coef[0, 1]
         r[1 + m], r[1] = 1.0, -ratio
         r[0] = ratio * coef[0, 0] - coef[m, 0]
         rows.append(r)
-    excess = torch.stack(rows) if rows else torch.zeros(0, 1 + len(ms), dtype=torch.float64)
+    excess = np.stack(rows) if rows else np.zeros((0, 1 + len(ms)), dtype=np.float64)
+    coef.setflags(write=False)
+    excess.setflags(write=False)
     return Profile(ms, ws, tile, theta, split, head, chunk, prefix, suffix, coef, excess)
 
 
 # excess_functional's last results by (profile, total's bytes): a batch asks for it ~4
 # times with the same total (the documents' and the units' sums of integer counts are
-# equal to the bit), ~25 us each.
-_FUNCTIONALS: dict[tuple[int, bytes], tuple[Profile, torch.Tensor]] = {}
+# equal to the bit: integers below 2**53 sum exactly in float64, in any order).
+_FUNCTIONALS: dict[tuple[int, bytes], tuple[Profile, np.ndarray]] = {}
 
 
-def excess_functional(prof: Profile, total: torch.Tensor) -> torch.Tensor:
-    """The excess functional [1+M] the bodies are cut by: the excess rows oriented so
-    that their totals are >= 0 and scaled to equal totals, summed (M - 1 = 1: the row).
-    Memoized on (prof, total): callers never modify it."""
-    key = (id(prof), total.numpy().tobytes())
+def excess_functional(prof: Profile, total: np.ndarray) -> np.ndarray:
+    """The excess functional [1+M] (float64) the bodies are cut by: the excess rows
+    oriented so that their totals ``excess @ total`` are >= 0 and scaled to equal totals,
+    summed (M - 1 = 1: the row). Memoized on (prof, total) and read-only: callers share
+    it."""
+    key = (id(prof), np.ascontiguousarray(total, dtype=np.float64).tobytes())
     hit = _FUNCTIONALS.get(key)
     if hit is not None and hit[0] is prof:
         return hit[1]
     phi = _excess_functional(prof, total)
+    phi.setflags(write=False)
     if len(_FUNCTIONALS) >= 16:
         _FUNCTIONALS.clear()
     _FUNCTIONALS[key] = (prof, phi)  # holds prof: its id stays unique while cached
     return phi
 
 
-def _excess_functional(prof: Profile, total: torch.Tensor) -> torch.Tensor:
-    tot_ex = (prof.excess @ total).numpy()  # torch's dot products, as before
-    # The elementwise steps in numpy (~8 torch ops on 1-2 elements cost ~0.1 ms a call,
-    # 3-4 calls a batch); the sum over the rows stays in torch (its order).
+def _excess_functional(prof: Profile, total: np.ndarray) -> np.ndarray:
+    tot_ex = prof.excess @ total
     sign = np.where(tot_ex < 0, -1.0, 1.0)
     scale = np.abs(tot_ex).max() / np.maximum(np.abs(tot_ex), 1e-300)
-    return torch.from_numpy(prof.excess.numpy() * (sign * scale)[:, None]).sum(0)
-
+    return (prof.excess * (sign * scale)[:, None]).sum(0)

@@ -4,7 +4,7 @@ densities. Items in position order are sparse at their start and dense at their 
 the global search of vector_cut.py fails; the locality variants use this solver.
 
 A Python loop over ranks on Python floats (~20 us a rank): each step reads single values of
-piecewise linear curves, where tensor ops cost ~100x more.
+piecewise linear curves, where array ops cost ~100x more.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import bisect
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..runs import prefix_pairs
 from .items import POSITION_ORDER, Items
@@ -34,7 +33,7 @@ _SOLVE_TOL = 1e-3
 
 class _Curves:
     """The lists' cumulative (tokens -> column) curves as Python lists: the rank-by-rank
-    solver reads single values, where Python floats beat tensor ops by ~100x."""
+    solver reads single values, where Python floats beat array ops by ~100x."""
 
     def __init__(self, lists: list[UnitList], col: Any) -> None:
         self.pts = [lst.pt.tolist() for lst in lists]
@@ -159,28 +158,26 @@ def rank_cut(dense: list[UnitList], sparse: list[UnitList], n_tok: np.ndarray,
     return [np.array(o, dtype=np.int64) for o in out]
 
 
-def rank_reachable(items: Items, fill_items: np.ndarray, lengths: torch.Tensor,
+def rank_reachable(items: Items, fill_items: np.ndarray, lengths: np.ndarray,
                    prof: Profile, col: int, f_tok: np.ndarray, f_target: np.ndarray
                    ) -> bool:
     """Cheap test before the rank-by-rank solver: every rank's filler share must be
     non-negative, and a filler item in position order that is longer than a rank's share
     must not be much sparser over its first share of tokens than the ranks' mean target
     (a rank starting on it could not reach its work: 128K tokens of the heavy tail at cp
-    64, 2K tokens per rank, vs ~4K mean causal density). numpy (the same values as the
-    torch version it replaced, ~0.25 -> ~0.05 ms); the one float sum stays in torch (its
-    summation order)."""
+    64, 2K tokens per rank, vs ~4K mean causal density)."""
     t = (f_tok[1:] - f_tok[:-1]).astype(np.float64)
     w = f_target[1:] - f_target[:-1]
     if bool((t < 0).any()) or bool((w < -1e-6 * float(np.abs(w).max())).any()):
         return False
-    kind, start, end = items.kind.numpy(), items.start.numpy(), items.end.numpy()
-    share = int(np.sort(t)[(t.size - 1) // 2])  # the lower median, as torch.median
+    kind, start, end = items.kind, items.start, items.end
+    share = int(np.sort(t)[(t.size - 1) // 2])  # the lower median
     long = np.flatnonzero(fill_items & (kind == POSITION_ORDER) & (end - start > share))
     if not long.size or share <= 0:
         return True
     mask = prof.masks[col - 1]
-    dl, a = lengths.numpy()[items.doc.numpy()[long]], start[long]
+    dl, a = lengths[items.doc[long]], start[long]
     first = (prefix_pairs(dl, a + share, mask) - prefix_pairs(dl, a, mask)
              ).astype(np.float64)
-    mean = float(torch.from_numpy(w).sum()) / float(t.sum())
+    mean = float(w.sum()) / float(t.sum())
     return bool((first >= PREFIX_DENSITY * mean * share).all())

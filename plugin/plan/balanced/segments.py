@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..runs import prefix_pairs
 from .profile import Profile, excess_functional
@@ -27,9 +26,9 @@ _KEEP_EXCESS = 0.0075
 PREFIX_DENSITY = 0.75
 
 
-def segments_of(lengths: torch.Tensor, prof: Profile, cp: int, keep_small: bool,
-                memo: dict | None = None) -> tuple[torch.Tensor, ...]:
-    """(doc, start, end, long) of the non-empty segments (numpy): documents, or their chunks when
+def segments_of(lengths: np.ndarray, prof: Profile, cp: int, keep_small: bool,
+                memo: dict | None = None) -> tuple[np.ndarray, ...]:
+    """(doc, start, end, long) of the non-empty segments: documents, or their chunks when
     every mask is chunked with one size; long: longer than theta and, with keep_small,
     carrying more than negligible excess (see :func:`~.items.cut_items`). ``memo``: per-call
     cache."""
@@ -41,9 +40,8 @@ def segments_of(lengths: torch.Tensor, prof: Profile, cp: int, keep_small: bool,
     return out
 
 
-def _find_segments(lengths: torch.Tensor, prof: Profile, cp: int, keep_small: bool
+def _find_segments(lengths_np: np.ndarray, prof: Profile, cp: int, keep_small: bool
                    ) -> tuple[np.ndarray, ...]:
-    lengths_np = lengths.numpy()
     n_docs = lengths_np.size
     doc, start, end = np.arange(n_docs), np.zeros_like(lengths_np), lengths_np.copy()
     if prof.split:  # independent chunks: each is a segment of its own
@@ -63,15 +61,14 @@ def _find_segments(lengths: torch.Tensor, prof: Profile, cp: int, keep_small: bo
         for k, mask in enumerate(prof.masks):
             w = prefix_pairs(lens, ends, mask).reshape(2, -1)
             vec[:, 1 + k] = w[0] - w[1]
-        vec_t = torch.from_numpy(vec)  # sum and product in torch, as before
-        total = vec_t.sum(0)
+        total = vec.sum(0)
         phi = excess_functional(prof, total)
         tau = _KEEP_EXCESS * float(total[1:].min()) / cp
-        long &= (vec_t @ phi).abs().numpy() > tau
+        long &= np.abs(vec @ phi) > tau
     return doc, start, end, long
 
 
-def excess_of(lengths: torch.Tensor, prof: Profile, memo: dict) -> tuple[Any, float]:
+def excess_of(lengths: np.ndarray, prof: Profile, memo: dict) -> tuple[Any, float]:
     """(excess(a, b, doc_len): the excess functional over positions [a, b) of documents of
     doc_len tokens, its total over all documents)."""
     if "excess" not in memo:
@@ -79,24 +76,22 @@ def excess_of(lengths: torch.Tensor, prof: Profile, memo: dict) -> tuple[Any, fl
     return memo["excess"]
 
 
-def doc_work(lengths: torch.Tensor, prof: Profile, memo: dict) -> torch.Tensor:
+def doc_work(lengths: np.ndarray, prof: Profile, memo: dict) -> np.ndarray:
     """[n_docs, M] float64: each document's work under each mask (memoized per call)."""
     if "docw" not in memo:
-        ln = lengths.numpy()  # numpy: the same integer math as prefix_work, ~3x cheaper
-        memo["docw"] = torch.from_numpy(np.stack([prefix_pairs(ln, ln, m).astype(np.float64)
-                                                  for m in prof.masks], 1))
+        memo["docw"] = np.stack([prefix_pairs(lengths, lengths, m).astype(np.float64)
+                                 for m in prof.masks], 1)
     return memo["docw"]
 
 
-def _excess_fn(lengths: torch.Tensor, prof: Profile, memo: dict) -> tuple[Any, float]:
+def _excess_fn(lengths: np.ndarray, prof: Profile, memo: dict) -> tuple[Any, float]:
     """The pair :func:`excess_of` memoizes. The function takes and returns numpy arrays
-    (the searches of body_split.py call it ~20 times a batch on a few hundred elements,
-    where numpy's per-op cost is a third of torch's)."""
-    vec = torch.empty(lengths.numel(), 1 + len(prof.masks), dtype=torch.float64)
-    vec[:, 0] = lengths.to(torch.float64)
+    (the searches of body_split.py call it ~20 times a batch on a few hundred elements)."""
+    vec = np.empty((lengths.size, 1 + len(prof.masks)), dtype=np.float64)
+    vec[:, 0] = lengths
     vec[:, 1:] = doc_work(lengths, prof, memo)
-    phi = excess_functional(prof, vec.sum(0))
-    phi_np = phi.numpy()
+    total = vec.sum(0)
+    phi_np = excess_functional(prof, total)
 
     def excess_np(a: np.ndarray, b: np.ndarray, dl: np.ndarray) -> np.ndarray:
         out = phi_np[0] * (b - a).astype(np.float64)
@@ -105,10 +100,10 @@ def _excess_fn(lengths: torch.Tensor, prof: Profile, memo: dict) -> tuple[Any, f
                                          - prefix_pairs(dl, a, mask)).astype(np.float64)
         return out
 
-    return excess_np, float(phi @ vec.sum(0))
+    return excess_np, float(phi_np @ total)
 
 
-def has_bodies(lengths: torch.Tensor, prof: Profile, cp: int, memo: dict) -> bool:
+def has_bodies(lengths: np.ndarray, prof: Profile, cp: int, memo: dict) -> bool:
     """Whether any segment carries excess work (a long document with more than the
     negligible excess of ``keep_small``)."""
     if not prof.excess.shape[0]:
@@ -116,7 +111,7 @@ def has_bodies(lengths: torch.Tensor, prof: Profile, cp: int, memo: dict) -> boo
     return bool(segments_of(lengths, prof, cp, True, memo)[3].any())
 
 
-def prefixes_dense_enough(lengths: torch.Tensor, prof: Profile, cp: int, memo: dict) -> bool:
+def prefixes_dense_enough(lengths: np.ndarray, prof: Profile, cp: int, memo: dict) -> bool:
     """:func:`~.rank_cut.rank_reachable`'s density test when everything is filler, before
     any item is built: no segment longer than a rank's share may be much sparser over its
     first share than the mean (the single 128K document, 24-32K documents at 8-16K tokens per
@@ -127,10 +122,10 @@ def prefixes_dense_enough(lengths: torch.Tensor, prof: Profile, cp: int, memo: d
     if not bool(long.any()) or share <= 0:
         return True
     w = doc_work(lengths, prof, memo).sum(0)
-    m = int(torch.argmin(w))
+    m = int(np.argmin(w))
     mask = prof.masks[m]
     mean = float(w[m]) / max(int(lengths.sum()), 1)
-    dl, a = lengths.numpy()[doc[long]], start[long]
+    dl, a = lengths[doc[long]], start[long]
     first = (prefix_pairs(dl, a + share, mask) - prefix_pairs(dl, a, mask)
              ).astype(np.float64)
     return bool((first >= PREFIX_DENSITY * mean * share).all())

@@ -10,7 +10,6 @@ import math
 from typing import Any
 
 import numpy as np
-import torch
 
 from .args import TOKEN_TOL, WORK_TOL, MaskWeights
 from .items import Items, cut_items
@@ -21,17 +20,18 @@ from .units import Units, unit_runs, units_of
 from .variants import choose_variants
 
 
-def balanced_runs(lengths: torch.Tensor, cp_size: int, masks: MaskWeights, tile_tokens: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rank, doc, start, length) int64 runs of the balanced layout (see the package
-    docstring) for documents of ``lengths`` (int64, CPU); inputs validated. Runs are
-    maximal: one per (rank, document, stretch of consecutive positions)."""
-    lengths = lengths.to(torch.int64)
+def balanced_runs(lengths: Any, cp_size: int, masks: MaskWeights, tile_tokens: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(rank, doc, start, length) int64 numpy runs of the balanced layout (see the package
+    docstring) for documents of ``lengths`` (int64 numpy, or anything ``np.asarray``
+    takes); inputs validated. Runs are maximal: one per (rank, document, stretch of
+    consecutive positions), sorted by (rank, document, start)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
     if cp_size == 1 or int(lengths.sum()) == 0:
-        d = torch.nonzero(lengths > 0).flatten()
-        return torch.zeros_like(d), d, torch.zeros_like(d), lengths[d]
-    # numpy warns on float overflow / division by zero where torch (which this solver
-    # used before) stays silent; results are the same (inf, then clipped or compared).
+        d = np.flatnonzero(lengths > 0)
+        return np.zeros_like(d), d, np.zeros_like(d), lengths[d]
+    # Overflow to inf and divisions by zero are expected (and clipped or compared): no
+    # warnings.
     with np.errstate(all="ignore"):
         return _solve(lengths, cp_size, _profile(masks, tile_tokens))
 
@@ -42,7 +42,7 @@ def _cached_profile(masks: MaskWeights, tile_tokens: int) -> Any:
 
 
 def _profile(masks: MaskWeights, tile_tokens: int) -> Any:
-    """The masks' profile, built once per (masks, tile) (~0.1 ms of tensor set-up a batch;
+    """The masks' profile, built once per (masks, tile) (~0.1 ms of set-up a batch;
     a model has one or two mask sets). Profiles are never modified."""
     try:
         return _cached_profile(masks, tile_tokens)
@@ -50,7 +50,7 @@ def _profile(masks: MaskWeights, tile_tokens: int) -> Any:
         return profile_of(masks, tile_tokens)
 
 
-def _solve(lengths: torch.Tensor, cp_size: int, prof: Any) -> tuple[torch.Tensor, ...]:
+def _solve(lengths: np.ndarray, cp_size: int, prof: Any) -> tuple[np.ndarray, ...]:
     """:func:`balanced_runs` for cp > 1 and a non-empty batch."""
     best, best_score = None, math.inf
     items_of: dict[tuple, tuple[Items, Units, dict]] = {}
@@ -79,22 +79,20 @@ def _solve(lengths: torch.Tensor, cp_size: int, prof: Any) -> tuple[torch.Tensor
 
 def _score(per_rank: np.ndarray) -> float:
     """Worst of max/mean - 1 over tokens and masks, relative to their tolerances (inf for
-    a variant given up early). In torch, as before: its mean's summation order is the one
-    the variants were tuned with."""
-    if not bool(np.isfinite(per_rank).all()):  # (in numpy: ~30 us of torch set-up saved)
+    a variant given up early)."""
+    if not bool(np.isfinite(per_rank).all()):
         return math.inf
-    per_rank = torch.from_numpy(per_rank)
-    mean = per_rank.mean(0).clamp(min=1e-300)
-    imb = per_rank.max(0).values / mean - 1
-    tol = torch.full_like(imb, WORK_TOL)
+    mean = np.maximum(per_rank.mean(0), 1e-300)
+    imb = per_rank.max(0) / mean - 1
+    tol = np.full_like(imb, WORK_TOL)
     tol[0] = TOKEN_TOL
     return float((imb / tol).max())
 
 
 def _layout_runs(units: Units, lay: Layout) -> tuple[np.ndarray, ...]:
     """(rank, doc, start, length) of every run (not merged: the token tables sort them)."""
-    u_doc, a_start, a_len = units.doc.numpy(), units.a_start.numpy(), units.a_len.numpy()
-    b_start, b_len = units.b_start.numpy(), units.b_len.numpy()
+    u_doc, a_start, a_len = units.doc, units.a_start, units.a_len
+    b_start, b_len = units.b_start, units.b_len
     parts = []
     for lst, cut in zip(lay.lists, lay.cuts):
         if lst.n == 0:
@@ -132,9 +130,9 @@ def _layout_runs(units: Units, lay: Layout) -> tuple[np.ndarray, ...]:
 
 
 def _merge_runs(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, length: np.ndarray
-                ) -> tuple[torch.Tensor, ...]:
+                ) -> tuple[np.ndarray, ...]:
     """Runs sorted by (rank, doc, start) with touching runs of one rank and document
-    merged (the layout cuts on a tile grid: ~one run per tile before merging); tensors."""
+    merged (the layout cuts on a tile grid: ~one run per tile before merging)."""
     n_docs = int(doc.max()) + 1 if doc.size else 1
     span = int((start + length).max()) + 1 if doc.size else 1
     n_ranks = int(rank.max()) + 1 if doc.size else 1
@@ -152,5 +150,4 @@ def _merge_runs(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, length: np
     head = np.flatnonzero(new)
     stop = np.append(head[1:], rank.size)
     end = (start + length)[stop - 1]
-    return tuple(torch.from_numpy(x) for x in (rank[head], doc[head], start[head],
-                                               end - start[head]))
+    return rank[head], doc[head], start[head], end - start[head]

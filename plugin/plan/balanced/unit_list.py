@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from .units import Units
 
@@ -25,7 +24,7 @@ _SNAP_COST = np.array([_COST[2], _COST[0], _COST[0], _COST[1], _COST[1]], dtype=
 
 
 def clip(x: Any, lo: Any, hi: Any) -> np.ndarray:
-    """``torch.clamp(x, lo, hi)`` in numpy: max, then min. ``np.clip`` costs ~3 us a call
+    """Clamp ``x`` to [lo, hi]: max, then min. ``np.clip`` costs ~3 us a call
     in its argument checks, ~5x these two ufuncs, and the solvers call it ~100 times."""
     return np.minimum(np.maximum(x, lo), hi)
 
@@ -37,14 +36,12 @@ class UnitList:
 
     numpy throughout (``order`` and every offset in and out are int64 arrays, values
     float64): the solvers evaluate these curves ~100 times an attempt on arrays of 1-300
-    elements, where a numpy op costs ~0.5-1 us and a torch op 1.5-6 us. Functionals are
-    applied with torch's matmul, as before, so that every value is the same to the bit."""
+    elements, where a numpy op costs ~0.5-1 us (a torch op 1.5-6 us)."""
 
-    def __init__(self, units: Units, order: Any) -> None:
-        order = order.numpy() if isinstance(order, torch.Tensor) else order
+    def __init__(self, units: Units, order: np.ndarray) -> None:
         self.order = order
         n = self.n = order.size
-        vec, mid = units.vec.numpy()[order], units.mid.numpy()[order]
+        vec, mid = units.vec[order], units.mid[order]
         r = vec.shape[1]
         cum = vec.cumsum(0)  # (methods, not np.* wrappers: ~2 us less a call)
         # Merged points: unit start, its break point, ..., the end.
@@ -61,7 +58,7 @@ class UnitList:
         self._span = np.maximum(self.pt[1:] - self.pt[:-1], 1).astype(np.float64)
         # Boundary classes: 0 where an item starts (and at the end), 1 between units.
         cls = np.zeros(n + 1, dtype=np.int64)
-        cls[:n] = units.ufold.numpy()[order] != 0
+        cls[:n] = units.ufold[order] != 0
         if n:
             cls[0] = 0
         self.cls = cls
@@ -77,7 +74,7 @@ class UnitList:
         return self.tok[:-1][self.cls[:-1] == 0]
 
     def column(self, col: Any) -> np.ndarray:
-        """Cumulative column ``col`` (an index, or a [1+M] functional, a float64 tensor)
+        """Cumulative column ``col`` (an index, or a [1+M] functional, a float64 array)
         at the merged points; a functional is guarded to be non-decreasing (negative work
         in mixed mask sets counts as flat)."""
         return self._column(col)[0]
@@ -87,7 +84,7 @@ class UnitList:
         same subtraction the interpolation made per call)."""
         if isinstance(col, int):
             key = col
-        else:  # a functional: the same tensor object is asked for again and again
+        else:  # a functional: the same array object is asked for again and again
             hit = self._by_id.get(id(col))
             if hit is not None and hit[0] is col:
                 return hit[1]
@@ -96,8 +93,7 @@ class UnitList:
             if isinstance(col, int):
                 c = self.pv[:, col].copy()
             else:
-                c = np.maximum.accumulate(np.maximum(
-                    (torch.from_numpy(self.pv) @ col).numpy(), 0.0))
+                c = np.maximum.accumulate(np.maximum(self.pv @ col, 0.0))
             self._cols[key] = (c, c[1:] - c[:-1])
         if not isinstance(col, int):
             self._by_id[id(col)] = (col, self._cols[key])  # holds col: its id stays unique
@@ -154,7 +150,7 @@ class UnitList:
         flat = value.reshape(-1)
         j = clip(c.searchsorted(flat), 1, 2 * self.n)
         i = j - 1
-        with np.errstate(over="ignore"):  # a huge quotient clips to 1, as in torch
+        with np.errstate(over="ignore"):  # a huge quotient clips to 1
             frac = clip((flat - c[i]) / np.maximum(c[j] - c[i], 1e-300), 0, 1)
         x = self.pt[i] + (frac * (self.pt[j] - self.pt[i]).astype(np.float64)
                               ).round().astype(np.int64)
@@ -196,10 +192,10 @@ def new_list(units: Units, order: np.ndarray, tok_budget: float) -> UnitList:
 def unit_order(units: Units, sel: np.ndarray, item_key: np.ndarray) -> np.ndarray:
     """Indices of the selected units ordered by (item_key of their item, fold). (The keys
     are unique, item_key being a permutation, so the sort's stability does not matter.)"""
-    ufold = units.ufold.numpy()
+    ufold = units.ufold
     idx = np.flatnonzero(sel)
     span = int(ufold.max()) + 1 if ufold.size else 1
-    return idx[(item_key[units.item.numpy()[idx]] * span + ufold[idx]).argsort(kind="stable")]
+    return idx[(item_key[units.item[idx]] * span + ufold[idx]).argsort(kind="stable")]
 
 
 def spread_key(density: np.ndarray, tokens: np.ndarray, groups: int = 8) -> np.ndarray:
@@ -216,7 +212,7 @@ def spread_key(density: np.ndarray, tokens: np.ndarray, groups: int = 8) -> np.n
     g_start = np.full(groups, np.inf)
     np.minimum.at(g_start, g, cum - t)
     g_start[np.isinf(g_start)] = 0.0  # groups without items (never read)
-    g_tok = np.bincount(g, weights=t, minlength=groups)  # in order, as index_add_
+    g_tok = np.bincount(g, weights=t, minlength=groups)
     phase = (mid - g_start[g]) / np.maximum(g_tok[g], 1)
     key = np.empty_like(order)
     key[order[phase.argsort(kind="stable")]] = np.arange(order.size)
@@ -225,14 +221,10 @@ def spread_key(density: np.ndarray, tokens: np.ndarray, groups: int = 8) -> np.n
 
 def item_sums(units: Units, n_items: int, col: Any) -> np.ndarray:
     """[n_items] float64: column ``col`` (an index, or a [1+M] functional, a float64
-    tensor) summed per item (in unit order). A column holds integers (token and pair
-    counts: exact sums in any order), summed by numpy's bincount (~5 us vs ~25 us); a
-    functional's sums stay in torch (its summation order)."""
-    if isinstance(col, int):
-        return np.bincount(units.item.numpy(), weights=units.vec.numpy()[:, col],
-                           minlength=n_items)
-    v = units.vec @ col
-    return torch.zeros(n_items, dtype=torch.float64).index_add_(0, units.item, v).numpy()
+    array) summed per item, in unit order (``bincount``: ~5 us where torch's index_add_
+    took ~25 us)."""
+    v = units.vec[:, col] if isinstance(col, int) else units.vec @ col
+    return np.bincount(units.item, weights=v, minlength=n_items)
 
 
 def density_classes(units: Units, sel: np.ndarray, item_d: np.ndarray,
@@ -240,7 +232,7 @@ def density_classes(units: Units, sel: np.ndarray, item_d: np.ndarray,
                     ) -> list[UnitList]:
     """The selected units as ``n`` lists of equal tokens by item density (low first),
     each in ``key`` order."""
-    u_item = units.item.numpy()
+    u_item = units.item
     items = np.unique(u_item[sel])
     o = items[item_d[items].argsort(kind="stable")]
     cum = item_t[o].cumsum()

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from ..runs import prefix_pairs
 from .items import CHUNK_PAIRS, POSITION_ORDER, Items
@@ -24,19 +23,20 @@ class Units:
     may be missing: b_len 0). A cut inside a unit takes tokens from the start of a and the
     end of b alternately (see :func:`unit_runs`), so a unit's work grows about linearly with
     the tokens taken, and a unit is the smallest piece that keeps an item's work per token.
+    All numpy, int64 [n] unless noted.
     """
 
-    doc: torch.Tensor
-    item: torch.Tensor
-    ufold: torch.Tensor  # place of the unit in its item's fold
-    a_start: torch.Tensor
-    a_len: torch.Tensor
-    b_start: torch.Tensor
-    b_len: torch.Tensor
-    vec: torch.Tensor  # [n, 1+M] float64: tokens, work per mask
-    mid: torch.Tensor  # [n, 1+M]: the same for the unit's first 2*min(a_len, b_len) tokens
-    body: torch.Tensor  # bool: the unit belongs to a body (phase 1)
-    block: torch.Tensor  # int64: its item's block class (TAIL_BLOCK / REMAINDER / 0)
+    doc: np.ndarray
+    item: np.ndarray
+    ufold: np.ndarray  # place of the unit in its item's fold
+    a_start: np.ndarray
+    a_len: np.ndarray
+    b_start: np.ndarray
+    b_len: np.ndarray
+    vec: np.ndarray  # [n, 1+M] float64: tokens, work per mask
+    mid: np.ndarray  # [n, 1+M]: the same for the unit's first 2*min(a_len, b_len) tokens
+    body: np.ndarray  # bool: the unit belongs to a body (phase 1)
+    block: np.ndarray  # int64: its item's block class (TAIL_BLOCK / REMAINDER / 0)
 
 
 def mirror_index(j: np.ndarray, m: np.ndarray) -> np.ndarray:
@@ -74,16 +74,11 @@ def chunk_fold(pos: np.ndarray, head: np.ndarray, doc_len: np.ndarray, chunk: in
     return base + local
 
 
-def units_of(items: Items, lengths: torch.Tensor, prof: Profile) -> Units:
-    """The units of ``items`` in item order, each item's units in fold order.
-
-    Computed in numpy (tensors in and out): ~40 ops on arrays of a few to 2K tiles, where
-    numpy's per-op cost is a third to a fifth of torch's (te_buckets, cp 8: 2.7 -> ~0.7 ms
-    per call)."""
+def units_of(items: Items, lengths_np: np.ndarray, prof: Profile) -> Units:
+    """The units of ``items`` in item order, each item's units in fold order, for
+    documents of ``lengths_np`` tokens (int64): ~40 ops on arrays of a few to 2K tiles."""
     t = prof.tile
-    i_start, i_end, i_doc = items.start.numpy(), items.end.numpy(), items.doc.numpy()
-    i_kind = items.kind.numpy()
-    lengths_np = lengths.numpy()
+    i_start, i_end, i_doc, i_kind = items.start, items.end, items.doc, items.kind
     # Tiles are aligned to the document start (items start tile-aligned, except chunks of
     # a chunk size that is no multiple of the tile).
     first_tile = i_start // t
@@ -137,14 +132,9 @@ def units_of(items: Items, lengths: torch.Tensor, prof: Profile) -> Units:
         w = prefix_pairs(lens, ends, mask)  # [6, n_units]
         u_vec[:, 1 + k] = w[0] - w[1] + w[2] - w[3]
         mid[:, 1 + k] = w[4] - w[1] + w[2] - w[5]
-    t_item = torch.from_numpy(u_item)
-    return Units(torch.from_numpy(u_doc), t_item,
-                 torch.from_numpy(np.arange(n_units, dtype=np.int64) - uoff[u_item]),
-                 torch.from_numpy(a_start), torch.from_numpy(a_len),
-                 torch.from_numpy(b_start), torch.from_numpy(b_len),
-                 torch.from_numpy(u_vec), torch.from_numpy(mid),
-                 torch.from_numpy(items.body.numpy()[u_item]),
-                 torch.from_numpy(items.block.numpy()[u_item]))
+    return Units(u_doc, u_item, np.arange(n_units, dtype=np.int64) - uoff[u_item],
+                 a_start, a_len, b_start, b_len, u_vec, mid, items.body[u_item],
+                 items.block[u_item])
 
 
 def unit_runs(u: Units, unit: np.ndarray, o1: np.ndarray, o2: np.ndarray
@@ -153,10 +143,9 @@ def unit_runs(u: Units, unit: np.ndarray, o1: np.ndarray, o2: np.ndarray
     unit's own order: first a[0], b[-1], a[1], b[-2], ... while both tiles last (2m tokens,
     m = min of their lengths), then the rest R of the longer tile mirrored (R[0], R[-1],
     R[1], ...). Both stretches keep the work per token about constant, so the work of any
-    first o tokens is close to linear in o on each; four runs, some empty (numpy: the
-    solver's cuts are numpy)."""
-    a_start, b_start = u.a_start.numpy()[unit], u.b_start.numpy()[unit]
-    la, lb = u.a_len.numpy()[unit], u.b_len.numpy()[unit]
+    first o tokens is close to linear in o on each; four runs, some empty."""
+    a_start, b_start = u.a_start[unit], u.b_start[unit]
+    la, lb = u.a_len[unit], u.b_len[unit]
     m = np.minimum(la, lb)
     r = np.abs(la - lb)
     r_start = np.where(la >= lb, a_start + m, b_start)

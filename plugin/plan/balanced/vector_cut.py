@@ -16,14 +16,13 @@ import math
 from typing import Any
 
 import numpy as np
-import torch
 
 from .body_split import PROBES
 from .rank_cut import rank_cut
 from .unit_list import UnitList, clip
 
 
-def cut_excess(lst: UnitList, phi: torch.Tensor, target: np.ndarray, budget: float
+def cut_excess(lst: UnitList, phi: np.ndarray, target: np.ndarray, budget: float
                ) -> np.ndarray:
     """Token offsets [K] of the body list where its cumulative excess ``phi`` (a [1+M]
     functional) reaches ``target`` [K], moved to a cheaper boundary within ``budget``."""
@@ -65,7 +64,7 @@ def _cut_fill(dense: UnitList, sparse: UnitList, n_tok: np.ndarray, target: np.n
         lo = np.where(j > 0, probe[rows, np.maximum(j - 1, 0)], lo)
         hi = new_hi
     f_lo, f_hi = f(np.stack([lo, hi]), n_tok, target)  # one evaluation for both ends
-    with np.errstate(over="ignore"):  # a huge quotient clips to 1, as in torch
+    with np.errstate(over="ignore"):  # a huge quotient clips to 1
         frac = clip(-f_lo / np.maximum(f_hi - f_lo, 1e-300), 0, 1)
     x = lo + (frac * (hi - lo).astype(np.float64)).round().astype(np.int64)
     return np.where(f_lo >= 0, lo, np.where(f_hi <= 0, hi, x))
