@@ -236,7 +236,7 @@ def overlap_row(docs: list[int], cp: int, mname: str, mask: AttnMask, shape: Att
     cu = torch.tensor([0] + docs).cumsum(0)
     plan = CPPlan.build(cu, cp_size=cp, cp_rank=0, layout=Balanced(masks=mask))
     model = h100(cp)
-    pairs = [plan.work_of(r, mask) for r in range(cp)]
+    pairs = plan.work_per_rank(mask)
     flops = (2 * (shape.head_dim + shape.value_dim) + 6 * shape.head_dim
              + 4 * shape.value_dim) * shape.n_heads
     ideal = sum(pairs) / cp * flops / model.flops_per_s

@@ -289,7 +289,7 @@ def _summary(plan: CPPlan, case: ReplayCase, shape: Shape, stages: int | None,
         "flash_work_share": (sum(r["visible_pairs"] for r in rows if r["flash_calls"])
                              / visible) if visible else None,
         "flash_calls": sum(r["flash_calls"] for r in rows),
-        "plan_visible_pairs": plan.work_of(plan.cp_rank, case.mask),
+        "plan_visible_pairs": plan.work_per_rank(case.mask)[plan.cp_rank],
         "visible_pairs": visible,
         "visited_pairs": None if None in visited else sum(visited),
         "fwd_ms_sum": fwd_sum, "bwd_ms_sum": bwd_sum,

@@ -225,7 +225,7 @@ def measure_balance(mix: str, lengths: list[int], cp: int, repeats: int) -> list
             counts = [plan.num_tokens_of(r) for r in range(cp)]
             layers = {}
             for m, w in masks:
-                work = [plan.work_of(r, m) for r in range(cp)]
+                work = plan.work_per_rank(m)
                 floor = kv_floor(tables, m, cp)
                 if layout == "dual_chunk":
                     dual_floor[(mname, repr(m))] = max(floor)
@@ -261,7 +261,7 @@ def measure_efficiency(mix: str, cp: int) -> list[dict]:
             plan, tables = fixed[layout]
             layers, num, den, b_den = {}, 0.0, 0.0, 0.0
             for m, w in masks:
-                work = [plan.work_of(r, m) for r in range(cp)]
+                work = plan.work_per_rank(m)
                 e = efficiency(work, kv_floor(tables, m, cp), cp)
                 bound = efficiency_bound(lengths, m, cp, sum(work))
                 layers[repr(m)] = {"weight": w, **e, "bound": bound}

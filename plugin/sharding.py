@@ -131,14 +131,6 @@ def cu_seqlens_from_positions(positions: torch.Tensor) -> torch.Tensor:
     return torch.cat([bounds, torch.tensor([n])]).to(torch.int32)
 
 
-def gather_sequence(x_local: torch.Tensor, plan: CPPlan,
-                    group: dist.ProcessGroup | None = None, seq_dim: int = 1) -> torch.Tensor:
-    """The global (unpadded, global order) tensor from every rank's shard along
-    ``seq_dim``; collective over ``group`` (see ``CPPlan.unshard``)."""
-    _check_plan(plan)
-    return plan.unshard(x_local, group, dim=seq_dim)
-
-
 # ---- index tables of the local tokens, once per plan and device -------------------------
 def padded_input_rows(plan: CPPlan, device: torch.device | str) -> torch.Tensor:
     """int64 [T_local]: the row of each local token in the padded global sequence (the

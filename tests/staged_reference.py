@@ -30,15 +30,84 @@ from varlen_cp.kernels.schedule import segment_ids
 from varlen_cp.masks import AttnMask
 from varlen_cp.plan import CPPlan
 from varlen_cp.schedules.cost_model import CostModel
-from varlen_cp.schedules.holders import KernelCall, holder_from_counts, kernel_call, rank_holder
+from varlen_cp.schedules.holders import (Holder, KernelCall, holder_from_counts, kernel_call,
+                                         rank_holder)
 from varlen_cp.schedules.rounds import UniqueRounds, rank_within
-from varlen_cp.schedules.selected import fetch_counts, pair_counts, select_keys, sent_keys
+from varlen_cp.schedules.keys import host_table, table_key
+from varlen_cp.schedules.selected import (fetch_counts, needed_spans, pair_counts, run_arrays,
+                                          runs_by_document)
+from varlen_cp.schedules.spans import span_pieces
 from varlen_cp.shape import AttnShape
 from varlen_cp.schedules.staged import (CANDIDATE_STAGES, Stage, StagedMemory, StagedTables,
                                         StagedTime, dispatch_stage_counts, gather_stage_counts,
                                         gather_stage_rows, stage_counts, transfers)
 
 _BIG = 1 << 40          # group * _BIG + index: sort keys of (group, index) pairs
+
+
+# ---- per-key lists: every key a rank's queries see, one by one -------------------------
+def per_token(length: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Pieces of ``length`` (>= 0) laid back to back, their tokens listed in order:
+    (offset of each token in its piece, then each of ``values`` [pieces] repeated over its
+    piece's tokens). A cumulative sum of steps at the pieces' first tokens: on CPU a few
+    times faster than ``repeat_interleave`` plus gathers (advanced indexing is ~10x slower
+    than a cumsum per element at 100K tokens)."""
+    keep = length > 0
+    if not bool(keep.all()):
+        length = length[keep]
+        values = tuple(v[keep] for v in values)
+    n = int(length.sum())
+    first = torch.cumsum(length, 0) - length
+
+    def spread(v: torch.Tensor) -> torch.Tensor:
+        steps = torch.zeros(n + 1, dtype=v.dtype)
+        if v.numel():
+            steps.index_add_(0, first, torch.cat([v[:1], v[1:] - v[:-1]]))
+        return torch.cumsum(steps[:-1], 0)
+
+    return (torch.arange(n) - spread(first), *(spread(v) for v in values))
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Keys one rank's queries see, in (document, position) order (host tensors)."""
+
+    owner: torch.Tensor      # int64 [n]: rank holding the key
+    row: torch.Tensor        # int64 [n]: its local row there
+    holder: Holder           # cu / positions of the selected keys
+
+
+def select_keys(plan: CPPlan, mask: AttnMask, rank: int) -> Selection:
+    """The keys some query of ``rank`` sees, with their owners and rows (cached)."""
+    def build() -> Selection:
+        holder, doc, lo, hi = (t.numpy() for t in needed_spans(plan, mask))
+        mine = holder == rank
+        part, arrays = runs_by_document(plan), run_arrays(plan, by_document=True)
+        _, run, first, length = (torch.from_numpy(x) for x in span_pieces(
+            doc[mine], lo[mine], hi[mine], arrays.doc, arrays.start, arrays.stop))
+        offset, pos, row, owner, key_doc = per_token(
+            length, first, part.row[run] + first - part.start[run], part.holder[run],
+            part.doc[run])
+        pos = pos + offset
+        return Selection(owner, row + offset, holder_from_counts(key_doc, pos, plan.n_docs))
+    return host_table(plan, table_key("select", mask, None, rank), build)
+
+
+def sent_keys(plan: CPPlan, mask: AttnMask, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(destination, local row) of ``rank``'s keys that each rank's queries see, grouped by
+    destination rank (itself included) and, per destination, in the order that rank lists
+    its selection (document, position) (cached)."""
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
+        holder, doc, lo, hi = needed_spans(plan, mask)
+        runs = plan.runs
+        mine = runs.select(runs.holder == rank)  # sorted by (doc, start) already
+        span, run, first, length = (torch.from_numpy(x) for x in span_pieces(
+            doc.numpy(), lo.numpy(), hi.numpy(), mine.doc.numpy(), mine.start.numpy(),
+            mine.stop.numpy()))
+        offset, rows, dest = per_token(length, mine.row[run] + first - mine.start[run],
+                                       holder[span])
+        return dest, rows + offset
+    return host_table(plan, table_key("sent_keys", mask, None, rank), build)
 
 
 def occurrence_rounds(rows: torch.Tensor) -> UniqueRounds:

@@ -1,6 +1,6 @@
 """The ``balanced`` layout: every mask balanced on its own, tokens, tiles, fetches, invariants.
 
-Balance is asserted per mask (not on a sum) with ``CPPlan.work_of``, which counts from the
+Balance is asserted per mask (not on a sum) with ``CPPlan.work_per_rank``, which counts from the
 plan's token tables and mask_math, independently of the layout's closed forms; those closed
 forms and the layout's fold units are checked against tests/reference.py's dense mask; the
 K/V floor of bench/plan.py against a dense count. Plans are checked for the invariants of
@@ -244,7 +244,7 @@ def test_efficiency_heavy_tail(masks, cps, floor) -> None:
         tables = bench.rank_tables(plan)
         num = den = 0.0
         for m, w in B.normalize_masks(masks):
-            work = [plan.work_of(r, m) for r in range(cp)]
+            work = plan.work_per_rank(m)
             e = bench.efficiency(work, bench.kv_floor(tables, m, cp), cp)
             num += w * e["mean_compute_s"]
             den += w * e["layer_s"]
@@ -268,15 +268,15 @@ def test_runs_are_maximal() -> None:
 def test_worked_example_of_the_glossary() -> None:
     """The package docstring's worked example runs as written (doctest), and the layout it
     states gives each rank the numbers it states, counted independently by the plan's
-    tables (``CPPlan.work_of``): 37 tokens, 263 chunked and 519 causal pairs."""
+    tables (``CPPlan.work_per_rank``): 37 tokens, 263 chunked and 519 causal pairs."""
     import doctest
     result = doctest.testmod(B, verbose=False, report=False)
     assert result.attempted >= 10 and result.failed == 0, result
     chunked = AttnMask(chunk_size=16)
     plan = _plan([40, 13, 8, 13], 2, masks=[(chunked, 3), (CAUSAL, 1)], tile_tokens=4)
     for r in range(2):
-        assert (plan.num_tokens_of(r), plan.work_of(r, chunked), plan.work_of(r, CAUSAL)) \
-            == (37, 263, 519)
+        assert (plan.num_tokens_of(r), plan.work_per_rank(chunked)[r],
+                plan.work_per_rank(CAUSAL)[r]) == (37, 263, 519)
     assert _runs(plan, 0) == [(0, 16, 32), (1, 0, 13), (2, 0, 8)]
     assert _runs(plan, 1) == [(0, 0, 16), (0, 32, 40), (3, 0, 13)]
 

@@ -15,9 +15,9 @@ import torch
 from tests.helpers import MASKS, cu, small_plan
 from varlen_cp.masks import AttnMask
 from varlen_cp.plan import CPPlan
-from varlen_cp.schedules import selected
 from varlen_cp.shape import AttnShape
 from varlen_cp.strategies import get_strategy
+from tests.staged_reference import select_keys
 
 dispatch = get_strategy("dispatch")
 
@@ -62,7 +62,7 @@ def test_needed_keys_are_exactly_the_visible_ones(one_thread):
                 first = torch.tensor([0] + [plan.num_tokens_of(r) for r in range(cp)]).cumsum(0)
                 fetched, sent_to = [], [0] * cp
                 for r in range(cp):
-                    n = selected.select_keys(plan, mask, r)
+                    n = select_keys(plan, mask, r)
                     glob = every[first[n.owner] + n.row]  # the token each (owner, row) is
                     want = _brute_needed(plan, mask, r)
                     assert glob.tolist() == want, (layout, cp, mname, r)
@@ -99,7 +99,7 @@ def test_compute_counts_every_visible_pair_once(one_thread):
             for mask in MASKS.values():
                 plan = _plan(docs, cp, 0, layout, mask)
                 c = dispatch.compute_per_rank(plan, mask, ONE_HEAD, block=(64, 64))
-                assert c["visible"] == [float(plan.work_of(r, mask)) for r in range(cp)]
+                assert c["visible"] == [float(w) for w in plan.work_per_rank(mask)]
                 assert all(a >= b for a, b in zip(c["visited"], c["visible"]))
 
 
@@ -149,7 +149,7 @@ def test_auto_memory_budget_and_tie_rule(one_thread):
     plan = _plan(SHORT, 4, 0, "balanced", mask)
     shape = AttnShape(n_heads=32, n_kv_heads=8, head_dim=128)
     assert choose_strategy(plan, mask, shape, memory_budget_bytes=0) == "p2p"
-    need = max(selected.select_keys(plan, mask, r).owner.numel()
+    need = max(select_keys(plan, mask, r).owner.numel()
                for r in range(plan.cp_size)) * 8 * 256 * 2
     assert choose_strategy(plan, mask, shape, memory_budget_bytes=need) == "dispatch"
     assert choose_strategy(plan, mask, shape, memory_budget_bytes=need - 1) != "dispatch"

@@ -45,6 +45,7 @@ from varlen_cp.schedules import selected, staged
 from varlen_cp.schedules.auto import CostModel
 from varlen_cp.shape import AttnShape
 from varlen_cp.strategies import get_strategy
+from tests.staged_reference import select_keys
 
 DOCS = [1, 2, 37, 9, 0, 130, 5, 23]            # 207 tokens, as the other CP tests
 D, DV = 32, 16
@@ -109,7 +110,7 @@ def _simulate(plan, mask, name, stages):
                 rows = st[o].in_rows[start:start + st[o].in_splits[d]]
                 assert torch.equal(ids[o][rows], block), (name, p, d, o)
     for d in range(cp):
-        sel = selected.select_keys(plan, mask, d)
+        sel = select_keys(plan, mask, d)
         remote = sel.owner != d
         first = torch.tensor([0] + [plan.num_tokens_of(r) for r in range(cp)]).cumsum(0)
         want = torch.cat(ids)[first[sel.owner[remote]] + sel.row[remote]]
@@ -171,7 +172,7 @@ def test_staged_time_by_hand(one_thread):
                       memory_bytes_per_s=1e11)
     row = shape.kv_row
     f_fwd, f_bwd = 2 * 128 * 8, (6 * 64 + 4 * 64) * 8
-    local = plan.work_of(1, mask) - 28          # ranks 1..3: 100 queries, 28 remote pairs
+    local = plan.work_per_rank(mask)[1] - 28          # ranks 1..3: 100 queries, 28 remote pairs
     elems = 100 * 8 * 64
     for name in STRATS:
         x = (7 if name == "dispatch" else 3 * 100) * row / 1e9     # all_gather: all rows

@@ -27,7 +27,8 @@ from varlen_cp.prepare import AttnShape, prepare_plan
 from varlen_cp.schedules.holders import block_schedule, rank_holders
 from varlen_cp.schedules.hybrid import group_holders, hybrid_ring_tables
 from varlen_cp.schedules.ring import p2p_tables, rank_visibility, ring_length
-from varlen_cp.schedules.selected import fetch_counts, pair_counts, select_keys
+from varlen_cp.schedules.selected import fetch_counts, pair_counts
+from tests.staged_reference import select_keys
 
 MASKS = [AttnMask(), AttnMask(causal=False), AttnMask(window_size=(7, 0)),
          AttnMask(causal=False, window_size=(3, 5)), AttnMask(causal=False, window_size=(0, 4)),

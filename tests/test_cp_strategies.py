@@ -277,14 +277,14 @@ def test_cp1_is_the_local_op(layout, one_thread):
 
 # -------------------------------------------------------------------- host cost model
 def test_cost_model_counts_every_visible_pair_once(one_thread):
-    """Summed over ranks, each strategy's visible pairs are the batch's (plan.work_of)."""
+    """Summed over ranks, each strategy's visible pairs are the batch's (plan.work_per_rank)."""
     from varlen_cp.strategies import get_strategy
     docs = [300, 17, 1, 90, 5, 411]
     for layout in LAYOUTS:
         for cp in (2, 3, 4):
             plan = small_plan(docs, cp, 0, layout)
             for mask in MASKS.values():
-                total = sum(plan.work_of(r, mask) for r in range(cp))
+                total = sum(plan.work_per_rank(mask))
                 for strategy in ("p2p", "all_gather", "a2a", "a2a+p2p"):
                     c = get_strategy(strategy).compute_per_rank(
                         plan, mask, AttnShape(n_heads=12, n_kv_heads=cp, head_dim=1),

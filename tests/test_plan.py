@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from tests.helpers import FIXED_MIXES, check_balanced, check_invariants
 from tests.reference import reference_mask
 from varlen_cp import AttnMask
-from varlen_cp.plan import LAYOUTS, TE, Balanced, CPPlan, DualChunk, layout_spec, pair_segments
+from varlen_cp.plan import LAYOUTS, TE, Balanced, CPPlan, DualChunk, layout_spec
 
 MASKS = [AttnMask(causal=True), AttnMask(causal=False), AttnMask(window_size=(7, 0)),
          AttnMask(causal=False, window_size=(3, 5)), AttnMask(causal=False, chunk_size=16),
@@ -195,7 +195,7 @@ def test_work_matches_brute_force(layout: str) -> None:
                                               if layout == "dual_chunk" else {}))[0]
         for mask in MASKS:
             work = [brute_force_work(plan, r, lengths, mask) for r in range(cp)]
-            assert [plan.work_of(r, mask) for r in range(cp)] == work
+            assert plan.work_per_rank(mask) == work
             expected = max(work) * cp / sum(work) if sum(work) else 1.0
             assert plan.work_imbalance(mask) == pytest.approx(expected)
 
@@ -310,9 +310,7 @@ def test_accessors_reject_bad_rank_and_mask() -> None:
         with pytest.raises(ValueError, match="rank"):
             fn(-1)
     with pytest.raises(ValueError, match="mask"):
-        plan.work_of(0, "causal")
-    with pytest.raises(ValueError, match="rank"):
-        plan.work_of(5, AttnMask())
+        plan.work_per_rank("causal")
 
 
 def test_fingerprint_and_cache() -> None:
@@ -344,6 +342,15 @@ def test_fingerprint_and_cache() -> None:
     assert plan.cached(("k", 1), lambda: calls.append(1) or "b") == "a"
     assert plan.cached(("k", 2), lambda: calls.append(1) or "c") == "c"
     assert len(calls) == 2
+
+
+def pair_segments(plan: CPPlan, q_rank: int, k_rank: int) -> tuple:
+    """(cu_q, cu_k, max_q, max_k, q_pos, k_pos) of ``q_rank``'s queries against
+    ``k_rank``'s keys: document i is local segment i on every rank, so the pair is a plain
+    varlen call with explicit positions (the invariant the strategies build on)."""
+    return (plan.local_cu_seqlens_of(q_rank), plan.local_cu_seqlens_of(k_rank),
+            plan.max_local_seqlen_of(q_rank), plan.max_local_seqlen_of(k_rank),
+            plan.positions_of(q_rank), plan.positions_of(k_rank))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -356,7 +356,6 @@ def _option_outcomes(rank, world):
 def group_worker(rank, world):
     """cp = 2: the option cases, then every entry point with a group of a wrong type."""
     from torch.distributed.device_mesh import init_device_mesh
-    from varlen_cp.sharding import gather_sequence
 
     options = _option_outcomes(rank, world)
     plan = CPPlan.build(_cu([5, 9]), cp_size=world, cp_rank=rank)
@@ -369,7 +368,7 @@ def group_worker(rank, world):
             _outcome(lambda: cp_varlen_attn(q, k, v, plan, CAUSAL, group)),
             _outcome(lambda: ContextParallelVarlenAttention(CAUSAL, group=group)),
             _outcome(lambda: plan.unshard(q, group=group)),
-            _outcome(lambda: gather_sequence(q.unsqueeze(0), plan, group)),
+            _outcome(lambda: plan.unshard(q.unsqueeze(0), group, dim=1)),
         ]
     # Nothing was half-communicated: the group still works.
     ok = torch.equal(plan.unshard(q), _inputs(14)[0])

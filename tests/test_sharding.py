@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from varlen_cp.plan import LAYOUTS, CPPlan, DualChunk
-from varlen_cp.sharding import cu_seqlens_from_positions, gather_sequence, shard_packed_batch
+from varlen_cp.sharding import cu_seqlens_from_positions, shard_packed_batch
 
 MIXES = [[5, 0, 1, 7], [300, 1, 17, 0, 64, 129], [2, 3], [1] * 9, []]
 
@@ -146,7 +146,7 @@ def _unshard_cases(rank: int, world: int, group_cp2) -> None:
             seq = torch.randn(2, total, 4, generator=gen)
             plan = _plans(lengths, world, layout)[rank]
             assert torch.equal(plan.unshard(plan.shard(x)), x)
-            assert torch.equal(gather_sequence(plan.shard(seq, dim=1), plan, None, 1), seq)
+            assert torch.equal(plan.unshard(plan.shard(seq, dim=1), None, dim=1), seq)
             if group_cp2 is not None:
                 plan2 = _plans(lengths, 2, layout)[rank]
                 assert torch.equal(plan2.unshard(plan2.shard(x), group_cp2), x)

@@ -429,11 +429,6 @@ class CPPlan:
         """Visible (query, key) pairs of every rank's queries against all keys."""
         return list(self._work_per_rank(mask))
 
-    def work_of(self, rank: int, mask: AttnMask) -> int:
-        """Visible (query, key) pairs of ``rank``'s queries against all keys of the batch."""
-        self._rows(rank)
-        return self._work_per_rank(mask)[rank]
-
     def work_imbalance(self, mask: AttnMask) -> float:
         """max / mean of the ranks' work under ``mask`` (1.0 when there is no work)."""
         work = self._work_per_rank(mask)

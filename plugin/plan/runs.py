@@ -17,8 +17,7 @@ Three facts from docs/design.md's mask table make runs enough:
 
 Everything is int64 host math over arrays of runs (no Python loop over runs, documents or
 rank pairs). The plan keeps its runs as numpy (``tables.RunTable``); :class:`Runs` is the
-tensor form ``CPPlan.runs`` hands to the schedules, and :func:`per_token` a helper of theirs
-on it (torch, as the schedules' selections are). Limits: positions must stay below 2^40
+tensor form ``CPPlan.runs`` hands to the schedules. Limits: positions must stay below 2^40
 (mask_math's UNBOUNDED).
 """
 
@@ -60,28 +59,6 @@ class Runs:
         each document's real positions in order, as a partition."""
         order = torch.argsort(self.doc * STRIDE + self.start)
         return self.select(order)
-
-
-def per_token(length: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Pieces of ``length`` (>= 0) laid back to back, their tokens listed in order:
-    (offset of each token in its piece, then each of ``values`` [pieces] repeated over its
-    piece's tokens). A cumulative sum of steps at the pieces' first tokens: on CPU a few
-    times faster than ``repeat_interleave`` plus gathers (advanced indexing is ~10x slower
-    than a cumsum per element at 100K tokens)."""
-    keep = length > 0
-    if not bool(keep.all()):
-        length = length[keep]
-        values = tuple(v[keep] for v in values)
-    n = int(length.sum())
-    first = torch.cumsum(length, 0) - length
-
-    def spread(v: torch.Tensor) -> torch.Tensor:
-        steps = torch.zeros(n + 1, dtype=v.dtype)
-        if v.numel():
-            steps.index_add_(0, first, torch.cat([v[:1], v[1:] - v[:-1]]))
-        return torch.cumsum(steps[:-1], 0)
-
-    return (torch.arange(n) - spread(first), *(spread(v) for v in values))
 
 
 def run_rows(start: np.ndarray, length: np.ndarray) -> np.ndarray:

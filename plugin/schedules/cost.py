@@ -48,7 +48,9 @@ def _local_sizes(plan: CPPlan) -> torch.Tensor:
 # ---- bytes ------------------------------------------------------------------------------
 def ring_rows(sizes: torch.Tensor, vis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per ring position: (K/V rows sent per pass, dK/dV partial rows sent backward), as
-    the ring engine posts them (see ``ring.ring_send_rows``), for all positions at once."""
+    the ring engine posts them, for all positions at once: position i sends the K/V of
+    ring steps 0..n-2 (sources i - t) and, backward, the partials of the steps whose
+    source its queries see (the strategy tests count the bytes it really posts)."""
     size, n_steps = sizes.numel(), ring_length(vis)
     idx = torch.arange(size).unsqueeze(1)
     src = (idx - torch.arange(n_steps).unsqueeze(0)) % size          # [H, steps]

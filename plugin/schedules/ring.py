@@ -72,16 +72,6 @@ def ring_tables(holders: HolderSet, vis: torch.Tensor, index: int, mask: AttnMas
                       tuple(incoming))
 
 
-def ring_send_rows(sizes: tuple[int, ...], vis: torch.Tensor, index: int) -> tuple[int, int]:
-    """(K/V rows, dK/dV rows) ring position ``index`` sends: K/V in forward and again in
-    backward, dK/dV partials in backward only; exactly what the engine posts."""
-    size, n_steps = len(sizes), ring_length(vis)
-    src = [(index - t) % size for t in range(n_steps)]
-    kv = sum(sizes[s] for s in src[:-1])
-    grads = sum(sizes[s] for s in src[1:] if int(vis[index, s]) > 0)
-    return kv, grads
-
-
 # ---- p2p: ranks as holders ----------------------------------------------------------------
 def rank_visibility(plan: CPPlan, mask: AttnMask) -> torch.Tensor:
     """int64 [cp, cp]: how many of rank j's keys rank s's queries see (> 0: the ring step

@@ -7,8 +7,8 @@ and their owners come from cutting those spans by the partition of each document
 ranks' runs. A rank learns what the others fetch from it the same way, for all of them in
 one pass over their spans (no per-rank loop), which is what the backward (all_gather) and
 the forward send lists (dispatch) need. ``staged`` cuts the same spans, as runs, into the
-strategies' transfers and kernel calls; the per-key lists here (``select_keys``,
-``sent_keys``) are for tests and the reference construction in tests/staged_reference.py.
+strategies' transfers and kernel calls; the per-key lists the tests compare them with
+(``select_keys``, ``sent_keys``) live in tests/staged_reference.py.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import torch
 
 from ..masks import AttnMask
 from ..plan import CPPlan
-from ..plan.runs import Runs, pair_work, per_token
-from .holders import Holder, holder_from_counts
+from ..plan.runs import Runs, pair_work
 from .keys import host_table, table_key
 from .spans import key_spans, merge_spans, span_pieces
 
@@ -68,48 +67,6 @@ def needed_spans(plan: CPPlan, mask: AttnMask) -> tuple[torch.Tensor, ...]:
         lo, hi = _spans_of(plan, mask)
         return tuple(torch.from_numpy(x) for x in merge_spans(runs.holder, runs.doc, lo, hi))
     return host_table(plan, table_key("needed_spans", mask), build)
-
-
-@dataclass(frozen=True)
-class Selection:
-    """Keys one rank's queries see, in (document, position) order (host tensors)."""
-
-    owner: torch.Tensor      # int64 [n]: rank holding the key
-    row: torch.Tensor        # int64 [n]: its local row there
-    holder: Holder           # cu / positions of the selected keys
-
-
-def select_keys(plan: CPPlan, mask: AttnMask, rank: int) -> Selection:
-    """The keys some query of ``rank`` sees, with their owners and rows (cached)."""
-    def build() -> Selection:
-        holder, doc, lo, hi = (t.numpy() for t in needed_spans(plan, mask))
-        mine = holder == rank
-        part, arrays = runs_by_document(plan), run_arrays(plan, by_document=True)
-        _, run, first, length = (torch.from_numpy(x) for x in span_pieces(
-            doc[mine], lo[mine], hi[mine], arrays.doc, arrays.start, arrays.stop))
-        offset, pos, row, owner, key_doc = per_token(
-            length, first, part.row[run] + first - part.start[run], part.holder[run],
-            part.doc[run])
-        pos = pos + offset
-        return Selection(owner, row + offset, holder_from_counts(key_doc, pos, plan.n_docs))
-    return host_table(plan, table_key("select", mask, None, rank), build)
-
-
-def sent_keys(plan: CPPlan, mask: AttnMask, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(destination, local row) of ``rank``'s keys that each rank's queries see, grouped by
-    destination rank (itself included) and, per destination, in the order that rank lists
-    its selection (document, position) (cached)."""
-    def build() -> tuple[torch.Tensor, torch.Tensor]:
-        holder, doc, lo, hi = needed_spans(plan, mask)
-        runs = plan.runs
-        mine = runs.select(runs.holder == rank)  # sorted by (doc, start) already
-        span, run, first, length = (torch.from_numpy(x) for x in span_pieces(
-            doc.numpy(), lo.numpy(), hi.numpy(), mine.doc.numpy(), mine.start.numpy(),
-            mine.stop.numpy()))
-        offset, rows, dest = per_token(length, mine.row[run] + first - mine.start[run],
-                                       holder[span])
-        return dest, rows + offset
-    return host_table(plan, table_key("sent_keys", mask, None, rank), build)
 
 
 def needed_pieces(plan: CPPlan, mask: AttnMask) -> tuple[torch.Tensor, ...]:

@@ -130,7 +130,7 @@ class KeyRuns:
 
 def selection_runs(plan: CPPlan, mask: AttnMask, rank: int) -> KeyRuns:
     """The keys ``rank``'s queries see, as runs in (document, position) order (the order
-    of ``selected.select_keys``); ``peer`` is the owner (cached)."""
+    of the tests' ``select_keys``); ``peer`` is the owner (cached)."""
     def build() -> KeyRuns:
         holder, doc, lo, hi = (t.numpy() for t in needed_spans(plan, mask))
         mine = holder == rank
@@ -145,7 +145,7 @@ def selection_runs(plan: CPPlan, mask: AttnMask, rank: int) -> KeyRuns:
 def given_runs(plan: CPPlan, mask: AttnMask, rank: int) -> KeyRuns:
     """``rank``'s keys that the OTHER ranks' queries see, as runs grouped by destination
     (``peer``), each destination's in its selection order (the order of
-    ``selected.sent_keys``); ``slot`` is the place in the destination's list of keys from
+    the tests' ``sent_keys``); ``slot`` is the place in the destination's list of keys from
     ``rank`` (cached)."""
     def build() -> KeyRuns:
         holder, doc, lo, hi = (t.numpy() for t in needed_spans(plan, mask))
