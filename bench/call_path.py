@@ -2,7 +2,7 @@
 kernel, and varlen-cp's Python calls per layer call (host overhead that runs every layer).
 
 Two gloo ranks on CPU (cp 2) and one (cp 1), the plan built and prepared ahead of the step as
-the integrations do (``prepare_plan``), one warm-up call, then one forward (and backward)
+the integrations do (``build_tables``), one warm-up call, then one forward (and backward)
 call traced with ``sys.setprofile``:
 - ``depth``: varlen-cp frames on the stack when the kernel (the PyTorch twin's forward,
   ``kernels/torch_attn.py``) is first entered, from ``ContextParallelVarlenAttention.forward``
@@ -73,7 +73,7 @@ def _measure(rank: int, world: int, store: str, out: dict) -> None:
                                 world_size=world)
     from varlen_cp import AttnMask, AttnOptions, ContextParallelVarlenAttention
     from varlen_cp.config import AttnShape, CPConfig
-    from varlen_cp.prepare import build_plan, prepare_plan
+    from varlen_cp.prefetch import build_plan, build_tables
 
     mask = AttnMask(causal=True)
     config = CPConfig(strategy="p2p", backend="torch")
@@ -81,7 +81,7 @@ def _measure(rank: int, world: int, store: str, out: dict) -> None:
     shape = AttnShape(n_heads=4, n_kv_heads=2, head_dim=16, dtype=torch.float32)
     attn = ContextParallelVarlenAttention(mask, AttnOptions(strategy="p2p", backend="torch"))
     plan = build_plan(cu, config, cp_size=world, cp_rank=rank, layer_masks=[(mask, 1)])
-    prepare_plan(plan, config, [(mask, 1)], shape, "cpu")
+    build_tables(plan, config, [(mask, 1)], shape, "cpu")
     n = plan.num_tokens
     gen = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(n, h, 16, generator=gen, requires_grad=True) for h in (4, 2, 2))

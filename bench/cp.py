@@ -18,7 +18,7 @@ GPU, cp 8..64, layout ``balanced``, masks causal / SWA (4096, 0) / chunked 8192 
 real sizes, H100 model (400 TFLOP/s attention, 150 GB/s per rank inside a node at cp <= 8,
 45 GB/s across nodes above). Per strategy, the modelled time of one layer (forward +
 backward, slowest rank): ``dispatch`` and ``all_gather`` before (sequential: the whole
-exchange, then the whole compute) and after (staged, ``varlen_cp.schedules.staged``,
+exchange, then the whole compute) and after (staged, ``varlen_cp.tables.staged``,
 the cost model's stage count), ``p2p`` / ``a2a`` from ``strategy="auto"``'s estimate; the
 efficiency = mean compute over ranks / that time (and the bound: every transfer hidden
 under its phase's compute at no cost); and the peak memory per rank, a host count of the
@@ -46,14 +46,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from varlen_cp.masks import AttnMask  # noqa: E402
 from varlen_cp.plan import Balanced, CPPlan  # noqa: E402
-from varlen_cp.schedules.hybrid import default_a2a_size, heads_fit  # noqa: E402
-from varlen_cp.schedules.selected import fetched_tokens  # noqa: E402
+from varlen_cp.tables.hybrid import default_a2a_size, heads_fit  # noqa: E402
+from varlen_cp.tables.selected import fetched_tokens  # noqa: E402
 from varlen_cp.strategies import STRATEGIES, get_strategy  # noqa: E402
-from varlen_cp.schedules import auto, staged  # noqa: E402
-from varlen_cp.schedules.catalogue import STAGED  # noqa: E402
+from varlen_cp.tables import auto, staged  # noqa: E402
+from varlen_cp.tables.catalogue import STAGED  # noqa: E402
 from varlen_cp.shape import AttnShape  # noqa: E402
-from varlen_cp.schedules.hybrid import group_members  # noqa: E402
-from varlen_cp.schedules.selected import fetch_counts  # noqa: E402
+from varlen_cp.tables.hybrid import group_members  # noqa: E402
+from varlen_cp.tables.selected import fetch_counts  # noqa: E402
 
 # Llama-3-8B-like attention: 32 query heads, 8 K/V heads, head dim 128, bf16.
 MODEL = {"n_heads": 32, "n_kv_heads": 8, "head_dim": 128, "head_dim_v": 128, "dtype_bytes": 2}

@@ -1,9 +1,9 @@
 """One-GPU replay of a CP rank: the exact kernel calls rank r of a cp 8 / 64 plan makes.
 
 A CP layer's time is its slowest rank's. This replays that rank without the other ranks: the
-plan is built and prepared with the code the integrations run (``varlen_cp.prepare``:
-``build_plan`` + ``prepare_plan``, which builds every host table of the strategy and its
-device copy), the rank's kernel calls are read from the tables ``prepare_plan`` built (the
+plan is built and prepared with the code the integrations run (``varlen_cp.prefetch``:
+``build_plan`` + ``build_tables``, which builds every host table of the strategy and its
+device copy), the rank's kernel calls are read from the tables ``build_tables`` built (the
 lookup fails if the replay would build a table of its own, so what runs is what a training
 step would run), and each call goes through the strategies' own ``Attn.fwd`` / ``Attn.bwd``
 on its ``KernelCall`` (positions, cu_seqlens, tile schedule), with random K/V of the size
@@ -38,12 +38,12 @@ from varlen_cp.kernels.validation import check_backend
 from varlen_cp.kernels.schedule import segment_ids
 from varlen_cp.masks import AttnMask
 from varlen_cp.plan import CPPlan
-from varlen_cp.prepare import build_plan, prepare_plan
-from varlen_cp.schedules.holders import KernelCall
-from varlen_cp.schedules.ring import p2p_tables
+from varlen_cp.prefetch import build_plan, build_tables
+from varlen_cp.tables.holders import KernelCall
+from varlen_cp.tables.ring import p2p_tables
 from varlen_cp.resolve import kernel_route
-from varlen_cp.schedules.catalogue import STAGED
-from varlen_cp.schedules.staged import resolve_stages
+from varlen_cp.tables.catalogue import STAGED
+from varlen_cp.tables.staged import resolve_stages
 from varlen_cp.strategies.calls import Attn
 from varlen_cp.strategies.selected_keys import tables as staged_device_tables
 
@@ -56,7 +56,7 @@ _KEY_BITS = 32
 def _prepared_only(plan: CPPlan) -> Iterator[list]:
     """Within the block, a table missing from ``plan`` is recorded in the yielded list (it
     is still built, so the caller can name it): the replay must find every table
-    ``prepare_plan`` made, under the key the strategy looks it up with."""
+    ``build_tables`` made, under the key the strategy looks it up with."""
     built: list = []
     original = plan.cached
 
@@ -75,7 +75,7 @@ def _prepared_only(plan: CPPlan) -> Iterator[list]:
 
 def route_of(backend: str, shape: Shape, device: torch.device):
     """The FlashAttention route the strategies take for ``backend`` (None: our kernels),
-    resolved as ``prepare_plan`` and each call resolve it (no LSE gradient, no row max)."""
+    resolved as ``build_tables`` and each call resolve it (no LSE gradient, no row max)."""
     return kernel_route(backend, device, shape)[2]
 
 
@@ -84,7 +84,7 @@ def rank_calls(plan: CPPlan, mask: AttnMask, strategy: str, block: tuple[int, in
                route=None
                ) -> tuple[list[tuple[str, KernelCall]], list[tuple[str, KernelCall]], int | None]:
     """(forward calls, backward calls, stages) of ``plan.cp_rank``, in the order the
-    strategy makes them, from the device tables ``prepare_plan`` built (FA forms where
+    strategy makes them, from the device tables ``build_tables`` built (FA forms where
     exact with a ``route``, :func:`route_of`). RuntimeError when a table was not
     prepared."""
     rank = plan.cp_rank
@@ -104,7 +104,7 @@ def rank_calls(plan: CPPlan, mask: AttnMask, strategy: str, block: tuple[int, in
             raise ValueError(f"strategy must be one of ('p2p', {', '.join(map(repr, STAGED))})"
                              f" for the replay, got {strategy!r}")
     if built:
-        raise RuntimeError(f"prepare_plan did not build the tables the replay reads: "
+        raise RuntimeError(f"build_tables did not build the tables the replay reads: "
                            f"{[k.kind if hasattr(k, 'kind') else k for k in built]} (the "
                            f"strategy's table keys changed? update bench/cp_replay.py)")
     return fwd, bwd, stages
@@ -149,7 +149,7 @@ def plan_rank(case: ReplayCase, shape: Shape, device: torch.device, backend: str
     t0 = time.process_time()
     plan = build_plan(cu, config, cp_size=case.cp, cp_rank=rank, layer_masks=layer_masks)
     t1 = time.process_time()
-    prepare_plan(plan, config, layer_masks,
+    build_tables(plan, config, layer_masks,
                  AttnShape(n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads,
                            head_dim=shape.head_dim, head_dim_v=shape.value_dim,
                            dtype=shape.dtype), device)

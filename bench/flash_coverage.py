@@ -5,11 +5,11 @@ Usage: ``python bench/flash_coverage.py [--cp 8,64] [--mixes a,b] [--ranks64 N]
 
 For every document-length mix of ``varlen_cp.mixes`` at 128K tokens, cp 8 and 64, the
 integrations' default layout (``balanced``, built for Llama 4's masks
-``[(chunked 8192, 3), (causal, 1)]`` with ``varlen_cp.prepare.build_plan``), strategies
+``[(chunked 8192, 3), (causal, 1)]`` with ``varlen_cp.prefetch.build_plan``), strategies
 p2p / all_gather (2 stages) / dispatch (2 stages) / a2a, and masks chunked 8192 causal,
 global causal and SWA 4096 (``window_size=(4096, 0)``): the share of the rank's visible
 (query, key) pairs computed in FlashAttention's form and the share of its kernel calls
-that have one (``varlen_cp.schedules.coverage.flash_coverage``, route
+that have one (``varlen_cp.tables.coverage.flash_coverage``, route
 ``FlashRoute("flash", 40*256*2, 8*256*2)``: Llama 4's 40 q / 8 kv heads, d 128, bf16;
 tiles 128 x 128). Ranks: first, middle and last (``--ranks64``: fewer at cp 64 if the
 machine is slow); each cell reports the minimum over those ranks and their mean.
@@ -42,9 +42,9 @@ if str(ROOT) not in sys.path:   # the package from a checkout
 from varlen_cp import AttnMask  # noqa: E402
 from varlen_cp.config import CPConfig  # noqa: E402
 from varlen_cp.mixes import MIXES, TOTAL  # noqa: E402
-from varlen_cp.prepare import build_plan  # noqa: E402
-from varlen_cp.schedules.coverage import flash_coverage  # noqa: E402
-from varlen_cp.schedules.flash_form import FlashRoute  # noqa: E402
+from varlen_cp.prefetch import build_plan  # noqa: E402
+from varlen_cp.tables.coverage import flash_coverage  # noqa: E402
+from varlen_cp.tables.flash_form import FlashRoute  # noqa: E402
 
 LLAMA4 = [(AttnMask(causal=True, chunk_size=8192), 3), (AttnMask(causal=True), 1)]
 MASKS = {"chunked8192": AttnMask(causal=True, chunk_size=8192),

@@ -3,7 +3,7 @@
 Usage: ``python bench/host_tables.py [--quick] [--layouts balanced,dual_chunk]
 [--backend triton|flash] [--repeats N] [--out FILE]``.
 
-Timed, for one rank: ``varlen_cp.prepare.build_plan`` + ``prepare_plan`` exactly as the
+Timed, for one rank: ``varlen_cp.prefetch.build_plan`` + ``build_tables`` exactly as the
 integrations call them (``CPConfig(strategy=..., layout=..., backend="triton")``, Llama 4's
 two masks ``[(chunked 8192, 3), (causal, 1)]``, ``AttnShape(32, 8, 128, bf16)``): the layout,
 the token tables, ``auto``'s choice, the stage count of the staged strategies and every host
@@ -49,10 +49,10 @@ if str(ROOT) not in sys.path:   # the package from a checkout
     sys.path.insert(0, str(ROOT))
 
 from varlen_cp import AttnMask  # noqa: E402
-from varlen_cp.config import STRATEGY_NAMES, AttnShape, CPConfig  # noqa: E402
+from varlen_cp.config import STRATEGY_CHOICES, AttnShape, CPConfig  # noqa: E402
 from varlen_cp.host_memory import keep_freed_host_memory  # noqa: E402
 from varlen_cp.mixes import MIXES, TOTAL  # noqa: E402
-from varlen_cp.prepare import build_plan, prepare_plan  # noqa: E402
+from varlen_cp.prefetch import build_plan, build_tables  # noqa: E402
 from varlen_cp.strategies import get_strategy  # noqa: E402
 
 LLAMA4 = [(AttnMask(chunk_size=8192), 3), (AttnMask(), 1)]
@@ -71,7 +71,7 @@ def ranks_of(cp: int) -> tuple[int, ...]:
 def plan_and_tables(cu: torch.Tensor, config: CPConfig, cp: int, rank: int) -> None:
     """What an integration's planner runs for one batch on ``rank``."""
     plan = build_plan(cu, config, cp_size=cp, cp_rank=rank, layer_masks=LLAMA4)
-    prepare_plan(plan, config, LLAMA4, SHAPE, torch.device("cpu"))
+    build_tables(plan, config, LLAMA4, SHAPE, torch.device("cpu"))
 
 
 def applies(name: str, cp: int) -> bool:
@@ -105,7 +105,7 @@ def measure(layout: str, mix: str, cp: int, repeats: int) -> dict:
     row["plan_ms"] = max(min_ms(lambda: build_plan(cu, base, cp_size=cp, cp_rank=r,
                                                    layer_masks=LLAMA4), repeats)
                          for r in ranks_of(cp))
-    for name in STRATEGY_NAMES:
+    for name in STRATEGY_CHOICES:
         config = CPConfig(strategy=name, layout=layout, backend=BACKEND)
         if not applies(name, cp):
             row["total_ms"][name] = row["slowest_rank"][name] = None
@@ -125,13 +125,13 @@ def run(layouts: tuple[str, ...], mixes: tuple[str, ...], cps: tuple[int, ...],
         print(f"\n{layout}: plan + tables, ms (thread CPU, min of {repeats}, slowest of "
               f"ranks first/middle/last)")
         print(f"{'mix':15} {'cp':>3} {'plan':>6} " + " ".join(f"{n:>9}" for n in
-                                                            STRATEGY_NAMES))
+                                                            STRATEGY_CHOICES))
         for mix in mixes:
             for cp in cps:
                 row = measure(layout, mix, cp, repeats)
                 rows.append(row)
                 print(f"{mix:15} {cp:>3} {row['plan_ms']:6.1f} " +
-                      " ".join(_cell(row["total_ms"][n]) for n in STRATEGY_NAMES), flush=True)
+                      " ".join(_cell(row["total_ms"][n]) for n in STRATEGY_CHOICES), flush=True)
     return rows
 
 
@@ -187,7 +187,7 @@ def main() -> None:
               "torch": torch.__version__, "tokens": TOTAL,
               "masks": "Llama 4: chunked 8192 x3, causal x1",
               "shape": "bf16, 32 / 8 heads, d 128 (Triton tiles 64 x 64)", "backend": BACKEND,
-              "timed": "build_plan + prepare_plan, thread CPU time",
+              "timed": "build_plan + build_tables, thread CPU time",
               "malloc_tuned": malloc_tuned}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
@@ -207,7 +207,7 @@ def table_ms_for(plan, repeats: int = 3) -> dict[str, float]:
 
     masks = list(getattr(plan.layout_spec, "masks", None) or ((AttnMask(), 1),))
     out = {}
-    for name in STRATEGY_NAMES:
+    for name in STRATEGY_CHOICES:
         if not applies(name, plan.cp_size):
             continue
         config = CPConfig(strategy=name, layout=plan.layout, backend="triton")
@@ -215,6 +215,6 @@ def table_ms_for(plan, repeats: int = 3) -> dict[str, float]:
         def run() -> None:
             fresh = CPPlan.build(plan.cu_seqlens, cp_size=plan.cp_size, cp_rank=plan.cp_rank,
                                  layout=plan.layout_spec)
-            prepare_plan(fresh, config, masks, SHAPE, torch.device("cpu"))
+            build_tables(fresh, config, masks, SHAPE, torch.device("cpu"))
         out[name] = min_ms(run, repeats)
     return out

@@ -4,7 +4,7 @@ Usage: ``python bench/report_cost.py [--quick]``.
 
 For a Llama 4 style model (chunked 8192 x 36 and global causal x 12 layers, 40 query / 8 K/V
 heads of 128, bf16) on 128K-token batches of the ``lognormal_1k`` and ``lognormal_long``
-mixes, balanced layout, after ``prepare_plan`` (as the prefetcher leaves a plan), thread CPU
+mixes, balanced layout, after ``build_tables`` (as the prefetcher leaves a plan), thread CPU
 time in ms, minimum of repeats, each on a fresh prepared plan:
 
 - ``choices``: the per-batch check whether the block must be logged again
@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:
 from varlen_cp import AttnMask  # noqa: E402
 from varlen_cp.config import AttnShape, CPConfig  # noqa: E402
 from varlen_cp.mixes import MIXES  # noqa: E402
-from varlen_cp.prepare import build_plan, prepare_plan  # noqa: E402
+from varlen_cp.prefetch import build_plan, build_tables  # noqa: E402
 from varlen_cp.report import TrainingReport, layer_types, plan_report  # noqa: E402
 
 MASKS = [(AttnMask(chunk_size=8192), 36), (AttnMask(), 12)]
@@ -55,7 +55,7 @@ def measure(mix: str, cp: int, strategy: str, repeats: int) -> dict[str, float]:
     out: dict[str, list[float]] = {"choices": [], "step": [], "block": []}
     for _ in range(repeats):
         plan = build_plan(cu, config, cp_size=cp, cp_rank=0, layer_masks=MASKS)
-        prepare_plan(plan, config, MASKS, SHAPE, "cpu")
+        build_tables(plan, config, MASKS, SHAPE, "cpu")
         report = TrainingReport(layers, SHAPE, log_block=False)
         out["choices"].append(cpu_ms(lambda: report.choices(plan)))
         out["step"].append(cpu_ms(lambda: plan_report(plan, layers, SHAPE)))

@@ -19,9 +19,9 @@ strategy's partial results are merged, through ``apply_softmax_sink`` on (out, l
 why the strategies' LSE is differentiable.
 
 Every check that needs the call's tensors, plan or group runs once per call
-(``varlen_cp.cp_call.prepare_call``), before any communication, so a bad call fails with a
+(``varlen_cp.cp_call.resolve_call``), before any communication, so a bad call fails with a
 ValueError on every rank instead of hanging a collective; the strategies then run on host
-tables built from the plan (``varlen_cp.schedules``) and call the kernels without
+tables built from the plan (``varlen_cp.tables``) and call the kernels without
 re-checking per step. ``validate`` (the default): every rank of the group must have
 built the same plan (ranks that disagree would otherwise get silently wrong results or a
 hung collective): ``varlen_cp.plan.agreement``, one 16-byte all-reduce of host tensors per
@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from .checks import check_bool
-from .cp_call import check_flags, check_scale, check_types, prepare_call, run_eager
+from .cp_call import check_flags, check_scale, check_types, resolve_call, run_eager
 from .graph_op import graph_call
 from .kernels.sink import SOFTMAX_TYPES, apply_softmax_sink
 from .masks import AttnMask
@@ -94,13 +94,13 @@ def _check_device(device: Any) -> torch.device:
     return device
 
 
-def prepare_attention(plan: CPPlan, mask: AttnMask, options: AttnOptions, shape: AttnShape,
+def build_layer_tables(plan: CPPlan, mask: AttnMask, options: AttnOptions, shape: AttnShape,
                       device: torch.device) -> str:
     """Resolve (``varlen_cp.resolve``) and build, cached in ``plan``, every table
     ``cp_varlen_attn(..., mask, options=options)`` will need for inputs of ``shape``
     (``varlen_cp.AttnShape``) on ``device``; returns the strategy that will run (``auto``
     resolved; the configured name at cp 1). Host work and non-blocking copies only (see
-    ``varlen_cp.prepare``)."""
+    ``varlen_cp.prefetch``)."""
     check_types(plan, mask, options)
     if not isinstance(shape, AttnShape):
         raise ValueError(f"shape must be a varlen_cp.AttnShape, got {type(shape).__name__}")
@@ -125,7 +125,7 @@ def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPl
     positions within each document. ``options``: a ``varlen_cp.AttnOptions`` (default
     ``AttnOptions()``: "p2p", backend "auto", validate): the strategy ("p2p",
     "all_gather", "a2a", "a2a+p2p", "dispatch" or "auto", chosen per (plan, mask) from
-    closed-form costs on the plan, the same on every rank; ``varlen_cp.schedules.auto``),
+    closed-form costs on the plan, the same on every rank; ``varlen_cp.tables.auto``),
     the kernels' backend, ``a2a_size`` ("a2a+p2p"), ``overlap_stages`` ("dispatch" /
     "all_gather": S kernel stages, the remote K/V in S - 1 transfers each in flight while
     the previous stage computes; None: the cost model's choice, cached in the plan) and
@@ -150,7 +150,7 @@ def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPl
         out, lse, max_logit = graph_call(q, k, v, plan, mask, group, options, softmax_scale,
                                          need_lse, return_max_logit)
     else:
-        chosen, spec = prepare_call(q, k, v, plan, mask, group, options, softmax_scale,
+        chosen, spec = resolve_call(q, k, v, plan, mask, group, options, softmax_scale,
                                     need_lse, return_max_logit)
         out, lse, max_logit = run_eager(q, k, v, chosen, spec)
     out, lse = apply_softmax_sink(out, lse, softmax_type, sink)

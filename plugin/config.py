@@ -5,7 +5,7 @@ their framework's own extras. Its flat fields are the TOML keys; it composes the
 the spine takes and leaves their rules to them:
 
 - :attr:`CPConfig.attn_options`: a ``varlen_cp.AttnOptions`` (strategy, backend, validate,
-  a2a_size, overlap_stages) for the attention modules and ``prepare_plan``;
+  a2a_size, overlap_stages) for the attention modules and ``build_tables``;
 - :meth:`CPConfig.layout_spec`: the plan's layout spec (``varlen_cp.plan.layout_spec``:
   the layout and its own options, ``min_chunk_tokens`` / ``tile_tokens`` /
   ``pad_multiple``; an option of another layout is rejected) for ``CPPlan.build``.
@@ -24,11 +24,11 @@ from .checks import check_bool, check_choice
 from .kernels.flash import FLASH_IMPLS
 from .kernels.sink import SOFTMAX_TYPES
 from .kernels.validation import BACKENDS
-from .options import STAGED_STRATEGIES, STRATEGY_NAMES, AttnOptions
+from .options import STAGED_STRATEGIES, STRATEGY_CHOICES, AttnOptions
 from .plan.layout_spec import LAYOUTS, LayoutSpec, layout_spec
 from .shape import AttnShape
 
-__all__ = ["CPConfig", "AttnShape", "AttnOptions", "LAYOUTS", "STRATEGY_NAMES",
+__all__ = ["CPConfig", "AttnShape", "AttnOptions", "LAYOUTS", "STRATEGY_CHOICES",
            "STAGED_STRATEGIES", "BACKENDS", "SOFTMAX_TYPES"]
 
 

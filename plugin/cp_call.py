@@ -1,11 +1,11 @@
 """One context-parallel attention call: its per-call checks, and the call itself, in two
 forms.
 
-``prepare_call`` checks what only the call's tensors can tell (shapes, dtypes, devices,
+``resolve_call`` checks what only the call's tensors can tell (shapes, dtypes, devices,
 GQA, the local token count against the plan; the scale, the group), reads the call's
 ``AttnShape`` off them and looks its resolution up (``varlen_cp.resolve.resolve``: strategy,
 backend, tiles, FlashAttention route, stages; computed ahead of the step by
-``prepare_plan``, or here at the first call of a plan), all before any communication; the
+``build_tables``, or here at the first call of a plan), all before any communication; the
 plan agreement (``options.validate``) follows. Its arguments' types (``CPPlan``,
 ``AttnMask``, ``AttnOptions``) were checked at the public entry (``cp_varlen_attn``) and
 their fields when they were built. Then either:
@@ -76,7 +76,7 @@ def check_types(plan: Any, mask: Any, options: Any) -> None:
                          f"{type(options).__name__}")
 
 
-def prepare_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan,
+def resolve_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan,
                  mask: AttnMask, group: Any, options: AttnOptions, softmax_scale: Any,
                  need_lse: bool, need_max: bool) -> tuple[Strategy, CallSpec]:
     """The per-call checks (module docstring; ValueError, before any communication), the

@@ -11,7 +11,7 @@ the plan in a weak registry, ``CPPlan.handle``: a graph input like any tensor, s
 plan is new data, never a guard or a constant) and the call's constants (the
 ``AttnOptions``' key, the mask's fields, scale, flags, group name). At run time the op looks
 the plan and the options up, runs the eager call's per-call checks and resolution
-(``cp_call.prepare_call``, before any communication) and the
+(``cp_call.resolve_call``, before any communication) and the
 strategy's own autograd.Function ``forward`` with a stand-in ctx; the max logit's
 all-reduce runs inside too. The sink (``apply_softmax_sink``) is plain differentiable
 tensor math outside the op, traced by dynamo.
@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 import torch
 
-from .cp_call import global_max, prepare_call
+from .cp_call import global_max, resolve_call
 from .masks import AttnMask
 from .options import AttnOptions
 from .plan.cpplan import plan_of_handle
@@ -114,7 +114,7 @@ def _cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: tor
     mask = AttnMask(causal=causal, window_size=(window_left, window_right),
                     chunk_size=chunk_size or None)
     options = AttnOptions.of_key(options_key)
-    chosen, spec = prepare_call(q, k, v, plan, mask, group, options, softmax_scale, need_lse,
+    chosen, spec = resolve_call(q, k, v, plan, mask, group, options, softmax_scale, need_lse,
                                 need_max)
     # (the sink, if any, was checked while tracing and is applied outside the op)
     fn, args = chosen.function(q, k, v, spec)

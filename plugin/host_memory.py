@@ -6,7 +6,7 @@ plan is dropped. With glibc's default malloc, freeing them trims the heap (its t
 threshold follows the largest freed block, ~2x a few MB) and arrays above the mmap
 threshold get fresh pages from the kernel, so the next batch page-faults all of it back:
 measured with ``bench/host_tables.py`` at cp 8 (one core, thread CPU time), 36-40% of
-``build_plan`` + ``prepare_plan`` (few_long, a2a: 19.6 ms -> 11.5 ms; lognormal_1k, auto:
+``build_plan`` + ``build_tables`` (few_long, a2a: 19.6 ms -> 11.5 ms; lognormal_1k, auto:
 10.1 -> 8.4 ms), and ~25K minor faults per 100 MB allocated and freed.
 
 :func:`keep_freed_host_memory` raises both thresholds once per process (trim 256 MiB, mmap

@@ -13,7 +13,7 @@ their ``key`` (an int; ``AttnOptions.of_key`` gives the object back), not taken 
 Which strategy takes which option is :data:`TAKES`, read by :class:`AttnOptions` and by
 megatron's per-layer strategy lists (:func:`check_taken`). The strategy names and which
 strategies stage their transfers come from the one catalogue of strategies
-(``varlen_cp.schedules.catalogue``), the layer below, so that ``varlen_cp.strategies`` can
+(``varlen_cp.tables.catalogue``), the layer below, so that ``varlen_cp.strategies`` can
 hold this object in its call spec.
 """
 
@@ -24,9 +24,9 @@ from typing import Any, Sequence
 
 from .checks import check_bool, check_choice, check_int
 from .kernels.validation import BACKENDS
-from .schedules import catalogue
+from .tables import catalogue
 
-STRATEGY_NAMES: tuple[str, ...] = (*catalogue.STRATEGY_NAMES, catalogue.AUTO)
+STRATEGY_CHOICES: tuple[str, ...] = (*catalogue.STRATEGY_NAMES, catalogue.AUTO)
 """Every value of ``strategy``: the strategies, and "auto" (chosen per plan and mask)."""
 
 STAGED_STRATEGIES: tuple[str, ...] = (*catalogue.STAGED, catalogue.AUTO)
@@ -40,8 +40,8 @@ TAKES: dict[str, tuple[str, ...]] = {
 
 
 def check_strategy(value: Any, name: str = "strategy") -> str:
-    """``value`` if it is a strategy name (``STRATEGY_NAMES``); ValueError naming ``name``."""
-    return check_choice(name, value, STRATEGY_NAMES)
+    """``value`` if it is a strategy name (``STRATEGY_CHOICES``); ValueError naming ``name``."""
+    return check_choice(name, value, STRATEGY_CHOICES)
 
 
 def check_taken(option: str, value: Any, strategies: Sequence[str] | None) -> Any:
@@ -84,7 +84,7 @@ class AttnOptions:
                kernel stages; S >= 2: the local keys first, the remote K/V in S - 1
                transfers, each in flight while the previous stage computes; 1: one
                transfer, then one call (no overlap). None: the cost model's choice per plan
-               and mask (``varlen_cp.schedules.staged.default_stages``).
+               and mask (``varlen_cp.tables.staged.default_stages``).
     """
 
     strategy: str = "p2p"

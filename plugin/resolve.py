@@ -5,10 +5,10 @@
 expresses exactly (``kernels.flash.resolve_flash``), ``auto``'s strategy (closed-form costs
 on the plan), a staged strategy's stage count and the Ulysses group size of "a2a+p2p". Its
 result, a frozen :class:`~varlen_cp.strategies.Resolution`, is cached in the plan, so
-- ahead of the step (``varlen_cp.prepare.prepare_plan`` -> ``attention.prepare_attention``)
+- ahead of the step (``varlen_cp.prefetch.build_tables`` -> ``attention.build_layer_tables``)
   it decides which host tables the strategy builds;
 - per call (eager, and inside the compiled custom op) the same key finds it: a call then
-  only checks what depends on its tensors (``cp_call.prepare_call``) and the group
+  only checks what depends on its tensors (``cp_call.resolve_call``) and the group
   (:func:`check_group`).
 The inputs are the library's own validated types (``AttnMask``, ``AttnOptions``,
 ``AttnShape``: each checked its fields when built), so nothing here re-checks them; the
@@ -29,10 +29,10 @@ from .masks import AttnMask
 from .options import AttnOptions
 from .plan import CPPlan
 from .plan.collective import check_group as check_plan_group, check_group_type
-from .schedules.auto import choose_strategy
-from .schedules.flash_form import FlashRoute
-from .schedules.hybrid import default_a2a_size
-from .schedules.staged import resolve_stages
+from .tables.auto import choose_strategy
+from .tables.flash_form import FlashRoute
+from .tables.hybrid import default_a2a_size
+from .tables.staged import resolve_stages
 from .shape import AttnShape
 from .strategies import LOCAL, Resolution, get_strategy
 

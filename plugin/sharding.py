@@ -27,7 +27,7 @@ from .checks import check_bool
 from .plan.agreement import agree_on_plan
 from .plan.collective import check_group, check_group_type
 from .plan.cpplan import mark_token_dim
-from .schedules.keys import cached_table, table_key
+from .tables.cache import cached_table, table_key
 
 POSITION_KEYS = ("positions", "position_ids")
 LABEL_KEYS = ("labels",)

@@ -3,7 +3,7 @@ issue 22 (item 4) made it cheap; tests/test_staged_tables.py checks that the pac
 results equal these.
 
 - Tables: the per-token construction of the staged tables of ``dispatch`` and
-  ``all_gather``, replaced by the run-based tables (``varlen_cp.schedules.staged.tables``).
+  ``all_gather``, replaced by the run-based tables (``varlen_cp.tables.staged.tables``).
   Every fetched key is listed one by one (``selected.select_keys`` / ``sent_keys``), its
   place in its owner's list found by a per-key sort and its transfer by a per-key search;
   the returns' rounds are each row's j-th occurrence, from a per-row sort, added through a
@@ -29,16 +29,16 @@ import torch
 from varlen_cp.kernels.schedule import segment_ids
 from varlen_cp.masks import AttnMask
 from varlen_cp.plan import CPPlan
-from varlen_cp.schedules.cost_model import CostModel
-from varlen_cp.schedules.holders import (Holder, KernelCall, holder_from_counts, kernel_call,
+from varlen_cp.tables.cost_model import CostModel
+from varlen_cp.tables.holders import (Holder, KernelCall, holder_from_counts, kernel_call,
                                          rank_holder)
-from varlen_cp.schedules.rounds import UniqueRounds, rank_within
-from varlen_cp.schedules.keys import host_table, table_key
-from varlen_cp.schedules.selected import (fetch_counts, needed_spans, pair_counts, run_arrays,
+from varlen_cp.tables.rounds import UniqueRounds, rank_within
+from varlen_cp.tables.cache import host_table, table_key
+from varlen_cp.tables.selected import (fetch_counts, needed_spans, pair_counts, run_arrays,
                                           runs_by_document)
-from varlen_cp.schedules.spans import span_pieces
+from varlen_cp.tables.spans import span_pieces
 from varlen_cp.shape import AttnShape
-from varlen_cp.schedules.staged import (CANDIDATE_STAGES, Stage, StagedMemory, StagedTables,
+from varlen_cp.tables.staged import (CANDIDATE_STAGES, Stage, StagedMemory, StagedTables,
                                         StagedTime, dispatch_stage_counts, gather_stage_counts,
                                         gather_stage_rows, stage_counts, transfers)
 
@@ -243,7 +243,7 @@ def _fs(seconds: float) -> int:
 def staged_time(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape, model: Any,
                 stages: int) -> StagedTime:
     """Estimate of ``name`` with ``stages`` stages (module docstring); ``model``: a
-    ``varlen_cp.schedules.auto.CostModel``. Integer tables; the per-rank pipeline in
+    ``varlen_cp.tables.auto.CostModel``. Integer tables; the per-rank pipeline in
     int64 femtoseconds, every rank at once (no floating tensor is read: the hot path may
     call this)."""
     cp = plan.cp_size

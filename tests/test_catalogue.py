@@ -1,4 +1,4 @@
-"""One catalogue of strategies (``varlen_cp.schedules.catalogue``) that the registry, the
+"""One catalogue of strategies (``varlen_cp.tables.catalogue``) that the registry, the
 options and ``auto`` read: the same names in the same order everywhere, the staged trait
 from one place, and no other module of the package listing strategy names. Under 1 s."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from varlen_cp import config
-from varlen_cp.schedules import auto, catalogue
+from varlen_cp.tables import auto, catalogue
 from varlen_cp.strategies import STRATEGIES, get_strategy
 
 PLUGIN = Path(__file__).resolve().parent.parent / "plugin"
@@ -21,7 +21,7 @@ def test_registry_options_and_auto_read_the_catalogue():
     assert list(STRATEGIES) == list(names)
     assert {n: s.staged for n, s in STRATEGIES.items()} == \
         {t.name: t.overlap == "stages" for t in catalogue.CATALOGUE}
-    assert config.STRATEGY_NAMES == (*names, "auto")
+    assert config.STRATEGY_CHOICES == (*names, "auto")
     assert config.STAGED_STRATEGIES == (*catalogue.STAGED, "auto") == \
         ("all_gather", "dispatch", "auto")
     assert sorted(auto.CANDIDATES) == sorted(names)

@@ -15,10 +15,10 @@ import torch
 from varlen_cp import AttnMask
 from varlen_cp.cli import jobs, lengths, loss_curve, plan, plots
 from varlen_cp.config import CPConfig
-from varlen_cp.prepare import build_plan
-from varlen_cp.schedules.auto import choose_strategy
+from varlen_cp.prefetch import build_plan
+from varlen_cp.tables.auto import choose_strategy
 from varlen_cp.shape import AttnShape
-from varlen_cp.schedules.selected import fetched_tokens
+from varlen_cp.tables.selected import fetched_tokens
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

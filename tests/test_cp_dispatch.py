@@ -109,7 +109,7 @@ LONG = [8192, 6144, 2048]
 
 
 def test_auto_picks_dispatch_for_local_masks_on_short_documents(one_thread):
-    from varlen_cp.schedules.auto import choose_strategy
+    from varlen_cp.tables.auto import choose_strategy
     for mask in (AttnMask(window_size=(256, 0)), AttnMask(chunk_size=512)):
         for layout in ("balanced", "dual_chunk"):
             plan = _plan(SHORT, 4, 0, layout, mask) if layout == "balanced" else \
@@ -123,7 +123,7 @@ def test_auto_on_global_masks_on_long_documents(one_thread, monkeypatch):
     """Compute-bound: every overlapping strategy is within the tolerance, so the pick is
     the one that sends the fewest bytes among them (dispatch, now that it overlaps too,
     where it sends less than the ring) and never all_gather."""
-    from varlen_cp.schedules import auto
+    from varlen_cp.tables import auto
     for mask in (AttnMask(causal=True), AttnMask(causal=False)):
         plan = CPPlan.build(cu(LONG), cp_size=4, cp_rank=0, layout="dual_chunk")
         for hq, hkv in ((32, 8), (8, 8), (16, 2)):
@@ -144,7 +144,7 @@ def test_auto_on_global_masks_on_long_documents(one_thread, monkeypatch):
 
 
 def test_auto_memory_budget_and_tie_rule(one_thread):
-    from varlen_cp.schedules.auto import CostModel, Estimate, choose_strategy, pick
+    from varlen_cp.tables.auto import CostModel, Estimate, choose_strategy, pick
     mask = AttnMask(window_size=(256, 0))
     plan = _plan(SHORT, 4, 0, "balanced", mask)
     shape = AttnShape(n_heads=32, n_kv_heads=8, head_dim=128)
@@ -163,7 +163,7 @@ def test_auto_memory_budget_and_tie_rule(one_thread):
 
 
 def test_auto_bad_arguments():
-    from varlen_cp.schedules.auto import CostModel, choose_strategy
+    from varlen_cp.tables.auto import CostModel, choose_strategy
     plan = CPPlan.build(cu(LONG), cp_size=2, cp_rank=0, layout="dual_chunk")
     mask = AttnMask()
     kw = dict(n_heads=8, n_kv_heads=2, head_dim=64)

@@ -85,7 +85,7 @@ def grid_worker(rank, world, strategy, backend, stages):
 
 def plan_calls(plan):
     """The kernel calls of every table cached in ``plan``."""
-    from varlen_cp.schedules.holders import KernelCall
+    from varlen_cp.tables.holders import KernelCall
     found = []
 
     def walk(x, depth):

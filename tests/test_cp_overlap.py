@@ -8,7 +8,7 @@ keys (also with nothing to fetch anywhere); the transfer counts add up to the fe
 in even pieces; the cost model's staged time is the per-stage max(compute, transfer)
 formula (by hand on a toy batch), its default S reacts to the transfer/compute ratio and
 never exceeds S = 1's peak memory; ``overlap_stages`` is validated everywhere;
-``prepare_plan`` builds the tables the call reads.
+``build_tables`` builds the tables the call reads.
 
 Multi-process (gloo, one launch per cp 2, 3, 4 running every case): forward out / LSE and
 dq / dk / dv vs the single-device op for both strategies x every layout (balanced,
@@ -41,8 +41,8 @@ from varlen_cp.config import CPConfig
 from varlen_cp.attention import ContextParallelVarlenAttention, cp_varlen_attn
 from varlen_cp.masks import AttnMask
 from varlen_cp.plan import CPPlan
-from varlen_cp.schedules import selected, staged
-from varlen_cp.schedules.auto import CostModel
+from varlen_cp.tables import selected, staged
+from varlen_cp.tables.auto import CostModel
 from varlen_cp.shape import AttnShape
 from varlen_cp.strategies import get_strategy
 from tests.staged_reference import select_keys
@@ -224,15 +224,15 @@ def test_overlap_stages_is_validated():
                        AttnOptions(strategy=strategy, overlap_stages=3))
 
 
-def test_prepare_plan_builds_what_attention_reads(one_thread):
-    """prepare_plan (config.overlap_stages, or the default) fills exactly the staged
+def test_build_tables_builds_what_attention_reads(one_thread):
+    """build_tables (config.overlap_stages, or the default) fills exactly the staged
     tables the call then reads: the call builds nothing."""
-    from varlen_cp.prepare import AttnShape, prepare_plan
+    from varlen_cp.prefetch import AttnShape, build_tables
     mask = MASKS["swa"]
     for stages in (None, 3):
         for name in STRATS:
             plan = small_plan(DOCS, 2, 0, "balanced")
-            prepare_plan(plan, CPConfig(strategy=name, overlap_stages=stages), [(mask, 1)],
+            build_tables(plan, CPConfig(strategy=name, overlap_stages=stages), [(mask, 1)],
                          AttnShape(n_heads=4, n_kv_heads=2, head_dim=D, head_dim_v=DV,
                                    dtype=torch.float32), "cpu")
             want = stages or staged.default_stages(

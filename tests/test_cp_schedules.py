@@ -1,4 +1,4 @@
-"""Host tables of the strategies (varlen_cp.schedules) against independent counts.
+"""Host tables of the strategies (varlen_cp.tables) against independent counts.
 
 - ``pair_work`` (closed form) against ``AttnMask.count_visible`` and tests/reference.py's
   dense mask;
@@ -7,7 +7,7 @@
 - tile schedules computed from block ends and sorted keys (one call, and every call of a
   ring at once) against the kernels' per-token ``build_block_schedule`` (identical, except
   that trailing padding keys are left out of a range: they are masked anyway);
-- ``prepare_plan`` builds every table the forward reads (the forward then builds none).
+- ``build_tables`` builds every table the forward reads (the forward then builds none).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from varlen_cp.config import CPConfig
 from varlen_cp.kernels import build_block_schedule
 from varlen_cp.kernels.schedule import work_list
 from varlen_cp.plan.runs import pair_work
-from varlen_cp.prepare import AttnShape, prepare_plan
-from varlen_cp.schedules.holders import block_schedule, rank_holders
-from varlen_cp.schedules.hybrid import group_holders, hybrid_ring_tables
-from varlen_cp.schedules.ring import p2p_tables, rank_visibility, ring_length
-from varlen_cp.schedules.selected import fetch_counts, pair_counts
+from varlen_cp.prefetch import AttnShape, build_tables
+from varlen_cp.tables.holders import block_schedule, rank_holders
+from varlen_cp.tables.hybrid import group_holders, hybrid_ring_tables
+from varlen_cp.tables.ring import p2p_tables, rank_visibility, ring_length
+from varlen_cp.tables.selected import fetch_counts, pair_counts
 from tests.staged_reference import select_keys
 
 MASKS = [AttnMask(), AttnMask(causal=False), AttnMask(window_size=(7, 0)),
@@ -154,7 +154,7 @@ def test_schedules_match_the_per_token_builder(layout):
 
 
 def prepare_worker(rank, world):
-    """Per strategy: prepare_plan, then forward + backward of every mask, counting the
+    """Per strategy: build_tables, then forward + backward of every mask, counting the
     plan-cache entries the call itself had to build (none may be missing)."""
     from tests.helpers import global_inputs
     from varlen_cp.attention import cp_varlen_attn
@@ -173,7 +173,7 @@ def prepare_worker(rank, world):
         config = CPConfig(strategy=current, layout="balanced", validate=False)
         plan = CPPlan.build(_cu(DOCS), cp_size=world, cp_rank=rank,
                             layout=config.layout_spec(masks))
-        prepare_plan(plan, config, masks, shape, "cpu")
+        build_tables(plan, config, masks, shape, "cpu")
         q, k, v, dout = (plan.shard(t) for t in global_inputs(DOCS, 4, 2, seed=0))
         q.requires_grad_()
         CPPlan.cached = counting
@@ -187,6 +187,6 @@ def prepare_worker(rank, world):
     return misses
 
 
-def test_prepare_plan_builds_every_table_the_forward_reads(tmp_path):
+def test_build_tables_builds_every_table_the_forward_reads(tmp_path):
     from tests.dist_utils import run_distributed
     assert run_distributed(prepare_worker, 2, tmp_path) == [{}, {}]

@@ -23,7 +23,7 @@ from tests.helpers import compare_fp32, gather, global_inputs, single_device
 from varlen_cp import AttnOptions
 from varlen_cp.masks import AttnMask
 from varlen_cp.plan import CPPlan, DualChunk
-from varlen_cp.schedules.staged import staged_tables
+from varlen_cp.tables.staged import staged_tables
 
 # A long document cut over every rank (its first keys are fetched by every later rank:
 # the same local row comes back from several ranks), short ones, an empty one.

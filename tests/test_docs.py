@@ -148,9 +148,9 @@ COMMAND_PROGRAMS = {"varlen-cp-plan": "varlen-cp-plan", "varlen-cp-train": "laun
 def namespace() -> dict[str, object]:
     """varlen_cp's public classes and functions by name (plus megatron's two the docs
     configure), for resolving ``Name(...)`` in the docs."""
-    modules = ["varlen_cp", "varlen_cp.kernels", "varlen_cp.config", "varlen_cp.prepare",
+    modules = ["varlen_cp", "varlen_cp.kernels", "varlen_cp.config", "varlen_cp.prefetch",
                "varlen_cp.report", "varlen_cp.sharding", "varlen_cp.plan",
-               "varlen_cp.schedules.auto", "varlen_cp.integrations.torchtitan.options",
+               "varlen_cp.tables.auto", "varlen_cp.integrations.torchtitan.options",
                "varlen_cp.integrations.megatron"]
     ns: dict[str, object] = {}
     for name in modules:

@@ -5,9 +5,9 @@ import pytest
 
 from tests.helpers import DOCS, LAYOUTS, small_plan
 from varlen_cp import AttnMask
-from varlen_cp.schedules.coverage import FlashCoverage, flash_coverage
-from varlen_cp.schedules.flash_form import FlashRoute
-from varlen_cp.schedules.selected import pair_counts
+from varlen_cp.tables.coverage import FlashCoverage, flash_coverage
+from varlen_cp.tables.flash_form import FlashRoute
+from varlen_cp.tables.selected import pair_counts
 
 ROUTE = FlashRoute("flash", q_row_bytes=64, kv_row_bytes=32)
 BLOCK = (16, 16)

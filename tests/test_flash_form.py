@@ -1,4 +1,4 @@
-"""The FlashAttention form of a call (``schedules.flash_form``) against the mask itself.
+"""The FlashAttention form of a call (``tables.flash_form``) against the mask itself.
 
 Every case builds a query holder and a key holder of random runs of positions per document,
 asks for the FA form, then replays FlashAttention's own rule (row indices, bottom-right
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from varlen_cp.masks import AttnMask
-from varlen_cp.schedules.flash_form import FlashRoute, flash_forms, query_pieces
-from varlen_cp.schedules.holders import Holder, HolderSet
+from varlen_cp.tables.flash_form import FlashRoute, flash_forms, query_pieces
+from varlen_cp.tables.holders import Holder, HolderSet
 
 ROUTE = FlashRoute("flash", q_row_bytes=1024, kv_row_bytes=256)
 MASKS = [AttnMask(causal=True), AttnMask(causal=False), AttnMask(window_size=(5, 0)),
@@ -211,14 +211,14 @@ def test_windows_over_key_gaps_are_cut_into_exact_pieces():
     narrow = [c for c in form.calls if c.q_span != (0, q_pos.size)]
     assert narrow and all(c.q_span[1] <= doc.size for c in narrow)   # the first document's
     # without the cut the rule refuses the call (what it did before)
-    from varlen_cp.schedules import flash_form as ff
+    from varlen_cp.tables import flash_form as ff
     whole = ff.flash_forms(q_pos.size, query_pieces(q_cu, q_pos, 0), keys,
                            [(0, 0, q_pos.size)], mask, ROUTE, refined=True)
     assert whole == [None]
 
 
 def test_split_pieces_cuts_inside_pieces_only():
-    from varlen_cp.schedules.flash_form import _split_pieces
+    from varlen_cp.tables.flash_form import _split_pieces
 
     pieces = (np.array([0, 0, 1]), np.array([0, 10, 20]), np.array([10, 5, 8]),
               np.array([0, 100, 0]))
@@ -234,7 +234,7 @@ def test_split_pieces_cuts_inside_pieces_only():
 def test_calls_built_together_equal_calls_built_alone(mask):
     """flash_forms builds the one-window calls of many key holders with shared array
     operations (a ring's steps): each must be the call it makes for that holder alone."""
-    from varlen_cp.schedules.flash_form import flash_forms as forms_of
+    from varlen_cp.tables.flash_form import flash_forms as forms_of
 
     def same(a, b):
         if a is None or b is None:

@@ -2,7 +2,7 @@
 from checked against independent references.
 
 - The CP-rank replay (bench/cp_replay.py) reads a rank's kernel calls from the tables
-  ``prepare_plan`` built; fed the real global K/V instead of random ones, the calls' merged
+  ``build_tables`` built; fed the real global K/V instead of random ones, the calls' merged
   output and summed dQ must equal single-device attention on the rank's queries, for every
   rank (so no call is missing, doubled or wrong), with the torch twin (~5 s).
 - FLOP counts: visible pairs against a dense count of the mask.
@@ -138,9 +138,9 @@ def test_replay_calls_make_the_ranks_attention(strategy, layout, stages, mask_na
 
 
 def test_replay_reads_only_prepared_tables(one_thread):
-    """A plan that prepare_plan did not prepare is refused, naming the table, instead of
+    """A plan that build_tables did not prepare is refused, naming the table, instead of
     replaying tables built another way."""
-    from varlen_cp.prepare import build_plan
+    from varlen_cp.prefetch import build_plan
     from varlen_cp.config import CPConfig
 
     mask = AttnMask(causal=True)
@@ -148,7 +148,7 @@ def test_replay_reads_only_prepared_tables(one_thread):
     plan = build_plan(cu, CPConfig(strategy="dispatch"), cp_size=2, cp_rank=0,
                       layer_masks=[(mask, 1)])
     shape = gpu_cases.make_shape(2, 1, 16, 16, torch.float32)
-    with pytest.raises(RuntimeError, match="prepare_plan did not build"):
+    with pytest.raises(RuntimeError, match="build_tables did not build"):
         cp_replay.rank_calls(plan, mask, "dispatch", (128, 128), shape, CPU)
     with pytest.raises(ValueError, match="strategy must be one of"):
         cp_replay.rank_calls(plan, mask, "a2a", (128, 128), shape, CPU)
@@ -191,7 +191,7 @@ def test_replay_timed_path(one_thread):
 @pytest.mark.parametrize("strategy", ["dispatch", "p2p", "all_gather"])
 def test_replay_on_flash_agrees_with_twin(strategy, one_thread):
     """The replay on backend "flash" (the tests' emulator of torch's flash ops) reads the
-    FA-form tables prepare_plan built, puts the rank's work on FA, and gives the twin's
+    FA-form tables build_tables built, puts the rank's work on FA, and gives the twin's
     out / LSE / dq on the same inputs (what the GPU run compares FA2 and Triton with)."""
     from tests import flash_emulator as fe
 

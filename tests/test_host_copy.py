@@ -21,7 +21,7 @@ from varlen_cp.kernels import host_copy
 from varlen_cp.kernels.host_copy import HostStager, to_device
 from varlen_cp.masks import AttnMask
 from varlen_cp.plan import CPPlan, DualChunk
-from varlen_cp.prepare import prepare_plan
+from varlen_cp.prefetch import build_tables
 
 
 class FakeEvent:
@@ -131,7 +131,7 @@ MASKS = [(AttnMask(causal=True, chunk_size=16), 3), (AttnMask(causal=True), 1)]
 @pytest.mark.parametrize("strategy", ["p2p", "all_gather", "a2a", "a2a+p2p", "dispatch"])
 def test_every_strategys_tables_reach_cuda_through_the_stager(strategy, fake_cuda_stager,
                                                               one_thread):
-    """prepare_plan for a CUDA device (the fake one): every device table comes from the
+    """build_tables for a CUDA device (the fake one): every device table comes from the
     stager, one pinned copy per table object (not one per tensor)."""
     config = CPConfig(strategy=strategy, layout="dual_chunk", min_chunk_tokens=4)
     shape = AttnShape(n_heads=4, n_kv_heads=2, head_dim=16, head_dim_v=16,
@@ -142,7 +142,7 @@ def test_every_strategys_tables_reach_cuda_through_the_stager(strategy, fake_cud
     real_check = attention._check_device
     attention._check_device = torch.device   # the fake CUDA device passes
     try:
-        prepare_plan(plan, config, MASKS, shape, CUDA)
+        build_tables(plan, config, MASKS, shape, CUDA)
     finally:
         attention._check_device = real_check
     assert fake_cuda_stager.device_buffers > 0
@@ -171,7 +171,7 @@ def test_kernel_call_copy_keeps_every_schedule_table(fake_cuda_stager, one_threa
     left behind would make the kernels fall back to masked tiles or a device-built list."""
     import dataclasses
 
-    from varlen_cp.schedules.holders import rank_holder, kernel_call
+    from varlen_cp.tables.holders import rank_holder, kernel_call
     plan = CPPlan.build(torch.tensor([0] + DOCS).cumsum(0), cp_size=2, cp_rank=0,
                         layout=DualChunk(min_chunk_tokens=4))
     holder = rank_holder(plan, 0)

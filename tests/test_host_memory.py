@@ -62,7 +62,7 @@ def test_bad_setting_is_refused(monkeypatch):
 
 def test_the_prefetcher_applies_it_once(monkeypatch):
     """Starting a PlanPrefetcher (what both integrations do) applies the setting, once."""
-    from varlen_cp.prepare import PlanPrefetcher
+    from varlen_cp.prefetch import PlanPrefetcher
 
     calls = []
     monkeypatch.setattr(host_memory, "_state", {})

@@ -25,8 +25,8 @@ from varlen_cp.kernels import build_block_schedule, triton_bwd as bwd_mod, trito
 from varlen_cp.kernels.mask_math import count_visible
 from varlen_cp.kernels.torch_attn import torch_bwd_stats
 from varlen_cp.kernels.triton_common import device_work_list
-from varlen_cp.schedules.holders import rank_holders
-from varlen_cp.schedules.ring import p2p_tables
+from varlen_cp.tables.holders import rank_holders
+from varlen_cp.tables.ring import p2p_tables
 
 WAVE = 132 * 2  # one wave: H100 SMs x 2 resident programs (the kernels' 4-8 warps, ~100 KB)
 

@@ -1,9 +1,9 @@
 """The package's layering (docs/design.md, "Folders and floors"): imports only go down.
 
 Floors, top to bottom:
-  (entry point: cli) -> integrations -> {prepare, report}
+  (entry point: cli) -> integrations -> {prefetch, report}
   -> {config, attention, graph_op, cp_call, resolve} -> {strategies, sharding} -> options
-  -> schedules -> plan -> {masks, shape, checks, mixes, host_memory} -> kernels
+  -> tables -> plan -> {masks, shape, checks, mixes, host_memory} -> kernels
 Read from the source with ``ast`` (no import side effects): every ``from .x import`` /
 ``from ..x import`` inside ``plugin/`` is resolved to its top-level part of the package, and
 no part may import a part on a higher floor, nor be in an import cycle with another part.
@@ -17,10 +17,10 @@ from pathlib import Path
 PLUGIN = Path(__file__).resolve().parent.parent / "plugin"
 FLOOR = {
     "cli": 9,    # varlen-cp-plan (reads the integrations' job files)
-    "integrations": 8, "prepare": 7, "report": 7, "config": 6, "attention": 6,
+    "integrations": 8, "prefetch": 7, "report": 7, "config": 6, "attention": 6,
     "graph_op": 6, "cp_call": 6, "resolve": 6, "strategies": 5, "sharding": 5,
     "options": 4,  # AttnOptions: held by the strategies' call spec, so below them
-    "schedules": 3, "plan": 2,
+    "tables": 3, "plan": 2,
     "masks": 1, "shape": 1, "checks": 1, "mixes": 1, "host_memory": 1,
     "kernels": 0,
 }
@@ -88,7 +88,7 @@ def test_no_import_cycle_between_parts():
 # ---- modules ------------------------------------------------------------------------------
 # Circles between modules that another change removes. Delete an entry with the change that
 # breaks it up; any other circle fails the test. (The last one, schedules.auto / cost /
-# staged, went with issue 22 item 3: the cost model is a leaf of plugin/schedules.)
+# staged, went with issue 22 item 3: the cost model is a leaf of plugin/tables.)
 KNOWN_MODULE_CYCLES: set[frozenset[str]] = set()
 
 
@@ -190,8 +190,8 @@ def test_balanced_modules_import_only_earlier_ones() -> None:
 
 
 def test_staged_modules_import_only_earlier_ones() -> None:
-    """plugin/schedules/staged/: routes, tables, memory, timing, in that order."""
-    _imports_follow_the_listed_order("schedules.staged")
+    """plugin/tables/staged/: routes, tables, memory, timing, in that order."""
+    _imports_follow_the_listed_order("tables.staged")
 
 
 # ---- tests --------------------------------------------------------------------------------

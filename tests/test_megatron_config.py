@@ -229,7 +229,7 @@ def test_options_are_cp_config_plus_megatron_extras() -> None:
     import varlen_cp.integrations.megatron.core_attention as core_mod
     import varlen_cp.integrations.megatron.options as opt_mod
     for mod in (opt_mod, core_mod):  # the name lists live in varlen_cp.config only
-        for name in ("BACKENDS", "SOFTMAX_TYPES", "LAYOUTS", "STRATEGY_NAMES"):
+        for name in ("BACKENDS", "SOFTMAX_TYPES", "LAYOUTS", "STRATEGY_CHOICES"):
             assert getattr(mod, name, None) in (None, getattr(cp_config, name)), name
         assert not hasattr(mod, "_is_int")
 

@@ -453,7 +453,7 @@ def test_train_entry_point_cp2(parity) -> None:
     from varlen_cp.integrations.megatron.config import load_config
     from varlen_cp.integrations.megatron.data import synthetic_batch
     from varlen_cp.integrations.megatron.planning import model_attention
-    from varlen_cp.prepare import build_plan
+    from varlen_cp.prefetch import build_plan
     from varlen_cp.report import mask_label
 
     job = load_config(str(Path(parity[0]["log"]).parent / "job.toml"))

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from tests.dist_utils import run_distributed  # noqa: E402
-from varlen_cp.schedules.keys import table_key  # noqa: E402
+from varlen_cp.tables.cache import table_key  # noqa: E402
 from varlen_cp import AttnMask, AttnOptions  # noqa: E402
 from varlen_cp.integrations.megatron import (PrefetchedTHDBatches,  # noqa: E402
                                              VarlenCPOptions, get_thd_batch_on_this_cp_rank,
@@ -144,11 +144,11 @@ def _overlap_worker(rank: int, world: int, tmp: str) -> dict:
 
     from megatron.core import parallel_state
 
-    import varlen_cp.prepare as prepare
+    import varlen_cp.prefetch as planner
     from varlen_cp.integrations.megatron import train as trainer
     from varlen_cp.integrations.megatron.config import job_from_dict
 
-    real_build, real_step = prepare.build_plan, trainer.run_step
+    real_build, real_step = planner.build_plan, trainer.run_step
     delay = {"s": 0.0}
 
     def slow_build(*args, **kwargs):  # the planner: every batch's plan costs DELAY_S more
@@ -160,7 +160,7 @@ def _overlap_worker(rank: int, world: int, tmp: str) -> dict:
         time.sleep(STEP_S)
         return out
 
-    prepare.build_plan, trainer.run_step = slow_build, slow_step
+    planner.build_plan, trainer.run_step = slow_build, slow_step
     runs = {}
     try:
         for name, planner_delay, prefetch in (("base", 0.0, True), ("prefetch", DELAY_S, True),
@@ -176,7 +176,7 @@ def _overlap_worker(rank: int, world: int, tmp: str) -> dict:
                 with open(log) as f:
                     runs[name]["step_s"] = json.load(f)["step_s"]
     finally:
-        prepare.build_plan, trainer.run_step = real_build, real_step
+        planner.build_plan, trainer.run_step = real_build, real_step
     return runs
 
 

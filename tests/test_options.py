@@ -24,7 +24,7 @@ from tests.helpers import cu, global_inputs
 from varlen_cp import AttnMask, AttnOptions, ContextParallelVarlenAttention, CPPlan
 from varlen_cp.attention import cp_varlen_attn
 from varlen_cp.config import CPConfig
-from varlen_cp.options import STAGED_STRATEGIES, STRATEGY_NAMES, check_taken, takes
+from varlen_cp.options import STAGED_STRATEGIES, STRATEGY_CHOICES, check_taken, takes
 from varlen_cp.plan import TE, Balanced, Contiguous, DualChunk, layout_spec
 
 
@@ -38,7 +38,7 @@ def test_attn_options_defaults_and_identity() -> None:
         opts.strategy = "a2a"
     assert hash(AttnOptions(strategy="dispatch", overlap_stages=2)) == \
         hash(AttnOptions(strategy="dispatch", overlap_stages=2))
-    assert {n: takes(n, "overlap_stages") for n in STRATEGY_NAMES} == {
+    assert {n: takes(n, "overlap_stages") for n in STRATEGY_CHOICES} == {
         "p2p": False, "all_gather": True, "a2a": False, "a2a+p2p": False, "dispatch": True,
         "auto": True}
     assert set(STAGED_STRATEGIES) == {"all_gather", "dispatch", "auto"}

@@ -17,7 +17,7 @@ import torch
 from varlen_cp import AttnMask, CPPlan
 from varlen_cp.plan import Balanced
 from varlen_cp.plan.runs import pair_work, prefix_pairs
-from varlen_cp.plan.tables import _ramp
+from varlen_cp.plan.tokens import _ramp
 
 MASKS = [
     AttnMask(), AttnMask(causal=False), AttnMask(chunk_size=8192), AttnMask(chunk_size=1),

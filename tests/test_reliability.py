@@ -443,11 +443,11 @@ def test_plan_and_sharding_reject_bad_arguments(one_thread):
 
 
 def test_prepare_rejects_bad_arguments(one_thread):
-    """prepare_attention / prepare_plan run ahead of the step (a background thread): a bad
+    """build_layer_tables / build_tables run ahead of the step (a background thread): a bad
     argument must fail there as the call would, not as an AttributeError or later."""
-    from varlen_cp.attention import prepare_attention
+    from varlen_cp.attention import build_layer_tables
     from varlen_cp.config import CPConfig
-    from varlen_cp.prepare import AttnShape, prepare_plan
+    from varlen_cp.prefetch import AttnShape, build_tables
 
     plan = CPPlan.build(_cu([5, 9]), cp_size=2, cp_rank=0)
     shape = AttnShape(n_heads=4, n_kv_heads=2, head_dim=8, dtype=torch.float32)
@@ -467,9 +467,9 @@ def test_prepare_rejects_bad_arguments(one_thread):
         cases += [lambda: (plan, CAUSAL, p2p, shape, "cuda"), "CUDA is not available"]
     for args, match in zip(cases[::2], cases[1::2]):
         with pytest.raises(ValueError, match=match):
-            prepare_attention(*args())
+            build_layer_tables(*args())
     with pytest.raises(ValueError, match="Hq=3"):
-        prepare_plan(plan, CPConfig(strategy="a2a"), [(CAUSAL, 1)],
+        build_tables(plan, CPConfig(strategy="a2a"), [(CAUSAL, 1)],
                      AttnShape(n_heads=3, n_kv_heads=1, head_dim=8), "cpu")
 
 

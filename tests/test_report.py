@@ -11,12 +11,12 @@ import torch
 
 from varlen_cp import AttnMask
 from varlen_cp.config import AttnShape, CPConfig
-from varlen_cp.prepare import PlanPrefetcher, PlanTiming, build_plan, prepare_plan
+from varlen_cp.prefetch import PlanPrefetcher, PlanTiming, build_plan, build_tables
 from varlen_cp.report import LayerType, TrainingReport, layer_types, mask_label, plan_report
 from varlen_cp.report.training import layer_keys
-from varlen_cp.schedules import catalogue
-from varlen_cp.schedules.auto import choose_strategy
-from varlen_cp.schedules.staged import resolve_stages
+from varlen_cp.tables import catalogue
+from varlen_cp.tables.auto import choose_strategy
+from varlen_cp.tables.staged import resolve_stages
 
 CU = torch.tensor([0, 37, 40, 140, 200, 330])
 MASKS = [(AttnMask(chunk_size=32), 3), (AttnMask(), 1)]
@@ -82,7 +82,7 @@ def test_report_matches_brute_force_and_plan_api(one_thread, layout):
 def test_auto_and_stages_resolve_as_the_op_does(one_thread):
     config = CPConfig(strategy="auto")
     plan = build_plan(CU, config, cp_size=2, cp_rank=0, layer_masks=MASKS)
-    prepare_plan(plan, config, MASKS, SHAPE, "cpu")
+    build_tables(plan, config, MASKS, SHAPE, "cpu")
     rep = plan_report(plan, layer_types(MASKS, "auto"), SHAPE, with_estimates="auto")
     shape = AttnShape(n_heads=8, n_kv_heads=2, head_dim=16, head_dim_v=8, dtype=torch.bfloat16)
     for r, (mask, _) in zip(rep.layers, MASKS):

@@ -20,11 +20,11 @@ from varlen_cp import AttnMask
 from varlen_cp.cli import lengths
 from varlen_cp.cli import plan as cli
 from varlen_cp.config import AttnShape, CPConfig
-from varlen_cp.prepare import build_plan, prepare_plan
+from varlen_cp.prefetch import build_plan, build_tables
 from varlen_cp.report import Backends, TrainingReport, layer_types, plan_report
 from varlen_cp.report.coverage import planned_reason
 from varlen_cp.report.text import block_lines
-from varlen_cp.schedules.coverage import flash_coverage, rank_calls
+from varlen_cp.tables.coverage import flash_coverage, rank_calls
 
 CU = torch.tensor([0, 37, 40, 140, 200, 330])
 MASKS = [(AttnMask(chunk_size=32), 3), (AttnMask(), 1), (AttnMask(causal=False), 2)]
@@ -161,7 +161,7 @@ def test_training_report_reads_the_steps_tables(one_thread, stand_ins, caplog, b
     config = CPConfig(strategy=strategy, backend=backend)
     masks = MASKS[:2]
     plan = build_plan(CU, config, cp_size=cp, cp_rank=cp - 1, layer_masks=masks)
-    prepare_plan(plan, config, masks, SHAPE, "cpu")
+    build_tables(plan, config, masks, SHAPE, "cpu")
     layers = layer_types(masks, strategy)
     plan_report(plan, layers, SHAPE)    # the closed forms any log step reads
     before = set(plan._cache)

@@ -1,4 +1,4 @@
-"""Tables shared between masks that act the same on a plan (``schedules.keys.table_mask``).
+"""Tables shared between masks that act the same on a plan (``tables.cache.table_mask``).
 
 A chunk at least as long as the plan's longest document is no condition at all (every
 position of a document lies in chunk 0), so the chunked mask's tables are the unchunked
@@ -18,8 +18,8 @@ import torch
 from tests.helpers import small_plan
 from varlen_cp import AttnMask
 from varlen_cp.config import AttnShape, CPConfig
-from varlen_cp.prepare import prepare_plan
-from varlen_cp.schedules import keys
+from varlen_cp.prefetch import build_tables
+from varlen_cp.tables import keys
 
 DOCS = [37, 5, 120, 1, 64, 18]
 SHAPE = AttnShape(n_heads=4, n_kv_heads=2, head_dim=16, dtype=torch.float32)
@@ -54,7 +54,7 @@ def _tables(plan, mask: AttnMask) -> dict:
 
 def _prepared(strategy: str, layout: str, rank: int, mask: AttnMask):
     plan = small_plan(DOCS, 4, rank, layout)
-    prepare_plan(plan, CPConfig(strategy=strategy, layout=layout, backend="torch"),
+    build_tables(plan, CPConfig(strategy=strategy, layout=layout, backend="torch"),
                  [(mask, 1)], SHAPE, "cpu")
     return plan
 
@@ -107,7 +107,7 @@ def test_long_chunk_shares_entries_short_chunk_does_not():
     plan = small_plan(DOCS, 4, 1, "balanced")
     config = CPConfig(strategy="p2p", backend="torch")
     long_chunk, short_chunk = AttnMask(chunk_size=longest), AttnMask(chunk_size=longest - 1)
-    prepare_plan(plan, config, [(long_chunk, 1), (AttnMask(), 1), (short_chunk, 1)], SHAPE,
+    build_tables(plan, config, [(long_chunk, 1), (AttnMask(), 1), (short_chunk, 1)], SHAPE,
                  "cpu")
     shared, causal = _tables(plan, long_chunk), _tables(plan, AttnMask())
     assert shared and shared.keys() == causal.keys()
@@ -137,12 +137,12 @@ def test_intervals_on_numpy_equal_those_on_torch():
 
 @pytest.mark.parametrize("layout", ["balanced", "dual_chunk", "te"])
 def test_spans_against_per_token_sets(layout):
-    """``schedules.spans`` on a plan's runs against sets of positions built token by token:
+    """``tables.spans`` on a plan's runs against sets of positions built token by token:
     each run's span is the union of its queries' key intervals (``AttnMask.key_interval``
     per position) clipped to the document; a holder's merged spans cover exactly the union
     of its runs' spans in each document; the pieces cut by the owners' runs are those
     positions, per owner."""
-    from varlen_cp.schedules import spans
+    from varlen_cp.tables import spans
 
     plan = small_plan(DOCS, 4, 0, layout)
     runs, part = plan.runs, plan.runs.by_document()
@@ -192,7 +192,7 @@ def test_key_dataclasses_hash_as_their_fields() -> None:
     import dataclasses
     import pickle
 
-    from varlen_cp.schedules.cost_model import CostModel
+    from varlen_cp.tables.cost_model import CostModel
     from varlen_cp.shape import AttnShape
 
     objects = [AttnMask(), AttnMask(causal=False, window_size=[128, 0]),

@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import varlen_cp.strategies.all_gather as all_gather_module
 from varlen_cp import AttnMask, CPPlan
 from varlen_cp.shape import AttnShape
-from varlen_cp.schedules.staged import staged_memory, staged_tables
+from varlen_cp.tables.staged import staged_memory, staged_tables
 from varlen_cp.strategies import get_strategy
 from varlen_cp.strategies.calls import Attn
 from varlen_cp.strategies.selected_keys import staged_backward, staged_forward

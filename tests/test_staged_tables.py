@@ -22,10 +22,10 @@ import torch
 
 from tests import staged_reference as ref
 from varlen_cp import AttnMask, CPPlan
-from varlen_cp.schedules import staged
-from varlen_cp.schedules.cost_model import CostModel
-from varlen_cp.schedules.rounds import UniqueRounds
-from varlen_cp.schedules.selected import fetch_counts
+from varlen_cp.tables import staged
+from varlen_cp.tables.cost_model import CostModel
+from varlen_cp.tables.rounds import UniqueRounds
+from varlen_cp.tables.selected import fetch_counts
 from varlen_cp.plan.layout_spec import layout_spec
 from varlen_cp.shape import AttnShape
 

@@ -187,7 +187,7 @@ def reference_plans(root: Path, run: str) -> tuple[list, list]:
     from varlen_cp.integrations.torchtitan.data import SyntheticPackedDataLoader
     from varlen_cp.integrations.torchtitan.stock import attention_layers, layer_masks
     from varlen_cp.integrations.torchtitan.trainer import packed_cu_seqlens
-    from varlen_cp.prepare import build_plan
+    from varlen_cp.prefetch import build_plan
 
     n, overrides = RUNS[run]
     cfg = load_config(["--config", str(root / run / "job.toml"), *overrides], cpu=True)
@@ -239,7 +239,7 @@ def test_metrics_reach_tensorboard(results, train_root):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from varlen_cp.report import mask_label
-    from varlen_cp.schedules import catalogue
+    from varlen_cp.tables import catalogue
     from varlen_cp.shape import AttnShape
 
     plans, masks = reference_plans(train_root, "cp2_dispatch")

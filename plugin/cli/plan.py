@@ -52,15 +52,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..config import BACKENDS, LAYOUTS, STRATEGY_NAMES
+from ..config import BACKENDS, LAYOUTS, STRATEGY_CHOICES
 from ..resolve import check_heads
 from ..mixes import MIXES
 from ..options import AttnOptions
-from ..prepare import build_plan
+from ..prefetch import build_plan
 from ..report import Backends, PlanReport, plan_report
 from ..report.text import (coverage_lines, fmt_bytes, fmt_share, fmt_time, headline,
                            layer_table, rank_lines, table)
-from ..schedules.auto import CostModel
+from ..tables.auto import CostModel
 from . import jobs, lengths, plots
 
 PROG = "varlen-cp-plan"
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument("--config", help="torchtitan or megatron TOML job file")
     job.add_argument("--cp", type=int, help="context-parallel degree")
     job.add_argument("--layout", choices=LAYOUTS)
-    job.add_argument("--strategy", choices=STRATEGY_NAMES)
+    job.add_argument("--strategy", choices=STRATEGY_CHOICES)
     job.add_argument("--backend", metavar="{" + ",".join(BACKENDS) + "}",
                      help="kernels' backend, for the FlashAttention coverage (default: the "
                      "job file's, else auto). Offline: flash / fa4 build the FA forms as a "

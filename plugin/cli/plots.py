@@ -15,7 +15,7 @@ import torch
 
 from ..plan import CPPlan
 from ..report import PlanReport
-from ..schedules.selected import fetch_counts
+from ..tables.selected import fetch_counts
 
 INSTALL_HINT = 'the PNGs need matplotlib: pip install "varlen-cp[bench]"'
 

@@ -41,7 +41,7 @@ from .collective import check_group, gather_padded
 from .layout_spec import TE, LayoutSpec, layout_spec
 from .layouts import layout_pieces
 from .runs import Runs, pair_work
-from .tables import TokenTables, expand_pieces
+from .tokens import TokenTables, expand_pieces
 
 
 MAX_DOC_TOKENS = 1 << 30          # real positions < 2**30 (kernels/validation.py)

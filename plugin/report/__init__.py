@@ -3,7 +3,7 @@
 - ``build``: ``plan_report(plan, layers, shape)`` -> ``PlanReport``: per rank tokens, work
   per layer type, K/V floor and bytes sent; per layer type the strategy that runs (``auto``
   resolved), stage counts, balance and, on request, every strategy's estimate. Host closed
-  forms only (``varlen_cp.schedules.cost`` / ``auto``).
+  forms only (``varlen_cp.tables.cost`` / ``auto``).
 - ``coverage``: ``Backends`` (the step's FlashAttention route and tiles, or the CLI's
   offline one): with ``plan_report(..., backends=...)`` each layer type's share of work and
   calls on FlashAttention vs our kernels on the reporting rank.

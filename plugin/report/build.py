@@ -8,22 +8,22 @@ reads the step's tables):
   work, per query head), the K/V floor (other ranks' K/V bytes its queries see: what
   ``dispatch`` fetches in the forward, the least any K/V-moving strategy can) and the bytes
   the running strategy sends per layer (forward + backward, exactly what its collectives
-  post: ``schedules.catalogue.bytes_sent``);
+  post: ``tables.catalogue.bytes_sent``);
 - per layer type: work imbalance (max / mean over ranks, ``plan.work_imbalance``), the
-  strategy that runs (``auto`` resolved with the rule and cache of ``schedules.auto``), the
-  overlap stage count of staged strategies (``schedules.staged.resolve_stages``, as the
+  strategy that runs (``auto`` resolved with the rule and cache of ``tables.auto``), the
+  overlap stage count of staged strategies (``tables.staged.resolve_stages``, as the
   strategy resolves it), and optionally every candidate strategy's estimate
-  (``schedules.auto.estimates``: time per layer, forward + backward, slowest rank, and
+  (``tables.auto.estimates``: time per layer, forward + backward, slowest rank, and
   bytes) with the one ``auto`` picks; and, given the step's ``Backends``
   (``report.coverage``), the backend coverage of the running strategy on the reporting
   rank (``plan.cp_rank``): which FlashAttention-class backend its FA-form calls run on, the
   share of its visible pairs and of its kernel calls in FA's form (the rest on our
-  kernels), the number of FA calls (``schedules.coverage.flash_coverage``; at cp 1 the
+  kernels), the number of FA calls (``tables.coverage.flash_coverage``; at cp 1 the
   single-device op's one call);
 - the token imbalance (``plan.token_imbalance``).
 
 ``auto``'s choice and the stage counts are read through the same cache keys the step's
-``prepare_plan`` fills, so on a prepared plan they cost a dictionary lookup. Estimates for
+``build_tables`` fills, so on a prepared plan they cost a dictionary lookup. Estimates for
 every strategy are the expensive part (each staged candidate simulates its stages): the
 training logs compute them only in the first block and when a choice changes. The
 coverage reads the rank's host tables under the keys the step's prepare filled (same
@@ -44,11 +44,11 @@ from ..config import STAGED_STRATEGIES
 from ..options import takes
 from ..masks import AttnMask
 from ..plan import CPPlan
-from ..schedules import catalogue
-from ..schedules.auto import CostModel, Estimate, choose_strategy, estimates, pick
-from ..schedules.coverage import FlashCoverage
-from ..schedules.selected import fetch_counts
-from ..schedules.staged import resolve_stages
+from ..tables import catalogue
+from ..tables.auto import CostModel, Estimate, choose_strategy, estimates, pick
+from ..tables.coverage import FlashCoverage
+from ..tables.selected import fetch_counts
+from ..tables.staged import resolve_stages
 from ..shape import AttnShape
 from .coverage import Backends, layer_coverage
 

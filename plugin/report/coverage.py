@@ -17,7 +17,7 @@ CUDA, the PyTorch twin on CPUs), why there is none, and our kernels' tile sizes.
   "triton" / "torch": none.
 
 ``layer_coverage`` counts one layer type's calls on ``plan.cp_rank`` with
-``schedules.coverage.flash_coverage``: the share of the visible pairs and of the kernel
+``tables.coverage.flash_coverage``: the share of the visible pairs and of the kernel
 calls in FA's form. Tile sizes do not change it (FA forms and the set of calls depend on
 positions only, ``holders.set_calls``); they only pick the cached entries. At cp 1 it is
 the single-device op's one call ("local"), which takes FA's form where exact too.
@@ -35,9 +35,9 @@ from ..kernels.validation import BACKENDS
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..resolve import kernel_route
-from ..schedules.coverage import LOCAL, FlashCoverage, flash_coverage
-from ..schedules.flash_form import FlashRoute
-from ..schedules.hybrid import default_a2a_size
+from ..tables.coverage import LOCAL, FlashCoverage, flash_coverage
+from ..tables.flash_form import FlashRoute
+from ..tables.hybrid import default_a2a_size
 
 DEFAULT_BLOCK = (128, 128)
 """Tiles when the step's are unknown (offline): they do not change the coverage."""
@@ -62,7 +62,7 @@ class Backends:
 
     @classmethod
     def step(cls, backend: str, device: torch.device | str, shape: AttnShape) -> "Backends":
-        """As the step resolves them (``prepare_attention``: same route, same tiles)."""
+        """As the step resolves them (``build_layer_tables``: same route, same tiles)."""
         check_backend(backend, "backend")
         device = torch.device(device)
         _, block, route, reason = kernel_route(backend, device, shape)

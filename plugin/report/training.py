@@ -27,7 +27,7 @@ metrics (torchtitan's MetricsProcessor, hence TensorBoard / W&B):
 Cost: the choice check is cache lookups (the prefetcher prepared the same keys); a log
 step's figures are the plan's closed forms (``build.plan_report`` without estimates) and
 the backend coverage, read from the tables the step's prepare cached (the route and tiles
-are resolved once, as ``prepare_attention`` resolves them: the same cache keys);
+are resolved once, as ``build_layer_tables`` resolves them: the same cache keys);
 ``bench/report_cost.py`` measures the first two, docs/plan-report.md the coverage's share.
 ``enabled=False`` (``[varlen_cp] report = false``) makes every method a no-op.
 """
@@ -41,8 +41,8 @@ import torch
 
 from ..config import STAGED_STRATEGIES, AttnShape
 from ..plan import CPPlan
-from ..prepare import PlanTiming
-from ..schedules.staged import resolve_stages
+from ..prefetch import PlanTiming
+from ..tables.staged import resolve_stages
 from .build import LOCAL, LayerType, PlanReport, plan_report, resolve_strategy
 from .coverage import Backends, check_backend
 from .text import block_lines, step_line
@@ -68,7 +68,7 @@ class TrainingReport:
     backend, device: the configured kernels' backend (``CPConfig.backend``) and the
     training device: the report then gives each layer type's backend coverage on this
     rank, with the route and tiles the step resolves (``Backends.step``, resolved at the
-    first batch: after ``prepare_plan``, which resolves the same, so any error is the
+    first batch: after ``build_tables``, which resolves the same, so any error is the
     step's own); None: no coverage.
     """
 

@@ -1,17 +1,17 @@
 """Context-parallel strategies, runtime only: how K/V (or heads) move between CP ranks.
 
 One module per strategy, each an implementation of ``base.Strategy`` (exchange, kernel
-calls, autograd.Function) over host tables from ``varlen_cp.schedules``:
+calls, autograd.Function) over host tables from ``varlen_cp.tables``:
 ``p2p`` (ring), ``all_gather``, ``a2a`` (Ulysses), ``a2a+p2p`` (hybrid), ``dispatch``;
 ``local`` is cp == 1. ``STRATEGIES`` maps each name of the catalogue
-(``varlen_cp.schedules.catalogue``: names, traits, costs) to its one instance, in the
+(``varlen_cp.tables.catalogue``: names, traits, costs) to its one instance, in the
 catalogue's order; an implementation without an entry, or an entry without one, fails here
 at import.
 """
 
 from __future__ import annotations
 
-from ..schedules.catalogue import STRATEGY_NAMES, traits
+from ..tables.catalogue import STRATEGY_NAMES, traits
 from .a2a import A2A
 from .a2a_p2p import A2AP2P
 from .all_gather import AllGather

@@ -30,8 +30,8 @@ import torch.distributed as dist
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..shape import kv_heads_per_rank
-from ..schedules.hybrid import heads_fit
-from ..schedules.ulysses import UlyssesTables, group_call, ulysses_tables
+from ..tables.hybrid import heads_fit
+from ..tables.ulysses import UlyssesTables, group_call, ulysses_tables
 from .base import CallSpec, Resolution, Strategy
 from .calls import dlse_or_none, empty_attn, head_max, no_max
 

@@ -34,8 +34,8 @@ from ..checks import is_int
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..plan.collective import group_timeout
-from ..schedules.hybrid import group_members, hybrid_ring_tables
-from ..schedules.ulysses import ulysses_tables
+from ..tables.hybrid import group_members, hybrid_ring_tables
+from ..tables.ulysses import ulysses_tables
 from .a2a import A2A, UlyssesAttention, UlyssesSpec, check_head_split
 from .base import CallSpec, Resolution, Strategy
 from .calls import global_rank

@@ -2,7 +2,7 @@
 compute, and attend to the keys the local queries see.
 
 Each rank's local K/V (packed per token in one [T, Hkv*(D+Dv)] row, padded to the largest
-local count) is gathered in slices of equal size (``varlen_cp.schedules.staged``), one
+local count) is gathered in slices of equal size (``varlen_cp.tables.staged``), one
 ``all_gather_into_tensor`` (``async_op=True``) each. ``overlap_stages`` = S >= 2
 (``selected_keys``' engine): S - 1 slices; the first is posted, the local keys' call runs
 on the local K/V in place, and each later slice is posted before the previous one's keys
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..plan.collective import all_gather_single
-from ..schedules.staged import Stage
+from ..tables.staged import Stage
 from .selected_keys import Pending, SelectedKeysStrategy
 
 # The one shim (plan/collective.py); looked up here at call time, so tests can count it.

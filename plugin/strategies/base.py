@@ -7,7 +7,7 @@ with:
   communication;
 - ``build_tables(plan, mask, res, device)``: build and cache in the plan every host table
   its ``attention`` will read for the call's :class:`Resolution` (tiles, FlashAttention
-  route, stage count, Ulysses group size), and their device copies (``varlen_cp.prepare``
+  route, stage count, Ulysses group size), and their device copies (``varlen_cp.prefetch``
   has it done ahead of the step);
 - ``function(q, k, v, spec) -> (Function, args)``: its ``torch.autograd.Function`` and the
   arguments after q, k, v. ``attention(q, k, v, spec) -> (out, lse, max_part)`` applies it:
@@ -20,7 +20,7 @@ with:
   the CP group (the caller's) makes it global. ``lse`` may be an [Hq, 0] stand-in when not
   ``spec.need_lse`` (a2a);
 - ``bytes_sent_per_rank`` / ``compute_per_rank``: its costs per layer and rank, from the
-  same host tables it runs on (its cost functions in ``varlen_cp.schedules.catalogue``;
+  same host tables it runs on (its cost functions in ``varlen_cp.tables.catalogue``;
   benchmarks, tests).
 """
 
@@ -34,8 +34,8 @@ import torch
 
 from ..masks import AttnMask
 from ..plan import CPPlan
-from ..schedules import catalogue
-from ..schedules.flash_form import FlashRoute
+from ..tables import catalogue
+from ..tables.flash_form import FlashRoute
 from ..shape import AttnShape
 from .calls import Attn, maybe_max
 

@@ -23,8 +23,8 @@ from ..kernels.merge import merge_attn_partials_
 from ..kernels.sink import max_logit_of
 from ..kernels.flash import backward_lse, flash_bwd, flash_fwd
 from ..masks import AttnMask
-from ..schedules.flash_form import FlashForm
-from ..schedules.holders import KernelCall
+from ..tables.flash_form import FlashForm
+from ..tables.holders import KernelCall
 
 
 class BwdStats:

@@ -7,7 +7,7 @@ never decrease with the position, so the union is a few disjoint ranges of posit
 with one shifted running maximum; keys held locally are used in place, the others are
 fetched from their owners. Every rank computes every rank's needs, so each also knows what
 to send in each transfer and in which order, with no metadata exchange
-(``varlen_cp.schedules.staged``: what a rank fetches from each owner, cut into equal
+(``varlen_cp.tables.staged``: what a rank fetches from each owner, cut into equal
 pieces, one per transfer).
 
 ``overlap_stages`` = S (default: the cost model's, ``staged.default_stages``). S >= 2
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..schedules.staged import Stage
+from ..tables.staged import Stage
 from .selected_keys import Pending, SelectedKeysStrategy
 
 

@@ -12,9 +12,9 @@ import torch
 from ..kernels.sink import max_logit_of
 from ..masks import AttnMask
 from ..plan import CPPlan
-from ..schedules.flash_form import FlashRoute
-from ..schedules.holders import KernelCall
-from ..schedules.local import local_call
+from ..tables.flash_form import FlashRoute
+from ..tables.holders import KernelCall
+from ..tables.local import local_call
 from .base import CallSpec, Resolution, Strategy
 from .calls import dlse_or_none, no_max
 

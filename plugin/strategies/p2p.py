@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ..kernels.merge import merge_attn_partials_
 from ..masks import AttnMask
 from ..plan import CPPlan
-from ..schedules.ring import RingTables, p2p_tables
+from ..tables.ring import RingTables, p2p_tables
 from .base import CallSpec, Resolution, Strategy
 from .calls import (Attn, dlse_or_none, global_rank, head_max, no_max, pack_flat,
                     unpack_flat)

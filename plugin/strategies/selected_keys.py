@@ -1,7 +1,7 @@
 """What all_gather and dispatch share: attention over the keys the local queries see, the
 remote ones brought in stages that overlap with compute.
 
-Both strategies run on ``varlen_cp.schedules.staged`` tables (S = ``overlap_stages``):
+Both strategies run on ``varlen_cp.tables.staged`` tables (S = ``overlap_stages``):
 with S >= 2, stage 0 is the local keys, read in place, and stages 1..S-1 the remote keys,
 one collective each; with S = 1, one collective brings every remote key and one call
 covers them and the local ones (no overlap, no partial results). The strategies differ
@@ -17,7 +17,7 @@ the backward (the remote keys the queries see; with S = 1 the local ones too, as
 in one tensor). Backward, with the FINAL out/lse and the same dlse in every call (ring-attention
 rule): each fetched stage's dK/dV is computed and posted home while the next stage
 computes (its arrivals folded one stage later, which bounds the returns in flight to two;
-a row several ranks return is summed in one fixed order, ``schedules.rounds``, so dK/dV are
+a row several ranks return is summed in one fixed order, ``tables.rounds``, so dK/dV are
 bitwise deterministic on CUDA too),
 the local call runs last, under the last return; dQ (fp32 when the rank makes more than one
 call) and the local dK/dV (fp32) accumulate here. No host sync anywhere: every size comes
@@ -39,8 +39,8 @@ import torch.distributed as dist
 from ..kernels.merge import merge_attn_partials_
 from ..masks import AttnMask
 from ..plan import CPPlan
-from ..schedules.flash_form import FlashRoute
-from ..schedules.staged import Stage, StagedTables, staged_tables
+from ..tables.flash_form import FlashRoute
+from ..tables.staged import Stage, StagedTables, staged_tables
 from .base import CallSpec, Resolution, Strategy
 from .calls import Attn, dlse_or_none, head_max, no_max
 

@@ -6,9 +6,9 @@
 megatron's ``TransformerConfig``, exactly as ``VarlenCPCoreAttention`` resolves them at
 build time.
 ``plan_batch`` builds the batch's plan with those masks (the ``balanced`` layout balances each
-of them) through ``varlen_cp.prepare.build_plan`` and, given a device, every host table and
+of them) through ``varlen_cp.prefetch.build_plan`` and, given a device, every host table and
 device copy the layers' attention calls and the RoPE lookup will need
-(``varlen_cp.prepare.prepare_plan``), so the model's forward never plans. ``report_layers``
+(``varlen_cp.prefetch.build_tables``), so the model's forward never plans. ``report_layers``
 groups the layers by (mask, strategy) with their counts for ``varlen_cp.report``.
 
 Limits: GPT-style self-attention (one ``attn_mask_type`` for every layer, causal by default);
@@ -23,12 +23,12 @@ from typing import Any
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 
-from ... import prepare
+from ... import prefetch
 from ...config import CPConfig
 from ...masks import AttnMask
 from ...options import AttnOptions
 from ...plan import CPPlan
-from ...prepare import AttnShape
+from ...prefetch import AttnShape
 from ...report import LayerType
 from ...sharding import rope_positions
 from .moe import padding_mask
@@ -41,7 +41,7 @@ _SINGLE_RANK = CPConfig(layout="contiguous", validate=False, prefetch=False)
 @dataclass(frozen=True)
 class ModelAttention:
     """layer_masks: the distinct layer masks with their layer counts (``build_plan``);
-    calls: the distinct (mask, AttnOptions) of the layers (``prepare_plan``);
+    calls: the distinct (mask, AttnOptions) of the layers (``build_tables``);
     shape: heads per tensor-parallel rank, head dims and dtype."""
 
     layer_masks: tuple[tuple[AttnMask, int], ...]
@@ -142,7 +142,7 @@ def prepare_model_plan(plan: CPPlan, options: VarlenCPOptions, model: ModelAtten
     padding mask need, on ``device``."""
     device = resolve_device(device)
     masks, layers = zip(*model.calls) if model.calls else ((), ())
-    prepare.prepare_plan(plan, options, [(m, 1) for m in masks], model.shape, device,
+    prefetch.build_tables(plan, options, [(m, 1) for m in masks], model.shape, device,
                          options=list(layers))
     rope_index(plan, device)
     padding_mask(plan, device)  # for the MoE routers (moe.py)
@@ -156,7 +156,7 @@ def plan_batch(cu_seqlens: torch.Tensor, options: VarlenCPOptions, cp_size: int,
     layers. With one CP rank the ``contiguous`` layout (the identity) replaces the
     configured one."""
     config = _SINGLE_RANK if cp_size == 1 else options
-    plan = prepare.build_plan(cu_seqlens, config, cp_size=cp_size, cp_rank=cp_rank,
+    plan = prefetch.build_plan(cu_seqlens, config, cp_size=cp_size, cp_rank=cp_rank,
                               layer_masks=None if model is None else model.layer_masks)
     if model is not None and device is not None:
         prepare_model_plan(plan, options, model, device)

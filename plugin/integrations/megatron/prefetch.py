@@ -4,7 +4,7 @@ Wraps an iterable of GLOBAL packed batches ``(batch, cu_seqlens)`` (``batch``: [
 tensors, ``cu_seqlens``: host int tensor) and yields ``(local_batch, packed_seq_params)``
 for this CP rank, ready for ``model(..., packed_seq_params=...)`` and megatron's
 schedules (``next(data_iterator)`` in ``forward_step``). A background thread
-(``varlen_cp.prepare.PlanPrefetcher``) builds the NEXT batch's plan with the model's layer
+(``varlen_cp.prefetch.PlanPrefetcher``) builds the NEXT batch's plan with the model's layer
 masks and every table its attention layers and RoPE lookup need (``planning.plan_batch``)
 while the current step runs; the step itself only cuts its tokens out with the ready plan
 (``get_thd_batch_on_this_cp_rank(..., plan=...)``) and copies them to the device.
@@ -23,7 +23,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 
-from ...prepare import PlanPrefetcher
+from ...prefetch import PlanPrefetcher
 from .options import VarlenCPOptions
 from .planning import ModelAttention, model_attention, plan_batch, resolve_device
 from .sharding import (VarlenCPPackedSeqParams, _check_host_cu, cp_group_and_rank,
@@ -42,7 +42,7 @@ class PrefetchedTHDBatches:
     model's ``VarlenCPOptions`` (layout, strategies, ``prefetch``). device: where the model
     runs (default: the current CUDA device, else CPU). cp_group: default megatron's.
     ``last_plan`` / ``last_timing``: the plan of the last batch handed out and its
-    ``varlen_cp.prepare.PlanTiming`` (for ``varlen_cp.report.TrainingReport``).
+    ``varlen_cp.prefetch.PlanTiming`` (for ``varlen_cp.report.TrainingReport``).
     """
 
     def __init__(self, source: Iterable[tuple[dict[str, Any], torch.Tensor]], *, config: Any,

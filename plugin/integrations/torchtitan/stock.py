@@ -47,7 +47,7 @@ from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
 from torchtitan.protocols.module import Module
 
 from ...masks import AttnMask
-from ...prepare import AttnShape
+from ...prefetch import AttnShape
 from .attention import VarlenCPInnerAttention
 from .model import sharding_agnostic
 

@@ -14,8 +14,8 @@ Per batch, on the host and off the critical path: a ``PlanPrefetcher`` wraps the
 iterator; its thread takes the next batch, finds its documents (rows concatenated into one
 sequence; a document starts where positions == 0 and at every row start, as torchtitan's
 ``create_varlen_metadata_for_document`` does), builds the batch's plan with the layer masks
-(``varlen_cp.prepare.build_plan``) and every table each mask's attention will need, with
-their device copies (``prepare_plan``), while the current step runs. The step
+(``varlen_cp.prefetch.build_plan``) and every table each mask's attention will need, with
+their device copies (``build_tables``), while the current step runs. The step
 (``post_dataloading_process``) checks that the CP ranks built the same plan (``validate``:
 one all-reduce of host tensors, before the model runs, so no attention layer syncs) and
 shards input, labels and positions with the ready plan (``shard_packed_batch``); RoPE gets
@@ -66,7 +66,7 @@ from ...kernels.host_copy import one_to_device
 from ...plan import CPPlan
 from ...plan.cpplan import mark_token_dim
 from ...kernels.flash import activate_flash_impl
-from ...prepare import PlanPrefetcher, build_plan, prepare_plan
+from ...prefetch import PlanPrefetcher, build_plan, build_tables
 from ...report import TrainingReport, layer_types
 from ...sharding import cu_seqlens_from_positions, shard_packed_batch
 from . import cpu_mode
@@ -264,7 +264,7 @@ class VarlenCPTrainer(Trainer):
         layers = layer_types(self.layer_masks, vc.strategy, vc.a2a_size)
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         # the step's backend and device: the report's coverage reads the tables that
-        # prepare_plan (make_plan) caches for them
+        # build_tables (make_plan) caches for them
         return TrainingReport(layers, self.attn_shape, overlap_stages=vc.overlap_stages,
                               enabled=vc.report and bool(self.attn_layers), log_block=rank0,
                               backend=vc.backend, device=self.device)
@@ -279,7 +279,7 @@ class VarlenCPTrainer(Trainer):
         plan = build_plan(cu, vc, cp_size=self.cp_size, cp_rank=self.cp_rank,
                           layer_masks=self.layer_masks)
         plan.real_rows(self.device)  # the MoE layers' rows of real tokens (te padding)
-        return prepare_plan(plan, vc, self.layer_masks, self.attn_shape, self.device)
+        return build_tables(plan, vc, self.layer_masks, self.attn_shape, self.device)
 
     def batch_generator(self, data_iterable):
         """torchtitan's batch generator (token and data-time accounting on this thread),

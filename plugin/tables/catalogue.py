@@ -3,13 +3,13 @@ pick them, and their cost functions.
 
 Everything that needs to know the strategies reads this list: the registry of runtime
 implementations (``varlen_cp.strategies.STRATEGIES``, one per entry, in this order), the
-choice of ``strategy="auto"`` (``schedules.auto``), the options (``config.STRATEGY_NAMES``,
+choice of ``strategy="auto"`` (``tables.auto``), the options (``config.STRATEGY_CHOICES``,
 ``STAGED_STRATEGIES``), the plan report and the benchmarks. A new strategy is one entry
-here, its cost functions (``schedules.cost``) and its runtime module.
+here, its cost functions (``tables.cost``) and its runtime module.
 
 ``overlap``: "ring" (each ring step's transfer runs under the previous step's compute:
 max(compute, comm) per pass), "stages" (``overlap_stages`` stages, the staged pipeline of
-``schedules.staged``; such a strategy is *staged*), "none" (it waits for its collectives:
+``tables.staged``; such a strategy is *staged*), "none" (it waits for its collectives:
 compute + comm). ``tie_rank``: ``auto``'s order among near-equal estimates (simpler, less
 memory first).
 """

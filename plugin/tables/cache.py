@@ -1,12 +1,12 @@
 """The one key under which host tables are cached in a plan, and their device copies.
 
 Every table is memoized in the plan (``CPPlan.cached``) under a :class:`TableKey` made here,
-so the keys of different tables can never collide and a prefetch (``varlen_cp.prepare``)
+so the keys of different tables can never collide and a prefetch (``varlen_cp.prefetch``)
 fills exactly the entries the forward later reads. A mask that acts on the plan's documents
 as a simpler one (:func:`table_mask`: a chunk at least as long as the longest document)
 shares that mask's entries: Llama 4's chunked layers on a batch of documents shorter than
 the chunk reuse the global layers' tables (one build instead of two). Only the table functions themselves
-build keys (each makes its own from its arguments, in ``varlen_cp.schedules`` or
+build keys (each makes its own from its arguments, in ``varlen_cp.tables`` or
 ``varlen_cp.sharding``); strategies and adapters call those functions with a ``device``
 to get the copy (:func:`cached_table`).
 """
@@ -94,7 +94,7 @@ def device_table(plan: CPPlan, key: TableKey, device: torch.device | str,
     ``non_blocking``; shared as the host table is)."""
     host = host_table(plan, key, build)
     return _shared(plan, key._replace(device=str(torch.device(device))),
-                   lambda: to_device(host, torch.device(device)))
+                   lambda: table_to_device(host, torch.device(device)))
 
 
 def cached_table(plan: CPPlan, key: TableKey, build: Callable[[], Any],
@@ -106,15 +106,15 @@ def cached_table(plan: CPPlan, key: TableKey, build: Callable[[], Any],
     return device_table(plan, key, device, build)
 
 
-def to_device(x: Any, device: torch.device) -> Any:
+def table_to_device(x: Any, device: torch.device) -> Any:
     """Tensors (and objects with ``.to(device)``) inside ``x`` copied to ``device`` (host
     tensors through pinned staging buffers: ``varlen_cp.kernels.host_copy``)."""
     if isinstance(x, torch.Tensor):
         return one_to_device(x, device)
     if isinstance(x, tuple):
-        return tuple(to_device(e, device) for e in x)
+        return tuple(table_to_device(e, device) for e in x)
     if isinstance(x, list):
-        return [to_device(e, device) for e in x]
+        return [table_to_device(e, device) for e in x]
     if hasattr(x, "to") and not isinstance(x, (int, float, str)):
         return x.to(device)
     return x

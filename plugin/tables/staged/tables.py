@@ -29,7 +29,7 @@ from ...plan import CPPlan
 from ...plan.runs import run_rows
 from ..flash_form import FlashRoute
 from ..holders import Holder, HolderSet, KernelCall, rank_holder, set_calls
-from ..keys import cached_table, host_table, table_key
+from ..cache import cached_table, host_table, table_key
 from ..rounds import UniqueRounds
 from ..selected import needed_spans, run_arrays
 from ..spans import span_pieces

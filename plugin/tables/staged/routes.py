@@ -20,7 +20,7 @@ import torch
 
 from ...masks import AttnMask
 from ...plan import CPPlan
-from ..keys import host_table, table_key
+from ..cache import host_table, table_key
 from ..selected import fetch_counts, needed_pieces, needed_spans, runs_by_document
 
 _BIG = 1 << 40          # cell * _BIG + row: sort keys of (cell, row) pairs

@@ -8,7 +8,7 @@ from ..masks import AttnMask
 from ..plan import CPPlan
 from .flash_form import FlashRoute
 from .holders import KernelCall, kernel_call, rank_holder
-from .keys import cached_table, table_key
+from .cache import cached_table, table_key
 
 
 def local_call(plan: CPPlan, mask: AttnMask, block: tuple[int, int],

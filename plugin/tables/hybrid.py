@@ -9,7 +9,7 @@ from ..masks import AttnMask
 from ..plan import CPPlan
 from .flash_form import FlashRoute
 from .holders import HolderSet
-from .keys import cached_table, host_table, table_key
+from .cache import cached_table, host_table, table_key
 from .ring import RingTables, ring_tables
 from .selected import fetch_counts
 from .ulysses import ulysses_tables

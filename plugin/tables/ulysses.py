@@ -21,7 +21,7 @@ from ..masks import AttnMask
 from ..plan import CPPlan
 from .flash_form import FlashRoute
 from .holders import Holder, KernelCall, holder_from_counts, kernel_call
-from .keys import cached_table, table_key
+from .cache import cached_table, table_key
 
 
 @dataclass(frozen=True)

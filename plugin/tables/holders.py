@@ -22,7 +22,7 @@ from ..kernels.schedule import work_lists
 from ..masks import AttnMask
 from ..plan import CPPlan
 from .flash_form import FlashForm, FlashRoute, flash_forms, query_pieces
-from .keys import host_table, table_key
+from .cache import host_table, table_key
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ import numpy as np
 from ...masks import AttnMask
 from ...plan import CPPlan
 from ..cost_model import CostModel, check_model
-from ..keys import host_table, table_key
+from ..cache import host_table, table_key
 from ..selected import fetch_counts, pair_counts
 from ...shape import AttnShape
 from .memory import staged_memory

@@ -21,7 +21,7 @@ from ..masks import AttnMask
 from ..plan import CPPlan
 from .flash_form import FlashRoute
 from .holders import HolderSet, KernelCall, rank_set, set_calls
-from .keys import cached_table, table_key
+from .cache import cached_table, table_key
 from .selected import fetch_counts
 
 

@@ -21,7 +21,7 @@ import torch
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..plan.runs import Runs, pair_work
-from .keys import host_table, table_key
+from .cache import host_table, table_key
 from .spans import key_spans, merge_spans, span_pieces
 
 

@@ -2,7 +2,7 @@
 
 A training step must never wait for the host (docs/design.md). ``cp_varlen_attn`` builds a
 strategy's host tables lazily, at the first layer call of each mask, inside the step; the
-integrations instead call :func:`build_plan` + :func:`prepare_plan` for the NEXT batch while
+integrations instead call :func:`build_plan` + :func:`build_tables` for the NEXT batch while
 the current step runs (:class:`PlanPrefetcher`, a background thread fed by the data
 iterator), so the forward finds everything cached in the plan, device copies included
 (``non_blocking`` copies from pinned, reused staging buffers: ``varlen_cp.kernels.host_copy``,
@@ -51,7 +51,7 @@ def build_plan(cu_seqlens: torch.Tensor, config: CPConfig, *, cp_size: int, cp_r
                         layout=config.layout_spec(masks))
 
 
-def prepare_plan(plan: CPPlan, config: CPConfig, layer_masks: LayerMasks, shape: AttnShape,
+def build_tables(plan: CPPlan, config: CPConfig, layer_masks: LayerMasks, shape: AttnShape,
                  device: torch.device | str,
                  options: Sequence[AttnOptions] | None = None) -> CPPlan:
     """Build (and cache in ``plan``) every host table, and its copy on ``device``, that
@@ -59,7 +59,7 @@ def prepare_plan(plan: CPPlan, config: CPConfig, layer_masks: LayerMasks, shape:
     ``config.attn_options`` (for models with per-layer strategies: ``options[i]``, an
     ``AttnOptions``, for mask i). Returns ``plan``. Pure host work plus non-blocking
     copies: no collective, no sync."""
-    from .attention import prepare_attention  # the attention floor owns strategy choice
+    from .attention import build_layer_tables  # the attention floor owns strategy choice
 
     if not isinstance(config, CPConfig):
         raise ValueError(f"config must be a varlen_cp.CPConfig, got {type(config).__name__}")
@@ -70,7 +70,7 @@ def prepare_plan(plan: CPPlan, config: CPConfig, layer_masks: LayerMasks, shape:
         raise ValueError(f"options must have one entry per mask ({len(masks)}), got "
                          f"{len(options)}")
     for mask, opts in zip(masks, options):
-        prepare_attention(plan, mask, opts, shape, device)
+        build_layer_tables(plan, mask, opts, shape, device)
     return plan
 
 

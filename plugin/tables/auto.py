@@ -12,7 +12,7 @@ The rule (per (plan, mask, head shape, dtype); cached in the plan):
 3. Time per layer (forward + backward), slowest rank: compute = visible pairs x Hq x
    flops per pair (2(D+Dv) forward, 6D+4Dv backward: FA2's five matmuls) /
    ``flops_per_s``; comm = bytes sent (exactly what the collectives post) / ``bytes_per_s``.
-   How transfers meet compute is each strategy's ``overlap`` in ``schedules.catalogue``.
+   How transfers meet compute is each strategy's ``overlap`` in ``tables.catalogue``.
    The ring (p2p) overlaps its transfers with compute: max(compute, comm) per pass;
    dispatch and all_gather overlap theirs in stages (local keys first, remote K/V in the
    cost model's number of stages, ``staged.default_stages``; time ``staged.staged_time``:
@@ -24,8 +24,8 @@ The rule (per (plan, mask, head shape, dtype); cached in the plan):
    transfers still contend with compute for SMs and memory bandwidth and with other
    parallelisms' traffic. Remaining ties: the order p2p, a2a, dispatch, a2a+p2p, all_gather.
 
-Everything comes from run-level closed forms (``schedules.cost``, listed per strategy in
-``schedules.catalogue``; machine rates: ``schedules.cost_model``): no tile schedule and no
+Everything comes from run-level closed forms (``tables.cost``, listed per strategy in
+``tables.catalogue``; machine rates: ``tables.cost_model``): no tile schedule and no
 candidate's runtime tables are built, so choosing costs a few milliseconds per plan and mask
 (``bench/plan.py`` measures it). Visible pairs stand for the kernels' work (tiles add a
 few percent at the edges of windows and chunks, the same for every strategy).
@@ -52,7 +52,7 @@ from ..plan import CPPlan
 from ..shape import AttnShape
 from .catalogue import CATALOGUE, traits
 from .cost_model import CostModel, check_model
-from .keys import host_table, table_key
+from .cache import host_table, table_key
 from .staged import default_stages, staged_time
 
 # Tie order: simpler / less memory first (the catalogue's tie ranks).
