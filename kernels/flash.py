@@ -5,7 +5,7 @@ Both run FlashAttention's varlen form: segments of query rows against segments o
 to each segment's bottom-right corner: query row i of a segment with sq queries and sk keys
 sees key j iff ``i + sk - sq - left <= j <= i + sk - sq + right`` (-1: unbounded; causal
 is right = 0). Which of our calls can be written that way, and how, is decided on the host
-(``varlen_cp.schedules.flash_form``); this module only runs such calls.
+(``varlen_cp.tables.flash_form``); this module only runs such calls.
 
 - "flash": ``torch.ops.aten._flash_attention_forward`` / ``_backward``, called directly
   (same schema in torch 2.11 and 2.14): FlashAttention-2 in every CUDA build of torch,

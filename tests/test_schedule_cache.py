@@ -19,7 +19,7 @@ from tests.helpers import small_plan
 from varlen_cp import AttnMask
 from varlen_cp.config import AttnShape, CPConfig
 from varlen_cp.prefetch import build_tables
-from varlen_cp.tables import keys
+from varlen_cp.tables import cache
 
 DOCS = [37, 5, 120, 1, 64, 18]
 SHAPE = AttnShape(n_heads=4, n_kv_heads=2, head_dim=16, dtype=torch.float32)
@@ -91,7 +91,7 @@ def test_wide_window_tables_equal_the_unwindowed(monkeypatch, base):
         left = reach + (strategy == "auto") * 7    # exactly the reach, and beyond it
         right = base.window_size[1] if base.causal or base.window_size[1] >= 0 else reach
         wide = AttnMask(base.causal, (left, right), base.chunk_size)
-        assert keys.table_mask(small_plan(DOCS, 4, 2, "balanced"), wide) == base
+        assert cache.table_mask(small_plan(DOCS, 4, 2, "balanced"), wide) == base
         with monkeypatch.context() as m:   # sharing off: built from the window
             m.setattr(keys, "table_mask", lambda plan, mask: mask)
             got = _tables(_prepared(strategy, "balanced", 2, wide), wide)
@@ -99,7 +99,7 @@ def test_wide_window_tables_equal_the_unwindowed(monkeypatch, base):
         for k in want:
             _same(got[k], want[k], f"{strategy}/{base}/{k.kind}")
     narrow = AttnMask(base.causal, (reach - 1, base.window_size[1]), base.chunk_size)
-    assert keys.table_mask(small_plan(DOCS, 4, 2, "balanced"), narrow) == narrow
+    assert cache.table_mask(small_plan(DOCS, 4, 2, "balanced"), narrow) == narrow
 
 
 def test_long_chunk_shares_entries_short_chunk_does_not():
@@ -114,8 +114,8 @@ def test_long_chunk_shares_entries_short_chunk_does_not():
     assert all(shared[k] is causal[k] for k in causal)
     own = _tables(plan, short_chunk)
     assert own and all(own[k] is not causal[k] for k in own)
-    assert keys.table_mask(plan, short_chunk) == short_chunk
-    assert keys.table_mask(plan, long_chunk) == AttnMask()
+    assert cache.table_mask(plan, short_chunk) == short_chunk
+    assert cache.table_mask(plan, long_chunk) == AttnMask()
 
 
 def test_intervals_on_numpy_equal_those_on_torch():
@@ -208,5 +208,5 @@ def test_key_dataclasses_hash_as_their_fields() -> None:
     assert hash(AttnMask(chunk_size=5)) != hash(AttnMask(chunk_size=6))
     plan = small_plan(DOCS, 2, 0, "balanced")
     chunked = AttnMask(chunk_size=max(DOCS))
-    assert keys.table_mask(plan, chunked) is keys.table_mask(plan, AttnMask(chunk_size=max(DOCS)))
-    assert keys.table_mask(plan, chunked) == AttnMask()
+    assert cache.table_mask(plan, chunked) is cache.table_mask(plan, AttnMask(chunk_size=max(DOCS)))
+    assert cache.table_mask(plan, chunked) == AttnMask()
