@@ -19,7 +19,7 @@ import torch
 from integration_tests import harness
 from integration_tests.harness import FAIL, PASS, SKIP, Skip, Suite
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _table(**fns):

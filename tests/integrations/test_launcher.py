@@ -19,7 +19,7 @@ pytest.importorskip("torchtitan")
 
 from varlen_cp.integrations.torchtitan import train  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "configs" / "llama4_debug_cp2.toml")
 BAD = ["--config", DEMO, "--varlen_cp.strategy", "ring"]
 MESSAGE = "config error: [varlen_cp] ("

@@ -34,7 +34,7 @@ from varlen_cp.integrations.megatron import (VarlenCPCoreAttention,  # noqa: E40
 from varlen_cp.integrations.megatron.config import job_from_dict, load_config  # noqa: E402
 from varlen_cp.integrations.megatron.cpu_compat import megatron_on_cpu  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BASE = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
             kv_channels=16, attention_dropout=0.0, hidden_dropout=0.0)
 

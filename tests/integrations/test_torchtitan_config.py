@@ -13,7 +13,7 @@ pytest.importorskip("torchtitan")
 from varlen_cp.integrations.torchtitan.config import (ConfigError, load_config,  # noqa: E402
                                                       parse_cli)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def write(tmp_path: Path, text: str, name: str = "job.toml") -> str:

@@ -112,7 +112,7 @@ def test_real_flash_replay_matches_triton():
     """One CP rank's calls (cp 8, 1000 documents per 128K tokens scaled down, causal, SWA
     and chunked) through the real flash ops and through our Triton kernels, same inputs:
     the same out, LSE and dq."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     sys.path[:0] = [p for p in (str(root / "bench"),) if p not in sys.path]
     import cp_replay
     import gpu_cases

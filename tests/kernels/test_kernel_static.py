@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TARGET = {128: 440, 64: 375}
 SM90 = ([(k, "bf16", d, d, 90, m) for d in (64, 128) for k in ("fwd", "dq", "dkdv")
          for m in ("implicit", "cp")]

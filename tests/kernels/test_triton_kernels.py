@@ -387,7 +387,7 @@ def test_bad_schedule_and_blocks_raise():
         triton_fwd(q, k, v, *args, block_sizes=(24, 32))
 
 
-# GPU compilation (sm80 / sm90 without a GPU, the static targets): tests/test_kernel_static.py
+# GPU compilation (sm80 / sm90 without a GPU, the static targets): tests/kernels/test_kernel_static.py
 
 
 # ------------------------------------------------------------------ GPU only

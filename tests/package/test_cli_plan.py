@@ -19,7 +19,7 @@ from varlen_cp.prepare import build_plan
 from varlen_cp.schedules.auto import choose_strategy
 from varlen_cp.schedules.selected import fetched_tokens
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

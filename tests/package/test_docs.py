@@ -46,7 +46,7 @@ import torch
 from tests.dist_utils import run_distributed
 from tests.reference import assert_close_to_reference, reference_attn
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", REPO / "integration_tests" / "README.md",
          *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
@@ -450,7 +450,7 @@ def check_span(span: str, where: str) -> list[str]:
         local = re.sub(r"^varlen_cp/", "plugin/", path[1])  # the package's source folder
         if not metric and not (REPO / local).exists():  # varlen_cp/plan_ms: a metric name
             problems.append(f"{where}: {path[1]} does not exist")
-    elif re.fullmatch(r"test_[\w*]+\.py", span) and not list((REPO / "tests").glob(span)):
+    elif re.fullmatch(r"test_[\w*]+\.py", span) and not list((REPO / "tests").rglob(span)):
         problems.append(f"{where}: no tests/{span}")
     return problems
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [p for p in (str(ROOT / "bench"),) if p not in sys.path]
 
 import cp_replay  # noqa: E402  (bench/)

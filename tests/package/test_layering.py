@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PLUGIN = Path(__file__).resolve().parent.parent / "plugin"
+PLUGIN = Path(__file__).resolve().parents[2] / "plugin"
 FLOOR = {
     "cli": 9,    # varlen-cp-plan (reads the integrations' job files)
     "integrations": 8, "prepare": 7, "report": 7, "config": 6, "attention": 6,
@@ -194,7 +194,7 @@ def test_staged_modules_import_only_earlier_ones() -> None:
 
 
 # ---- tests --------------------------------------------------------------------------------
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def _test_module_imports(path: Path) -> set[str]:
@@ -211,26 +211,30 @@ def _test_module_imports(path: Path) -> set[str]:
             names = [base] + [f"{base}.{a.name}" for a in node.names]
         else:
             continue
-        out.update(n.split(".")[1] for n in names
-                   if n.startswith("tests.") and len(n.split(".")) > 1)
+        for n in names:
+            parts = n.split(".")[1:] if n.startswith("tests.") else []
+            if parts:  # tests.kernels.test_x.f -> test_x; tests.helpers.grid -> helpers
+                out.add(next((p for p in parts if p.startswith("test_")), parts[0]))
     return out
 
 
 def test_finder_sees_test_imports(tmp_path) -> None:
     src = tmp_path / "test_x.py"
     src.write_text("import tests.test_a\nfrom tests import test_b, helpers\n"
-                   "def f():\n    from tests.test_c import g\n    from .test_d import h\n")
-    assert _test_module_imports(src) == {"test_a", "test_b", "helpers", "test_c", "test_d"}
+                   "def f():\n    from tests.test_c import g\n    from .test_d import h\n"
+                   "from tests.kernels.test_e import f\nfrom tests.helpers.grid import x\n")
+    assert _test_module_imports(src) == {"test_a", "test_b", "helpers", "test_c", "test_d",
+                                         "test_e"}
 
 
 def test_no_test_module_imports_another() -> None:
     """Shared helpers live in tests/helpers.py (and reference.py, dist_utils.py): a test
     module that imports another runs that module's setup and couples their fixtures."""
     offenders = {}
-    for path in sorted(TESTS.glob("*.py")):
+    for path in sorted(TESTS.rglob("*.py")):
         imported = {m for m in _test_module_imports(path) if m.startswith("test_")}
         if imported:
-            offenders[path.name] = sorted(imported)
+            offenders[str(path.relative_to(TESTS))] = sorted(imported)
     assert not offenders, f"test modules importing test modules: {offenders}"
 
 
@@ -248,7 +252,16 @@ def test_test_file_names_differ_by_more_than_a_letter() -> None:
     """test_schedule.py (the kernels' tiles) beside test_schedules.py (the CP schedules)
     said nothing of either: a name says what it tests."""
     assert _one_edit_apart("test_plan", "test_plans") and not _one_edit_apart("ab", "ba")
-    names = sorted(p.stem for p in TESTS.glob("test_*.py"))
+    names = sorted(p.stem for p in TESTS.rglob("test_*.py"))
     close = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]
              if _one_edit_apart(a, b)]
     assert not close, close
+
+
+def test_test_folders_are_packages() -> None:
+    """Each folder of tests (tests/kernels, tests/plan, ...) is a package, so its modules
+    import as tests.<folder>.test_x and two folders may not shadow each other's names."""
+    folders = {p.parent for p in TESTS.rglob("test_*.py")}
+    missing = sorted(str(f.relative_to(TESTS.parent)) for f in folders
+                     if not (f / "__init__.py").exists())
+    assert not missing, f"test folders without __init__.py: {missing}"

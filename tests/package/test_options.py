@@ -1,5 +1,5 @@
 """The options along the spine: ``AttnOptions`` (how an attention call runs), the layout
-specs (tests/test_plan.py), and ``CPConfig`` composing both with its unchanged keys.
+specs (tests/plan/test_plan.py), and ``CPConfig`` composing both with its unchanged keys.
 
 - ``AttnOptions``: defaults, frozen and hashable, every field checked when built with a
   ValueError naming it; the strategy-bound options (``a2a_size``, ``overlap_stages``) only

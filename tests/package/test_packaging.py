@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # import package -> its folder in the source tree (setup.py's PACKAGE_DIRS)
 SOURCE_ROOTS = {"varlen_cp": ROOT / "plugin", "varlen_cp/kernels": ROOT / "kernels"}
 BUILD_INPUTS = ["pyproject.toml", "setup.py", "README.md", "plugin", "kernels"]

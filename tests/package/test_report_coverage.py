@@ -133,7 +133,7 @@ def test_unknown_strategies_and_group_sizes():
 @pytest.fixture
 def stand_ins():
     """CPU stand-ins for torch's flash ops and flash-attn-4 in this process, undone after
-    (as tests/test_cp_flash.py's fixture)."""
+    (as tests/strategies/test_cp_flash.py's fixture)."""
     from tests import fa4_standin, flash_emulator
     from varlen_cp.kernels import flash
 

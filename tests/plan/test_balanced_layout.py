@@ -339,7 +339,7 @@ def test_fold_units_match_dense_count(masks, var) -> None:
 
 
 def _bench():
-    path = Path(__file__).resolve().parent.parent / "bench" / "plan.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "plan.py"
     spec = importlib.util.spec_from_file_location("bench_plan", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

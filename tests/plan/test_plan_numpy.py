@@ -5,7 +5,7 @@ arrays, page faults on large temporaries); these tests pin the closed forms of v
 (``runs.pair_work``, ``runs.prefix_pairs``) to direct counts and to each other, the
 in-place per-token ramp to ``repeat`` + ``arange`` (int32 near 2**30 included), and the
 per-token document table, now built on demand, to one derived from the local cu_seqlens.
-The layouts themselves are pinned by tests/test_balanced_layout.py. ~1 s on one core.
+The layouts themselves are pinned by tests/plan/test_balanced_layout.py. ~1 s on one core.
 """
 
 from __future__ import annotations

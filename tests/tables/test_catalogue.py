@@ -13,7 +13,7 @@ from varlen_cp import config
 from varlen_cp.schedules import auto, catalogue
 from varlen_cp.strategies import STRATEGIES, get_strategy
 
-PLUGIN = Path(__file__).resolve().parent.parent / "plugin"
+PLUGIN = Path(__file__).resolve().parents[2] / "plugin"
 
 
 def test_registry_options_and_auto_read_the_catalogue():

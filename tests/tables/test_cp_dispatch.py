@@ -4,7 +4,7 @@ The keys dispatch fetches are exactly those some local query sees (a dense brute
 each document's mask), so its byte count is the lower bound; its compute counts every
 visible pair once; auto's choices on clear-cut batches, its cache, memory budget and tie
 rule, and bad arguments. Both run against the single-device op in the strategy grid
-(tests/test_cp_strategies.py: every layout x mask at cp 2-4, fp16 / bf16, bytes posted).
+(tests/strategies/test_cp_strategies.py: every layout x mask at cp 2-4, fp16 / bf16, bytes posted).
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ def test_intervals_on_numpy_equal_those_on_torch():
     """``AttnMask.key_interval`` / ``query_interval`` (``kernels.mask_math``) on the host
     planner's numpy arrays give int64 numpy arrays equal to the torch results, padding
     positions included (the torch results are checked against dense masks in
-    tests/test_masks.py)."""
+    tests/package/test_masks.py)."""
     pos = torch.tensor([-3, -1, 0, 1, 5, 7, 8, 63, 64, 65, 200, 1000])
     for mask in (AttnMask(), AttnMask(causal=False), AttnMask(window_size=(5, 0)),
                  AttnMask(window_size=(3, 9), causal=False), AttnMask(chunk_size=64),
