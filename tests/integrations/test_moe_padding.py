@@ -32,7 +32,7 @@ if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
 
 from tests.dist_utils import launch_concurrently, run_distributed  # noqa: E402
-from tests.helpers import DIM, MAX_LEN, VOCAB, packed_documents  # noqa: E402
+from tests.helpers.torchtitan_models import DIM, MAX_LEN, VOCAB, packed_documents  # noqa: E402
 
 STEPS = 8
 LOAD_BALANCE_COEFF = 1e-2
@@ -75,7 +75,7 @@ def tiny_moe_config(name: str):
                                         scaling="yarn", rope_factor=40.0, beta_fast=32.0,
                                         beta_slow=1.0, original_seq_len=4096)))
     else:
-        from tests.helpers import tiny_model_config
+        from tests.helpers.torchtitan_models import tiny_model_config
 
         config = tiny_model_config(name)
     for _, moe, _, _ in config.traverse(MoE.Config):
@@ -92,7 +92,7 @@ def _moe_layers(model) -> dict:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_padding_is_not_routed(name):
-    from tests.helpers import fp32, model_spec, with_varlen_cp
+    from tests.helpers.torchtitan_models import fp32, model_spec, with_varlen_cp
     from varlen_cp.integrations.torchtitan.attention import PackedBatch
     from varlen_cp.integrations.torchtitan.moe import feed_real_rows, padding_free_moe_for
     from varlen_cp.integrations.torchtitan.trainer import packed_cu_seqlens
@@ -192,7 +192,7 @@ CP2_CASES = sorted(LAUNCHES["cp2"][1])
 def train_worker(rank: int, world: int, cases: dict, tmp: str) -> dict:
     """Train each case for ``STEPS`` steps with the real trainer; every rank returns the
     tokens it counted as seen, rank 0 also the logged losses and every expert bias."""
-    from tests.helpers import run_train_steps, start_torchtitan_worker
+    from tests.helpers.torchtitan_models import run_train_steps, start_torchtitan_worker
 
     toml = start_torchtitan_worker(rank, world, tmp, TOML)  # before torchtitan imports
     from varlen_cp.integrations.torchtitan.config import load_config
@@ -259,7 +259,7 @@ def test_every_moe_of_the_debug_flavors_is_padding_free():
     e.g. gpt_oss's, kept as the parent), once; parameter and buffer names are unchanged."""
     from torchtitan.models.common.moe import MoE
 
-    from tests.helpers import model_spec
+    from tests.helpers.torchtitan_models import model_spec
     from varlen_cp.integrations.torchtitan.moe import padding_free_moe_for
     from varlen_cp.integrations.torchtitan.stock import stock_model_spec
 

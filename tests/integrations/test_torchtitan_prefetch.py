@@ -46,7 +46,7 @@ log_freq = 1
 def timing_worker(rank: int, world: int, tmp: str) -> dict[str, list[float]]:
     """Step times of three trainers: baseline, slow planner, slow planner without
     prefetching; every step made STEP_S longer by a sleep in forward_backward_step."""
-    from tests.helpers import start_torchtitan_worker
+    from tests.helpers.torchtitan_models import start_torchtitan_worker
 
     toml = start_torchtitan_worker(rank, world, tmp, TOML)  # before torchtitan imports
     from varlen_cp.integrations.torchtitan import trainer as trainer_module

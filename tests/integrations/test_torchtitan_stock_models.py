@@ -8,7 +8,7 @@
   varlen-cp's attention gives torchtitan's own FlexAttention logits (its varlen path needs
   CUDA; Flex has no CPU backward), and the logits and every parameter gradient of a dense
   reference attention (tests/reference.py), for each model scaled down for CPU
-  (tests/helpers.py).
+  (tests/helpers/torchtitan_models.py).
 - Training: CP=2 (gloo, 2 processes) and CP=1 give the same losses and grad norms (relative
   1e-4, fp32, 3 steps) for p2p, dispatch and a2a (and dispatch on the balanced layout, which
   balances gpt_oss's window and global layers at once), through the real trainer
@@ -29,8 +29,9 @@ if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
 
 from tests.dist_utils import launch_concurrently, run_distributed  # noqa: E402
-from tests.helpers import (WINDOW, fp32, packed_documents, run_train_steps,  # noqa: E402
-                           start_torchtitan_worker, tiny_model_config, with_varlen_cp)
+from tests.helpers.torchtitan_models import (WINDOW, fp32, packed_documents,  # noqa: E402
+                                             run_train_steps, start_torchtitan_worker,
+                                             tiny_model_config, with_varlen_cp)
 
 MODELS = ("llama3", "qwen3", "gpt_oss", "deepseek_v3")
 

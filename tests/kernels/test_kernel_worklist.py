@@ -229,7 +229,7 @@ def test_bwd_given_stats_equals_bwd_that_makes_them():
 
 def stats_once_worker(rank, world):
     """Count the stats passes and backward calls of one CP layer's backward."""
-    from tests.helpers import cp_run, global_inputs
+    from tests.helpers.cp_grid import cp_run, global_inputs
     from varlen_cp import AttnOptions
     from varlen_cp.strategies import calls
     counts = {"stats": 0, "bwd": 0}

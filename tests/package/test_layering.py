@@ -228,7 +228,7 @@ def test_finder_sees_test_imports(tmp_path) -> None:
 
 
 def test_no_test_module_imports_another() -> None:
-    """Shared helpers live in tests/helpers.py (and reference.py, dist_utils.py): a test
+    """Shared helpers live in tests/helpers/ (and reference.py, dist_utils.py): a test
     module that imports another runs that module's setup and couples their fixtures."""
     offenders = {}
     for path in sorted(TESTS.rglob("*.py")):

@@ -20,7 +20,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.helpers import cu, global_inputs
+from tests.helpers.cp_grid import cu, global_inputs
 from varlen_cp import AttnMask, AttnOptions, ContextParallelVarlenAttention, CPPlan
 from varlen_cp.attention import cp_varlen_attn
 from varlen_cp.config import CPConfig

@@ -15,7 +15,7 @@ import logging
 import pytest
 import torch
 
-from tests.helpers import DOCS, small_plan
+from tests.helpers.cp_grid import DOCS, small_plan
 from varlen_cp import AttnMask
 from varlen_cp.cli import lengths
 from varlen_cp.cli import plan as cli

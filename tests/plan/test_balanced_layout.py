@@ -4,8 +4,8 @@ Balance is asserted per mask (not on a sum) with ``CPPlan.work_of``, which count
 plan's token tables and mask_math, independently of the layout's closed forms; those closed
 forms and the layout's fold units are checked against tests/reference.py's dense mask; the
 K/V floor of bench/plan.py against a dense count. Plans are checked for the invariants of
-tests/helpers.py, determinism, cuts on the tile grid (a bounded number of finer cuts),
-short documents kept whole, and bad input.
+tests/helpers/plan_checks.py, determinism, cuts on the tile grid (a bounded number of finer
+cuts), short documents kept whole, and bad input.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from bench.mixes import fill, lognormal
-from tests.helpers import FIXED_MIXES, check_balanced, check_invariants
+from tests.helpers.plan_checks import FIXED_MIXES, check_balanced, check_invariants
 from tests.reference import reference_mask
 from varlen_cp import AttnMask, CPPlan
 from varlen_cp.plan import balanced as B

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import FIXED_MIXES, check_balanced, check_invariants
+from tests.helpers.plan_checks import FIXED_MIXES, check_balanced, check_invariants
 from tests.reference import reference_mask
 from varlen_cp import AttnMask
 from varlen_cp.plan import LAYOUTS, TE, Balanced, CPPlan, DualChunk, layout_spec, pair_segments

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.helpers import (DOCS, HEADS, LAYOUTS, MASKS, NAMES, check_padding, cp_run, dense,
-                           gather, global_inputs)
+from tests.helpers.cp_grid import (DOCS, HEADS, LAYOUTS, MASKS, NAMES, check_padding, cp_run,
+                                   dense, gather, global_inputs)
 from varlen_cp import AttnOptions
 
 STRATEGIES = ("p2p", "all_gather", "a2a", "a2a+p2p", "dispatch")
@@ -133,7 +133,7 @@ EXTRAS_CASES = [("p2p", "dual_chunk", "causal"), ("dispatch", "balanced", "chunk
 def _extras_reference(inputs, sink, mask, dtype):
     """Dense reference with a learnable sink in ``dtype``: (out, lse, dq, dk, dv, dsink)
     of the loss sum(out * dout), and the row max of the scaled visible scores."""
-    from tests.helpers import cu
+    from tests.helpers.cp_grid import cu
     from tests.reference import reference_attn
     q, k, v = (t.to(dtype).clone().requires_grad_() for t in inputs[:3])
     s = sink.clone().requires_grad_()
@@ -149,7 +149,7 @@ def _extras_reference(inputs, sink, mask, dtype):
 def extras_worker(rank, world, backend):
     """A learnable sink (its LSE gradient: "fa4" takes it, "flash" plans the layer on our
     kernels) and the max logit (no FA output: our kernels for both), bf16 vs fp64."""
-    from tests.helpers import small_plan
+    from tests.helpers.cp_grid import small_plan
     from tests.reference import assert_close_to_reference
     from varlen_cp.attention import cp_varlen_attn
     _install(backend)
@@ -216,7 +216,7 @@ def test_single_device_op_runs_flash_attention(backend, mname, monkeypatch, one_
     """``varlen_attn(backend=...)`` without positions or chunks is FlashAttention's own
     call: it runs there, forward and backward (a loss on the LSE too: "fa4" takes its
     gradient, "flash" hands that backward to our kernels), against fp64."""
-    from tests.helpers import cu
+    from tests.helpers.cp_grid import cu
     from tests.reference import assert_close_to_reference, reference_attn
     from varlen_cp.kernels import flash, varlen_attn
     stand_ins(backend)

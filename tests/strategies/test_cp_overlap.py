@@ -31,11 +31,12 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.helpers import (EXTRAS_MASKS, HEADS, MASKS, NAMES, SOFTMAX_TYPES, ByteCounter,
-                           check_padding, compare_fp32, cu, dense, extras_errors,
-                           extras_inputs, extras_loss, extras_padding_errors,
-                           extras_reference, forbid_host_reads, gather, global_inputs,
-                           no_communication, single_device, sink_arg, small_plan)
+from tests.helpers.cp_grid import (HEADS, MASKS, NAMES, check_padding, compare_fp32, cu, dense,
+                                   gather, global_inputs, single_device, small_plan)
+from tests.helpers.guards import ByteCounter, forbid_host_reads, no_communication
+from tests.helpers.softmax_extras import (EXTRAS_MASKS, SOFTMAX_TYPES, extras_errors,
+                                          extras_inputs, extras_loss, extras_padding_errors,
+                                          extras_reference, sink_arg)
 from varlen_cp import AttnOptions
 from varlen_cp.config import CPConfig
 from varlen_cp.attention import ContextParallelVarlenAttention, cp_varlen_attn

@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.helpers import (DOCS, EXTRAS_MASKS as MASKS, HEADS, SOFTMAX_TYPES, cu,
-                           extras_errors, extras_inputs, extras_loss, extras_padding_errors,
-                           extras_reference, forbid_host_reads, no_communication, sink_arg,
-                           small_plan)
+from tests.helpers.cp_grid import DOCS, HEADS, cu, small_plan
+from tests.helpers.guards import forbid_host_reads, no_communication
+from tests.helpers.softmax_extras import (EXTRAS_MASKS as MASKS, SOFTMAX_TYPES, extras_errors,
+                                          extras_inputs, extras_loss, extras_padding_errors,
+                                          extras_reference, sink_arg)
 from varlen_cp import AttnOptions
 from varlen_cp.attention import ContextParallelVarlenAttention, cp_varlen_attn
 from varlen_cp.plan import CPPlan

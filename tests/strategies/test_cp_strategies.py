@@ -6,12 +6,12 @@ splits, fp32, forward output, LSE and all three gradients, compared with ``varle
 all_gather, a2a, a2a+p2p, dispatch) and ``auto`` (which runs what it picks for each plan and
 mask), at cp 2, 3 and 4. The document mix has odd lengths, a length-1 document, documents
 shorter than cp, an empty document and one much longer than the others; small cut sizes
-(``helpers.small_plan``) make dual_chunk and balanced really cut documents across ranks.
+(``helpers.cp_grid.small_plan``) make dual_chunk and balanced really cut documents across ranks.
 Padding rows (te layout) must come out 0 / -inf with zero gradients. Smaller launches run
 a2a+p2p at cp 6 (2 x 3 and 3 x 2), fp16 on the Triton interpreter and bf16 on the torch
 twin, bad input, and byte counts against what the collectives really post; cp == 1 and the
 host cost model need no processes. Every CP forward + backward after the first of a launch
-runs with host reads of device data forbidden (``helpers.forbid_host_reads``).
+runs with host reads of device data forbidden (``helpers.guards.forbid_host_reads``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.helpers import (DOCS, DV, HEADS, LAYOUTS, MASKS, NAMES, TINY, D, ByteCounter,
-                           check_padding, compare_fp32, cp_run, cu, dense, gather,
-                           global_inputs, single_device, small_plan)
+from tests.helpers.cp_grid import (DOCS, DV, HEADS, LAYOUTS, MASKS, NAMES, TINY, D,
+                                   check_padding, compare_fp32, cp_run, cu, dense, gather,
+                                   global_inputs, single_device, small_plan)
+from tests.helpers.guards import ByteCounter
 from varlen_cp import AttnOptions
 from varlen_cp.attention import ContextParallelVarlenAttention, cp_varlen_attn
 from varlen_cp.masks import AttnMask

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.helpers import compare_fp32, gather, global_inputs, single_device
+from tests.helpers.cp_grid import compare_fp32, gather, global_inputs, single_device
 from varlen_cp import AttnOptions
 from varlen_cp.masks import AttnMask
 from varlen_cp.plan import CPPlan, DualChunk

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.helpers import AllReduceCounter
+from tests.helpers.guards import AllReduceCounter
 from varlen_cp import AttnOptions
 from varlen_cp.attention import ContextParallelVarlenAttention, cp_varlen_attn
 from varlen_cp.kernels import varlen_attn

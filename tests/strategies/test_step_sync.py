@@ -3,7 +3,7 @@ host tensors, and the attention calls of the model find it done.
 
 The whole step (``shard_packed_batch`` with ``validate=True``, then every layer's
 ``cp_varlen_attn`` forward and backward with the default ``validate=True``) runs under
-``forbid_host_reads`` (tests/helpers.py: a host read of device data raises), with
+``forbid_host_reads`` (tests/helpers/guards.py: a host read of device data raises), with
 the collectives counted: the sharding makes exactly the one 16-byte all-reduce, the
 attention calls none beyond their strategy's own (p2p, a2a, all_gather and dispatch make no
 all-reduce at all). Before, the check ran inside the first attention call, with a host read
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.helpers import AllReduceCounter, forbid_host_reads
+from tests.helpers.guards import AllReduceCounter, forbid_host_reads
 from varlen_cp import AttnOptions
 from varlen_cp.attention import cp_varlen_attn
 from varlen_cp.masks import AttnMask

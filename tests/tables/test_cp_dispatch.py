@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import MASKS, cu, small_plan
+from tests.helpers.cp_grid import MASKS, cu, small_plan
 from varlen_cp.masks import AttnMask
 from varlen_cp.plan import CPPlan
 from varlen_cp.schedules import selected

@@ -155,7 +155,7 @@ def test_schedules_match_the_per_token_builder(layout):
 def prepare_worker(rank, world):
     """Per strategy: prepare_plan, then forward + backward of every mask, counting the
     plan-cache entries the call itself had to build (none may be missing)."""
-    from tests.helpers import global_inputs
+    from tests.helpers.cp_grid import global_inputs
     from varlen_cp.attention import cp_varlen_attn
 
     masks = [(AttnMask(chunk_size=64), 3), (AttnMask(), 1)]

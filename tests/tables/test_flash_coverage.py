@@ -3,7 +3,7 @@ CUDA, no registered kernels: the tables are host tables)."""
 
 import pytest
 
-from tests.helpers import DOCS, LAYOUTS, small_plan
+from tests.helpers.cp_grid import DOCS, LAYOUTS, small_plan
 from varlen_cp import AttnMask
 from varlen_cp.schedules.coverage import FlashCoverage, flash_coverage
 from varlen_cp.schedules.flash_form import FlashRoute

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import small_plan
+from tests.helpers.cp_grid import small_plan
 from varlen_cp import AttnMask
 from varlen_cp.config import AttnShape, CPConfig
 from varlen_cp.prepare import prepare_plan
