@@ -1,8 +1,9 @@
 """Softmax extras under CP: max logit and attention sinks, every strategy x mask, gloo.
 
-One launch per cp (2, 3, 4) runs every strategy x mask (causal, full, SWA, chunked,
-chunked + causal) on two layouts (dual_chunk; te, which pads), cycling the softmax type
-(vanilla, off-by-one, learnable) and two GQA head splits, and compares with the
+One pytest item per cp x strategy x mask (``[cp3-p2p-swa]``), one launch per cp (2, 3, 4)
+for the selected ones (``helpers.launches``): every strategy x mask (causal, full, SWA,
+chunked, chunked + causal) on two layouts (dual_chunk; te, which pads), cycling the softmax
+type (vanilla, off-by-one, learnable) and two GQA head splits, and compares with the
 single-device op (``varlen_attn``, torch backend, same softmax type and sink; itself
 checked against the dense reference in the kernel tests):
 - forward: out, lse (differentiable, sink included), max_logit (identical on every rank);
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.helpers.launches import GroupLaunches
 from tests.helpers.cp_grid import DOCS, HEADS, cu, small_plan
 from tests.helpers.guards import forbid_host_reads, no_communication
 from tests.helpers.softmax_extras import (EXTRAS_MASKS as MASKS, SOFTMAX_TYPES, extras_errors,
@@ -28,9 +30,10 @@ from tests.helpers.softmax_extras import (EXTRAS_MASKS as MASKS, SOFTMAX_TYPES, 
 from varlen_cp import AttnOptions
 from varlen_cp.attention import ContextParallelVarlenAttention, cp_varlen_attn
 from varlen_cp.plan import CPPlan
+from varlen_cp.strategies import STRATEGIES as STRATEGY_REGISTRY
 
 DOCS_TRITON = [1, 37, 9, 70, 5]                # interpreter tiles are slow: fewer tokens
-STRATEGIES = ("p2p", "all_gather", "a2a", "a2a+p2p", "dispatch")
+STRATEGIES = tuple(STRATEGY_REGISTRY)            # the catalogue's names, in its order
 LAYOUTS = ("dual_chunk", "te")
 
 
@@ -72,9 +75,16 @@ def _a2a_size(strategy, world):
     return None
 
 
-def cases_worker(rank, world):
-    errors, n = [], 0
-    for c, (strategy, mname, layout, softmax_type, return_lse, h) in enumerate(_cases()):
+def cases_worker(rank, world, names):
+    """The named cases (``strategy-mask`` of ``_cases``; at cp 2 also ``triton``,
+    ``module``, ``bad_input``); returns each case's errors."""
+    cases = {f"{c[0]}-{c[1]}": (i, c) for i, c in enumerate(_cases())}
+    errors = {}
+    for name in names:
+        if name not in cases:
+            errors[name] = EXTRA_CASES[name](rank, world) or []
+            continue
+        c, (strategy, mname, layout, softmax_type, return_lse, h) = cases[name]
         hq, hkv = HEADS[world][h]
         inputs = extras_inputs(DOCS, hq, hkv, seed=c)
         mask = MASKS[mname]
@@ -82,15 +92,10 @@ def cases_worker(rank, world):
         plan, got = _cp_run(rank, world, DOCS, layout, mask, strategy, inputs, softmax_type,
                             return_lse, a2a_size=_a2a_size(strategy, world))
         what = f"[{strategy} cp={world} {layout} {mname} {softmax_type} {hq}/{hkv}]"
-        errors += [f"{what} {e}" for e in extras_padding_errors(plan, got, softmax_type, inputs[5])]
-        errors += extras_errors(plan, got, ref, got["dsink"], world, what)
-        n += 1
-    if world == 2:
-        errors += _triton_case(rank, world)
-        _module_case(rank, world)
-        _bad_input(rank, world)
-    assert not errors, "\n".join(errors)
-    return n
+        errors[name] = [f"{what} {e}"
+                        for e in extras_padding_errors(plan, got, softmax_type, inputs[5])]
+        errors[name] += extras_errors(plan, got, ref, got["dsink"], world, what)
+    return errors
 
 
 def _triton_case(rank, world):
@@ -165,29 +170,33 @@ def _bad_input(rank, world):
                 ContextParallelVarlenAttention(mask, **kwargs)
 
 
-@pytest.mark.parametrize("cp", [2, 3, 4])
-def test_softmax_extras_match_single_device(cp, tmp_path):
-    n = run_distributed(cases_worker, cp, tmp_path, timeout_s=300)
-    assert n == [len(STRATEGIES) * len(MASKS)] * cp
+EXTRA_CASES = {"triton": _triton_case, "module": _module_case, "bad_input": _bad_input}
+# Kept in the fast lane (scripts/run_tests.sh --fast): at cp 2 every strategy with one mask
+# each, the Triton case, the module and bad input; the other cases are marked slow.
+FAST = {f"{c[0]}-{c[1]}" for c in _cases() if c[1] == list(MASKS)[STRATEGIES.index(c[0])]}
 
 
-def test_cp1_is_the_local_op():
-    """cp == 1 needs no process group: the same options reach the local op."""
-    hq, hkv = 4, 2
-    inputs = extras_inputs(DOCS, hq, hkv, seed=3)
-    mask = MASKS["chunk_causal"]
-    ref = extras_reference(inputs, DOCS, mask, "learnable", True)
-    plan = CPPlan.build(cu(DOCS), cp_size=1, cp_rank=0)
-    q, k, v = (plan.shard(t).requires_grad_() for t in inputs[:3])
-    sink = inputs[5].clone().requires_grad_()
-    out, lse, max_logit = cp_varlen_attn(q, k, v, plan, mask, return_lse=True,
-                                         return_max_logit=True, softmax_type="learnable",
-                                         sink=sink)
-    extras_loss(out, lse, plan.shard(inputs[3]), plan.shard(inputs[4], dim=1)).backward()
-    for name, got in (("out", out.detach()), ("lse", lse.detach().t()), ("dq", q.grad),
-                      ("dk", k.grad), ("dv", v.grad)):
-        want = ref[name].t() if name == "lse" else ref[name]
-        torch.testing.assert_close(plan.unshard_parts([got]), want, atol=3e-5, rtol=3e-4,
-                                   msg=name)
-    torch.testing.assert_close(max_logit, ref["max_logit"])
-    torch.testing.assert_close(sink.grad, ref["dsink"], atol=1e-4, rtol=1e-4)
+def extras_params():
+    for cp in (2, 3, 4):
+        extra = list(EXTRA_CASES) if cp == 2 else []
+        for name in [f"{c[0]}-{c[1]}" for c in _cases()] + extra:
+            fast = cp == 2 and (name in FAST or name in EXTRA_CASES)
+            slow = () if fast else (pytest.mark.slow,)
+            yield pytest.param(cp, name, marks=slow, id=f"cp{cp}-{name}")
+
+
+@pytest.fixture(scope="module")
+def extras_launches():
+    return GroupLaunches(("cp",))
+
+
+@pytest.mark.parametrize("cp, name", list(extras_params()))
+def test_softmax_extras_match_single_device(cp, name, extras_launches, request,
+                                            tmp_path_factory):
+    """One item per case; one launch per cp runs the selected cases."""
+    errors = extras_launches.result(request, lambda siblings: run_distributed(
+        cases_worker, cp, tmp_path_factory.mktemp("extras"), [p["name"] for p in siblings],
+        timeout_s=300))
+    assert all(name in e for e in errors), "a rank did not run this case"
+    found = [msg for e in errors for msg in e[name]]
+    assert not found, "\n".join(found)
