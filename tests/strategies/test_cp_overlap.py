@@ -10,7 +10,8 @@ formula (by hand on a toy batch), its default S reacts to the transfer/compute r
 never exceeds S = 1's peak memory; ``overlap_stages`` is validated everywhere;
 ``prepare_plan`` builds the tables the call reads.
 
-Multi-process (gloo, one launch per cp 2, 3, 4 running every case): forward out / LSE and
+Multi-process (gloo, one pytest item per case, ``test_matches_single_device[cp3-dispatch-te-swa]``,
+and one launch per cp 2, 3, 4 for the selected ones, ``helpers.launches``): forward out / LSE and
 dq / dk / dv vs the single-device op for both strategies x every layout (balanced,
 dual_chunk, te) x mask, S cycling 1, 2, 4 so that each (strategy, layout, mask) meets every
 S over the three launches; the bytes each collective really posts equal to
@@ -31,6 +32,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.helpers.launches import GroupLaunches
 from tests.helpers.cp_grid import (HEADS, MASKS, NAMES, check_padding, compare_fp32, cu, dense,
                                    gather, global_inputs, single_device, small_plan)
 from tests.helpers.guards import ByteCounter, forbid_host_reads, no_communication
@@ -123,17 +125,20 @@ def _simulate(plan, mask, name, stages):
             assert torch.equal(local.k_pos, plan.positions_of(d))
 
 
-def test_stage_tables_deliver_exactly_the_keys(one_thread):
+@pytest.mark.parametrize("cp", [2, 3, 4])
+@pytest.mark.parametrize("layout", ["balanced", "dual_chunk", "te", "contiguous"])
+def test_stage_tables_deliver_exactly_the_keys(layout, cp, one_thread):
     docs = [300, 17, 1, 90, 0, 5, 411]
-    for layout in ("balanced", "dual_chunk", "te", "contiguous"):
-        for cp in (2, 3, 4):
-            plan = small_plan(docs, cp, 0, layout)
-            for mname, mask in MASKS.items():
-                for name in STRATS:
-                    for stages in (1, 2, 3, 5):
-                        _simulate(plan, mask, name, stages)
-    # one document per rank: dispatch moves nothing, the local call is the whole attention
-    # (all_gather still gathers: the collective is what it is)
+    plan = small_plan(docs, cp, 0, layout)
+    for mname, mask in MASKS.items():
+        for name in STRATS:
+            for stages in (1, 2, 3, 5):
+                _simulate(plan, mask, name, stages)
+
+
+def test_stage_tables_with_nothing_to_fetch(one_thread):
+    """One document per rank: dispatch moves nothing, the local call is the whole
+    attention (all_gather still gathers: the collective is what it is)."""
     plan = CPPlan.build(cu([50, 50]), cp_size=2, cp_rank=0, layout="contiguous")
     for stages in (1, 2):
         tab = staged.staged_tables("dispatch", plan, MASKS["causal"], 0, (16, 16), stages)
@@ -284,67 +289,125 @@ def _extras_case(rank, world, strategy, stages, c):
             + extras_errors(plan, got, ref, got["dsink"], world, what))
 
 
-def cases_worker(rank, world):
-    errors, n = [], 0
-    for si, strategy in enumerate(STRATS):
-        mod = get_strategy(strategy)
-        for i, (layout, (mname, mask)) in enumerate(
-                (lay, m) for lay in LAYOUTS for m in MASKS.items()):
-            stages = STAGES[(i + si + world) % 3]
-            hq, hkv = HEADS[world][i % 2]
-            inputs = global_inputs(DOCS, hq, hkv, seed=i)
-            ref = single_device(*inputs, DOCS, mask)
-            plan, local, sent = _run(rank, world, layout, mask, strategy, stages, inputs)
-            what = f"[{strategy} S={stages} cp={world} {layout} {mname} {hq}/{hkv}]"
-            check_padding(plan, local[0], local[1], local[2:])
-            errors += compare_fp32(gather(plan, local), ref, what)
-            want = mod.bytes_sent_per_rank(plan, mask, head_dim=D, head_dim_v=DV,
-                                           n_heads=hq, n_kv_heads=hkv, dtype_bytes=4)
-            if sent != (want["fwd"][rank], want["bwd"][rank]):
-                errors.append(f"{what} bytes sent {sent}, model "
-                              f"{(want['fwd'][rank], want['bwd'][rank])}")
-            n += 1
-        for j, stages in enumerate(STAGES):
-            errors += _extras_case(rank, world, strategy, stages, 3 * si + j + world)
-            n += 1
-        # one document per rank: nothing to fetch anywhere (the local call is all)
-        for stages in (1, 2):
-            docs = [48] * world
-            inputs = global_inputs(docs, *HEADS[world][0], seed=700 + stages)
-            ref = single_device(*inputs, docs, MASKS["causal"])
-            plan, local, sent = _run(rank, world, "contiguous", MASKS["causal"], strategy,
-                                     stages, inputs, docs=docs)
-            want = get_strategy(strategy).bytes_sent_per_rank(
-                plan, MASKS["causal"], head_dim=D, head_dim_v=DV, n_heads=HEADS[world][0][0],
-                n_kv_heads=HEADS[world][0][1], dtype_bytes=4)
-            if sent != (want["fwd"][rank], want["bwd"][rank]):
-                errors.append(f"[{strategy} S={stages} nothing remote] sent {sent}")
-            errors += compare_fp32(gather(plan, local), ref, f"[{strategy} S={stages} "
-                                    f"nothing remote]")
-            if strategy == "dispatch" and sent != (0, 0):
-                errors.append(f"[{strategy} S={stages} nothing remote] sent {sent}")
-            n += 1
-    if world == 2:
-        errors += _triton_case(rank, world)
-        errors += _order_case(rank, world)
-        plan = small_plan(DOCS, world, rank, "dual_chunk")
-        q = plan.shard(global_inputs(DOCS, 2, 1, seed=0)[0])
-        with no_communication():   # rejected before any collective
-            for bad in (0, 1.5):
-                with pytest.raises(ValueError, match="overlap_stages"):
-                    cp_varlen_attn(q, q[:, :1], q[:, :1], plan, MASKS["causal"], None,
-                                   AttnOptions(strategy="dispatch", overlap_stages=bad))
-            with pytest.raises(ValueError, match="overlap_stages applies"):
+def _grid_case(rank, world, strategy, layout, mname):
+    si = STRATS.index(strategy)
+    mod = get_strategy(strategy)
+    mask = MASKS[mname]
+    i = LAYOUTS.index(layout) * len(MASKS) + list(MASKS).index(mname)
+    stages = STAGES[(i + si + world) % 3]
+    hq, hkv = HEADS[world][i % 2]
+    inputs = global_inputs(DOCS, hq, hkv, seed=i)
+    ref = single_device(*inputs, DOCS, mask)
+    plan, local, sent = _run(rank, world, layout, mask, strategy, stages, inputs)
+    what = f"[{strategy} S={stages} cp={world} {layout} {mname} {hq}/{hkv}]"
+    try:
+        check_padding(plan, local[0], local[1], local[2:])
+        errors = []
+    except AssertionError as e:  # the gather below is collective: every rank goes on
+        errors = [f"{what} {e}"]
+    errors += compare_fp32(gather(plan, local), ref, what)
+    want = mod.bytes_sent_per_rank(plan, mask, head_dim=D, head_dim_v=DV,
+                                   n_heads=hq, n_kv_heads=hkv, dtype_bytes=4)
+    if sent != (want["fwd"][rank], want["bwd"][rank]):
+        errors.append(f"{what} bytes sent {sent}, model "
+                      f"{(want['fwd'][rank], want['bwd'][rank])}")
+    return errors
+
+
+def _nothing_remote_case(rank, world, strategy, stages):
+    """One document per rank: nothing to fetch anywhere (the local call is all)."""
+    errors = []
+    docs = [48] * world
+    inputs = global_inputs(docs, *HEADS[world][0], seed=700 + stages)
+    ref = single_device(*inputs, docs, MASKS["causal"])
+    plan, local, sent = _run(rank, world, "contiguous", MASKS["causal"], strategy,
+                             stages, inputs, docs=docs)
+    want = get_strategy(strategy).bytes_sent_per_rank(
+        plan, MASKS["causal"], head_dim=D, head_dim_v=DV, n_heads=HEADS[world][0][0],
+        n_kv_heads=HEADS[world][0][1], dtype_bytes=4)
+    if sent != (want["fwd"][rank], want["bwd"][rank]):
+        errors.append(f"[{strategy} S={stages} nothing remote] sent {sent}")
+    errors += compare_fp32(gather(plan, local), ref, f"[{strategy} S={stages} "
+                            f"nothing remote]")
+    if strategy == "dispatch" and sent != (0, 0):
+        errors.append(f"[{strategy} S={stages} nothing remote] sent {sent}")
+    return errors
+
+
+def _bad_stages_case(rank, world):
+    plan = small_plan(DOCS, world, rank, "dual_chunk")
+    q = plan.shard(global_inputs(DOCS, 2, 1, seed=0)[0])
+    with no_communication():   # rejected before any collective
+        for bad in (0, 1.5):
+            with pytest.raises(ValueError, match="overlap_stages"):
                 cp_varlen_attn(q, q[:, :1], q[:, :1], plan, MASKS["causal"], None,
-                               AttnOptions(strategy="p2p", overlap_stages=2))
-    assert not errors, "\n".join(errors)
-    return n
+                               AttnOptions(strategy="dispatch", overlap_stages=bad))
+        with pytest.raises(ValueError, match="overlap_stages applies"):
+            cp_varlen_attn(q, q[:, :1], q[:, :1], plan, MASKS["causal"], None,
+                           AttnOptions(strategy="p2p", overlap_stages=2))
+    return []
 
 
-@pytest.mark.parametrize("cp", [2, 3, 4])
-def test_matches_single_device(cp, tmp_path):
-    n = run_distributed(cases_worker, cp, tmp_path, timeout_s=400)
-    assert n == [len(STRATS) * (len(LAYOUTS) * len(MASKS) + len(STAGES) + 2)] * cp
+def case_names(world):
+    """Per strategy: every layout x mask (S cycling over the grid and the launches), the
+    softmax extras at each S, one document per rank at S 1 and 2; at cp 2 also the Triton
+    case, the order of events and bad ``overlap_stages``."""
+    names = []
+    for strategy in STRATS:
+        names += [f"{strategy}-{layout}-{mname}" for layout in LAYOUTS for mname in MASKS]
+        names += [f"{strategy}-extras-S{stages}" for stages in STAGES]
+        names += [f"{strategy}-nothing_remote-S{stages}" for stages in (1, 2)]
+    return names + (["triton", "order", "bad_stages"] if world == 2 else [])
+
+
+def _one_case(rank, world, name):
+    if name in ("triton", "order", "bad_stages"):
+        return {"triton": _triton_case, "order": _order_case,
+                "bad_stages": _bad_stages_case}[name](rank, world)
+    strategy, kind, arg = name.split("-")
+    if kind == "extras":
+        stages = int(arg[1:])
+        return _extras_case(rank, world, strategy, stages,
+                            3 * STRATS.index(strategy) + STAGES.index(stages) + world)
+    if kind == "nothing_remote":
+        return _nothing_remote_case(rank, world, strategy, int(arg[1:]))
+    return _grid_case(rank, world, strategy, kind, arg)
+
+
+def cases_worker(rank, world, names):
+    """The named cases (``case_names``); returns each case's errors."""
+    return {name: _one_case(rank, world, name) for name in names}
+
+
+# Kept in the fast lane (scripts/run_tests.sh --fast): cp 2 with one layout x mask, S = 2
+# extras and the one-document case per strategy, the Triton case, the order of events and
+# bad input; every other case is marked slow.
+FAST = {"dispatch-balanced-swa", "all_gather-te-chunk_causal", "dispatch-extras-S2",
+        "all_gather-extras-S4", "dispatch-nothing_remote-S2", "all_gather-nothing_remote-S1",
+        "triton", "order", "bad_stages"}
+
+
+def overlap_params():
+    for cp in (2, 3, 4):
+        for name in case_names(cp):
+            slow = () if cp == 2 and name in FAST else (pytest.mark.slow,)
+            yield pytest.param(cp, name, marks=slow, id=f"cp{cp}-{name}")
+
+
+@pytest.fixture(scope="module")
+def overlap_launches():
+    return GroupLaunches(("cp",))
+
+
+@pytest.mark.parametrize("cp, name", list(overlap_params()))
+def test_matches_single_device(cp, name, overlap_launches, request, tmp_path_factory):
+    """One item per case; one launch per cp runs the selected cases."""
+    errors = overlap_launches.result(request, lambda siblings: run_distributed(
+        cases_worker, cp, tmp_path_factory.mktemp("overlap"), [p["name"] for p in siblings],
+        timeout_s=400))
+    assert all(name in e for e in errors), "a rank did not run this case"
+    found = [msg for e in errors for msg in e[name]]
+    assert not found, "\n".join(found)
 
 
 DOCS16 = [1, 37, 9, 70, 5]                      # interpreter tiles are slow: fewer tokens
