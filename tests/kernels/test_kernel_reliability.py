@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.lanes import fast_first, slow
 from varlen_cp import kernels as K
 from varlen_cp.kernels import api as kernel_api
 from varlen_cp.kernels import (
@@ -67,7 +68,7 @@ def _assert_same_as_zero_padding(got, want, pad):
 
 @pytest.mark.parametrize("fill", [float("nan"), float("inf")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", fast_first(["torch", "triton"]))
 def test_nonfinite_padding_rows_do_not_reach_real_rows(backend, dtype, fill):
     *tensors, pad = _padded_batch(dtype, fill)
     *zeros, _ = _padded_batch(dtype, 0.0)
@@ -76,7 +77,7 @@ def test_nonfinite_padding_rows_do_not_reach_real_rows(backend, dtype, fill):
     _assert_same_as_zero_padding(got, want, pad)
 
 
-@pytest.mark.parametrize("fill", [float("nan"), float("-inf")])
+@pytest.mark.parametrize("fill", fast_first([float("nan"), float("-inf")]))
 def test_nonfinite_padding_triton_scan_mode(fill):
     """Explicit positions without a schedule: the kernels scan every tile (the CUDA path
     when positions live on the device), reached here through the unchecked entries."""
@@ -220,7 +221,7 @@ def _unchecked_case(backend, explicit, seed=5):
 
 
 @pytest.mark.parametrize("explicit", [False, True])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", fast_first(["torch", "triton"]))
 def test_unchecked_entries_match_public_ones_bit_for_bit(backend, explicit):
     q, k, v, dout, dlse, cu, mx, pos, sched = _unchecked_case(backend, explicit)
     pub = varlen_attn_fwd(q, k, v, cu, cu, mx, mx, 0.3, True, (9, -1), chunk_size=16,

@@ -26,6 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# slow: the module's fixture compiles every configuration (~35 s on 2 cores)
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = {128: 440, 64: 375}
 SM90 = ([(k, "bf16", d, d, 90, m) for d in (64, 128) for k in ("fwd", "dq", "dkdv")

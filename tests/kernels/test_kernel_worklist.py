@@ -20,6 +20,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.reference import reference_attn
+from tests.helpers.lanes import fast_first, slow
 from varlen_cp import AttnMask, CPPlan
 from varlen_cp.kernels import build_block_schedule, triton_bwd as bwd_mod, triton_fwd as fwd_mod
 from varlen_cp.kernels.mask_math import count_visible
@@ -92,6 +93,7 @@ def _check_grids(rec, sched, heads, tiles_q, tiles_k):
     assert dkdv[0][0] <= 1.1 * tiles_k * hkv + WAVE, (dkdv, tiles_k)
 
 
+@slow
 def test_cp_calls_launch_their_nonempty_tiles(monkeypatch):
     """64K + 1000 x 64 tokens, cp 8, balanced: every ring step of rank 0 (the old grid
     launched cdiv(max_seqlen, 64) x segments programs per head: 128,128 for 253 tiles)."""
@@ -259,6 +261,7 @@ def stats_once_worker(rank, world):
     return out
 
 
+@slow
 def test_cp_backward_makes_the_stats_once_per_layer(tmp_path):
     for counts in run_distributed(stats_once_worker, 2, tmp_path):
         for strategy, c in counts.items():

@@ -2,6 +2,7 @@
 
 import itertools
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -46,6 +47,7 @@ def _random_schedule(lens, mask, explicit, pad_frac, bm, bn, seed):
     return lq, cu_q, cu_k, qp, kp, sch, vis
 
 
+@pytest.mark.slow
 @given(lens=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=4),
        mask=mask_st, explicit=st.booleans(), pad_frac=st.sampled_from([0.0, 0.15]),
        bm=st.sampled_from([4, 8, 16]), bn=st.sampled_from([4, 8]), seed=st.integers(0, 99))

@@ -19,6 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers.lanes import fast_first, slow
 from varlen_cp.kernels import torch_attn
 from varlen_cp.kernels.mask_math import count_visible
 from varlen_cp.kernels.schedule import build_block_schedule
@@ -214,6 +215,7 @@ def _cases(draw):
         extra={"block": draw(st.sampled_from([None, 8, 16]))})
 
 
+@slow
 @settings(max_examples=30, deadline=None)
 @given(case=_cases())
 def test_generated_batches(case):

@@ -17,6 +17,7 @@ import torch
 if not torch.cuda.is_available():  # conftest does this first; kept for running the file alone
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tests.helpers.lanes import fast_first, slow
 from varlen_cp.kernels.schedule import build_block_schedule  # noqa: E402
 from varlen_cp.kernels.triton_attn import (  # noqa: E402
     triton_block_sizes, triton_bwd, triton_fwd,
@@ -166,20 +167,20 @@ def _compare(got, ref, plain, dtype) -> None:
 # ------------------------------------------------------------------ tile modes x masks
 
 
-@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("mask", fast_first(list(MASKS)))
 def test_implicit_positions(mask):
     """Implicit positions on both sides: key and query ranges derived analytically."""
     _check(Case(mask=mask))
 
 
-@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("mask", fast_first(list(MASKS)))
 def test_explicit_positions_scan(mask):
     """Explicit positions with padding, no schedule: tiles skipped by their positions."""
     _check(Case(mask=mask, explicit_q=True, explicit_k=True, seed=1))
 
 
-@pytest.mark.parametrize("mask", ["causal", "full", "win_3_2", "causal_win_5", "chunk_1",
-                                  "chunk_16_causal"])
+@pytest.mark.parametrize("mask", fast_first(["causal", "full", "win_3_2", "causal_win_5",
+                                             "chunk_1", "chunk_16_causal"]))
 def test_schedule(mask):
     """Host schedule (block 32) with explicit positions and padding.
 
@@ -189,20 +190,20 @@ def test_schedule(mask):
     _check(Case(mask=mask, explicit_q=True, explicit_k=True, schedule=True, seed=2))
 
 
-@pytest.mark.parametrize("mask", ["causal", "win_right_5", "chunk_16_causal"])
+@pytest.mark.parametrize("mask", fast_first(["causal", "win_right_5", "chunk_16_causal"]))
 def test_schedule_implicit(mask):
     """Host schedule built from implicit bottom-right positions (Lq != Lk segments)."""
     _check(Case(mask=mask, schedule=True, seed=3))
 
 
-@pytest.mark.parametrize("mask", ["causal", "win_3_2", "chunk_7_causal"])
-@pytest.mark.parametrize("side", ["q", "k"])
+@pytest.mark.parametrize("mask", fast_first(["causal", "win_3_2", "chunk_7_causal"]))
+@pytest.mark.parametrize("side", fast_first(["q", "k"]))
 def test_one_side_explicit(mask, side):
     """One side explicit: the forward/dQ and dK/dV kernels then use different tile modes."""
     _check(Case(mask=mask, explicit_q=side == "q", explicit_k=side == "k", seed=4))
 
 
-@pytest.mark.parametrize("schedule", [False, True])
+@pytest.mark.parametrize("schedule", fast_first([False, True]))
 def test_unsorted_positions(schedule):
     """Out-of-order positions: the per-element mask keeps results exact."""
     _check(Case(mask="win_3_2", explicit_q=True, explicit_k=True, shuffle=True,
@@ -228,6 +229,7 @@ def _trailing_padding(lengths: list[int], pad: int) -> torch.Tensor:
     ((False, (-1, -1), 48), (4, 1), "random_padding"),
     ("full", (2, 1), "implicit"),
 ])
+@slow  # ~50 s on 2 cores: segments of several tiles on the interpreter
 def test_full_and_boundary_tiles(mask, heads, mode):
     """Segments of several 32-wide tiles: the unmasked full-tile loops run most tiles, the
     masked boundary loops the diagonal, window and chunk edges, in one call; GQA walks its
@@ -262,12 +264,12 @@ def test_full_and_boundary_tiles(mask, heads, mode):
 # ------------------------------------------------------------------ dtypes, dims, GQA
 
 
-@pytest.mark.parametrize("mask,dims,explicit", [
+@pytest.mark.parametrize("mask,dims,explicit", fast_first([
     ("causal", (32, 32), False),
     ("win_3_2", (80, 80), True),
     ("chunk_7_causal", (48, 32), False),
     ("full", (32, 48), True),
-])
+], unpack=True))
 def test_fp16_head_dims(mask, dims, explicit):
     _check(Case(mask=mask, dims=dims, dtype=torch.float16, explicit_q=explicit,
                 explicit_k=explicit, seed=6))
@@ -277,7 +279,8 @@ def test_head_dim_80_dv_differs_fp32():
     _check(Case(mask="causal_win_5", dims=(80, 48), seed=7))
 
 
-@pytest.mark.parametrize("heads,dtype", [((6, 2), torch.float32), ((8, 1), torch.float16)])
+@pytest.mark.parametrize("heads,dtype", fast_first([((6, 2), torch.float32),
+                                                   ((8, 1), torch.float16)], unpack=True))
 def test_gqa(heads, dtype):
     segs = [(20, 20), (0, 3), (17, 21)]
     _check(Case(mask="causal", segments=segs, heads=heads, dtype=dtype, seed=8))
@@ -324,6 +327,7 @@ def test_backward_takes_lse_as_given():
             assert (g.cpu() == 0).all()
 
 
+@slow
 def test_skips_tiles_out_of_range():
     """Tiles no query of a block can see are never loaded: poison them with NaN.
 
