@@ -54,6 +54,7 @@ def launches(tmp_path_factory) -> dict[str, tuple[int, str, str]]:
     return out
 
 
+@pytest.mark.slow  # the launches fixture: torchrun processes side by side
 def test_torchrun_prints_a_config_error_once(launches):
     rc, out, err = launches["torchrun"]
     text = out + err
@@ -65,12 +66,14 @@ def test_torchrun_prints_a_config_error_once(launches):
     assert rc == 1
 
 
+@pytest.mark.slow
 def test_nproc_launch_checks_the_config_first(launches):
     rc, out, err = launches["nproc"]  # --nproc_per_node: checked before any process starts
     assert rc == 2 and err.count(MESSAGE) == 1, err
     assert "ChildFailedError" not in out + err
 
 
+@pytest.mark.slow
 def test_world_size_too_small_is_a_config_error(launches):
     rc, _, err = launches["one_process"]
     lines = [x for x in err.splitlines() if "config error" in x]
@@ -123,6 +126,7 @@ def test_nproc_flag_parsing(monkeypatch):
         train.pop_nproc(["--nproc-per-node=2"])
 
 
+@pytest.mark.slow
 def test_help_lists_every_section_and_key_with_defaults(launches):
     from varlen_cp.integrations.torchtitan.config import (GENERIC_SECTIONS, JOB_KEYS,
                                                           MAPPED_SECTIONS, OPTIMIZER_KEYS,

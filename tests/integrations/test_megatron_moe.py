@@ -26,6 +26,9 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("megatron.core")
+# slow: one module fixture trains every run on 2 processes; test_megatron_cp keeps
+# megatron under CP in the fast lane
+pytestmark = pytest.mark.slow
 
 from tests.dist_utils import launch_concurrently, run_distributed  # noqa: E402
 

@@ -192,6 +192,7 @@ def _mean_step(run: dict) -> float:
     return sum(steps) / len(steps)
 
 
+@pytest.mark.slow  # the overlap fixture: trainers with a slowed planner
 def test_planning_overlaps_the_step(overlap) -> None:
     runs = overlap[0]
     base, ahead, inline = (_mean_step(runs[n]) for n in ("base", "prefetch", "inline"))
@@ -202,6 +203,7 @@ def test_planning_overlaps_the_step(overlap) -> None:
     assert inline - base > 0.5 * DELAY_S, info   # and without prefetch it is not
 
 
+@pytest.mark.slow
 def test_prefetch_changes_no_result(overlap) -> None:
     for runs in overlap:
         ref = runs["base"]["losses"]

@@ -90,6 +90,7 @@ def _moe_layers(model) -> dict:
     return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_padding_is_not_routed(name):
     from tests.helpers.torchtitan_models import fp32, model_spec, with_varlen_cp
@@ -234,6 +235,7 @@ def trained(tmp_path_factory) -> dict:
     return launch_concurrently({name: (lambda n=name: launch(n)) for name in LAUNCHES})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CP2_CASES)
 def test_cp2_matches_cp1_on_every_layout(trained, case):
     model = LAUNCHES["cp2"][1][case][0]

@@ -362,6 +362,7 @@ def test_launcher_without_torchtitan_names_the_extra(tmp_path, module):
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # a launcher process (test_launcher_exits_2_with_one_line_error stays)
 def test_new_launcher_path_exits_2_with_one_line_error(tmp_path):
     path = write(tmp_path, "[training]\nstepz = 1\n")
     proc = subprocess.run([sys.executable, "-m", "varlen_cp.integrations.torchtitan.train",

@@ -87,6 +87,7 @@ def timing_worker(rank: int, world: int, tmp: str) -> dict[str, list[float]]:
     return out
 
 
+@pytest.mark.slow  # three trainers with a slowed planner
 def test_plan_building_overlaps_the_step(tmp_path):
     times = run_distributed(timing_worker, 1, tmp_path, str(tmp_path), timeout_s=300)[0]
     mean = {k: sum(v) / len(v) for k, v in times.items()}

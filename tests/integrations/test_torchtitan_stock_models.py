@@ -266,11 +266,13 @@ def assert_same(ref: list[dict], rows: list[dict], what: str) -> None:
     assert all(r["loss"] == r["loss"] and r["loss"] < 10 for r in rows)
 
 
+@pytest.mark.slow  # the trained fixture: every CP=2 / CP=1 / FSDP launch
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cp2_matches_cp1(trained, case):
     assert_same(trained["cp1"][CASES[case][0]], trained["cp2"][case], case)
 
 
+@pytest.mark.slow
 def test_plans_balance_gpt_oss_window_and_global_layers(trained):
     from varlen_cp import AttnMask
 
@@ -282,5 +284,6 @@ def test_plans_balance_gpt_oss_window_and_global_layers(trained):
     assert trained["cp2"]["gpt_oss/p2p:masks"][1] == repr(((window, 1.0), (glob, 1.0)))
 
 
+@pytest.mark.slow
 def test_fsdp_x_cp_matches_fsdp(trained):
     assert_same(trained["fsdp"]["qwen3/fsdp"], trained["fsdp_cp2"]["qwen3/fsdp"], "fsdp x cp")

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torchtitan")
+# slow: one module fixture runs every training launch (~3 min on 2 cores)
+pytestmark = pytest.mark.slow
 
 TOML = """
 [job]

@@ -248,6 +248,7 @@ def test_replay_passes_layer_stats_once(one_thread, monkeypatch):
 
 
 # ------------------------------------------------------------------------------ dry run
+@pytest.mark.slow  # the whole suite on the CPU (~30 s on 2 cores)
 def test_dry_run(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable)
     env.pop("TRITON_INTERPRET", None)   # the suite sets it itself

@@ -28,6 +28,9 @@ from email.parser import Parser
 from pathlib import Path
 
 import pytest
+
+# slow: builds the wheel and a fresh virtualenv (~30 s on 2 cores)
+pytestmark = pytest.mark.slow
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -35,6 +35,7 @@ def compile_worker(rank, world, backend):
     return [run_rank(rank, world, s, backend, n_batches=3) for s in STRATEGIES]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_model_has_no_break_no_recompile_and_equals_eager(backend, tmp_path):
     if backend == "inductor" and shutil.which("g++") is None and shutil.which("gcc") is None:
@@ -75,6 +76,7 @@ def flash_compile_worker(rank, world):
     return out, len(made)
 
 
+@pytest.mark.slow
 def test_compiled_model_on_flash_attention(tmp_path):
     """Routing to FlashAttention keeps the step free of graph breaks and recompiles: the
     FA calls run inside the op (opaque to dynamo), and the compiled model equals eager."""

@@ -23,6 +23,7 @@ import torch
 from tests.dist_utils import run_distributed
 from tests.helpers.cp_grid import (DOCS, HEADS, LAYOUTS, MASKS, NAMES, check_padding, cp_run,
                                    dense, gather, global_inputs)
+from tests.helpers.lanes import fast_first, slow
 from varlen_cp import AttnOptions
 
 STRATEGIES = ("p2p", "all_gather", "a2a", "a2a+p2p", "dispatch")
@@ -104,8 +105,8 @@ def plan_calls(plan):
     return found
 
 
-@pytest.mark.parametrize("backend", ["flash", "fa4"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("backend", fast_first(["flash", "fa4"]))
+@pytest.mark.parametrize("strategy", fast_first(STRATEGIES))
 def test_strategies_on_flash_attention(strategy, backend, tmp_path):
     n = len(LAYOUTS) * len(MASKS)
     got = run_distributed(grid_worker, 2, tmp_path, strategy, backend, None, timeout_s=600)
@@ -117,6 +118,7 @@ def test_strategies_on_flash_attention(strategy, backend, tmp_path):
     assert narrow > 0 if "a2a" not in strategy else narrow == 0, narrow
 
 
+@slow
 @pytest.mark.parametrize("strategy", ["all_gather", "dispatch"])
 def test_staged_on_flash_attention_cp4(strategy, tmp_path):
     n = len(LAYOUTS) * len(MASKS)
@@ -188,7 +190,7 @@ def extras_worker(rank, world, backend):
     return len(EXTRAS_CASES)
 
 
-@pytest.mark.parametrize("backend", ["flash", "fa4"])
+@pytest.mark.parametrize("backend", fast_first(["flash", "fa4"]))
 def test_sinks_and_max_logit_on_flash_backends(backend, tmp_path):
     n = len(EXTRAS_CASES)
     assert run_distributed(extras_worker, 2, tmp_path, backend, timeout_s=400) == [n, n]
@@ -210,7 +212,7 @@ def stand_ins():
 
 
 @pytest.mark.parametrize("backend", ["flash", "fa4"])
-@pytest.mark.parametrize("mname", ["causal", "full", "swa", "swa2"])
+@pytest.mark.parametrize("mname", fast_first(["causal", "full", "swa", "swa2"]))
 def test_single_device_op_runs_flash_attention(backend, mname, monkeypatch, one_thread,
                                                stand_ins):
     """``varlen_attn(backend=...)`` without positions or chunks is FlashAttention's own

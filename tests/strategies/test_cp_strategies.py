@@ -180,6 +180,7 @@ def half_worker(rank, world):
     return len(HALF_CASES)
 
 
+@pytest.mark.slow  # fp16 on the Triton interpreter
 def test_fp16_bf16(tmp_path):
     assert run_distributed(half_worker, 2, tmp_path, timeout_s=400) == [len(HALF_CASES)] * 2
 

@@ -235,6 +235,7 @@ def stall_worker(rank, world, flag_dir):
     return outcome, elapsed, timeouts
 
 
+@pytest.mark.slow  # waits out a collective timeout
 def test_stalled_rank_fails_its_ulysses_peers_within_the_cp_timeout(tmp_path):
     """Rank 1 stalls after the sub-groups exist; rank 0 (its Ulysses peer, stuck in the
     sub-group's all-to-all) and ranks 2, 3 (stuck in the ring on the CP group) fail within
@@ -582,6 +583,7 @@ def many_docs_worker(rank, world):
     return errors, times
 
 
+@pytest.mark.slow
 def test_100k_documents(tmp_path, one_thread):
     """100K documents (~100K tokens, a third of them empty) through every strategy at cp 2:
     the single-device result; the plan's build stays a host matter of seconds."""
