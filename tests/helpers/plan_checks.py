@@ -19,6 +19,16 @@ FIXED_MIXES = [
 ]
 
 
+def mix_id(lengths: list[int]) -> str:
+    """A pytest id for a document mix: its lengths (``docs_5_0_1_7``), ``no_docs``, or the
+    length and count of a run of equal documents (``docs_1x13``)."""
+    if not lengths:
+        return "no_docs"
+    if len(lengths) > 3 and len(set(lengths)) == 1:
+        return f"docs_{lengths[0]}x{len(lengths)}"
+    return "docs_" + "_".join(map(str, lengths))
+
+
 def check_invariants(plan: CPPlan, lengths: list[int]) -> None:
     """The layout-independent contract of a plan, checked token by token."""
     starts = [0]

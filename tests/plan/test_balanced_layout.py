@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from bench.mixes import fill, lognormal
-from tests.helpers.plan_checks import FIXED_MIXES, check_balanced, check_invariants
+from tests.helpers.plan_checks import FIXED_MIXES, check_balanced, check_invariants, mix_id
 from tests.reference import reference_mask
 from varlen_cp import AttnMask, CPPlan
 from varlen_cp.plan import balanced as B
@@ -371,19 +371,20 @@ def test_kv_floor_matches_dense_count(mask: AttnMask) -> None:
 
 
 # ---- invariants, determinism, API ---------------------------------------------------------
+@pytest.mark.parametrize("lengths", FIXED_MIXES + [[300, 1, 17, 0, 64, 129, 700]],
+                         ids=mix_id)
 @pytest.mark.parametrize("cp", [1, 2, 3, 4, 5])
-def test_invariants_fixed_mixes(cp: int) -> None:
+def test_invariants_fixed_mixes(cp: int, lengths: list[int]) -> None:
     cases = [(1, None), (4, [(AttnMask(chunk_size=8), 3.0), (CAUSAL, 1.0)]),
              (8, [(AttnMask(window_size=(16, 0)), 5), (CAUSAL, 1)]),
              (256, [AttnMask(causal=False, window_size=(3, 5))])]
-    for lengths in FIXED_MIXES + [[300, 1, 17, 0, 64, 129, 700]]:
-        for tile, masks in cases:
-            plans = _plans(lengths, cp, masks=masks, tile_tokens=tile)
-            for r, p in enumerate(plans):
-                assert torch.equal(p.token_indices, plans[0].token_indices_of(r))
-                assert torch.equal(p.local_cu_seqlens, plans[0].local_cu_seqlens_of(r))
-            check_invariants(plans[0], lengths)
-            check_balanced(plans, lengths)
+    for tile, masks in cases:
+        plans = _plans(lengths, cp, masks=masks, tile_tokens=tile)
+        for r, p in enumerate(plans):
+            assert torch.equal(p.token_indices, plans[0].token_indices_of(r))
+            assert torch.equal(p.local_cu_seqlens, plans[0].local_cu_seqlens_of(r))
+        check_invariants(plans[0], lengths)
+        check_balanced(plans, lengths)
 
 
 @pytest.mark.parametrize("masks", [LLAMA4, GEMMA, [CHUNK_WIN], [BIDIR]],

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers.plan_checks import FIXED_MIXES, check_balanced, check_invariants
+from tests.helpers.plan_checks import FIXED_MIXES, check_balanced, check_invariants, mix_id
 from tests.reference import reference_mask
 from varlen_cp import AttnMask
 from varlen_cp.plan import LAYOUTS, TE, Balanced, CPPlan, DualChunk, layout_spec, pair_segments
@@ -136,12 +136,12 @@ def check_all(lengths: list[int], cp: int, layout: str, min_chunk: int) -> None:
         check_contiguous(plans, lengths)
 
 
+@pytest.mark.parametrize("lengths", FIXED_MIXES, ids=mix_id)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("cp", [1, 2, 3, 4, 5])
-def test_fixed_mixes(layout: str, cp: int) -> None:
-    for lengths in FIXED_MIXES:
-        for min_chunk in (1, 4, 64):
-            check_all(lengths, cp, layout, min_chunk)
+def test_fixed_mixes(layout: str, cp: int, lengths: list[int]) -> None:
+    for min_chunk in (1, 4, 64):
+        check_all(lengths, cp, layout, min_chunk)
 
 
 doc_lengths = st.lists(st.one_of(st.integers(0, 12), st.integers(13, 200)), max_size=12)
