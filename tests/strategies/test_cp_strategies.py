@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.helpers.lanes import fast_first
 from tests.helpers.launches import GroupLaunches
 from tests.helpers.cp_grid import (DOCS, DV, HEADS, LAYOUTS, MASKS, NAMES, TINY, D,
                                    check_padding, compare_fp32, cp_run, cu, dense, gather,
@@ -317,20 +318,22 @@ def test_cp1_is_the_local_op(layout, one_thread):
 
 
 # -------------------------------------------------------------------- host cost model
-def test_cost_model_counts_every_visible_pair_once(one_thread):
-    """Summed over ranks, each strategy's visible pairs are the batch's (plan.work_of)."""
+@pytest.mark.parametrize("mname", fast_first(list(MASKS)))
+@pytest.mark.parametrize("layout", fast_first(LAYOUTS))
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "dispatch"])  # its own
+def test_cost_model_counts_every_visible_pair_once(strategy, layout, mname, one_thread):
+    """Summed over ranks, each strategy's visible pairs are the batch's (plan.work_of);
+    dispatch: tests/tables/test_cp_dispatch.py."""
     from varlen_cp.strategies import get_strategy
     docs = [300, 17, 1, 90, 5, 411]
-    for layout in LAYOUTS:
-        for cp in (2, 3, 4):
-            plan = small_plan(docs, cp, 0, layout)
-            for mask in MASKS.values():
-                total = sum(plan.work_of(r, mask) for r in range(cp))
-                for strategy in ("p2p", "all_gather", "a2a", "a2a+p2p"):
-                    c = get_strategy(strategy).compute_per_rank(
-                        plan, mask, block=(64, 64), n_heads=12, n_kv_heads=cp)
-                    assert sum(c["visible"]) == pytest.approx(total), (strategy, layout, cp)
-                    assert all(a >= b for a, b in zip(c["visited"], c["visible"]))
+    mask = MASKS[mname]
+    for cp in (2, 3, 4):
+        plan = small_plan(docs, cp, 0, layout)
+        total = sum(plan.work_of(r, mask) for r in range(cp))
+        c = get_strategy(strategy).compute_per_rank(
+            plan, mask, block=(64, 64), n_heads=12, n_kv_heads=cp)
+        assert sum(c["visible"]) == pytest.approx(total), (strategy, layout, cp)
+        assert all(a >= b for a, b in zip(c["visited"], c["visible"]))
 
 
 def test_cost_model_bytes_by_hand(one_thread):

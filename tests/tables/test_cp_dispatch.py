@@ -46,35 +46,36 @@ def _brute_needed(plan, mask, rank) -> list[int]:
     return needed
 
 
-def test_needed_keys_are_exactly_the_visible_ones(one_thread):
+@pytest.mark.parametrize("mname", list(MASKS))
+@pytest.mark.parametrize("cp", [2, 3, 4])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_needed_keys_are_exactly_the_visible_ones(layout, cp, mname, one_thread):
     """Per rank: the needed keys (local and fetched), in (doc, position) order, with
     owners and rows that point at those very tokens; bytes = the plan's needed ranges."""
     docs = [300, 17, 1, 90, 0, 5, 411]
     kw = dict(head_dim=64, head_dim_v=32, n_kv_heads=2, n_heads=4, dtype_bytes=2)
     row = 2 * (64 + 32) * 2
-    for layout in LAYOUTS:
-        for cp in (2, 3, 4):
-            for mname, mask in MASKS.items():
-                plan = _plan(docs, cp, 0, layout, mask)
-                every = torch.cat([plan.token_indices_of(r) for r in range(cp)])
-                first = torch.tensor([0] + [plan.num_tokens_of(r) for r in range(cp)]).cumsum(0)
-                fetched, sent_to = [], [0] * cp
-                for r in range(cp):
-                    n = selected.select_keys(plan, mask, r)
-                    glob = every[first[n.owner] + n.row]  # the token each (owner, row) is
-                    want = _brute_needed(plan, mask, r)
-                    assert glob.tolist() == want, (layout, cp, mname, r)
-                    doc = torch.searchsorted(plan.cu_seqlens, glob, right=True) - 1
-                    assert torch.equal(n.holder.pos.long(), glob - plan.cu_seqlens[doc])
-                    counts = torch.bincount(doc, minlength=plan.n_docs)
-                    assert torch.equal(n.holder.cu[1:].long(), torch.cumsum(counts, 0))
-                    remote = n.owner != r
-                    fetched.append(int(remote.sum()))
-                    for s in n.owner[remote].tolist():
-                        sent_to[s] += 1
-                got = dispatch.bytes_sent_per_rank(plan, mask, **kw)
-                assert got == {"fwd": [s * row for s in sent_to],
-                               "bwd": [f * row for f in fetched]}, (layout, cp, mname)
+    mask = MASKS[mname]
+    plan = _plan(docs, cp, 0, layout, mask)
+    every = torch.cat([plan.token_indices_of(r) for r in range(cp)])
+    first = torch.tensor([0] + [plan.num_tokens_of(r) for r in range(cp)]).cumsum(0)
+    fetched, sent_to = [], [0] * cp
+    for r in range(cp):
+        n = selected.select_keys(plan, mask, r)
+        glob = every[first[n.owner] + n.row]  # the token each (owner, row) is
+        want = _brute_needed(plan, mask, r)
+        assert glob.tolist() == want, (layout, cp, mname, r)
+        doc = torch.searchsorted(plan.cu_seqlens, glob, right=True) - 1
+        assert torch.equal(n.holder.pos.long(), glob - plan.cu_seqlens[doc])
+        counts = torch.bincount(doc, minlength=plan.n_docs)
+        assert torch.equal(n.holder.cu[1:].long(), torch.cumsum(counts, 0))
+        remote = n.owner != r
+        fetched.append(int(remote.sum()))
+        for s in n.owner[remote].tolist():
+            sent_to[s] += 1
+    got = dispatch.bytes_sent_per_rank(plan, mask, **kw)
+    assert got == {"fwd": [s * row for s in sent_to],
+                   "bwd": [f * row for f in fetched]}, (layout, cp, mname)
 
 
 def test_dispatch_never_sends_more_than_all_gather_and_local_masks_send_little(one_thread):
@@ -90,15 +91,16 @@ def test_dispatch_never_sends_more_than_all_gather_and_local_masks_send_little(o
     assert all(a <= b for a, b in zip(got["fwd"], ag["fwd"]))
 
 
-def test_compute_counts_every_visible_pair_once(one_thread):
+@pytest.mark.parametrize("mname", list(MASKS))
+@pytest.mark.parametrize("cp", [2, 3])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_compute_counts_every_visible_pair_once(layout, cp, mname, one_thread):
     docs = [300, 17, 1, 90, 5, 411]
-    for layout in LAYOUTS:
-        for cp in (2, 3):
-            for mask in MASKS.values():
-                plan = _plan(docs, cp, 0, layout, mask)
-                c = dispatch.compute_per_rank(plan, mask, block=(64, 64))
-                assert c["visible"] == [float(plan.work_of(r, mask)) for r in range(cp)]
-                assert all(a >= b for a, b in zip(c["visited"], c["visible"]))
+    mask = MASKS[mname]
+    plan = _plan(docs, cp, 0, layout, mask)
+    c = dispatch.compute_per_rank(plan, mask, block=(64, 64))
+    assert c["visible"] == [float(plan.work_of(r, mask)) for r in range(cp)]
+    assert all(a >= b for a, b in zip(c["visited"], c["visible"]))
 
 
 # ------------------------------------------------------------------------ strategy="auto"
