@@ -60,34 +60,34 @@ def test_pair_work_matches_a_dense_count(mask):
     assert got.tolist() == want
 
 
+@pytest.mark.parametrize("mask", MASKS[:6] + MASKS[8:10], ids=repr)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_visibility_and_fetch_counts_match_per_rank_counts(layout):
+def test_visibility_and_fetch_counts_match_per_rank_counts(layout, mask):
     for cp in (2, 3, 5):
         plan = CPPlan.build(_cu(DOCS), cp_size=cp, cp_rank=0, layout=layout)
-        for mask in MASKS[:6] + MASKS[8:10]:
-            vis = rank_visibility(plan, mask)
-            fetch = fetch_counts(plan, mask)
-            exact = pair_counts(plan, mask)
-            for s in range(cp):
-                q_pos, q_cu = plan.positions_of(s), plan.local_cu_seqlens_of(s)
-                for j in range(cp):
-                    k_pos, k_cu = plan.positions_of(j), plan.local_cu_seqlens_of(j)
-                    pairs, keys = 0, 0
-                    for d in range(plan.n_docs):
-                        qp = q_pos[q_cu[d]:q_cu[d + 1]].long()
-                        kp = k_pos[k_cu[d]:k_cu[d + 1]].long()
-                        qp, kp = qp[qp >= 0], kp[kp >= 0]
-                        if qp.numel() and kp.numel():
-                            m = mask.visible(qp, kp)
-                            pairs += int(m.sum())
-                            keys += int(m.any(0).sum())
-                    assert (int(vis[s, j]) > 0) == (pairs > 0), (layout, cp, mask, s, j)
-                    assert int(exact[s, j]) == pairs, (layout, cp, mask, s, j)
-                    assert int(fetch[s, j]) == keys, (layout, cp, mask, s, j)
-            # the ring stops after the last step anyone needs
-            t_needed = [t for t in range(1, cp) if any(int(vis[s, (s - t) % cp])
-                                                       for s in range(cp))]
-            assert ring_length(vis) == 1 + max(t_needed, default=0)
+        vis = rank_visibility(plan, mask)
+        fetch = fetch_counts(plan, mask)
+        exact = pair_counts(plan, mask)
+        for s in range(cp):
+            q_pos, q_cu = plan.positions_of(s), plan.local_cu_seqlens_of(s)
+            for j in range(cp):
+                k_pos, k_cu = plan.positions_of(j), plan.local_cu_seqlens_of(j)
+                pairs, keys = 0, 0
+                for d in range(plan.n_docs):
+                    qp = q_pos[q_cu[d]:q_cu[d + 1]].long()
+                    kp = k_pos[k_cu[d]:k_cu[d + 1]].long()
+                    qp, kp = qp[qp >= 0], kp[kp >= 0]
+                    if qp.numel() and kp.numel():
+                        m = mask.visible(qp, kp)
+                        pairs += int(m.sum())
+                        keys += int(m.any(0).sum())
+                assert (int(vis[s, j]) > 0) == (pairs > 0), (layout, cp, mask, s, j)
+                assert int(exact[s, j]) == pairs, (layout, cp, mask, s, j)
+                assert int(fetch[s, j]) == keys, (layout, cp, mask, s, j)
+        # the ring stops after the last step anyone needs
+        t_needed = [t for t in range(1, cp) if any(int(vis[s, (s - t) % cp])
+                                                   for s in range(cp))]
+        assert ring_length(vis) == 1 + max(t_needed, default=0)
 
 
 def _reference_schedule(q, k, mask, block):
