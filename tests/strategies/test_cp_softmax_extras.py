@@ -200,3 +200,25 @@ def test_softmax_extras_match_single_device(cp, name, extras_launches, request,
     assert all(name in e for e in errors), "a rank did not run this case"
     found = [msg for e in errors for msg in e[name]]
     assert not found, "\n".join(found)
+
+
+def test_cp1_is_the_local_op():
+    """cp == 1 needs no process group: the same options reach the local op."""
+    hq, hkv = 4, 2
+    inputs = extras_inputs(DOCS, hq, hkv, seed=3)
+    mask = MASKS["chunk_causal"]
+    ref = extras_reference(inputs, DOCS, mask, "learnable", True)
+    plan = CPPlan.build(cu(DOCS), cp_size=1, cp_rank=0)
+    q, k, v = (plan.shard(t).requires_grad_() for t in inputs[:3])
+    sink = inputs[5].clone().requires_grad_()
+    out, lse, max_logit = cp_varlen_attn(q, k, v, plan, mask, return_lse=True,
+                                         return_max_logit=True, softmax_type="learnable",
+                                         sink=sink)
+    extras_loss(out, lse, plan.shard(inputs[3]), plan.shard(inputs[4], dim=1)).backward()
+    for name, got in (("out", out.detach()), ("lse", lse.detach().t()), ("dq", q.grad),
+                      ("dk", k.grad), ("dv", v.grad)):
+        want = ref[name].t() if name == "lse" else ref[name]
+        torch.testing.assert_close(plan.unshard_parts([got]), want, atol=3e-5, rtol=3e-4,
+                                   msg=name)
+    torch.testing.assert_close(max_logit, ref["max_logit"])
+    torch.testing.assert_close(sink.grad, ref["dsink"], atol=1e-4, rtol=1e-4)
