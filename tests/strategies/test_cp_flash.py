@@ -4,9 +4,10 @@ flash-attn-4's interface), on CPU, against the fp64 reference.
 torch's flash ops get a CPU implementation written from FlashAttention-2's sources
 (``tests/flash_emulator.py``: bottom-right alignment, +inf LSE on rows without keys, rows
 outside every segment never written: NaN) and FA4's interface a stand-in module
-(``tests/fa4_standin.py``: -inf LSE, the LSE gradient); neither knows our kernels. Each
-launch runs one (strategy, backend) over every layout x mask, both GQA head splits, bf16,
-forward and backward (flash-attn's tolerance rule: 2x / 3x the error of plain PyTorch in
+(``tests/fa4_standin.py``: -inf LSE, the LSE gradient); neither knows our kernels. One
+pytest item per strategy x backend x layout x mask (``[p2p-flash-te-swa]``), one launch per
+(strategy, backend) for the selected ones (``helpers.launches``): every layout x mask, both
+GQA head splits, bf16, forward and backward (flash-attn's tolerance rule: 2x / 3x the error of plain PyTorch in
 bf16 against fp64, plus a floor), and checks that the calls really ran on FlashAttention:
 every call the rank made for causal, full and chunked masks (and the local calls of every
 mask) had an FA form. Then the staged strategies with 2 stages at cp 4; a learnable sink
@@ -24,6 +25,7 @@ from tests.dist_utils import run_distributed
 from tests.helpers.cp_grid import (DOCS, HEADS, LAYOUTS, MASKS, NAMES, check_padding, cp_run,
                                    dense, gather, global_inputs)
 from tests.helpers.lanes import fast_first, slow
+from tests.helpers.launches import GroupLaunches
 from varlen_cp import AttnOptions
 
 STRATEGIES = ("p2p", "all_gather", "a2a", "a2a+p2p", "dispatch")
@@ -49,10 +51,16 @@ def _check_close(what, got, ref64, plain):
         assert_close_to_reference(f"{what} {name}", g, r, p, factor=factor, floor=floor)
 
 
-def grid_worker(rank, world, strategy, backend, stages):
+CASES = [(layout, mname) for layout in LAYOUTS for mname in MASKS]
+
+
+def grid_worker(rank, world, strategy, backend, stages, cases):
+    """The given (layout, mask name) cases; per case its errors, the number of calls on
+    FlashAttention and of FA calls handed part of the rows (spans)."""
     _install(backend)
-    n = used = narrow = 0
-    for i, (layout, mname) in enumerate((l, m) for l in LAYOUTS for m in MASKS):
+    results = {}
+    for n, (layout, mname) in enumerate(cases):
+        i = CASES.index((layout, mname))
         mask = MASKS[mname]
         hq, hkv = HEADS[world][i % 2]
         # torch's flash ops need one head dim; FA4 takes another for V (as MLA has)
@@ -62,26 +70,35 @@ def grid_worker(rank, world, strategy, backend, stages):
         plain = dense(inputs, DOCS, mask, torch.bfloat16, torch.bfloat16)
         a2a = 2 if strategy == "a2a+p2p" and world == 4 else None
         options = AttnOptions(strategy=strategy, backend=backend, a2a_size=a2a,
-                              overlap_stages=stages, validate=(i == 0))
+                              overlap_stages=stages, validate=(n == 0))
         # "flash" runs without returning the LSE: a returned LSE may get a gradient, which
         # FA2 / FA3 cannot take, so such layers are planned on our kernels
         plan, *local = cp_run(rank, world, DOCS, layout, mask, options,
                               [t.to(torch.bfloat16) for t in inputs], torch.bfloat16,
-                              no_host_reads=(i > 0), return_lse=backend == "fa4")
-        check_padding(plan, local[0], local[1], local[2:])
-        _check_close(f"[{strategy} {backend} cp={world} {layout} {mname} {hq}/{hkv}]",
-                     gather(plan, local), ref64, plain)
+                              no_host_reads=(n > 0), return_lse=backend == "fa4")
+        what = f"[{strategy} {backend} cp={world} {layout} {mname} {hq}/{hkv}]"
+        errors = []
+        try:
+            check_padding(plan, local[0], local[1], local[2:])
+        except AssertionError as e:  # the gather below is collective: every rank goes on
+            errors.append(f"{what} {e}")
+        got = gather(plan, local)
+        try:
+            _check_close(what, got, ref64, plain)
+        except AssertionError as e:
+            errors.append(str(e))
         calls = plan_calls(plan)
         if mname in FA_MASKS:
             off = [c for c in calls if c.flash is None]
-            assert not off, f"[{strategy} {layout} {mname}] {len(off)} calls not on FA"
-        assert all(c.flash.backend == backend for c in calls if c.flash is not None)
-        used += sum(c.flash is not None for c in calls)
-        narrow += sum(f.q_span != (0, c.q_pos.numel()) for c in calls if c.flash is not None
-                      for f in c.flash.calls)
-        n += 1
-    assert used > 0, "no call ran on FlashAttention"
-    return n, narrow
+            if off:
+                errors.append(f"[{strategy} {layout} {mname}] {len(off)} calls not on FA")
+        if not all(c.flash.backend == backend for c in calls if c.flash is not None):
+            errors.append(f"{what} a call on another FlashAttention backend")
+        used = sum(c.flash is not None for c in calls)
+        narrow = sum(f.q_span != (0, c.q_pos.numel()) for c in calls if c.flash is not None
+                     for f in c.flash.calls)
+        results[layout, mname] = (errors, used, narrow)
+    return results
 
 
 def plan_calls(plan):
@@ -105,26 +122,75 @@ def plan_calls(plan):
     return found
 
 
-@pytest.mark.parametrize("backend", fast_first(["flash", "fa4"]))
-@pytest.mark.parametrize("strategy", fast_first(STRATEGIES))
-def test_strategies_on_flash_attention(strategy, backend, tmp_path):
-    n = len(LAYOUTS) * len(MASKS)
-    got = run_distributed(grid_worker, 2, tmp_path, strategy, backend, None, timeout_s=600)
-    assert [g[0] for g in got] == [n, n]
-    # FA calls handed part of the rows (spans: a window only some documents need, a split
-    # call) ran and were exact wherever a rank holds pieces of documents (a2a's whole
-    # documents make one call on every row)
-    narrow = sum(g[1] for g in got)
-    assert narrow > 0 if "a2a" not in strategy else narrow == 0, narrow
+def _grid_params(groups, fast_group):
+    """One item per case of each group, then its ``spans`` item (the checks over the whole
+    grid: some call ran on FlashAttention, and whether FA calls got part of the rows);
+    ``fast_group``'s first case and spans item stay in the fast lane."""
+    for group in groups:
+        for layout, mname in CASES + [(None, "spans")]:
+            fast = group == fast_group and (mname == "spans" or (layout, mname) == CASES[0])
+            name = "-".join(map(str, group + ((layout, mname) if layout else (mname,))))
+            yield pytest.param(*group, layout, mname, marks=() if fast else (slow,), id=name)
 
 
-@slow
-@pytest.mark.parametrize("strategy", ["all_gather", "dispatch"])
-def test_staged_on_flash_attention_cp4(strategy, tmp_path):
-    n = len(LAYOUTS) * len(MASKS)
-    got = run_distributed(grid_worker, 4, tmp_path, strategy, "flash", 2, timeout_s=600)
-    assert [g[0] for g in got] == [n] * 4
-    assert sum(g[1] for g in got) > 0, "no FA call ran on part of the rows (spans)"
+def _launch(world, stages, tmp, strategy, backend, siblings):
+    """The selected cases in one launch; all of them when the spans item is selected."""
+    wanted = [(p["layout"], p["mname"]) for p in siblings if p["mname"] != "spans"]
+    cases = CASES if len(wanted) < len(siblings) else wanted
+    return run_distributed(grid_worker, world, tmp, strategy, backend, stages, cases,
+                           timeout_s=600)
+
+
+def _check(results, layout, mname, spans_rule):
+    if mname == "spans":
+        assert [len(r) for r in results] == [len(CASES)] * len(results)
+        assert all(sum(v[1] for v in r.values()) > 0 for r in results), \
+            "no call ran on FlashAttention"
+        spans_rule(sum(v[2] for r in results for v in r.values()))
+        return
+    assert all((layout, mname) in r for r in results), "a rank did not run this case"
+    found = [msg for r in results for msg in r[layout, mname][0]]
+    assert not found, "\n".join(found)
+
+
+@pytest.fixture(scope="module")
+def flash_launches():
+    return GroupLaunches(("strategy", "backend"))
+
+
+@pytest.mark.parametrize("strategy, backend, layout, mname", list(_grid_params(
+    [(s, b) for b in ("flash", "fa4") for s in STRATEGIES], (STRATEGIES[0], "flash"))))
+def test_strategies_on_flash_attention(strategy, backend, layout, mname, flash_launches,
+                                       request, tmp_path_factory):
+    """One item per strategy x backend x layout x mask (and the group's spans item); one
+    launch of 2 ranks per strategy x backend for the selected cases."""
+    results = flash_launches.result(request, lambda siblings: _launch(
+        2, None, tmp_path_factory.mktemp("flash"), strategy, backend, siblings))
+
+    def spans_rule(narrow):
+        # FA calls handed part of the rows (spans: a window only some documents need, a
+        # split call) ran and were exact wherever a rank holds pieces of documents (a2a's
+        # whole documents make one call on every row)
+        assert narrow > 0 if "a2a" not in strategy else narrow == 0, narrow
+    _check(results, layout, mname, spans_rule)
+
+
+@pytest.fixture(scope="module")
+def staged_flash_launches():
+    return GroupLaunches(("strategy", "backend"))
+
+
+@pytest.mark.parametrize("strategy, backend, layout, mname", list(_grid_params(
+    [(s, "flash") for s in ("all_gather", "dispatch")], None)))
+def test_staged_on_flash_attention_cp4(strategy, backend, layout, mname,
+                                       staged_flash_launches, request, tmp_path_factory):
+    """The staged strategies with 2 stages at cp 4, one item per case, one launch each."""
+    results = staged_flash_launches.result(request, lambda siblings: _launch(
+        4, 2, tmp_path_factory.mktemp("flash4"), strategy, backend, siblings))
+
+    def spans_rule(narrow):
+        assert narrow > 0, "no FA call ran on part of the rows (spans)"
+    _check(results, layout, mname, spans_rule)
 
 
 # ------------------------------------------------------------------ softmax extras
