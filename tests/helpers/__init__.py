@@ -10,7 +10,11 @@ benchmarks and integration tests use them too.
 - ``softmax_extras``: the sinks / max-logit cases under CP;
 - ``plan_checks``: plan invariants and the balanced layout's counts;
 - ``torchtitan_models``: torchtitan's models scaled down for CPU and the trainer's shared
-  process mesh (torchtitan imported lazily).
+  process mesh (torchtitan imported lazily);
+- ``launches``: one launch of gloo processes for the selected cases of a grid whose items
+  are one case each;
+- ``lanes``: the ``slow`` marker and ``fast_first`` (the fast lane keeps a parametrized
+  test's first case).
 
 Import from the topic module (``from tests.helpers.cp_grid import DOCS``): this package
 re-exports nothing.
