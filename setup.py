@@ -4,7 +4,7 @@ The import package ``varlen_cp`` lives in ``plugin/`` and ``varlen_cp.kernels`` 
 ``kernels/``. setuptools' automatic discovery cannot rename folders, and a hand-written list
 went stale once already (the 0.1.0 wheel lacked ``varlen_cp.tables``, so ``import
 varlen_cp`` failed from it); here every folder with an ``__init__.py`` under those two roots
-is a package. ``tests/test_packaging.py`` builds the wheel and checks that it holds every
+is a package. ``tests/package/test_packaging.py`` builds the wheel and checks that it holds every
 source file and that each module imports from it.
 """
 

@@ -12,7 +12,7 @@ gradients equal eager's on the same batches.
 
 Usage: python bench/compile_graphs.py [--strategies p2p,dispatch] [--backend aot_eager]
 [--batches 8] [--cp 2] [--a2a-size 2] [--out bench/results/compile.json]
-Tests import :func:`run_rank` (tests/test_compile.py) with fewer batches.
+Tests import :func:`run_rank` (tests/strategies/test_compile.py) with fewer batches.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ For a few document mixes packed to ``--tokens`` tokens and cp = 2..8, builds the
 same host tables the strategy runs on:
 - bytes sent per rank per layer, forward and backward (``bytes_sent_per_rank``: K/V in
   bf16, GQA-aware, accumulators in fp32 where they travel; verified against the bytes the
-  collectives really post by tests/test_cp_strategies.py);
+  collectives really post by tests/strategies/test_cp_strategies.py);
 - compute per rank: query-key pairs the kernels visit (tiles of the host schedules) and the
   visible pairs among them, per query head of the model (``compute_per_rank``);
 - "needed": the K/V bytes of other ranks that this rank's queries can see at all, the floor

@@ -28,7 +28,7 @@ _MENTIONS_CUDA = re.compile(r"cuda\.is_available|mark\.cuda")
 
 def cuda_test_files(root: Path = ROOT) -> list[str]:
     """Test files (relative to ``root``) that can hold a CUDA-only test."""
-    return sorted(str(p.relative_to(root)) for p in (root / "tests").glob("test_*.py")
+    return sorted(str(p.relative_to(root)) for p in (root / "tests").rglob("test_*.py")
                   if _MENTIONS_CUDA.search(p.read_text(errors="replace")))
 
 

@@ -2,7 +2,7 @@
 FlashAttention where a call is in its form.
 
 No process groups and no framework imports live here (docs/design.md's lowest layer).
-Public (``__all__``, frozen by tests/test_public_api.py): the op ``varlen_attn``
+Public (``__all__``, frozen by tests/package/test_public_api.py): the op ``varlen_attn``
 (differentiable, flash_attn_varlen_func-like), its validated non-autograd halves
 ``varlen_attn_fwd`` / ``varlen_attn_bwd``, the LSE merge ``merge_attn_partials``, and the
 host-side tile schedule (``BlockSchedule``, ``build_block_schedule``, ``block_sizes_for``).

@@ -41,7 +41,7 @@ FLASH_IMPL_BACKENDS = ("flash", "fa4")
 are ours, or "auto")."""
 FA4_VERSION = "4.0.0b36"
 """The flash-attn-4 release this module is written and tested against (``varlen-cp[fa4]``
-pins it; tests/test_flash_backend.py checks its call signatures)."""
+pins it; tests/kernels/test_flash_emulator.py checks its call signatures)."""
 
 _DTYPES = (torch.float16, torch.bfloat16)
 

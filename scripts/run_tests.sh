@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The README's test command; .ci/run calls it on a fresh clone.
 #
-#   bash scripts/run_tests.sh [pytest args]
+#   bash scripts/run_tests.sh [--fast] [pytest args]
+#
+# --fast: the fast lane, `pytest -m "not slow and not cuda"` (under 5 minutes on 2 cores; a
+# representative part of every folder of tests/, docs/testing.md) and nothing else (no
+# oldest stack, no SLURM). Without it, the full run below, which .ci/run keeps.
 #
 # 1. installs varlen-cp with its test, torchtitan and megatron extras into .venv (once;
 #    scripts/setup_env.sh), or uses $PYTHON if set;
@@ -22,6 +26,16 @@ if [[ -z "${PYTHON:-}" ]]; then
 fi
 export PYTHON
 
+FAST=()
+if [[ "${1:-}" == "--fast" ]]; then
+  shift
+  FAST=(-m "not slow and not cuda")
+fi
+full_run=0
+if [[ "$#" -eq 0 && "${#FAST[@]}" -eq 0 ]]; then
+  full_run=1
+fi
+
 # -q unless the caller sets the verbosity: a second -q (-qq) would hide pytest's result line.
 QUIET=(-q)
 for arg in "$@"; do
@@ -29,7 +43,7 @@ for arg in "$@"; do
 done
 
 set +e
-"$PYTHON" -m pytest "${QUIET[@]}" --timeout=900 "$@"
+"$PYTHON" -m pytest "${QUIET[@]}" --timeout=900 "${FAST[@]}" "$@"
 rc=$?
 set -e
 if [[ "$rc" -eq 5 ]]; then
@@ -37,7 +51,7 @@ if [[ "$rc" -eq 5 ]]; then
   rc=1
 fi
 
-if [[ "$#" -eq 0 ]]; then  # full runs only, not `run_tests.sh -k ...`
+if [[ "$full_run" -eq 1 ]]; then  # full runs only, not `run_tests.sh -k ...` or --fast
   bash scripts/test_oldest_stack.sh || rc=1
   bash integration_tests/ci_slurm/run_cluster.sh || rc=1
 fi

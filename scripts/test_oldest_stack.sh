@@ -23,22 +23,22 @@ cd "$(dirname "$0")/.."
 # schedule builders against their per-token twin (85 of test_cp_schedules.py's 109 s under
 # load; pure integer math). Measured cost: README "Supported versions".
 TESTS=(
-  tests/test_environment.py
-  tests/test_packaging.py
-  tests/test_triton_kernels.py
-  tests/test_api.py
-  tests/test_merge.py
-  tests/test_tile_schedule.py
-  tests/test_plan.py
-  tests/test_cp_schedules.py
-  --deselect tests/test_cp_schedules.py::test_schedules_match_the_per_token_builder
-  tests/test_cp_strategies.py
-  tests/test_cp_dispatch.py
-  tests/test_cp_overlap.py
-  tests/test_flash_emulator.py
-  tests/test_flash_resolve.py
-  tests/test_flash_form.py
-  tests/test_cp_flash.py
+  tests/kernels/test_environment.py
+  tests/package/test_packaging.py
+  tests/kernels/test_triton_kernels.py
+  tests/kernels/test_api.py
+  tests/kernels/test_merge.py
+  tests/kernels/test_tile_schedule.py
+  tests/plan/test_plan.py
+  tests/tables/test_cp_schedules.py
+  --deselect tests/tables/test_cp_schedules.py::test_schedules_match_the_per_token_builder
+  tests/strategies/test_cp_strategies.py
+  tests/tables/test_cp_dispatch.py
+  tests/strategies/test_cp_overlap.py
+  tests/kernels/test_flash_emulator.py
+  tests/kernels/test_flash_resolve.py
+  tests/tables/test_flash_form.py
+  tests/strategies/test_cp_flash.py
 )
 # triton 3.6's interpreter converts one-element arrays with int(), which numpy 1.25+ flags
 # once per kernel step (~2800 lines of the same DeprecationWarning; an error from numpy 2.4,

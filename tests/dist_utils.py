@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 # takes ~6 s to import (the kernels' custom ops pull it in on their first call).
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "varlen_cp",
             "varlen_cp.attention", "varlen_cp.kernels.torch_attn", "tests.dist_utils",
-            "tests.reference", "tests.helpers"]
+            "tests.reference", "tests.helpers.cp_grid", "tests.helpers.guards"]
 _CTX = None
 _launch_ids = itertools.count()
 

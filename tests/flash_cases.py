@@ -1,5 +1,5 @@
-"""What the FlashAttention tests share (tests/test_flash_emulator.py on the CPU emulator and
-the FA4 stand-in, tests/test_flash_real.py on a GPU's real flash ops): segment layouts with
+"""What the FlashAttention tests share (tests/kernels/test_flash_emulator.py on the CPU emulator and
+the FA4 stand-in, tests/kernels/test_flash_real.py on a GPU's real flash ops): segment layouts with
 every corner case, the windows as each library takes them, a dense fp64 reference written
 from the segment rule, inputs, and the aten calls as varlen_cp makes them."""
 

@@ -1,5 +1,5 @@
 """Test reference: the staged strategies' host side as the package computed it before
-issue 22 (item 4) made it cheap; tests/test_staged_tables.py checks that the package's
+issue 22 (item 4) made it cheap; tests/tables/test_staged_tables.py checks that the package's
 results equal these.
 
 - Tables: the per-token construction of the staged tables of ``dispatch`` and
@@ -12,7 +12,7 @@ results equal these.
   cp x tokens keys) but direct.
 - Time model and memory walk: torch ops on [cp] vectors, one stage count at a time
   (the package runs the same steps on numpy vectors, all candidates sharing their inputs).
-  The walk is the one before tests/test_staged_memory.py checked it against the engine's
+  The walk is the one before tests/tables/test_staged_memory.py checked it against the engine's
   real allocations; the package's differs where this one was wrong: fp32 inputs (no fp32
   copies there) and head dims D != Dv (the K and V halves picked apart at S = 1).
 

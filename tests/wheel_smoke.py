@@ -1,4 +1,4 @@
-"""Checks run INSIDE the virtualenv that holds the built wheel (tests/test_packaging.py copies
+"""Checks run INSIDE the virtualenv that holds the built wheel (tests/package/test_packaging.py copies
 this file out of the source tree and runs it there, so nothing here can come from the tree).
 
     python wheel_smoke.py imports SITE_PACKAGES   every module of the installed varlen_cp

@@ -54,7 +54,7 @@ def table_mask(plan: CPPlan, mask: AttnMask | None) -> AttnMask | None:
     window side that reaches the longest document's length - 1 (no key of a document lies
     farther from a query of it: ``p - left <= 0 <= k`` and ``k <= L - 1 <= p + right``).
     Padding positions never reach a table: every holder and run excludes them.
-    tests/test_schedule_cache.py checks that the tables built for both are equal."""
+    tests/tables/test_schedule_cache.py checks that the tables built for both are equal."""
     if mask is None or (mask.chunk_size is None and mask.window_size == (-1, -1)):
         return mask
     longest = plan.max_document_length

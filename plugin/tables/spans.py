@@ -5,7 +5,7 @@ mask (``fetch_counts``, ``pair_counts``, the staged runs; the tests' per-key ``s
 a few thousand runs at cp 64, in numpy (torch's per-op cost, ~3-5 us on CPU against
 numpy's ~0.5-1, made ``span_pieces`` alone ~3 ms of ``auto``'s ~30 ms at cp 64). Why a run's
 keys are one span and a holder's spans merge into a few: ``plan/runs.py``'s docstring.
-tests/test_schedule_cache.py checks them against per-token references.
+tests/tables/test_schedule_cache.py checks them against per-token references.
 """
 
 from __future__ import annotations

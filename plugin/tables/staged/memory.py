@@ -5,7 +5,7 @@ its fp32 accumulator, dQ, the fp32 dK|dV accumulator and the returns in flight i
 program order; :func:`staged_memory` mirrors those allocations and frees one by one on the
 host, every rank at once (int64 vectors; the engine's per-rank branches are masks), from
 the transfer counts alone. ``timing.default_stages`` caps the stage count with it (never
-more memory than the call without overlap). tests/test_staged_memory.py tallies the
+more memory than the call without overlap). tests/tables/test_staged_memory.py tallies the
 engine's real live bytes on CPU (a ``TorchDispatchMode``) against it.
 """
 

@@ -12,7 +12,7 @@ document); in numpy (below) ~2.5-3 ms per mask at cp 8 on the long-document batc
 half of it the tile schedules of its calls, computed together (``holders.set_calls``).
 
 The tables (``Stage``) are those of that per-key construction (tests/staged_reference.py
-keeps it; tests/test_staged_tables.py compares the two on random batches), but for the
+keeps it; tests/tables/test_staged_tables.py compares the two on random batches), but for the
 returns' rounds, now consecutive slices of the list (``rounds``).
 """
 

@@ -1,0 +1,74 @@
+"""Plan invariants (every token held once, positions, order, padding last) and the
+balanced layout's token counts, plus the fixed document mixes the plan tests run."""
+
+from __future__ import annotations
+
+import torch
+
+from varlen_cp import CPPlan
+
+FIXED_MIXES = [
+    [],  # empty batch
+    [0],
+    [1],
+    [5, 0, 1, 7],  # zero-length doc in the middle
+    [2, 3],  # fewer tokens than some cp sizes
+    [300, 1, 17, 0, 64, 129],  # one long document, odd lengths
+    [1] * 13,
+    [97, 96, 95, 33, 2, 1, 250],
+]
+
+
+def mix_id(lengths: list[int]) -> str:
+    """A pytest id for a document mix: its lengths (``docs_5_0_1_7``), ``no_docs``, or the
+    length and count of a run of equal documents (``docs_1x13``)."""
+    if not lengths:
+        return "no_docs"
+    if len(lengths) > 3 and len(set(lengths)) == 1:
+        return f"docs_{lengths[0]}x{len(lengths)}"
+    return "docs_" + "_".join(map(str, lengths))
+
+
+def check_invariants(plan: CPPlan, lengths: list[int]) -> None:
+    """The layout-independent contract of a plan, checked token by token."""
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    total = starts[-1]
+    assert plan.total_tokens == total and plan.n_docs == len(lengths)
+    held = []
+    for r in range(plan.cp_size):
+        idx, pos, lcu = plan.token_indices_of(r), plan.positions_of(r), \
+            plan.local_cu_seqlens_of(r)
+        assert idx.dtype == torch.int64 and pos.dtype == torch.int32 and lcu.dtype == torch.int32
+        assert idx.shape == pos.shape == (plan.num_tokens_of(r),)
+        assert lcu.shape == (len(lengths) + 1,) and int(lcu[0]) == 0
+        assert int(lcu[-1]) == plan.num_tokens_of(r)
+        seg = (lcu[1:] - lcu[:-1]).tolist()
+        assert min(seg, default=0) >= 0
+        assert plan.max_local_seqlen_of(r) == max(seg, default=0)
+        for d, (a, b) in enumerate(zip(lcu[:-1].tolist(), lcu[1:].tolist())):
+            s_idx, s_pos = idx[a:b].tolist(), pos[a:b].tolist()
+            real = [i >= 0 for i in s_idx]
+            assert real == sorted(real, reverse=True), "padding must come last in its doc"
+            for i, p in zip(s_idx, s_pos):
+                if i < 0:
+                    assert p == -1
+                else:
+                    assert starts[d] <= i < starts[d + 1] and p == i - starts[d]
+            real_pos = [p for p in s_pos if p >= 0]
+            assert all(x < y for x, y in zip(real_pos, real_pos[1:]))
+        held += [i for i in idx.tolist() if i >= 0]
+    assert sorted(held) == list(range(total)), "every global token exactly once"
+    assert plan.padded_total_tokens == sum(plan.num_tokens_of(r) for r in range(plan.cp_size))
+
+
+def check_balanced(plans: list[CPPlan], lengths: list[int]) -> None:
+    """No padding and token counts within 2% of the mean, plus one token (cuts move to
+    tile and document boundaries within a token budget; tiny batches cut exactly)."""
+    p0 = plans[0]
+    total = sum(lengths)
+    assert p0.padded_total_tokens == total
+    counts = [p0.num_tokens_of(r) for r in range(p0.cp_size)]
+    mean = total / p0.cp_size
+    assert all(abs(c - mean) <= 0.02 * mean + 1 for c in counts), (counts, mean)
