@@ -141,10 +141,12 @@ def with_varlen_cp(model_config, **cp):
     the same torchtitan override the trainer applies."""
     from torchtitan.config.override import OverrideConfig, apply_overrides
 
+    from varlen_cp import AttnOptions
     from varlen_cp.integrations.torchtitan.attention import OVERRIDE_TARGET
 
     holder = model_spec(model_config)
-    apply_overrides(OverrideConfig(imports=[(OVERRIDE_TARGET, cp)]), holder)
+    apply_overrides(OverrideConfig(imports=[(OVERRIDE_TARGET, {"options": AttnOptions(**cp)})]),
+                    holder)
     return holder.model
 
 

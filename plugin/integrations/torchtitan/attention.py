@@ -12,9 +12,9 @@ only here) and the attention options (``varlen_cp.AttnOptions``: strategy, backe
 step on the host and shared by every layer.
 
 ``varlen_cp_attention`` is a torchtitan ``@override`` of ``VarlenAttention.Config``: it turns
-each layer's ``window_size`` into that layer's ``AttnMask`` and its keyword arguments (the
-``AttnOptions`` fields, ``CPConfig.attn_options`` as JSON-able values) into the replacement
-config. The trainer applies it before the model config's own
+each layer's ``window_size`` into that layer's ``AttnMask`` and takes its ``options``
+(``CPConfig.attn_options``, the ``AttnOptions`` object itself: torchtitan hands an override's
+keyword arguments over as given) into the replacement config. The trainer applies it before the model config's own
 ``update_from_config``, whose "Varlen attention is not supported with CP" check then sees
 varlen-cp's attention (a different class) and passes: only this attention bypasses it.
 The module always declares its own sharding (q/k/v stay sequence-sharded on CP, head-sharded
@@ -40,7 +40,7 @@ Limits: B must be 1 (the trainer packs the batch's rows into one sequence).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import spmd_types as spmd
@@ -221,21 +221,21 @@ def window_to_mask(window_size: tuple[int, int]) -> AttnMask:
 
 @override(target=VarlenAttention.Config,
           description="varlen-cp: context-parallel varlen attention for packed documents")
-def varlen_cp_attention(cfg: VarlenAttention.Config, **options: Any
+def varlen_cp_attention(cfg: VarlenAttention.Config, options: AttnOptions | None = None
                         ) -> VarlenCPInnerAttention.Config:
     """torchtitan ``@override``: a layer's ``VarlenAttention.Config`` -> varlen-cp's, with
-    the layer's mask from its ``window_size`` and ``options``, the ``varlen_cp.AttnOptions``
-    fields (strategy, backend, validate, a2a_size, overlap_stages; unknown keys are a
-    ValueError)."""
-    known = set(asdict(AttnOptions()))
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ValueError(f"varlen_cp_attention: unknown option(s) {unknown}; the options are "
-                         f"{sorted(known)}")
+    the layer's mask from its ``window_size`` and ``options``, a ``varlen_cp.AttnOptions``
+    (the override's one keyword, passed whole: ``CPConfig.attn_options``; None: the
+    defaults; anything else is a ValueError)."""
+    if options is None:
+        options = AttnOptions()
+    if not isinstance(options, AttnOptions):
+        raise ValueError(f"varlen_cp_attention: options must be a varlen_cp.AttnOptions, got "
+                         f"{type(options).__name__}")
     mask = window_to_mask(tuple(cfg.window_size))
     return derive(cfg, VarlenCPInnerAttention.Config, causal=mask.causal,
                   window_left=mask.window_size[0], window_right=mask.window_size[1],
-                  options=AttnOptions(**options))
+                  options=options)
 
 
 OVERRIDE_TARGET = f"{__name__}.varlen_cp_attention"

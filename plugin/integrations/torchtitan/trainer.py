@@ -48,7 +48,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -194,8 +194,8 @@ def install_varlen_cp(config: Any) -> None:
     spec, vc = config.model_spec, config.varlen_cp
     model_config = spec.model
     if any(model_config.traverse(VarlenAttention.Config)):
-        kwargs = asdict(vc.attn_options)  # the override's kwargs travel as JSON-able values
-        apply_overrides(OverrideConfig(imports=[(OVERRIDE_TARGET, kwargs)]), config)
+        apply_overrides(OverrideConfig(imports=[(OVERRIDE_TARGET,
+                                                 {"options": vc.attn_options})]), config)
     others = [f"{fqn}.inner_attention ({type(a.inner_attention).__qualname__})"
               for fqn, a, _, _ in model_config.traverse(BaseAttention.Config)
               if not isinstance(a.inner_attention, VarlenCPInnerAttention.Config)]
