@@ -36,6 +36,7 @@ from .triton_common import (
     query_ranges, resolve_blocks, segment_bounds, tile_may_see, tile_split, unit_last_stride,
     visible, work_item,
 )
+from .validation import check_schedule
 
 
 @triton.jit
@@ -413,6 +414,9 @@ def triton_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     arch = device_arch(q.device)
     block_m, block_n = resolve_blocks(schedule, block_sizes, q.dtype, head_dim, head_dim_v,
                                       arch)
+    # a launcher called directly (not through kernels.api) still refuses a schedule made
+    # for other segments (shape metadata only; the one check, validation's)
+    check_schedule(schedule, n_seg, max_seqlen_q, max_seqlen_k)
     q, k, v = (unit_last_stride(t) for t in (q, k, v))
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)

@@ -34,6 +34,7 @@ from .triton_common import (
     resolve_blocks, segment_bounds, tile_may_see, tile_split, unit_last_stride, visible,
     work_item,
 )
+from .validation import check_schedule
 
 
 @triton.jit
@@ -204,6 +205,9 @@ def triton_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqle
     arch = device_arch(q.device)
     block_m, block_n = resolve_blocks(schedule, block_sizes, q.dtype, head_dim, head_dim_v,
                                       arch)
+    # a launcher called directly (not through kernels.api) still refuses a schedule made
+    # for other segments (shape metadata only; the one check, validation's)
+    check_schedule(schedule, n_seg, max_seqlen_q, max_seqlen_k)
     q, k, v = (unit_last_stride(t) for t in (q, k, v))
     out = torch.zeros(total_q, n_heads, head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.full((n_heads, total_q), float("-inf"), dtype=torch.float32, device=q.device)
