@@ -243,6 +243,19 @@ class CPPlan:
         r = self._t.runs
         return Runs(*(torch.from_numpy(x) for x in (r.rank, r.doc, r.start, r.length, r.row)))
 
+    @property
+    def arrays(self) -> TokenTables:
+        """The plan's token tables as numpy arrays (``plan/tokens.py``: ``rank_offsets``,
+        ``position``, ``local_cu``, ``padded_index``, ``doc``, the ``runs`` RunTable): what
+        the host tables (``varlen_cp.tables``) compute on, with no tensor in between.
+        Read-only, as the tensors are (those are views of these)."""
+        return self._t
+
+    @property
+    def doc_length_array(self) -> np.ndarray:
+        """int64 [n_docs]: the documents' lengths (numpy; ``doc_lengths`` is its view)."""
+        return self._doc_lengths
+
     def local_rows_of(self, rank: int) -> slice:
         """``rank``'s rows in the concatenation of every rank's local tokens (the order of
         the all-rank tables such as :meth:`all_positions`)."""
