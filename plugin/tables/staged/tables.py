@@ -210,7 +210,7 @@ def _assemble(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int], s
         splits = np.bincount(out.peer, weights=out.length, minlength=cp).astype(np.int64)
         fields = dict(back_splits=tuple(counts[p, rank].tolist()), in_rows=_tensor(in_rows),
                       in_splits=tuple(splits.tolist()), lo=lo, hi=hi,
-                      rounds=UniqueRounds.of_runs(out.row, out.length, _tensor(in_rows)))
+                      rounds=UniqueRounds.of_runs(out.row, out.length, in_rows))
         fields["gather"] = _tensor(_spread(mine, buf)[0])
         if stages == 1:   # one call over every key: local ones too, in their call slots
             sel = selection_runs(plan, mask, rank)
