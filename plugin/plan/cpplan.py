@@ -11,7 +11,10 @@ One array library: ``cu_seqlens`` is checked and converted ONCE, to an int64 num
 the layouts, the balanced solver and the token tables compute in numpy only. Tensors are
 made where the plan hands its tables out (its attributes and accessors: ``torch.from_numpy``
 views, made once, no copy; index tables for a device, copied once and cached), in the
-dtypes the strategies and kernels have always received.
+dtypes the strategies and kernels have always received. The host tables
+(``varlen_cp.tables``) read the numpy arrays themselves (:attr:`CPPlan.arrays`), so the
+local cu_seqlens and positions reach a kernel call in the plan's int32 with no conversion
+on the way.
 
 Invariant every strategy relies on: local segment i of any rank is document i (possibly
 empty); its local tokens are contiguous, ordered by increasing position, padding last.
