@@ -11,7 +11,10 @@ One array library: ``cu_seqlens`` is checked and converted ONCE, to an int64 num
 the layouts, the balanced solver and the token tables compute in numpy only. Tensors are
 made where the plan hands its tables out (its attributes and accessors: ``torch.from_numpy``
 views, made once, no copy; index tables for a device, copied once and cached), in the
-dtypes the strategies and kernels have always received.
+dtypes the strategies and kernels have always received. The host tables
+(``varlen_cp.tables``) read the numpy arrays themselves (:attr:`CPPlan.arrays`), so the
+local cu_seqlens and positions reach a kernel call in the plan's int32 with no conversion
+on the way.
 
 Invariant every strategy relies on: local segment i of any rank is document i (possibly
 empty); its local tokens are contiguous, ordered by increasing position, padding last.
@@ -242,6 +245,19 @@ class CPPlan:
         tensors, views of the plan's run table). Read-only."""
         r = self._t.runs
         return Runs(*(torch.from_numpy(x) for x in (r.rank, r.doc, r.start, r.length, r.row)))
+
+    @property
+    def arrays(self) -> TokenTables:
+        """The plan's token tables as numpy arrays (``plan/tokens.py``: ``rank_offsets``,
+        ``position``, ``local_cu``, ``padded_index``, ``doc``, the ``runs`` RunTable): what
+        the host tables (``varlen_cp.tables``) compute on, with no tensor in between.
+        Read-only, as the tensors are (those are views of these)."""
+        return self._t
+
+    @property
+    def doc_length_array(self) -> np.ndarray:
+        """int64 [n_docs]: the documents' lengths (numpy; ``doc_lengths`` is its view)."""
+        return self._doc_lengths
 
     def local_rows_of(self, rank: int) -> slice:
         """``rank``'s rows in the concatenation of every rank's local tokens (the order of

@@ -16,8 +16,9 @@ Three facts from docs/design.md's mask table make runs enough:
   (:func:`pair_work`), piecewise-quadratic in the ends, split at chunk edges.
 
 Everything is int64 host math over arrays of runs (no Python loop over runs, documents or
-rank pairs). The plan keeps its runs as numpy (``tables.RunTable``); :class:`Runs` is the
-tensor form ``CPPlan.runs`` hands to the schedules. Limits: positions must stay below 2^40
+rank pairs). The plan keeps its runs as numpy (``tokens.RunTable``), which the host tables
+read as they are (``CPPlan.arrays.runs``, ``varlen_cp.tables.selected.run_arrays``);
+:class:`Runs` is the tensor form ``CPPlan.runs`` hands out (bench, tests). Limits: positions must stay below 2^40
 (mask_math's UNBOUNDED).
 """
 

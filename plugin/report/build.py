@@ -47,7 +47,7 @@ from ..plan import CPPlan
 from ..tables import catalogue
 from ..tables.auto import CostModel, Estimate, choose_strategy, estimates, pick
 from ..tables.coverage import FlashCoverage
-from ..tables.selected import fetch_counts
+from ..tables.selected import fetch_count_array
 from ..tables.staged import resolve_stages
 from ..shape import AttnShape
 from .coverage import Backends, layer_coverage
@@ -165,7 +165,7 @@ def layer_report(plan: CPPlan, layer: LayerType, shape: AttnShape, *,
     stages = None
     if plan.cp_size > 1 and name in STAGED_STRATEGIES:
         stages = resolve_stages(plan, mask, name, cs, overlap_stages)
-    counts = fetch_counts(plan, mask)
+    counts = fetch_count_array(plan, mask)
     floor = ((counts.sum(1) - counts.diagonal()) * cs.kv_row).tolist()
     if plan.cp_size == 1:
         sent = [0]

@@ -108,7 +108,10 @@ def cached_table(plan: CPPlan, key: TableKey, build: Callable[[], Any],
 
 def table_to_device(x: Any, device: torch.device) -> Any:
     """Tensors (and objects with ``.to(device)``) inside ``x`` copied to ``device`` (host
-    tensors through pinned staging buffers: ``varlen_cp.kernels.host_copy``)."""
+    tensors through pinned staging buffers: ``varlen_cp.kernels.host_copy``). The tables
+    compute in numpy; the objects that reach here (ring, Ulysses, staged tables, kernel
+    calls) hold tensors exactly where the engine or a kernel reads them, so this is the one
+    copy, with no conversion left to do."""
     if isinstance(x, torch.Tensor):
         return one_to_device(x, device)
     if isinstance(x, tuple):

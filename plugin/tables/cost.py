@@ -14,13 +14,13 @@ per strategy and answers by name (``catalogue.bytes_sent("p2p", ...)``).
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from ..masks import AttnMask
 from ..plan import CPPlan
 from .hybrid import default_a2a_size, group_members, group_visibility, hybrid_ring_tables
 from .ring import p2p_tables, rank_visibility, ring_length
-from .selected import fetch_counts, fetched_tokens, selected_tokens
+from .selected import fetch_count_array, fetched_tokens, selected_tokens
 from ..shape import AttnShape, kv_heads_per_rank
 from .staged import staged_tables
 from .ulysses import group_call
@@ -40,22 +40,22 @@ def hybrid_size(plan: CPPlan, shape: AttnShape, a2a_size: int | None) -> int:
         if a2a_size is None else a2a_size
 
 
-def _local_sizes(plan: CPPlan) -> torch.Tensor:
-    offsets = plan.rank_offsets()
+def _local_sizes(plan: CPPlan) -> np.ndarray:
+    offsets = plan.arrays.rank_offsets
     return offsets[1:] - offsets[:-1]
 
 
 # ---- bytes ------------------------------------------------------------------------------
-def ring_rows(sizes: torch.Tensor, vis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_rows(sizes: np.ndarray, vis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per ring position: (K/V rows sent per pass, dK/dV partial rows sent backward), as
     the ring engine posts them, for all positions at once: position i sends the K/V of
     ring steps 0..n-2 (sources i - t) and, backward, the partials of the steps whose
-    source its queries see (the strategy tests count the bytes it really posts)."""
-    size, n_steps = sizes.numel(), ring_length(vis)
-    idx = torch.arange(size).unsqueeze(1)
-    src = (idx - torch.arange(n_steps).unsqueeze(0)) % size          # [H, steps]
+    source its queries see (the strategy tests count the bytes it really posts). numpy
+    int64 [H] in and out."""
+    size, n_steps = sizes.size, ring_length(vis)
+    src = (np.arange(size)[:, None] - np.arange(n_steps)[None, :]) % size   # [H, steps]
     kv = sizes[src[:, :-1]].sum(1)
-    seen = vis.gather(1, src[:, 1:]) > 0
+    seen = np.take_along_axis(vis, src[:, 1:], 1) > 0
     grads = (sizes[src[:, 1:]] * seen).sum(1)
     return kv, grads
 
@@ -79,18 +79,18 @@ def ulysses_bytes(sizes: tuple[int, ...], index: int, shape: AttnShape, need_lse
     return fwd, bwd
 
 
-def ulysses_rank_bytes(sizes: torch.Tensor, size: int, shape: AttnShape
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def ulysses_rank_bytes(sizes: np.ndarray, size: int, shape: AttnShape
+                       ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`ulysses_bytes` of every rank at once (groups of ``size`` consecutive ranks;
-    int64 [cp] each; zeros for size 1)."""
+    numpy int64 [cp] each; zeros for size 1)."""
     if size == 1:
-        return torch.zeros_like(sizes), torch.zeros_like(sizes)
+        return np.zeros_like(sizes), np.zeros_like(sizes)
     hk, _ = kv_heads_per_rank(shape.n_kv_heads, size)
     hq = shape.n_heads // size
     qkv_row = (hq * shape.head_dim + hk * (shape.head_dim + shape.value_dim)) \
         * shape.dtype_bytes
     out_row = hq * shape.value_dim * shape.dtype_bytes
-    others = sizes.view(-1, size).sum(1).repeat_interleave(size) - sizes
+    others = np.repeat(sizes.reshape(-1, size).sum(1), size) - sizes
     return ((size - 1) * sizes * qkv_row + others * out_row,
             (size - 1) * sizes * out_row + others * qkv_row)
 
@@ -115,7 +115,7 @@ def dispatch_bytes(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int
                    ) -> Sent:
     """Exactly the keys others see forward, their dK/dV backward."""
     row = shape.kv_row
-    counts = fetch_counts(plan, mask)
+    counts = fetch_count_array(plan, mask)
     sent = counts.sum(0) - counts.diagonal()   # what the others fetch from each rank
     return {"fwd": (sent * row).tolist(), "bwd": [f * row for f in fetched_tokens(plan, mask)]}
 
@@ -127,10 +127,10 @@ def _group_bytes(plan: CPPlan, mask: AttnMask, shape: AttnShape, size: int) -> S
     if size < plan.cp_size:  # a ring across the groups, on this rank's head slice
         hk, _ = kv_heads_per_rank(shape.n_kv_heads, size)
         ring_row = hk * (shape.head_dim + shape.value_dim) * shape.dtype_bytes
-        group_sizes = sizes.view(-1, size).sum(1)
+        group_sizes = sizes.reshape(-1, size).sum(1)
         kv, grads = ring_rows(group_sizes, group_visibility(plan, mask, size))
-        fwd = fwd + (kv * ring_row).repeat_interleave(size)
-        bwd = bwd + ((kv + grads) * ring_row).repeat_interleave(size)
+        fwd = fwd + np.repeat(kv * ring_row, size)
+        bwd = bwd + np.repeat((kv + grads) * ring_row, size)
     return {"fwd": fwd.tolist(), "bwd": bwd.tolist()}
 
 

@@ -475,7 +475,7 @@ def _window_calls(q0, sq, k0, sk, pairs, window, route: FlashRoute,
     starts = np.cumsum(sk) - sk
     index = run_rows(k0, sk)
     call = _call(q0, sq, starts, sk, pairs, window)
-    return [replace(call, k_index=torch.from_numpy(index.astype(np.int64)),
+    return [replace(call, k_index=torch.from_numpy(index),     # run_rows: int64 already
                     k_rounds=UniqueRounds.of_runs(k0, sk, index))]
 
 

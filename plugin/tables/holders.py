@@ -57,22 +57,27 @@ class HolderSet:
     unit the tile schedules are computed on, so a ring's calls (one query holder against
     many key holders) take a fixed number of vectorized ops, however many steps it has.
 
-    cu: int64 [H, n_seg+1] each holder's cu_seqlens; pos: int32 [N] every holder's
-    positions back to back; offsets: int64 [H+1] each holder's first row in ``pos``;
-    max_len: each holder's longest segment.
+    numpy, in the plan's dtypes: cu: int32 [H, n_seg+1] each holder's cu_seqlens; pos:
+    int32 [N] every holder's positions back to back; offsets: int64 [H+1] each holder's
+    first row in ``pos``; max_len: each holder's longest segment. The schedules' integer
+    math runs on numpy (an op on a small array costs ~0.5 us in numpy against ~3-5 us in
+    torch; np.searchsorted on the 128K keys ~3x faster than torch's); tensors are made
+    only for what a kernel reads (:meth:`holder`, the schedules' tables).
     """
 
-    cu: torch.Tensor
-    pos: torch.Tensor
-    offsets: torch.Tensor
+    cu: np.ndarray
+    pos: np.ndarray
+    offsets: np.ndarray
     max_len: tuple[int, ...]
 
     @classmethod
     def of(cls, holders: list[Holder]) -> "HolderSet":
-        sizes = torch.tensor([h.n_tokens for h in holders], dtype=torch.int64)
-        return cls(torch.stack([h.cu.to(torch.int64) for h in holders]),
-                   torch.cat([h.pos for h in holders]),
-                   torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(sizes, 0)]),
+        """The holders' tables concatenated (read through numpy views of their tensors:
+        no conversion)."""
+        offsets = np.zeros(len(holders) + 1, dtype=np.int64)
+        np.cumsum([h.n_tokens for h in holders], out=offsets[1:])
+        return cls(np.stack([h.cu.numpy() for h in holders]),
+                   np.concatenate([h.pos.numpy() for h in holders]), offsets,
                    tuple(h.max_len for h in holders))
 
     @property
@@ -80,17 +85,17 @@ class HolderSet:
         return self.cu.shape[1] - 1
 
     def holder(self, h: int) -> Holder:
-        """Holder ``h`` (views of the set's tables)."""
+        """Holder ``h`` (tensor views of the set's tables: what a kernel call takes)."""
         rows = slice(int(self.offsets[h]), int(self.offsets[h + 1]))
-        return Holder(self.cu[h].to(torch.int32), self.pos[rows], self.max_len[h])
+        return Holder(torch.from_numpy(self.cu[h]), torch.from_numpy(self.pos[rows]),
+                      self.max_len[h])
 
-    # The schedules' integer math runs on numpy views of the tables (an op on a small array costs ~0.5 us in numpy against ~3-5 us in torch; np.searchsorted on the
-    # 128K keys ~3x faster than torch's); the tables come back to torch at the end.
     @cached_property
     def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(cu int64 [H, n_seg+1], pos int64 [N], offsets int64 [H+1]) as numpy."""
-        return (self.cu.numpy().astype(np.int64, copy=False),
-                self.pos.numpy().astype(np.int64), self.offsets.numpy())
+        """(cu int64 [H, n_seg+1], pos int64 [N], offsets int64 [H+1]): the searches'
+        operands in int64 (a sort key holds a position in its low 32 bits; the masks'
+        intervals may reach past int32), made once per set."""
+        return (self.cu.astype(np.int64), self.pos.astype(np.int64), self.offsets)
 
     @cached_property
     def _lengths(self) -> np.ndarray:
@@ -283,10 +288,11 @@ def rank_holder(plan: CPPlan, rank: int) -> Holder:
 
 
 def rank_set(plan: CPPlan) -> HolderSet:
-    """Every rank's local tokens as one HolderSet (views of the plan's tables, cached)."""
+    """Every rank's local tokens as one HolderSet (the plan's numpy tables as they are,
+    cached)."""
+    t = plan.arrays
     return host_table(plan, table_key("rank_set"),
-                      lambda: HolderSet(plan.all_local_cu_seqlens().to(torch.int64),
-                                        plan.all_positions(), plan.rank_offsets(),
+                      lambda: HolderSet(t.local_cu, t.position, t.rank_offsets,
                                         plan.max_local_seqlens()))
 
 
@@ -331,7 +337,8 @@ def holder_from_counts(doc, pos, n_docs: int) -> Holder:
     counts = np.bincount(doc, minlength=n_docs)
     cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     max_len = int(counts.max()) if counts.size else 0
-    return Holder(torch.from_numpy(cu), torch.from_numpy(pos.astype(np.int32)), max_len)
+    return Holder(torch.from_numpy(cu), torch.from_numpy(pos.astype(np.int32, copy=False)),
+                  max_len)
 
 
 @dataclass(frozen=True)

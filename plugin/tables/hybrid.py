@@ -3,6 +3,7 @@ the groups with each group's merged tokens as one ring holder."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..masks import AttnMask
@@ -11,7 +12,7 @@ from .flash_form import FlashRoute
 from .holders import HolderSet
 from .cache import cached_table, host_table, table_key
 from .ring import RingTables, ring_tables
-from .selected import fetch_counts
+from .selected import fetch_count_array
 from .ulysses import ulysses_tables
 
 
@@ -40,11 +41,11 @@ def group_holders(plan: CPPlan, size: int) -> HolderSet:
                                             .holder for g in range(plan.cp_size // size)]))
 
 
-def group_visibility(plan: CPPlan, mask: AttnMask, size: int) -> torch.Tensor:
-    """int64 [G, G]: how many of group j's keys group s's queries see (cached)."""
-    def build() -> torch.Tensor:
+def group_visibility(plan: CPPlan, mask: AttnMask, size: int) -> np.ndarray:
+    """int64 [G, G] (numpy): how many of group j's keys group s's queries see (cached)."""
+    def build() -> np.ndarray:
         g = plan.cp_size // size
-        return fetch_counts(plan, mask).view(g, size, g, size).sum((1, 3))
+        return fetch_count_array(plan, mask).reshape(g, size, g, size).sum((1, 3))
     return host_table(plan, table_key("group_visibility", mask, None, size), build)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from ..masks import AttnMask
@@ -22,18 +23,19 @@ from ..plan import CPPlan
 from .flash_form import FlashRoute
 from .holders import HolderSet, KernelCall, rank_set, set_calls
 from .cache import cached_table, table_key
-from .selected import fetch_counts
+from .selected import fetch_count_array
 
 
-def ring_length(vis: torch.Tensor) -> int:
+def ring_length(vis: np.ndarray) -> int:
     """Steps the ring runs: 1 + the last step t at which some holder s needs the K/V of
-    (s - t) % H. Step 0 (own K/V) always runs."""
+    (s - t) % H (``vis``: int [H, H], numpy). Step 0 (own K/V) always runs."""
+    vis = np.asarray(vis)
     size = vis.shape[0]
-    s = torch.arange(size)
+    s = np.arange(size)
     # need[t, s] = vis[s, (s - t) % H]
-    need = (vis > 0)[s.unsqueeze(0), (s.unsqueeze(0) - s.unsqueeze(1)) % size]
-    steps = torch.nonzero(need[1:].any(1)).flatten()
-    return int(steps[-1]) + 2 if steps.numel() else 1
+    need = (vis > 0)[s[None, :], (s[None, :] - s[:, None]) % size]
+    steps = np.flatnonzero(need[1:].any(1))
+    return int(steps[-1]) + 2 if steps.size else 1
 
 
 @dataclass(frozen=True)
@@ -53,13 +55,13 @@ class RingTables:
         return (index - step) % len(self.sizes)
 
 
-def ring_tables(holders: HolderSet, vis: torch.Tensor, index: int, mask: AttnMask,
+def ring_tables(holders: HolderSet, vis: np.ndarray, index: int, mask: AttnMask,
                 block: tuple[int, int], route: FlashRoute | None = None) -> RingTables:
     """Host tables of ring position ``index`` (schedules, or FA forms with a ``route``,
-    for its non-empty steps only, all computed together)."""
+    for its non-empty steps only, all computed together; ``vis`` int64 [H, H], numpy)."""
     size = len(holders.max_len)
     n_steps = ring_length(vis)
-    t = torch.arange(n_steps)
+    t = np.arange(n_steps)
     src = ((index - t) % size).tolist()
     mine = (vis[index, (index - t) % size] > 0).tolist()
     # At step t, position index + t computes on our K/V: it sends its partial home.
@@ -73,10 +75,10 @@ def ring_tables(holders: HolderSet, vis: torch.Tensor, index: int, mask: AttnMas
 
 
 # ---- p2p: ranks as holders ----------------------------------------------------------------
-def rank_visibility(plan: CPPlan, mask: AttnMask) -> torch.Tensor:
-    """int64 [cp, cp]: how many of rank j's keys rank s's queries see (> 0: the ring step
-    that brings j's K/V to s computes something)."""
-    return fetch_counts(plan, mask)
+def rank_visibility(plan: CPPlan, mask: AttnMask) -> np.ndarray:
+    """int64 [cp, cp] (numpy): how many of rank j's keys rank s's queries see (> 0: the
+    ring step that brings j's K/V to s computes something)."""
+    return fetch_count_array(plan, mask)
 
 
 def p2p_tables(plan: CPPlan, mask: AttnMask, block: tuple[int, int], rank: int,

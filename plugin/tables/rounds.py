@@ -33,7 +33,8 @@ from ..plan.runs import run_rows
 
 
 def rank_within(group: torch.Tensor) -> torch.Tensor:
-    """int64: index of each element among the elements of its group, in list order."""
+    """int64: index of each element among the elements of its group, in list order
+    (torch: the tests' per-key reference, tests/staged_reference.py, is its reader)."""
     order = torch.argsort(group, stable=True)
     ordered = group[order]
     out = torch.empty_like(group)
@@ -92,12 +93,13 @@ class UniqueRounds:
 
     @classmethod
     def of(cls, rows) -> "UniqueRounds":
-        """Host tables of the list ``rows`` (int64, host tensor or numpy array)."""
-        rows_t = torch.as_tensor(rows)
-        n = rows_t.numel()
-        if n == 0:
-            return cls(None, rows_t, ())
-        return cls(None, rows_t, (*_round_starts(_previous(np.asarray(rows))), n))
+        """Host tables of the list ``rows`` (int64, numpy array or host tensor): the
+        rounds in numpy, ``rows`` handed out as a tensor (what ``index_add_`` reads; a view,
+        no copy)."""
+        rows = np.asarray(rows)
+        if rows.size == 0:
+            return cls(None, torch.from_numpy(rows), ())
+        return cls(None, torch.from_numpy(rows), (*_round_starts(_previous(rows)), rows.size))
 
     @classmethod
     def of_runs(cls, start, length, rows=None) -> "UniqueRounds":
@@ -111,18 +113,16 @@ class UniqueRounds:
         start, length = np.asarray(start), np.asarray(length)
         keep = length > 0
         start, length = start[keep], length[keep]
-        if rows is None:
-            rows = run_rows(start, length)
-        rows_t = torch.as_tensor(rows)
-        n = rows_t.numel()
+        rows = run_rows(start, length) if rows is None else np.asarray(rows)
+        n = rows.size
         if start.size <= 1:
-            return cls(None, rows_t, (n,) if n else ())
+            return cls(None, torch.from_numpy(rows), (n,) if n else ())
         bounds = _sorted_unique(np.concatenate([start, start + length]))
         first = np.searchsorted(bounds, start)
         count = np.searchsorted(bounds, start + length) - first          # pieces per run
         n_pieces = int(count.sum())
         if n_pieces > n:
-            return cls.of(rows_t)
+            return cls.of(rows)
         run = np.repeat(np.arange(start.size, dtype=np.int64), count)
         piece = np.arange(n_pieces, dtype=np.int64) - (np.cumsum(count) - count)[run] \
             + first[run]
@@ -131,7 +131,7 @@ class UniqueRounds:
         last = np.full(start.size, -1, dtype=np.int64)
         np.maximum.at(last, run, clash)
         at = np.cumsum(length) - length            # each run's place in the list
-        return cls(None, rows_t, (*at[_round_starts(last)].tolist(), n))
+        return cls(None, torch.from_numpy(rows), (*at[_round_starts(last)].tolist(), n))
 
     def to(self, device: torch.device) -> "UniqueRounds":
         perm, rows = to_device([self.perm, self.rows], device)

@@ -17,9 +17,9 @@ import numpy as np
 
 from ...masks import AttnMask
 from ...plan import CPPlan
-from ..selected import fetch_counts, pair_counts
+from ..selected import fetch_count_array, pair_count_array
 from ...shape import AttnShape
-from .routes import gather_stage_rows, stage_counts, transfers
+from .routes import gather_stage_rows, stage_array, transfers
 
 
 @dataclass(frozen=True)
@@ -200,14 +200,14 @@ def staged_memory(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape, sta
     returns in flight. Not counted: the kernels' own workspaces, [H, T] tensors (LSE, fold
     weights), index tables."""
     b = shape.dtype_bytes
-    counts = stage_counts(name, plan, mask, stages).numpy()
+    counts = stage_array(name, plan, mask, stages)
     one = stages == 1 and counts.shape[0] > 0      # one call over local and fetched keys
-    own = np.diagonal(fetch_counts(plan, mask).numpy())
-    offsets = plan.rank_offsets().numpy()
+    own = np.diagonal(fetch_count_array(plan, mask))
+    offsets = plan.arrays.rank_offsets
     o, g = shape.n_heads * shape.value_dim, shape.n_heads * shape.head_dim
     w = _Walk(name, plan.cp_size, offsets[1:] - offsets[:-1], counts.sum(2), counts.sum(1),
               own, counts.sum(2) + (own if one else 0),
-              (np.diagonal(pair_counts(plan, mask).numpy()) > 0) & (not one), one,
+              (np.diagonal(pair_count_array(plan, mask)) > 0) & (not one), one,
               gather_stage_rows(plan, transfers(stages)) if name == "all_gather" else (),
               b, shape.kv_row, shape.kv_row * 4 // b, o * b, o * 4, g * b, g * 4,
               (shape.n_kv_heads * shape.head_dim * b, shape.n_kv_heads * shape.value_dim * b))

@@ -21,7 +21,7 @@ import torch
 from ...masks import AttnMask
 from ...plan import CPPlan
 from ..cache import host_table, table_key
-from ..selected import fetch_counts, needed_pieces, needed_spans, runs_by_document
+from ..selected import fetch_count_array, piece_arrays, run_arrays, span_arrays
 
 _BIG = 1 << 40          # cell * _BIG + row: sort keys of (cell, row) pairs
 
@@ -31,39 +31,46 @@ def transfers(stages: int) -> int:
     return max(1, stages - 1)
 
 
-def dispatch_stage_counts(plan: CPPlan, mask: AttnMask, parts: int) -> torch.Tensor:
+# The counts are numpy int64 (``*_array``), what the staged tables, the time model and the
+# memory walk read (the time model asks for six stage counts per mask, each a handful of
+# operations on [cp, cp]); the tensor forms are views for the tests and tools.
+def dispatch_stage_array(plan: CPPlan, mask: AttnMask, parts: int) -> np.ndarray:
     """int64 [P, cp, cp]: keys rank d fetches from rank o in transfer p: each (d, o) list
     cut into ``parts`` equal pieces, so every rank sends and receives 1/P of its rows in
     each (P <= ``parts``: transfers empty everywhere dropped); summed over p it is
-    ``fetch_counts`` off the diagonal (cached; numpy inside: the time model asks for six
-    stage counts per mask, each a handful of operations on [cp, cp])."""
-    def build() -> torch.Tensor:
-        counts = fetch_counts(plan, mask).numpy().copy()
+    ``fetch_counts`` off the diagonal (numpy, cached)."""
+    def build() -> np.ndarray:
+        counts = fetch_count_array(plan, mask).copy()
         np.fill_diagonal(counts, 0)
         cuts = counts[None] * np.arange(parts + 1).reshape(-1, 1, 1) // parts
         steps = cuts[1:] - cuts[:-1]
-        return torch.from_numpy(steps[steps.reshape(parts, -1).sum(1) > 0])
+        return steps[steps.reshape(parts, -1).sum(1) > 0]
     return host_table(plan, table_key("dispatch_stage_counts", mask, None, parts), build)
+
+
+def dispatch_stage_counts(plan: CPPlan, mask: AttnMask, parts: int) -> torch.Tensor:
+    """:func:`dispatch_stage_array` as a tensor (a view)."""
+    return torch.from_numpy(dispatch_stage_array(plan, mask, parts))
 
 
 def gather_stage_rows(plan: CPPlan, parts: int) -> tuple[tuple[int, int], ...]:
     """(lo, hi) of each all_gather transfer: equal slices of the padded local length (the
     largest local token count), empty slices dropped (cached)."""
     def build() -> tuple[tuple[int, int], ...]:
-        offsets = plan.rank_offsets()
+        offsets = plan.arrays.rank_offsets
         stride = int((offsets[1:] - offsets[:-1]).max())
         cuts = [stride * s // parts for s in range(parts + 1)]
         return tuple((a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a)
     return host_table(plan, table_key("gather_stage_rows", None, None, parts), build)
 
 
-def _picked_rows(plan: CPPlan, mask: AttnMask) -> tuple[torch.Tensor, ...]:
+def _picked_rows(plan: CPPlan, mask: AttnMask) -> tuple[np.ndarray, ...]:
     """(destination, owner, first row, end row) of every piece of remote keys a rank picks
     from an owner's local rows (the needed spans cut by the owners' runs; cached)."""
-    def build() -> tuple[torch.Tensor, ...]:
-        holder = needed_spans(plan, mask)[0]
-        part = runs_by_document(plan)
-        span, run, first, length = needed_pieces(plan, mask)
+    def build() -> tuple[np.ndarray, ...]:
+        holder = span_arrays(plan, mask)[0]
+        part = run_arrays(plan, by_document=True)
+        span, run, first, length = piece_arrays(plan, mask)
         dest, owner = holder[span], part.holder[run]
         keep = dest != owner
         row0 = (part.row[run] + first - part.start[run])[keep]
@@ -77,7 +84,7 @@ def _picked_prefix(plan: CPPlan, mask: AttnMask) -> tuple[np.ndarray, ...]:
     what counts a cell's picked rows below any row with one search."""
     def build() -> tuple[np.ndarray, ...]:
         cp = plan.cp_size
-        dest, owner, row0, row1 = (t.numpy() for t in _picked_rows(plan, mask))
+        dest, owner, row0, row1 = _picked_rows(plan, mask)
         cell = dest * cp + owner
         order = np.argsort(cell * _BIG + row0, kind="stable")
         keys, lo, hi = (cell * _BIG + row0)[order], row0[order], row1[order]
@@ -86,13 +93,14 @@ def _picked_prefix(plan: CPPlan, mask: AttnMask) -> tuple[np.ndarray, ...]:
     return host_table(plan, table_key("picked_prefix", mask), build)
 
 
-def gather_stage_counts(plan: CPPlan, mask: AttnMask, parts: int) -> torch.Tensor:
+def gather_stage_array(plan: CPPlan, mask: AttnMask, parts: int) -> np.ndarray:
     """int64 [P, cp, cp]: keys rank d picks from rank o's rows of all_gather transfer p
     (exact, from the needed spans cut by the owners' runs; one per non-empty slice of
     ``gather_stage_rows``) (cached). A cell's picked rows below row x are one search in
     its sorted pieces (they never overlap: one destination's keys), so each count is a
-    difference at the slice's two ends: cp^2 x (P + 1) searches, whatever the pieces."""
-    def build() -> torch.Tensor:
+    difference at the slice's two ends: cp^2 x (P + 1) searches, whatever the pieces.
+    numpy."""
+    def build() -> np.ndarray:
         cp = plan.cp_size
         rows = gather_stage_rows(plan, parts)
         keys, lo, hi, before = _picked_prefix(plan, mask)
@@ -105,16 +113,26 @@ def gather_stage_counts(plan: CPPlan, mask: AttnMask, parts: int) -> torch.Tenso
         over = np.where(j > first, np.maximum(hi[last] - x, 0), 0) if keys.size else 0
         below = before[j] - before[first] - over                 # [P + 1, cp^2]
         out = below[1:] - below[:-1]
-        return torch.from_numpy(np.ascontiguousarray(out).reshape(len(rows), cp, cp))
+        return np.ascontiguousarray(out).reshape(len(rows), cp, cp)
     return host_table(plan, table_key("gather_stage_counts", mask, None, parts), build)
 
 
-def stage_counts(name: str, plan: CPPlan, mask: AttnMask, stages: int) -> torch.Tensor:
-    """[P, cp, cp]: keys rank d takes from rank o in each transfer of ``name`` with
-    ``stages`` stages."""
+def gather_stage_counts(plan: CPPlan, mask: AttnMask, parts: int) -> torch.Tensor:
+    """:func:`gather_stage_array` as a tensor (a view)."""
+    return torch.from_numpy(gather_stage_array(plan, mask, parts))
+
+
+def stage_array(name: str, plan: CPPlan, mask: AttnMask, stages: int) -> np.ndarray:
+    """int64 [P, cp, cp]: keys rank d takes from rank o in each transfer of ``name`` with
+    ``stages`` stages (numpy)."""
     if name == "dispatch":
-        return dispatch_stage_counts(plan, mask, transfers(stages))
-    return gather_stage_counts(plan, mask, transfers(stages))
+        return dispatch_stage_array(plan, mask, transfers(stages))
+    return gather_stage_array(plan, mask, transfers(stages))
+
+
+def stage_counts(name: str, plan: CPPlan, mask: AttnMask, stages: int) -> torch.Tensor:
+    """:func:`stage_array` as a tensor (a view)."""
+    return torch.from_numpy(stage_array(name, plan, mask, stages))
 
 
 # ---- runs of keys cut at the transfers' bounds -----------------------------------------------

@@ -31,10 +31,10 @@ from ..flash_form import FlashRoute
 from ..holders import Holder, HolderSet, KernelCall, rank_holder, set_calls
 from ..cache import cached_table, host_table, table_key
 from ..rounds import UniqueRounds
-from ..selected import needed_spans, run_arrays
+from ..selected import run_arrays, span_arrays
 from ..spans import span_pieces
-from .routes import (cut_runs, dispatch_stage_counts, gather_stage_counts, gather_stage_rows,
-                        index_in_group, transfers)
+from .routes import (cut_runs, dispatch_stage_array, gather_stage_array, gather_stage_rows,
+                     index_in_group, transfers)
 
 _BIG = 1 << 40          # owner * _BIG + slot: sort keys of (owner, slot) pairs
 
@@ -132,7 +132,7 @@ def selection_runs(plan: CPPlan, mask: AttnMask, rank: int) -> KeyRuns:
     """The keys ``rank``'s queries see, as runs in (document, position) order (the order
     of the tests' ``select_keys``); ``peer`` is the owner (cached)."""
     def build() -> KeyRuns:
-        holder, doc, lo, hi = (t.numpy() for t in needed_spans(plan, mask))
+        holder, doc, lo, hi = span_arrays(plan, mask)
         mine = holder == rank
         part = run_arrays(plan, by_document=True)
         _, run, first, length = span_pieces(doc[mine], lo[mine], hi[mine], part.doc,
@@ -148,7 +148,7 @@ def given_runs(plan: CPPlan, mask: AttnMask, rank: int) -> KeyRuns:
     the tests' ``sent_keys``); ``slot`` is the place in the destination's list of keys from
     ``rank`` (cached)."""
     def build() -> KeyRuns:
-        holder, doc, lo, hi = (t.numpy() for t in needed_spans(plan, mask))
+        holder, doc, lo, hi = span_arrays(plan, mask)
         runs = run_arrays(plan)
         ours = runs.holder == rank   # sorted by (doc, start) already
         m_doc, m_start, m_row = runs.doc[ours], runs.start[ours], runs.row[ours]
@@ -210,7 +210,7 @@ def _assemble(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int], s
         splits = np.bincount(out.peer, weights=out.length, minlength=cp).astype(np.int64)
         fields = dict(back_splits=tuple(counts[p, rank].tolist()), in_rows=_tensor(in_rows),
                       in_splits=tuple(splits.tolist()), lo=lo, hi=hi,
-                      rounds=UniqueRounds.of_runs(out.row, out.length, _tensor(in_rows)))
+                      rounds=UniqueRounds.of_runs(out.row, out.length, in_rows))
         fields["gather"] = _tensor(_spread(mine, buf)[0])
         if stages == 1:   # one call over every key: local ones too, in their call slots
             sel = selection_runs(plan, mask, rank)
@@ -244,7 +244,7 @@ def _dispatch_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, 
                      stages: int, route: FlashRoute | None) -> StagedTables:
     """Dispatch: each (d, o) list of keys cut into equal transfers (``transfers``)."""
     cp = plan.cp_size
-    counts = dispatch_stage_counts(plan, mask, transfers(stages)).numpy()   # [P, d, o]
+    counts = dispatch_stage_array(plan, mask, transfers(stages))   # [P, d, o]
     ends = np.cumsum(counts, 0)                                      # inclusive, per (d, o)
     begins = ends - counts
     sel = selection_runs(plan, mask, rank)
@@ -285,7 +285,7 @@ def _gather_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, in
     grun, gstage, goffset, glength = cut_runs(given.row, given.length,
                                               np.broadcast_to(los, (m, los.size)),
                                               np.broadcast_to(his, (m, his.size)))
-    counts = gather_stage_counts(plan, mask, transfers(stages)).numpy()
+    counts = gather_stage_array(plan, mask, transfers(stages))
     return _assemble(plan, mask, rank, block, stages, counts, fetched, stage, buffer,
                      given.take(grun, goffset, glength), gstage, slices, route)
 

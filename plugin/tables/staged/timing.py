@@ -39,10 +39,10 @@ from ...masks import AttnMask
 from ...plan import CPPlan
 from ..cost_model import CostModel, check_model
 from ..cache import host_table, table_key
-from ..selected import fetch_counts, pair_counts
+from ..selected import fetch_count_array, pair_count_array
 from ...shape import AttnShape
 from .memory import staged_memory
-from .routes import gather_stage_rows, stage_counts, transfers
+from .routes import gather_stage_rows, stage_array, transfers
 
 MAX_STAGES = 8          # the default search range; a user may ask for more
 # S values the default tries: the times of neighbouring S differ by little once S passes 4.
@@ -91,10 +91,10 @@ class _Rates:
 
 
 def _rates(plan: CPPlan, mask: AttnMask, shape: AttnShape) -> _Rates:
-    vis = pair_counts(plan, mask).numpy()
-    offsets = plan.rank_offsets().numpy()
+    vis = pair_count_array(plan, mask)
+    offsets = plan.arrays.rank_offsets
     tokens = offsets[1:] - offsets[:-1]
-    return _Rates(vis, np.maximum(fetch_counts(plan, mask).numpy(), 1), np.diagonal(vis),
+    return _Rates(vis, np.maximum(fetch_count_array(plan, mask), 1), np.diagonal(vis),
                   tokens * (shape.n_heads * shape.value_dim),
                   tokens * (shape.n_heads * shape.head_dim))
 
@@ -110,7 +110,7 @@ def _simulate(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape, model: 
     cp = plan.cp_size
     f_fwd, f_bwd = _flops_per_pair(shape)
     rate, bw, row = model.flops_per_s, model.bytes_per_s, shape.kv_row
-    per = [stage_counts(name, plan, mask, s).numpy() for s in stage_list]      # [P, d, o]
+    per = [stage_array(name, plan, mask, s) for s in stage_list]      # [P, d, o]
     sizes = [c.shape[0] for c in per]
     first = np.cumsum([0] + sizes)
     counts = np.concatenate(per)
