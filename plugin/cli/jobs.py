@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ..config import CPConfig, AttnShape
+from ..plan.cpplan import MAX_CP_SIZE
 from ..masks import AttnMask
 from ..report import LayerType, layer_types
 
@@ -240,6 +241,9 @@ def with_flags(job: Job | None, args: Any) -> Job:
                   AttnShape(n_heads=args.heads, n_kv_heads=args.kv_heads or args.heads,
                             head_dim=128))
     cp = job.cp if args.cp is None else _int(args.cp, "--cp")
+    if cp > MAX_CP_SIZE:   # before any plan: the message names the flag
+        raise ValueError(f"--cp must be at most {MAX_CP_SIZE} (a plan's rank-pair tables "
+                         f"grow with cp**2), got {cp}")
     options = {k: getattr(args, k) for k in OPTION_FLAGS if getattr(args, k) is not None}
     config = job.config
     if options:

@@ -56,6 +56,7 @@ from ..config import BACKENDS, LAYOUTS, STRATEGY_CHOICES
 from ..resolve import check_heads
 from ..mixes import MIXES
 from ..options import AttnOptions
+from ..plan.cpplan import MAX_CP_SIZE
 from ..prefetch import build_plan
 from ..report import Backends, PlanReport, plan_report
 from ..report.text import (coverage_lines, fmt_bytes, fmt_share, fmt_time, headline,
@@ -153,6 +154,9 @@ def sweep_values(text: str | None, job: jobs.Job, tokens: int) -> list[int]:
             raise ValueError(f"--sweep must be comma-separated ints, got {text!r}") from None
         if not values or min(values) < 2:
             raise ValueError(f"--sweep values must be ints >= 2, got {text!r}")
+        if max(values) > MAX_CP_SIZE:
+            raise ValueError(f"--sweep values must be at most {MAX_CP_SIZE} (a plan's "
+                             f"rank-pair tables grow with cp**2), got {max(values)}")
     return sorted(c for c in values if c >= 2)
 
 

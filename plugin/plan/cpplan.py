@@ -49,6 +49,11 @@ from .tokens import TokenTables, expand_pieces
 
 MAX_DOC_TOKENS = 1 << 30          # real positions < 2**30 (kernels/validation.py)
 MAX_TOTAL_TOKENS = (1 << 31) - 1  # int32 cu_seqlens and row offsets
+MAX_CP_SIZE = 4096
+"""The largest cp_size a plan is built for: its rank-pair tables (which ranks' keys each
+rank's queries see, bytes between ranks) hold cp_size**2 entries, 128 MiB each in int64 at
+4096, and the layouts cut a document into up to 2 * cp_size pieces; a cp_size of 10**6 on a
+20-token batch took 42 s and 11.7 GB. No CP group of a real job comes near it."""
 
 
 def _check_cu_seqlens(cu: Any) -> np.ndarray:
@@ -92,6 +97,9 @@ def _check_params(cp_size: Any, cp_rank: Any, spec: LayoutSpec) -> LayoutSpec:
     ``te``'s ``pad_multiple`` resolved (its other fields were checked when it was built)."""
     if not is_int(cp_size) or cp_size < 1:
         raise ValueError(f"cp_size must be an int >= 1, got {cp_size!r}")
+    if cp_size > MAX_CP_SIZE:
+        raise ValueError(f"cp_size must be at most {MAX_CP_SIZE} (a plan's rank-pair tables "
+                         f"grow with cp_size**2), got {cp_size}")
     if not is_int(cp_rank) or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}")
     if not isinstance(spec, TE):

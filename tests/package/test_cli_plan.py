@@ -217,6 +217,10 @@ def test_stock_torchtitan_model():
     (["--mix", "short_4k", "--cp", "2", "--heads", "4", "--backend", "cuda"],
      "--backend: backend must be one of"),
     (["--config", str(REPO / "README.md"), "--mix", "short_4k"], "not valid TOML"),
+    # sizes a plan's memory grows with: refused before anything is built (issue 29)
+    (["--mix", "short_4k", "--cp", "100000", "--heads", "4"], "--cp must be at most 4096"),
+    (["--mix", "short_4k", "--cp", "2", "--heads", "4", "--sweep", "2,1000000"],
+     "--sweep values must be at most 4096"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, args, message):
     rc, out, err = run_cli(capsys, *args)

@@ -234,6 +234,8 @@ def _bad_build(**over):
     ({"cp_size": 0}, "cp_size"),
     ({"cp_size": 2.0}, "cp_size"),
     ({"cp_size": True}, "cp_size"),
+    ({"cp_size": 4097}, "cp_size must be at most 4096 .*cp_size[*][*]2"),
+    ({"cp_size": 2 ** 40}, "cp_size must be at most 4096"),
     ({"cp_rank": -1}, "cp_rank"),
     ({"cp_rank": 2}, "cp_rank"),
     ({"layout": "ring"}, "layout"),
