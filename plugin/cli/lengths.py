@@ -10,13 +10,23 @@ to end in their order and cut into rows of ``seq_len`` tokens; a document that c
 row end continues as a new document in the next row (every row starts a document, as
 ``trainer.packed_cu_seqlens`` counts them); ``rows`` rows make one batch, whose
 ``cu_seqlens`` the plan is built from. A last incomplete batch is dropped.
+
+Real corpora are large (a 1e9-token corpus is ~1e6 documents; one document may be longer
+than all the batches analysed together), so the files are read in one pass, line by line,
+keeping only the documents that reach into the batches analysed (:func:`scan`: the rest are
+counted, not kept), and :func:`pack` builds only the batches asked for, each from a binary
+search of the document ends: time and memory grow with the file's size and the batches
+analysed, never with the square of the batch count (``bench/cli_corpus.py``).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable, Iterator
 
+import numpy as np
 import torch
 
 from ..mixes import MIXES
@@ -28,30 +38,32 @@ def _positive(value: object, where: str) -> int:
     return value
 
 
-def read_lengths_file(path: str | Path) -> list[int]:
-    """Integers of a text file (spaces, commas or newlines between them; ``#`` comments)."""
+def _file(path: str | Path, flag: str) -> Path:
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"--lengths: no such file {str(p)!r}")
-    out = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        for token in line.split("#", 1)[0].replace(",", " ").split():
-            try:
-                value = int(token)
-            except ValueError:
-                raise ValueError(f"--lengths: {p}:{n}: {token!r} is not an integer") from None
-            out.append(_positive(value, f"--lengths: {p}:{n}"))
-    if not out:
-        raise ValueError(f"--lengths: {p} holds no lengths")
-    return out
+        raise ValueError(f"{flag}: no such file {str(p)!r}")
+    return p
 
 
-def read_jsonl(path: str | Path, field: str) -> list[int]:
-    """The ``field`` of every record of a JSONL file: an int, or a list (its length)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"--jsonl: no such file {str(p)!r}")
-    out = []
+def iter_lengths_file(path: str | Path) -> Iterator[int]:
+    """The integers of a text file (spaces, commas or newlines between them; ``#``
+    comments), read line by line."""
+    p = _file(path, "--lengths")
+    with p.open() as f:
+        for n, line in enumerate(f, 1):
+            for token in line.split("#", 1)[0].replace(",", " ").split():
+                try:
+                    value = int(token)
+                except ValueError:
+                    raise ValueError(f"--lengths: {p}:{n}: {token!r} is not an "
+                                     f"integer") from None
+                yield _positive(value, f"--lengths: {p}:{n}")
+
+
+def iter_jsonl(path: str | Path, field: str) -> Iterator[int]:
+    """The ``field`` of every record of a JSONL file (an int, or a list: its length), read
+    record by record."""
+    p = _file(path, "--jsonl")
     with p.open() as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -67,9 +79,50 @@ def read_jsonl(path: str | Path, field: str) -> list[int]:
             value = record[field]
             if isinstance(value, list):
                 value = len(value)
-            out.append(_positive(value, f"--jsonl: {p}:{n}: field {field!r}"))
+            yield _positive(value, f"--jsonl: {p}:{n}: field {field!r}")
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """One pass over a corpus' lengths: ``head``, the documents up to the one that reaches
+    the kept token count (all of them when the corpus is shorter), and the whole corpus'
+    document count, token count and longest document."""
+
+    head: list[int]
+    n_docs: int
+    tokens: int
+    longest: int
+
+
+def scan(values: Iterable[int], keep_tokens: int, what: str) -> Corpus:
+    """Read ``values`` once, keeping the documents the first ``keep_tokens`` tokens touch;
+    ``what`` names the source in the error for an empty one."""
+    head: list[int] = []
+    n = tokens = longest = 0
+    for value in values:
+        if tokens < keep_tokens:
+            head.append(value)
+        n += 1
+        tokens += value
+        longest = max(longest, value)
+    if not n:
+        raise ValueError(f"{what} holds no lengths")
+    return Corpus(head, n, tokens, longest)
+
+
+def read_lengths_file(path: str | Path) -> list[int]:
+    """Every integer of a text file of lengths (:func:`iter_lengths_file`)."""
+    out = list(iter_lengths_file(path))
     if not out:
-        raise ValueError(f"--jsonl: {p} holds no records")
+        raise ValueError(f"--lengths: {Path(path)} holds no lengths")
+    return out
+
+
+def read_jsonl(path: str | Path, field: str) -> list[int]:
+    """The ``field`` of every record of a JSONL file (:func:`iter_jsonl`)."""
+    out = list(iter_jsonl(path, field))
+    if not out:
+        raise ValueError(f"--jsonl: {Path(path)} holds no records")
     return out
 
 
@@ -80,26 +133,38 @@ def mix_lengths(name: str, total: int) -> list[int]:
     return MIXES[name](total)
 
 
-def pack(lengths: list[int], seq_len: int, rows: int = 1) -> list[torch.Tensor]:
-    """Every full batch of ``rows`` rows of ``seq_len`` tokens, as its ``cu_seqlens`` (int64,
-    CPU), documents cut at row ends (module docstring)."""
+def count_batches(tokens: int, seq_len: int, rows: int = 1) -> int:
+    """How many full batches of ``rows`` x ``seq_len`` tokens ``tokens`` packed tokens make
+    (ValueError for a bad size or fewer than one)."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"--seq-len must be an int >= 1, got {seq_len!r}")
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
         raise ValueError(f"rows per batch must be an int >= 1, got {rows!r}")
-    ends = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    step = seq_len * rows
-    n_batches = int(ends[-1]) // step
+    n_batches = tokens // (seq_len * rows)
     if n_batches == 0:
-        raise ValueError(f"the documents hold {int(ends[-1])} tokens, fewer than one batch "
+        raise ValueError(f"the documents hold {tokens} tokens, fewer than one batch "
                          f"of {rows} x {seq_len} (--seq-len); give more documents or a "
                          f"shorter --seq-len")
-    row_ends = torch.arange(1, n_batches * rows + 1, dtype=torch.int64) * seq_len
-    # every document end and every row end inside the packed batches is a boundary
-    cuts = torch.unique(torch.cat([ends[ends < n_batches * step], row_ends]))
+    return n_batches
+
+
+def pack(lengths: list[int], seq_len: int, rows: int = 1, limit: int | None = None
+         ) -> list[torch.Tensor]:
+    """The first ``limit`` (None: every) full batches of ``rows`` rows of ``seq_len``
+    tokens, as their ``cu_seqlens`` (int64, CPU), documents cut at row ends (module
+    docstring)."""
+    ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
+    step = seq_len * rows
+    n_batches = count_batches(int(ends[-1]) if ends.size else 0, seq_len, rows)
+    if limit is not None:
+        n_batches = min(n_batches, limit)
+    row_ends = seq_len * np.arange(1, rows + 1, dtype=np.int64)
     out = []
     for b in range(n_batches):
-        lo, hi = b * step, (b + 1) * step
-        inside = cuts[(cuts > lo) & (cuts <= hi)] - lo
-        out.append(torch.cat([torch.zeros(1, dtype=torch.int64), inside]))
+        lo = b * step
+        # every document end and every row end in (lo, lo + step] is a boundary
+        inside = ends[np.searchsorted(ends, lo, "right"):np.searchsorted(ends, lo + step,
+                                                                         "right")]
+        cuts = np.union1d(inside - lo, row_ends)
+        out.append(torch.from_numpy(np.concatenate([np.zeros(1, np.int64), cuts])))
     return out

@@ -120,19 +120,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---- inputs -------------------------------------------------------------------------------
-def read_documents(args: Any, job: jobs.Job) -> tuple[list[int], str]:
+def read_documents(args: Any, job: jobs.Job, keep_tokens: int) -> tuple[lengths.Corpus, str]:
+    """One pass over the documents (``lengths.scan``), keeping those the first
+    ``keep_tokens`` tokens (the batches analysed) touch."""
     given = [f for f in ("lengths", "jsonl", "mix") if getattr(args, f)]
     if len(given) != 1:
         raise ValueError(f"give exactly one of --lengths, --jsonl, --mix (got "
                          f"{', '.join('--' + g for g in given) or 'none'})")
     if args.lengths:
-        return lengths.read_lengths_file(args.lengths), f"from {args.lengths}"
+        return (lengths.scan(lengths.iter_lengths_file(args.lengths), keep_tokens,
+                             f"--lengths: {args.lengths}"), f"from {args.lengths}")
     if args.jsonl:
-        return (lengths.read_jsonl(args.jsonl, args.length_field),
+        return (lengths.scan(lengths.iter_jsonl(args.jsonl, args.length_field), keep_tokens,
+                             f"--jsonl: {args.jsonl}"),
                 f"from {args.jsonl} (field {args.length_field!r})")
     total = args.tokens if args.tokens is not None else 4 * (job.seq_len or 131072) * job.rows
     jobs._int(total, "--tokens")
-    return lengths.mix_lengths(args.mix, total), f"of mix {args.mix!r}"
+    return (lengths.scan(lengths.mix_lengths(args.mix, total), keep_tokens, "--mix"),
+            f"of mix {args.mix!r}")
 
 
 def check_job(job: jobs.Job) -> None:
@@ -310,14 +315,15 @@ def run(args: Any) -> int:
     backends = Backends.planned(job.config.backend, job.shape)
     jobs._int(args.batches, "--batches")
     cps = sweep_values(args.sweep, job, job.seq_len * job.rows)
-    docs, where = read_documents(args, job)
-    batches = lengths.pack(docs, job.seq_len, job.rows)
+    corpus, where = read_documents(args, job, args.batches * job.seq_len * job.rows)
+    n_batches = lengths.count_batches(corpus.tokens, job.seq_len, job.rows)
+    batches = lengths.pack(corpus.head, job.seq_len, job.rows, limit=args.batches)
     start = time.perf_counter()
-    analysed = [analyse(job, cu, job.cp, model, backends) for cu in batches[:args.batches]]
+    analysed = [analyse(job, cu, job.cp, model, backends) for cu in batches]
     plan0, reps = analysed[0][0], [rep for _, rep in analysed]
-    desc = (f"{len(docs)} lengths {where} ({sum(docs)} tokens, mean "
-            f"{sum(docs) / len(docs):.0f}, max {max(docs)})")
-    lines = report_text(job, desc, reps, len(batches), model)
+    desc = (f"{corpus.n_docs} lengths {where} ({corpus.tokens} tokens, mean "
+            f"{corpus.tokens / corpus.n_docs:.0f}, max {corpus.longest})")
+    lines = report_text(job, desc, reps, n_batches, model)
     sweep_data, chosen = sweep(job, batches[0], cps, model) if cps else ({}, {})
     if sweep_data:
         lines.append("strategies vs cp (batch 0, model per step): " + "; ".join(
@@ -329,7 +335,7 @@ def run(args: Any) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(
-            report_json(job, desc, reps, len(batches), sweep_data, chosen), indent=1))
+            report_json(job, desc, reps, n_batches, sweep_data, chosen), indent=1))
         lines.append(f"json: {args.json}")
     print("\n".join(lines))
     return 0
