@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ..config import CPConfig, AttnShape
+from ..kernels.validation import MAX_HEAD_DIM
 from ..plan.cpplan import MAX_CP_SIZE
 from ..masks import AttnMask
 from ..report import LayerType, layer_types
@@ -199,8 +200,15 @@ def parse_mask(text: str) -> tuple[AttnMask, int]:
             raise ValueError(f"--mask {text!r}: the layer count after ':' must be an int "
                              f">= 1, got {layers!r}")
     causal, window, chunk = True, (-1, -1), None
+    given: dict[str, str] = {}   # kind of term -> the term that set it
     for term in spec.split("+"):
         name, _, value = term.strip().partition("=")
+        kind = "causal/full" if name in ("causal", "full") else name
+        if kind in given:   # a second term of a kind would silently override the first
+            raise ValueError(f"--mask {text!r}: {term.strip()!r} repeats or contradicts "
+                             f"{given[kind]!r}; give each of causal / full, chunk=, window= "
+                             f"at most once")
+        given[kind] = term.strip()
         try:
             if name == "causal" and not value:
                 causal = True
@@ -282,6 +290,12 @@ def with_flags(job: Job | None, args: Any) -> Job:
             shape = dataclasses.replace(shape, **changes)
         except ValueError as e:
             raise ValueError(f"heads: {e}") from None
+    for key, dim in (("head_dim", shape.head_dim), ("head_dim_v", shape.value_dim)):
+        if dim > MAX_HEAD_DIM:   # as the kernels refuse it (kernels.validation)
+            where = ("--" + key.replace("_", "-") if key in changes
+                     else f"{job.source}: the model's {key}")
+            raise ValueError(f"{where} must be at most {MAX_HEAD_DIM} (the kernels' limit), "
+                             f"got {dim}")
     seq_len = job.seq_len if args.seq_len is None else _int(args.seq_len, "--seq-len")
     changed = job.source != "command line" and (options or args.mask or changes or args.cp)
     return Job(f"{job.source} with command-line changes" if changed else job.source, cp,

@@ -218,6 +218,17 @@ def test_stock_torchtitan_model():
     (["--mix", "short_4k", "--cp", "2", "--heads", "4", "--backend", "cuda"],
      "--backend: backend must be one of"),
     (["--config", str(REPO / "README.md"), "--mix", "short_4k"], "not valid TOML"),
+    # contradictory or repeated mask terms, head dims the kernels refuse (issue 29)
+    (["--mix", "short_4k", "--cp", "2", "--heads", "4", "--mask", "causal+full"],
+     "'full' repeats or contradicts 'causal'"),
+    (["--mix", "short_4k", "--cp", "2", "--heads", "4", "--mask", "chunk=8192+chunk=64"],
+     "'chunk=64' repeats or contradicts 'chunk=8192'"),
+    (["--mix", "short_4k", "--cp", "2", "--heads", "4", "--mask", "window=8+window=16"],
+     "'window=16' repeats or contradicts 'window=8'"),
+    (["--mix", "short_4k", "--cp", "2", "--heads", "4", "--head-dim", "300"],
+     "--head-dim must be at most 256"),
+    (["--mix", "short_4k", "--cp", "2", "--heads", "4", "--head-dim-v", "512"],
+     "--head-dim-v must be at most 256"),
     # sizes a plan's memory grows with: refused before anything is built (issue 29)
     (["--mix", "short_4k", "--cp", "100000", "--heads", "4"], "--cp must be at most 4096"),
     (["--mix", "short_4k", "--cp", "2", "--heads", "4", "--sweep", "2,1000000"],
