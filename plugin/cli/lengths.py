@@ -21,6 +21,7 @@ analysed, never with the square of the batch count (``bench/cli_corpus.py``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,12 +46,29 @@ def _file(path: str | Path, flag: str) -> Path:
     return p
 
 
+@contextlib.contextmanager
+def _text(p: Path, flag: str) -> Iterator[Iterator[tuple[int, str]]]:
+    """(line number, line) of a UTF-8 text file; a byte that is not UTF-8 is a ValueError
+    naming the flag, the file and the line (not Python's codec message alone)."""
+    with p.open(encoding="utf-8") as f:
+        def lines() -> Iterator[tuple[int, str]]:
+            n = 0
+            try:
+                for n, line in enumerate(f, 1):
+                    yield n, line
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{flag}: {p}: not UTF-8 text after line {n} "
+                                 f"({e.reason}, byte {e.object[e.start:e.start + 1]!r})"
+                                 ) from None
+        yield lines()
+
+
 def iter_lengths_file(path: str | Path) -> Iterator[int]:
     """The integers of a text file (spaces, commas or newlines between them; ``#``
     comments), read line by line."""
     p = _file(path, "--lengths")
-    with p.open() as f:
-        for n, line in enumerate(f, 1):
+    with _text(p, "--lengths") as lines:
+        for n, line in lines:
             for token in line.split("#", 1)[0].replace(",", " ").split():
                 try:
                     value = int(token)
@@ -64,8 +82,8 @@ def iter_jsonl(path: str | Path, field: str) -> Iterator[int]:
     """The ``field`` of every record of a JSONL file (an int, or a list: its length), read
     record by record."""
     p = _file(path, "--jsonl")
-    with p.open() as f:
-        for n, line in enumerate(f, 1):
+    with _text(p, "--jsonl") as lines:
+        for n, line in lines:
             if not line.strip():
                 continue
             try:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -306,6 +307,27 @@ def report_json(job: jobs.Job, docs: str, reps: list[PlanReport], n_batches: int
 
 
 # ---- main ---------------------------------------------------------------------------------
+def check_outputs(args: Any) -> None:
+    """``--json`` names a file that can be written and ``--out`` a folder that can be,
+    checked before the analysis (nothing is created yet), so a typo costs no planning."""
+    for flag, value, is_dir in (("--json", args.json, False), ("--out", args.out, True)):
+        if not value:
+            continue
+        p = Path(value)
+        folder = p if is_dir else p.parent
+        if not is_dir and p.is_dir():
+            raise ValueError(f"{flag}: {p} is a folder; give a file name")
+        if is_dir and p.exists() and not p.is_dir():
+            raise ValueError(f"{flag}: {p} exists and is not a folder")
+        base = folder   # the nearest existing folder above: where it would be made
+        while not base.exists() and base != base.parent:
+            base = base.parent
+        if not base.is_dir():
+            raise ValueError(f"{flag}: cannot make the folder {folder}: {base} is a file")
+        if not os.access(base, os.W_OK):
+            raise ValueError(f"{flag}: the folder {base} is not writable")
+
+
 def run(args: Any) -> int:
     model = CostModel(flops_per_s=args.flops, bytes_per_s=args.bandwidth)
     job = jobs.with_flags(jobs.read_job(args.config) if args.config else None, args)
@@ -314,6 +336,7 @@ def run(args: Any) -> int:
     check_job(job)
     backends = Backends.planned(job.config.backend, job.shape)
     jobs._int(args.batches, "--batches")
+    check_outputs(args)
     cps = sweep_values(args.sweep, job, job.seq_len * job.rows)
     corpus, where = read_documents(args, job, args.batches * job.seq_len * job.rows)
     n_batches = lengths.count_batches(corpus.tokens, job.seq_len, job.rows)
@@ -363,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # argparse: usage errors exit 2
     try:
         return run(args)
-    except ValueError as e:
+    except (ValueError, OSError) as e:   # a user's mistake (or the disk's): one line
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
 

@@ -323,3 +323,31 @@ def test_corpus_size_costs_linear_time(tmp_path, capsys):
                            "--head-dim", "64", "--seq-len", "1024", "--batches", "1",
                            "--sweep", "2")
     assert rc == 0 and "976562500 batches" in out, (err, out[:400])
+
+
+def test_bad_outputs_and_undecodable_inputs_exit_2_before_planning(tmp_path, capsys,
+                                                                   monkeypatch):
+    """--json naming a folder, --out naming a file, an output under a file, and a lengths /
+    JSONL file with a byte that is not UTF-8: one line naming the flag and the file, exit
+    2, and no planning done (issue 29: these were tracebacks after the whole analysis)."""
+    job = ["--mix", "short_4k", "--cp", "2", "--heads", "4"]
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    planned = []
+    monkeypatch.setattr(plan, "analyse", lambda *a, **k: planned.append(1))
+    for args, message in (
+            (["--json", str(tmp_path)], f"--json: {tmp_path} is a folder"),
+            (["--out", str(a_file)], f"--out: {a_file} exists and is not a folder"),
+            (["--json", str(a_file / "rep.json")], f"--json: cannot make the folder "
+                                                    f"{a_file}")):
+        rc, out, err = run_cli(capsys, *job, *args)
+        assert rc == 2 and out == "" and message in err and err.count("\n") == 1, err
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"100\n200\n\xff\xfe\n")
+    bad_jsonl = tmp_path / "bad.jsonl"
+    bad_jsonl.write_bytes(b'{"length": 5}\n\xff\n')
+    for flag, path in (("--lengths", bad), ("--jsonl", bad_jsonl)):
+        rc, out, err = run_cli(capsys, flag, str(path), "--cp", "2", "--heads", "4")
+        assert rc == 2 and out == "" and err.count("\n") == 1, err
+        assert f"{flag}: {path}: not UTF-8 text" in err, err
+    assert not planned
