@@ -128,22 +128,6 @@ def scan(values: Iterable[int], keep_tokens: int, what: str) -> Corpus:
     return Corpus(head, n, tokens, longest)
 
 
-def read_lengths_file(path: str | Path) -> list[int]:
-    """Every integer of a text file of lengths (:func:`iter_lengths_file`)."""
-    out = list(iter_lengths_file(path))
-    if not out:
-        raise ValueError(f"--lengths: {Path(path)} holds no lengths")
-    return out
-
-
-def read_jsonl(path: str | Path, field: str) -> list[int]:
-    """The ``field`` of every record of a JSONL file (:func:`iter_jsonl`)."""
-    out = list(iter_jsonl(path, field))
-    if not out:
-        raise ValueError(f"--jsonl: {Path(path)} holds no records")
-    return out
-
-
 def mix_lengths(name: str, total: int) -> list[int]:
     """The synthetic mix ``name`` for ``total`` tokens."""
     if name not in MIXES:

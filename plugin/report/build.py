@@ -159,19 +159,18 @@ def layer_report(plan: CPPlan, layer: LayerType, shape: AttnShape, *,
     strategy's estimate too (the expensive part); ``backends``: the backend coverage of
     the running strategy on ``plan.cp_rank`` with that route and tiles (None: not
     computed)."""
-    cs = shape
     mask = layer.mask
     name = resolve_strategy(plan, layer, shape) if plan.cp_size > 1 else LOCAL
     stages = None
     if plan.cp_size > 1 and name in STAGED_STRATEGIES:
-        stages = resolve_stages(plan, mask, name, cs, overlap_stages)
+        stages = resolve_stages(plan, mask, name, shape, overlap_stages)
     counts = fetch_count_array(plan, mask)
-    floor = ((counts.sum(1) - counts.diagonal()) * cs.kv_row).tolist()
+    floor = ((counts.sum(1) - counts.diagonal()) * shape.kv_row).tolist()
     if plan.cp_size == 1:
         sent = [0]
     else:
         a2a = layer.a2a_size if takes(name, "a2a_size") else None
-        by_pass = catalogue.bytes_sent(name, plan, mask, cs, a2a)
+        by_pass = catalogue.bytes_sent(name, plan, mask, shape, a2a)
         sent = [f + b for f, b in zip(by_pass["fwd"], by_pass["bwd"])]
     table = auto_pick = None
     if with_estimates and plan.cp_size > 1:

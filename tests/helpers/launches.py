@@ -45,3 +45,12 @@ class GroupLaunches:
         if not ok:
             raise AssertionError(f"the launch of {dict(zip(self.group, key))} failed:\n{value}")
         return value
+
+
+def assert_case_clean(per_rank: list[dict], case: Any,
+                      messages: Callable[[Any], list[str]] = lambda entry: entry) -> None:
+    """Every rank's results (one dict per rank, keyed by case) hold ``case`` and no error
+    for it; ``messages`` reads the error list out of a case's entry."""
+    assert all(case in r for r in per_rank), "a rank did not run this case"
+    found = [msg for r in per_rank for msg in messages(r[case])]
+    assert not found, "\n".join(found)

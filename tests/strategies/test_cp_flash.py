@@ -25,7 +25,7 @@ from tests.dist_utils import run_distributed
 from tests.helpers.cp_grid import (DOCS, HEADS, LAYOUTS, MASKS, NAMES, check_padding, cp_run,
                                    dense, gather, global_inputs)
 from tests.helpers.lanes import fast_first, slow
-from tests.helpers.launches import GroupLaunches
+from tests.helpers.launches import GroupLaunches, assert_case_clean
 from varlen_cp import AttnOptions
 
 STRATEGIES = ("p2p", "all_gather", "a2a", "a2a+p2p", "dispatch")
@@ -148,9 +148,7 @@ def _check(results, layout, mname, spans_rule):
             "no call ran on FlashAttention"
         spans_rule(sum(v[2] for r in results for v in r.values()))
         return
-    assert all((layout, mname) in r for r in results), "a rank did not run this case"
-    found = [msg for r in results for msg in r[layout, mname][0]]
-    assert not found, "\n".join(found)
+    assert_case_clean(results, (layout, mname), lambda entry: entry[0])
 
 
 @pytest.fixture(scope="module")

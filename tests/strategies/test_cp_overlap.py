@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.helpers.launches import GroupLaunches
+from tests.helpers.launches import GroupLaunches, assert_case_clean
 from tests.helpers.cp_grid import (HEADS, MASKS, NAMES, check_padding, compare_fp32, cu, dense,
                                    gather, global_inputs, single_device, small_plan)
 from tests.helpers.guards import ByteCounter, forbid_host_reads, no_communication
@@ -407,9 +407,7 @@ def test_matches_single_device(cp, name, overlap_launches, request, tmp_path_fac
     errors = overlap_launches.result(request, lambda siblings: run_distributed(
         cases_worker, cp, tmp_path_factory.mktemp("overlap"), [p["name"] for p in siblings],
         timeout_s=400))
-    assert all(name in e for e in errors), "a rank did not run this case"
-    found = [msg for e in errors for msg in e[name]]
-    assert not found, "\n".join(found)
+    assert_case_clean(errors, name)
 
 
 DOCS16 = [1, 37, 9, 70, 5]                      # interpreter tiles are slow: fewer tokens

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.helpers.launches import GroupLaunches
+from tests.helpers.launches import GroupLaunches, assert_case_clean
 from tests.helpers.cp_grid import DOCS, HEADS, cu, small_plan
 from tests.helpers.guards import forbid_host_reads, no_communication
 from tests.helpers.softmax_extras import (EXTRAS_MASKS as MASKS, SOFTMAX_TYPES, extras_errors,
@@ -197,9 +197,7 @@ def test_softmax_extras_match_single_device(cp, name, extras_launches, request,
     errors = extras_launches.result(request, lambda siblings: run_distributed(
         cases_worker, cp, tmp_path_factory.mktemp("extras"), [p["name"] for p in siblings],
         timeout_s=300))
-    assert all(name in e for e in errors), "a rank did not run this case"
-    found = [msg for e in errors for msg in e[name]]
-    assert not found, "\n".join(found)
+    assert_case_clean(errors, name)
 
 
 def test_cp1_is_the_local_op():

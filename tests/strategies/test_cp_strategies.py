@@ -23,7 +23,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.helpers.lanes import fast_first
-from tests.helpers.launches import GroupLaunches
+from tests.helpers.launches import GroupLaunches, assert_case_clean
 from tests.helpers.cp_grid import (DOCS, DV, HEADS, LAYOUTS, MASKS, NAMES, TINY, D,
                                    check_padding, compare_fp32, cp_run, cu, dense, gather,
                                    global_inputs, single_device, small_plan)
@@ -136,9 +136,7 @@ def test_matches_single_device(strategy, cp, layout, mname, grid_launches, reque
     errors = grid_launches.result(request, lambda siblings: run_distributed(
         cases_worker, cp, tmp_path_factory.mktemp("grid"), strategy,
         [(p["layout"], p["mname"]) for p in siblings]))
-    assert all((layout, mname) in e for e in errors), "a rank did not run this case"
-    found = [msg for e in errors for msg in e[layout, mname]]
-    assert not found, "\n".join(found)
+    assert_case_clean(errors, (layout, mname))
 
 
 def test_hybrid_cp6(tmp_path):
