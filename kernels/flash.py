@@ -202,6 +202,20 @@ def flash_bwd(backend: str, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
 
 
 # -------------------------------------------------------------------------- resolution
+def check_available(backend: str, device: torch.device) -> None:
+    """ValueError when "flash" / "fa4" cannot run on ``device`` at all (no kernel registered
+    for a CPU; the package missing). Asks nothing of the GPU, so a launcher checks it
+    before any process touches one."""
+    device = torch.device(device)
+    if backend == "flash" and not has_flash_kernel(device):
+        raise ValueError(f"backend='flash' on {device.type}: torch has no flash attention "
+                         f"kernel for this device (CUDA builds have one; on a CPU only a "
+                         f"registered implementation, as the tests register, can run it)")
+    if backend == "fa4" and fa4_interface() is None:
+        raise ValueError("backend='fa4' needs the flash-attn-4 package "
+                         f"(pip install 'varlen-cp[fa4]', version {FA4_VERSION})")
+
+
 def resolve_flash(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
                   head_dim_v: int, need_lse_grad: bool = False, need_max: bool = False
                   ) -> tuple[Optional[str], Optional[str]]:
@@ -232,13 +246,7 @@ def resolve_flash(backend: str, device: torch.device, dtype: torch.dtype, head_d
                           f"'auto' takes FA when flash-attn-4 is installed or flash_impl "
                           f"activates FA3 / FA4")
         return "flash", None
-    if backend == "flash" and not has_flash_kernel(device):
-        raise ValueError(f"backend='flash' on {device.type}: torch has no flash attention "
-                         f"kernel for this device (CUDA builds have one; on a CPU only a "
-                         f"registered implementation, as the tests register, can run it)")
-    if backend == "fa4" and fa4_interface() is None:
-        raise ValueError("backend='fa4' needs the flash-attn-4 package "
-                         f"(pip install 'varlen-cp[fa4]', version {FA4_VERSION})")
+    check_available(backend, device)
     why = unsupported(backend, device, dtype, head_dim, head_dim_v, need_lse_grad, need_max)
     return (None, why) if why else (backend, None)
 

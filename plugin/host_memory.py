@@ -50,6 +50,21 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
+ON, OFF = ("1", "true", "on"), ("0", "false", "off")
+
+
+def malloc_tuning() -> bool:
+    """``VARLEN_CP_MALLOC_TUNING`` read (unset: on); ValueError naming the variable and its
+    value for anything but 0 / 1 / true / false / on / off (empty included). The launchers
+    call it before they build a model, so a typo fails there, not at the first batch."""
+    raw = os.environ.get(ENV, "1")
+    setting = raw.strip().lower()
+    if setting not in ON + OFF:
+        raise ValueError(f"environment variable {ENV} must be one of {', '.join(ON + OFF)} "
+                         f"(unset: 1), got {raw!r}")
+    return setting in ON
+
+
 def keep_freed_host_memory() -> bool:
     """Keep freed host memory for reuse (see the module docstring); once per process.
     True when glibc took the settings (now or earlier), False when opted out with
@@ -57,11 +72,8 @@ def keep_freed_host_memory() -> bool:
     with _lock:
         if "applied" in _state:
             return _state["applied"]
-        setting = os.environ.get(ENV, "1").strip().lower()
-        if setting not in ("0", "1", "false", "true", "off", "on"):
-            raise ValueError(f"{ENV} must be 0 or 1, got {setting!r}")
         applied = False
-        libc = None if setting in ("0", "false", "off") else _glibc()
+        libc = _glibc() if malloc_tuning() else None
         if libc is not None:
             applied = bool(libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)) and bool(
                 libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))

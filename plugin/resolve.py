@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .kernels import block_sizes_for
 from .kernels.api import resolve_backend
-from .kernels.flash import resolve_flash
+from .kernels.flash import check_available, resolve_flash
 from .masks import AttnMask
 from .options import AttnOptions
 from .plan import CPPlan
@@ -61,6 +61,26 @@ def check_heads(options: AttnOptions, n_heads: int, n_kv_heads: int, cp_size: in
     if options.strategy != "auto":
         get_strategy(options.strategy).check_heads(n_heads, n_kv_heads, cp_size,
                                                    options.a2a_size)
+
+
+def check_launch(options: AttnOptions, shape: AttnShape, cp_size: int,
+                 device: torch.device | str) -> None:
+    """What a launcher checks from its config and world size before it builds a model: the
+    rules the first call would apply, so that a mistake is one config error, not a
+    traceback after the model was built. ValueError naming the option and its value for
+    - the strategy's head rule at ``cp_size`` (cp 1 included: ``a2a_size`` must divide it);
+    - the backend on ``device`` ("triton" on a CPU without the interpreter, "flash" without
+      a kernel for the device, "fa4" without its package), asking nothing of a GPU (each
+      rank would otherwise make a CUDA context before it picked its device).
+    The environment variable the library reads is checked once per process, by
+    ``host_memory.malloc_tuning``."""
+    check_heads(options, shape.n_heads, shape.n_kv_heads, cp_size)
+    device = torch.device(device)
+    try:
+        resolve_backend(options.backend, device)
+    except RuntimeError as e:   # the Triton interpreter cannot run with this numpy
+        raise ValueError(f"backend {options.backend!r}: {e}") from None
+    check_available(options.backend, device)
 
 
 def _resolve(plan: CPPlan, mask: AttnMask, options: AttnOptions, shape: AttnShape,

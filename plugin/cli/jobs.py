@@ -25,23 +25,20 @@ window: L keys back) or ``window=L,R``; e.g. ``--mask chunk=8192:3 --mask causal
 from __future__ import annotations
 
 import dataclasses
-import sys
+import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, Literal
 
 import torch
 
 from ..config import CPConfig, AttnShape
+from ..job_file import apply_section, by_section, convert, flatten_toml, read_toml
 from ..kernels.validation import MAX_HEAD_DIM
 from ..plan.cpplan import MAX_CP_SIZE
 from ..masks import AttnMask
 from ..report import LayerType, layer_types
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,6 +56,7 @@ class Job:
     shape: AttnShape
     seq_len: int | None = None
     rows: int = 1
+    unchecked: tuple[str, ...] = ()   # keys read without torchtitan that it did not check
 
 
 def _int(value: Any, where: str, low: int = 1) -> int:
@@ -67,73 +65,112 @@ def _int(value: Any, where: str, low: int = 1) -> int:
     return value
 
 
-def _section(cls: type, table: Any, name: str, path: Path) -> Any:
-    """``cls(**table)`` with errors that name the section and file."""
-    if not isinstance(table, dict):
-        raise ValueError(f"{path}: [{name}] must be a table, got {table!r}")
-    known = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(table) - known)
-    if unknown:
-        raise ValueError(f"{path}: unknown key(s) {unknown} in [{name}]; known keys: "
-                         f"{', '.join(sorted(known))}")
-    try:
-        return cls(**table)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: [{name}] {e}") from None
-
-
 def _counts(masks: list[AttnMask]) -> list[tuple[AttnMask, int]]:
     """Masks with their layer counts, in first-use order."""
     return [(m, masks.count(m)) for m in dict.fromkeys(masks)]
 
 
-def read_toml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"--config: no such file {str(p)!r}")
-    try:
-        with p.open("rb") as f:
-            return tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"--config: {p} is not valid TOML: {e}") from None
-
-
 def read_job(path: str | Path) -> Job:
     """The job of a torchtitan or megatron TOML file (module docstring)."""
-    doc = read_toml(path)
+    doc = read_toml(path, "--config")
     if "gpt" in doc or "parallel" in doc:
         return megatron_job(Path(path))
     return torchtitan_job(doc, Path(path))
 
 
-def torchtitan_job(doc: dict[str, Any], path: Path) -> Job:
+@dataclass(frozen=True)
+class TorchtitanParts:
+    """What the planner reads of a torchtitan job, whichever way the file was read."""
+
+    varlen_cp: Any      # options.VarlenCPSection
+    model: Any          # options.ModelSection
+    cp: int
+    tp: int
+    seq_len: int
+    rows: int
+    dtype: str
+    unchecked: tuple[str, ...] = ()
+
+
+# torchtitan's keys the planner reads without torchtitan, with torchtitan 0.3.0's types
+# (tests/package/test_cli_plan.py checks them against torchtitan's dataclasses)
+READ_WITHOUT_TORCHTITAN = {
+    ("parallelism", "context_parallel_degree"): int,
+    ("parallelism", "tensor_parallel_degree"): int,
+    ("training", "seq_len"): int,
+    ("training", "local_batch_size"): int,
+    ("training", "mixed_precision_param"): Literal["bfloat16", "float32"],
+}
+
+
+def torchtitan_parts(doc: dict[str, Any], path: Path) -> TorchtitanParts:
+    """The job file read by the launcher's own reader when torchtitan is installed (every
+    section, key, type and cross-section rule, as at launch; the backend is not checked
+    against this machine, which only plans); without torchtitan by the same shared reader
+    (``varlen_cp.job_file``) for the sections and keys it can know: section names, the
+    plugin's ``[varlen_cp]`` and ``[model]`` whole, and the torchtitan keys it reads. The
+    other keys of torchtitan's sections are listed as unchecked."""
+    from ..integrations.torchtitan import config as launcher
+    from ..integrations.torchtitan.train import missing_dependency
+
+    if missing_dependency() is None:
+        from ..integrations.torchtitan import cpu_mode
+
+        if not cpu_mode.cuda_available():
+            try:
+                cpu_mode.enable_cpu_mode()  # before torchtitan picks its device
+            except RuntimeError:  # the host process imported torchtitan already: reading
+                pass              # the config does not need it
+        root = logging.getLogger()   # torchtitan's logger: its config classes warn about
+        level = root.level           # defaults of theirs (a checkpoint path) that do not
+        root.setLevel(logging.ERROR)  # concern a plan
+        try:
+            c = launcher.load_config(["--config", str(path)], run_here=False)
+        finally:
+            root.setLevel(level)
+        par, training = c.parallelism, c.training
+        return TorchtitanParts(c.varlen_cp, c.model, par.context_parallel_degree,
+                               par.tensor_parallel_degree, training.seq_len,
+                               training.local_batch_size, training.mixed_precision_param)
     from ..integrations.torchtitan.options import ModelSection, VarlenCPSection
 
-    par = doc.get("parallelism", {})
-    cp = _int(par.get("context_parallel_degree", 1), f"{path}: [parallelism] "
-              "context_parallel_degree")
-    tp = _int(par.get("tensor_parallel_degree", 1), f"{path}: [parallelism] "
-              "tensor_parallel_degree")
-    vc = _section(VarlenCPSection, doc.get("varlen_cp", {}), "varlen_cp", path)
-    model = _section(ModelSection, doc.get("model", {}), "model", path)
-    training = doc.get("training", {})
-    seq_len = _int(training.get("seq_len", 2048), f"{path}: [training] seq_len")
-    rows = _int(training.get("local_batch_size", 1), f"{path}: [training] local_batch_size")
-    dtype_name = training.get("mixed_precision_param", "bfloat16")
-    if dtype_name not in DTYPES:
-        raise ValueError(f"{path}: [training] mixed_precision_param must be one of "
-                         f"{sorted(DTYPES)}, got {dtype_name!r}")
+    sections = by_section(flatten_toml(doc, str(path)), launcher.SECTIONS)
+    values = {"context_parallel_degree": 1, "tensor_parallel_degree": 1, "seq_len": 2048,
+              "local_batch_size": 1, "mixed_precision_param": "bfloat16"}
+    unchecked = []
+    for name in launcher.SECTIONS:
+        for s in sections.get(name, []) if name not in ("varlen_cp", "model") else []:
+            tp = READ_WITHOUT_TORCHTITAN.get(s.path)
+            if tp is None:
+                unchecked.append(f"[{'.'.join(s.path[:-1])}] {s.path[-1]}")
+            else:
+                values[s.path[1]] = convert(s, tp)
+    par = SimpleNamespace(data_parallel_shard_degree=-1, **{
+        k: values[k] for k in ("context_parallel_degree", "tensor_parallel_degree")})
+    launcher.check_degrees(par, sections.get("parallelism", []))
+    for key in ("seq_len", "local_batch_size"):
+        _int(values[key], f"{path}: [training] {key}")
+    return TorchtitanParts(apply_section(VarlenCPSection(), sections.get("varlen_cp", [])),
+                           apply_section(ModelSection(), sections.get("model", [])),
+                           values["context_parallel_degree"], values["tensor_parallel_degree"],
+                           values["seq_len"], values["local_batch_size"],
+                           values["mixed_precision_param"], tuple(dict.fromkeys(unchecked)))
+
+
+def torchtitan_job(doc: dict[str, Any], path: Path) -> Job:
+    t = torchtitan_parts(doc, path)
+    vc, model = t.varlen_cp, t.model
     if model.is_stock:
         masks, (hq, hkv, d, dv) = stock_layers(model.name, model.flavor, path)
     else:
         masks = [model.layer_mask(i) for i in range(model.n_layers)]
         hq, hkv, d, dv = model.n_heads, model.n_kv_heads, model.head_dim_, model.head_dim_
-    shape = AttnShape(n_heads=max(hq // tp, 1), n_kv_heads=max(hkv // tp, 1), head_dim=d,
-                      head_dim_v=None if dv == d else dv, dtype=DTYPES[dtype_name])
+    shape = AttnShape(n_heads=max(hq // t.tp, 1), n_kv_heads=max(hkv // t.tp, 1), head_dim=d,
+                      head_dim_v=None if dv == d else dv, dtype=DTYPES[t.dtype])
     config = CPConfig(**{f.name: getattr(vc, f.name) for f in dataclasses.fields(CPConfig)})
-    return Job(f"{path} (torchtitan, model {model.name})", cp, config,
+    return Job(f"{path} (torchtitan, model {model.name})", t.cp, config,
                tuple(layer_types(_counts(masks), vc.strategy, vc.a2a_size)), shape,
-               seq_len, rows)
+               t.seq_len, t.rows, t.unchecked)
 
 
 def stock_layers(name: str, flavor: str, path: Path
@@ -299,4 +336,4 @@ def with_flags(job: Job | None, args: Any) -> Job:
     seq_len = job.seq_len if args.seq_len is None else _int(args.seq_len, "--seq-len")
     changed = job.source != "command line" and (options or args.mask or changes or args.cp)
     return Job(f"{job.source} with command-line changes" if changed else job.source, cp,
-               config, layers, shape, seq_len, job.rows)
+               config, layers, shape, seq_len, job.rows, job.unchecked)

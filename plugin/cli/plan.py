@@ -45,6 +45,7 @@ the coverage is rank 0's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -331,8 +332,12 @@ def check_outputs(args: Any) -> None:
 def run(args: Any) -> int:
     model = CostModel(flops_per_s=args.flops, bytes_per_s=args.bandwidth)
     job = jobs.with_flags(jobs.read_job(args.config) if args.config else None, args)
+    if job.unchecked:   # read without torchtitan: say what could not be checked
+        print(f"{PROG}: warning: torchtitan is not installed, so these keys of its sections "
+              f"in {args.config} were not checked: {', '.join(job.unchecked)}",
+              file=sys.stderr)
     if job.seq_len is None:
-        job = jobs.Job(job.source, job.cp, job.config, job.layers, job.shape, 131072, job.rows)
+        job = dataclasses.replace(job, seq_len=131072)
     check_job(job)
     backends = Backends.planned(job.config.backend, job.shape)
     jobs._int(args.batches, "--batches")

@@ -130,7 +130,8 @@ def test_nproc_flag_parsing(monkeypatch):
 def test_help_lists_every_section_and_key_with_defaults(launches):
     from varlen_cp.integrations.torchtitan.config import (GENERIC_SECTIONS, JOB_KEYS,
                                                           MAPPED_SECTIONS, OPTIMIZER_KEYS,
-                                                          _fields, default_trainer_config)
+                                                          default_trainer_config)
+    from varlen_cp.job_file import fields_of as _fields
     from varlen_cp.integrations.torchtitan.help import toml_value
 
     rc, out, err = launches["help"]

@@ -3,7 +3,7 @@
 Floors, top to bottom:
   (entry point: cli) -> integrations -> {prefetch, report}
   -> {config, attention, graph_op, cp_call, resolve} -> {strategies, sharding} -> options
-  -> tables -> plan -> {masks, shape, checks, mixes, host_memory} -> kernels
+  -> tables -> plan -> {masks, shape, checks, mixes, host_memory, job_file} -> kernels
 Read from the source with ``ast`` (no import side effects): every ``from .x import`` /
 ``from ..x import`` inside ``plugin/`` is resolved to its top-level part of the package, and
 no part may import a part on a higher floor, nor be in an import cycle with another part.
@@ -22,6 +22,7 @@ FLOOR = {
     "options": 4,  # AttnOptions: held by the strategies' call spec, so below them
     "tables": 3, "plan": 2,
     "masks": 1, "shape": 1, "checks": 1, "mixes": 1, "host_memory": 1,
+    "job_file": 1,   # the one TOML job-file reader (launchers and varlen-cp-plan)
     "kernels": 0,
 }
 

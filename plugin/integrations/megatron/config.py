@@ -27,11 +27,7 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
-
+from ...job_file import read_toml
 from .data import SyntheticDataConfig
 from .options import VarlenCPOptions
 
@@ -231,13 +227,6 @@ def job_from_dict(doc: dict[str, Any]) -> MegatronJob:
 
 
 def load_config(path: str | Path) -> MegatronJob:
-    """Read and validate a TOML job file."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"config: no such file {str(path)!r}")
-    with path.open("rb") as f:
-        try:
-            doc = tomllib.load(f)
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"config: {path} is not valid TOML: {e}") from e
-    return job_from_dict(doc)
+    """Read and validate a TOML job file (``varlen_cp.job_file.read_toml``: a missing file,
+    a folder, bytes that are not UTF-8 or bad TOML are one error naming the file)."""
+    return job_from_dict(read_toml(path, "--config"))

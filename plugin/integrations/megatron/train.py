@@ -49,7 +49,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ...kernels.flash import activate_flash_impl
+from ...host_memory import malloc_tuning
 from ...report import TrainingReport
+from ...resolve import check_launch
 from ...report.training import stdout_handler
 from .config import MegatronJob, load_config
 from .cpu_compat import init_cpu_rng, is_cpu_only, megatron_on_cpu
@@ -241,6 +243,26 @@ def train(job: MegatronJob, *, log_json: str | None = None) -> list[float]:
     return losses
 
 
+def check_before_build(job: MegatronJob) -> None:
+    """What the job file and CP size decide, checked before any process group or model:
+    megatron's ``TransformerConfig`` checks, the MoE rule of CP, and each layer type's
+    ``varlen_cp.resolve.check_launch`` (its strategy's head rule at this cp, cp 1
+    included; the backend on this machine's device) and ``VARLEN_CP_MALLOC_TUNING``."""
+    malloc_tuning()
+    cp = job.context_parallel_size
+    config = job.transformer_config(use_cpu_initialization=True)
+    check_exact_under_cp(SimpleNamespace(**job.model), cp, job.options.layout)
+    shape = attn_shape(config)
+    device = "cpu" if is_cpu_only() else "cuda"
+    for layer in report_layers(config, job.options):
+        try:
+            check_launch(job.options.layer_options(layer.strategy, layer.a2a_size), shape, cp,
+                         device)
+        except ValueError as e:
+            raise ValueError(f"[varlen_cp] on {device}, context_parallel_size {cp}, layers "
+                             f"of strategy {layer.strategy!r}: {e}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="TOML job file")
@@ -254,10 +276,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.steps is not None:
             job.training = dataclasses.replace(job.training, steps=args.steps)
         if args.context_parallel_size is not None:
+            if args.context_parallel_size < 1:
+                raise ValueError(f"--context-parallel-size must be an int >= 1, got "
+                                 f"{args.context_parallel_size}")
             job.parallel["context_parallel_size"] = args.context_parallel_size
-        check_exact_under_cp(SimpleNamespace(**job.model), job.context_parallel_size,
-                             job.options.layout)
-    except ValueError as e:
+        check_before_build(job)
+    except (ValueError, AssertionError) as e:   # AssertionError: TransformerConfig's checks
         print(f"config error: {e}", file=sys.stderr)
         return 2
     torch.manual_seed(job.training.seed)

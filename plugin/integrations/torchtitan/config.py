@@ -37,114 +37,15 @@ use the ``[optimizer]`` keys above.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import typing
-from pathlib import Path
 from typing import Any, Literal
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """A TOML or command-line setting that cannot be applied."""
-
-
-# ------------------------------------------------------------------------ sources
-@dataclasses.dataclass
-class Setting:
-    """One value to apply: dotted path (section.key[.subkey]), value, where it came from."""
-
-    path: tuple[str, ...]
-    value: Any
-    source: str
-    raw: bool = False  # a command-line string still to be parsed against the field type
-
-    def where(self) -> str:
-        if self.source == "command line":
-            return f"--{'.'.join(self.path)} (command line)"
-        section = ".".join(self.path[:-1])
-        return f"[{section}] {self.path[-1]} in {self.source}"
-
-
-def load_toml(path: str | Path) -> dict[str, Any]:
-    """Read a TOML file; a syntax error names the file."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist")
-    try:
-        with p.open("rb") as f:
-            return tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{p}: invalid TOML: {e}") from e
-
-
-def flatten_toml(data: dict[str, Any], source: str) -> list[Setting]:
-    """TOML tables -> settings; top-level keys must live in a section."""
-    out: list[Setting] = []
-
-    def walk(node: dict[str, Any], prefix: tuple[str, ...]) -> None:
-        for key, value in node.items():
-            if isinstance(value, dict):
-                walk(value, prefix + (key,))
-            elif not prefix:
-                raise ConfigError(f"{source}: key {key!r} must be inside a [section]")
-            else:
-                out.append(Setting(prefix + (key,), value, source))
-
-    walk(data, ())
-    return out
-
-
-def parse_cli(args: list[str]) -> tuple[str | None, list[Setting]]:
-    """``--config FILE`` and ``--section.key value`` pairs from the command line."""
-    config_path: str | None = None
-    settings: list[Setting] = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected command-line argument {arg!r} "
-                              "(expected --config FILE or --section.key value)")
-        name, eq, value = arg[2:].partition("=")
-        if not eq:
-            nxt = args[i + 1] if i + 1 < len(args) else None
-            if nxt is None or (nxt.startswith("--") and not _is_number(nxt)):
-                value = "true"  # a bare flag: --debug.print_config
-            else:
-                value = nxt
-                i += 1
-        i += 1
-        if name == "config":
-            config_path = value
-            continue
-        parts = tuple(name.split("."))
-        if len(parts) < 2 or not all(parts):
-            raise ConfigError(f"command-line option --{name} must be --section.key")
-        settings.append(Setting(parts, value, "command line", raw=True))
-    return config_path, settings
-
-
-def _is_number(s: str) -> bool:
-    try:
-        float(s)
-        return True
-    except ValueError:
-        return False
-
+from ...job_file import (ConfigError, Setting, by_section, describe, fields_of, flatten_toml,
+                         parse_cli, read_toml, rebuild)
+from ...job_file import apply_section as _apply_section
+from ...job_file import convert as _convert
 
 # ------------------------------------------------------------------------ values (tyro)
-def _describe(tp: Any) -> str:
-    """A type as a user reads it: int, float | int, 'p2p' | 'te', list[str]."""
-    if typing.get_origin(tp) is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if typing.get_args(tp):
-        return str(tp).replace("typing.", "")
-    return getattr(tp, "__name__", str(tp))
-
-
 def _constructor(tp: Any) -> Any:
     """tyro's constructor for values of type ``tp``, with torchtitan's tyro rules."""
     from torchtitan.config.manager import ConfigManager, custom_registry
@@ -157,12 +58,14 @@ def _constructor(tp: Any) -> Any:
         return ConstructorRegistry.get_primitive_spec(PrimitiveTypeInfo.make(tp, set()))
 
 
-def convert(s: Setting, tp: Any) -> Any:
-    """The value of ``s`` as type ``tp``; ConfigError naming the setting otherwise."""
+def tyro_value(s: Setting, tp: Any) -> Any:
+    """The value of ``s`` as type ``tp`` parsed by tyro: every command-line string, and TOML
+    values of the types the shared reader leaves to torchtitan's rules (lists, tuples,
+    paths, ...); ConfigError naming the setting otherwise."""
     spec = _constructor(tp)
     name = ".".join(s.path)
     if not hasattr(spec, "instance_from_str"):
-        raise ConfigError(f"{s.where()}: {name} (type {_describe(tp)}) cannot be set from a "
+        raise ConfigError(f"{s.where()}: {name} (type {describe(tp)}) cannot be set from a "
                           "TOML file or the command line")
     value = s.value
     try:
@@ -180,82 +83,30 @@ def convert(s: Setting, tp: Any) -> Any:
                 return spec.instance_from_str(spec.str_from_instance(value))
     except (ValueError, TypeError):
         pass
-    raise ConfigError(f"{s.where()}: wrong type for {name}: expected {_describe(tp)}, got "
+    raise ConfigError(f"{s.where()}: wrong type for {name}: expected {describe(tp)}, got "
                       f"{value!r} ({type(value).__name__})")
 
 
-# ------------------------------------------------------------------------ sections
-def _fields(obj: Any) -> dict[str, Any]:
-    """Settable field name -> resolved annotation of a dataclass instance."""
-    try:
-        hints = typing.get_type_hints(type(obj))
-    except Exception:  # unresolvable forward refs: fall back to the raw annotations
-        hints = {}
-    return {f.name: hints.get(f.name, f.type) for f in dataclasses.fields(obj)
-            if f.init and not f.name.startswith("_")}
-
-
-def _rebuild(obj: Any, values: dict[str, Any], section: str, settings: list[Setting]) -> Any:
-    """``obj`` with ``values``, its ``__post_init__`` checks run; errors name the section,
-    the field (``section.field``) and where the settings came from."""
-    try:
-        return dataclasses.replace(obj, **values)
-    except (ValueError, TypeError, AssertionError) as e:
-        msg = str(e)
-        field_names = {f.name for f in dataclasses.fields(obj)}
-        if msg.split(" ", 1)[0] in field_names:  # "strategy must be ..." -> "varlen_cp.strat..."
-            msg = f"{section}.{msg}"
-        sources = sorted({s.source for s in settings}) or ["defaults"]
-        raise ConfigError(f"[{section}] ({', '.join(sources)}): {msg}") from e
+def convert(s: Setting, tp: Any) -> Any:
+    """``job_file.convert`` with tyro for what it leaves to torchtitan's rules."""
+    return _convert(s, tp, tyro_value)
 
 
 def apply_section(obj: Any, settings: list[Setting], depth: int = 1) -> Any:
-    """Dataclass ``obj`` with ``settings`` (their ``path[depth:]``) applied, in order (the
-    command line comes last, so it wins)."""
-    known = _fields(obj)
-    section = ".".join(settings[0].path[:depth]) if settings else "?"
-    values: dict[str, Any] = {}
-    nested: dict[str, list[Setting]] = {}
-    for s in settings:
-        key = s.path[depth]
-        if key not in known:
-            raise ConfigError(f"unknown key {key!r} in [{section}] ({s.where()}); known keys: "
-                              f"{', '.join(sorted(known))}")
-        child_is_section = dataclasses.is_dataclass(getattr(obj, key))
-        if depth + 1 < len(s.path):
-            if not child_is_section:
-                raise ConfigError(f"{s.where()}: {'.'.join(s.path[:depth + 1])} is a value of "
-                                  f"type {_describe(known[key])}, not a section")
-            nested.setdefault(key, []).append(s)
-        elif child_is_section:
-            raise ConfigError(f"{s.where()}: {'.'.join(s.path)} is a section; set its keys "
-                              "instead")
-        else:
-            values[key] = convert(s, known[key])
-    for key, sub in nested.items():
-        values[key] = apply_section(getattr(obj, key), sub, depth + 1)
-    return _rebuild(obj, values, section, settings)
+    """``job_file.apply_section`` with tyro for what it leaves to torchtitan's rules."""
+    return _apply_section(obj, settings, depth, tyro_value)
 
 
 # ------------------------------------------------------------------------ mapping
 GENERIC_SECTIONS = ("training", "parallelism", "lr_scheduler", "checkpoint", "metrics",
                     "profiler", "compile", "comm", "debug", "override", "model", "varlen_cp")
 MAPPED_SECTIONS = ("job", "optimizer", "activation_checkpoint", "dataloader")
+SECTIONS = GENERIC_SECTIONS + MAPPED_SECTIONS
 JOB_KEYS = {"dump_folder": str, "hf_assets_path": str, "description": str}
 OPTIMIZER_KEYS = {"name": Literal["Adam", "AdamW"], "lr": float, "eps": float,
                   "weight_decay": float, "beta1": float, "beta2": float,
                   "implementation": Literal["for-loop", "foreach", "fused"]}
 
-
-def _by_section(settings: list[Setting]) -> dict[str, list[Setting]]:
-    out: dict[str, list[Setting]] = {}
-    known = GENERIC_SECTIONS + MAPPED_SECTIONS
-    for s in settings:
-        if s.path[0] not in known:
-            raise ConfigError(f"unknown section [{s.path[0]}] ({'.'.join(s.path)} in "
-                              f"{s.source}); known sections: {', '.join(known)}")
-        out.setdefault(s.path[0], []).append(s)
-    return out
 
 
 def _flat_keys(section: str, settings: list[Setting], allowed: dict[str, Any]
@@ -352,7 +203,7 @@ def _apply_dataloader(config: Any, settings: list[Setting]) -> None:
         cls = SyntheticPackedDataLoader if name == "synthetic" else HuggingFaceTextDataLoader
         config.dataloader = cls.Config(dataset=name)
     config.dataloader = apply_section(config.dataloader, rest) if rest else \
-        _rebuild(config.dataloader, {}, "dataloader", settings)
+        rebuild(config.dataloader, {}, "dataloader", settings)
 
 
 def _model_spec(config: Any, settings: list[Setting], src: str) -> Any:
@@ -377,19 +228,71 @@ def _model_spec(config: Any, settings: list[Setting], src: str) -> Any:
         raise ConfigError(f"{src}: {e}") from e
 
 
-def _finish(config: Any, by_section: dict[str, list[Setting]]) -> Any:
-    """Cross-section checks, then the model spec, tokenizer and loss that depend on them."""
+DEGREES = ("context_parallel_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
+           "data_parallel_replicate_degree", "expert_parallel_degree")
+
+
+def check_degrees(par: Any, settings: list[Setting]) -> None:
+    """Every parallelism degree >= 1 (``data_parallel_shard_degree``: -1, the rest, or >= 1),
+    named with the setting that gave it; before the world-size rule divides by them."""
+    for name in (*DEGREES, "data_parallel_shard_degree"):
+        value = getattr(par, name, 1)
+        lowest = -1 if name == "data_parallel_shard_degree" else 1
+        if value >= 1 or value == lowest:
+            continue
+        given = [s for s in settings if s.path[1:] == (name,)]
+        origin = given[-1].where() if given else "defaults"
+        rule = "-1 (the rest of the world) or >= 1" if lowest == -1 else ">= 1"
+        raise ConfigError(f"{origin}: parallelism.{name} must be {rule}, got {value}")
+
+
+def _launch_shape(config: Any, model: Any) -> Any:
+    """The attention shape the trainer will have on each rank (heads split over TP), read
+    from the model config before anything is built."""
+    from ...shape import AttnShape
+    from .stock import DTYPES, _shape_of
+
+    n_heads, n_kv_heads, head_dim, head_dim_v = _shape_of(model.first_attention)
+    tp = config.parallelism.tensor_parallel_degree
+    return AttnShape(n_heads=max(n_heads // tp, 1), n_kv_heads=max(n_kv_heads // tp, 1),
+                     head_dim=head_dim, head_dim_v=head_dim_v,
+                     dtype=DTYPES.get(config.training.mixed_precision_param, DTYPES["float32"]))
+
+
+def _check_launch(vc: Any, shape: Any, cp: int, src: str) -> None:
+    """``varlen_cp.resolve.check_launch`` on the device this process trains on (CUDA when
+    there is one: no CUDA context is made for it), and the library's environment variable
+    (``host_memory.malloc_tuning``)."""
+    from ...host_memory import malloc_tuning
+    from ...resolve import check_launch
+    from . import cpu_mode
+
+    device = "cuda" if cpu_mode.cuda_available() else "cpu"
+    try:
+        check_launch(vc.attn_options, shape, cp, device)
+    except ValueError as e:
+        raise ConfigError(f"{src}: varlen_cp on {device}: {e}") from e
+    try:
+        malloc_tuning()
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def _finish(config: Any, by_section: dict[str, list[Setting]], run_here: bool) -> Any:
+    """Cross-section checks, then the model spec, tokenizer and loss that depend on them.
+    ``run_here``: the job runs in this process (its backend and environment are checked);
+    False for a job that is only read (``varlen-cp-plan``)."""
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
     from ...resolve import check_heads
     from .data import SyntheticPackedDataLoader, SyntheticTokenizer
-    from .stock import _shape_of
 
     vc, par = config.varlen_cp, config.parallelism
     cp = par.context_parallel_degree
     where = sorted({s.source for ss in by_section.values() for s in ss}) or ["defaults"]
     src = ", ".join(where)
+    check_degrees(par, by_section.get("parallelism", []))
     if cp > 1 and not vc.enable:
         raise ConfigError(f"{src}: parallelism.context_parallel_degree = {cp} needs "
                           "[varlen_cp] enable = true (torchtitan itself refuses varlen + CP)")
@@ -400,14 +303,15 @@ def _finish(config: Any, by_section: dict[str, list[Setting]]) -> Any:
         raise ConfigError(f"{src}: pipeline parallelism is not supported by varlen_cp")
     spec = _model_spec(config, by_section.get("model", []), src)
     model = spec.model
-    if cp > 1:  # the strategy's own head rule (Ulysses' split), before anything is built
-        n_heads, n_kv_heads = _shape_of(model.first_attention)[:2]
-        tp = par.tensor_parallel_degree   # heads per TP rank, as the trainer's AttnShape
-        try:
-            check_heads(vc.attn_options, max(n_heads // tp, 1), max(n_kv_heads // tp, 1), cp)
+    if vc.enable or not config.model.is_stock:   # varlen-cp's attention runs (llama4_style:
+        shape = _launch_shape(config, model)     # always), so its options are checked now
+        try:  # the strategy's own head rule (Ulysses' split), at every cp
+            check_heads(vc.attn_options, shape.n_heads, shape.n_kv_heads, cp)
         except ValueError as e:
             raise ConfigError(f"{src}: varlen_cp.strategy {vc.strategy!r} with the model's "
                               f"heads and context_parallel_degree {cp}: {e}") from e
+        if run_here:
+            _check_launch(vc, shape, cp, src)
     seq_len = config.training.seq_len
     if seq_len > model.max_seq_len:
         raise ConfigError(f"{src}: training.seq_len ({seq_len}) exceeds the model's "
@@ -459,31 +363,34 @@ def check_world_size(config: Any, world_size: int) -> None:
                       f"{'es were' if world_size != 1 else ' was'} started: {fix}")
 
 
-def build_trainer_config(settings: list[Setting], *, cpu: bool = False) -> Any:
-    """Apply ``settings`` (TOML first, command line last) to the plugin's defaults."""
+def build_trainer_config(settings: list[Setting], *, cpu: bool = False,
+                         run_here: bool = True) -> Any:
+    """Apply ``settings`` (TOML first, command line last) to the plugin's defaults;
+    ``run_here`` as in ``_finish``."""
     from . import cpu_mode
 
     if cpu:
         settings = [Setting((sec, key), value, "CPU mode")
                     for sec, kv in cpu_mode.cpu_overrides().items()
                     for key, value in kv.items()] + settings
-    by_section = _by_section(settings)
+    sections = by_section(settings, SECTIONS)
     config = default_trainer_config()
-    _apply_job(config, by_section.get("job", []))
-    _apply_optimizer(config, by_section.get("optimizer", []))
-    _apply_activation_checkpoint(config, by_section.get("activation_checkpoint", []))
-    _apply_dataloader(config, by_section.get("dataloader", []))
+    _apply_job(config, sections.get("job", []))
+    _apply_optimizer(config, sections.get("optimizer", []))
+    _apply_activation_checkpoint(config, sections.get("activation_checkpoint", []))
+    _apply_dataloader(config, sections.get("dataloader", []))
     for section in GENERIC_SECTIONS:
-        if section in by_section:
+        if section in sections:
             setattr(config, section, apply_section(getattr(config, section),
-                                                   by_section[section]))
-    return _finish(config, by_section)
+                                                   sections[section]))
+    return _finish(config, sections, run_here)
 
 
-def load_config(args: list[str], *, cpu: bool = False) -> Any:
-    """``--config FILE.toml [--section.key value ...]`` -> the trainer config."""
+def load_config(args: list[str], *, cpu: bool = False, run_here: bool = True) -> Any:
+    """``--config FILE.toml [--section.key value ...]`` -> the trainer config (``run_here``
+    False: only read, e.g. to plan it; the backend is not checked against this machine)."""
     path, cli = parse_cli(args)
     settings: list[Setting] = []
     if path is not None:
-        settings = flatten_toml(load_toml(path), str(path))
-    return build_trainer_config(settings + cli, cpu=cpu)
+        settings = flatten_toml(read_toml(path, "--config"), str(path))
+    return build_trainer_config(settings + cli, cpu=cpu, run_here=run_here)

@@ -63,10 +63,10 @@ def field_doc(cls: type, name: str) -> str:
 
 def section_lines(name: str, obj: Any) -> list[str]:
     """``[name]`` and one line per settable key (nested sections after it)."""
-    from .config import _fields
+    from ...job_file import fields_of
 
     lines, nested = [f"[{name}]"], []
-    for key in _fields(obj):
+    for key in fields_of(obj):
         value = getattr(obj, key)
         if dataclasses.is_dataclass(value):
             nested.append((f"{name}.{key}", value))
