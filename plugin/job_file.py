@@ -6,6 +6,8 @@ What it owns (no torch, no framework import):
 - :func:`input_file` / :func:`read_toml`: a file that is missing, a folder, unreadable,
   not UTF-8 (named with its line) or not valid TOML is a :class:`ConfigError` naming the
   file (and the flag or key that named it), never a traceback.
+- :func:`check_output`: an output file or folder that cannot be written is refused before
+  the work that would write it.
 - :class:`Setting` / :func:`flatten_toml` / :func:`parse_cli`: a file and
   ``--section.key value`` overrides as one list of dotted settings, each knowing its source.
 - :func:`apply_section`: settings applied to a section's dataclass. An unknown key, a key
@@ -21,6 +23,7 @@ What it owns (no torch, no framework import):
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import types
 import typing
@@ -71,6 +74,25 @@ def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{what}: {p} is not valid TOML: {e}") from None
+
+
+def check_output(what: str, path: str | Path, *, folder: bool) -> None:
+    """``path`` can be written as a file (``folder`` False; its folder is made if missing)
+    or made as a folder: ConfigError naming ``what`` (a flag or key) otherwise. Nothing is
+    created: run before the work, so a typo costs none of it."""
+    p = Path(path)
+    parent = p if folder else p.parent
+    if not folder and p.is_dir():
+        raise ConfigError(f"{what}: {p} is a folder; give a file name")
+    if folder and p.exists() and not p.is_dir():
+        raise ConfigError(f"{what}: {p} exists and is not a folder")
+    base = parent   # the nearest existing folder above: where it would be made
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise ConfigError(f"{what}: cannot make the folder {parent}: {base} is a file")
+    if not os.access(base, os.W_OK):
+        raise ConfigError(f"{what}: the folder {base} is not writable")
 
 
 # ------------------------------------------------------------------------ settings
@@ -144,14 +166,47 @@ def _is_number(s: str) -> bool:
         return False
 
 
+def _unknown_section(name: str, source: str, known: tuple[str, ...]) -> ConfigError:
+    return ConfigError(f"unknown section [{name}] in {source}; known sections: "
+                       f"{', '.join(known)}")
+
+
 def by_section(settings: list[Setting], known: tuple[str, ...]) -> dict[str, list[Setting]]:
     """Settings grouped by section; ConfigError for a section not in ``known``."""
     out: dict[str, list[Setting]] = {}
     for s in settings:
         if s.path[0] not in known:
-            raise ConfigError(f"unknown section [{s.path[0]}] ({'.'.join(s.path)} in "
-                              f"{s.source}); known sections: {', '.join(known)}")
+            raise _unknown_section(s.path[0], s.source, known)
         out.setdefault(s.path[0], []).append(s)
+    return out
+
+
+def check_sections(doc: dict[str, Any], known: tuple[str, ...], source: str) -> None:
+    """Every top-level entry of ``doc`` is a table named in ``known`` (an empty one too)."""
+    for name, value in doc.items():
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: key {name!r} must be inside a [section]")
+        if name not in known:
+            raise _unknown_section(name, source, known)
+
+
+def _unknown_key(s: Setting, known: Any) -> ConfigError:
+    section = ".".join(s.path[:-1])
+    return ConfigError(f"unknown key {s.path[-1]!r} in [{section}] ({s.where()}); known keys: "
+                       f"{', '.join(sorted(known))}")
+
+
+def check_table(section: str, table: dict[str, Any], known: dict[str, Any], source: str
+                ) -> dict[str, Any]:
+    """``table``'s keys checked against ``known`` (key -> type) and its values of plain
+    types converted as :func:`convert` does; values of other types as given (for tables
+    that become keyword arguments of a framework's class, which checks them itself)."""
+    out = {}
+    for key, value in table.items():
+        s = Setting((section, key), value, source)
+        if key not in known:
+            raise _unknown_key(s, known)
+        out[key] = convert(s, known[key], lambda s, tp: s.value)
     return out
 
 
@@ -255,8 +310,7 @@ def apply_section(obj: Any, settings: list[Setting], depth: int = 1,
     for s in settings:
         key = s.path[depth]
         if key not in known:
-            raise ConfigError(f"unknown key {key!r} in [{section}] ({s.where()}); known keys: "
-                              f"{', '.join(sorted(known))}")
+            raise _unknown_key(Setting(s.path[:depth + 1], s.value, s.source, s.raw), known)
         child_is_section = dataclasses.is_dataclass(getattr(obj, key))
         if depth + 1 < len(s.path):
             if not child_is_section:

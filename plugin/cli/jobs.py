@@ -3,8 +3,10 @@ from a job file (the repo's configs/*.toml) and/or command-line flags.
 
 Job files:
 - torchtitan (``[parallelism]``, ``[varlen_cp]``, ``[model]``, ``[training]``): read with
-  the launcher's own section classes (``options.VarlenCPSection``, ``options.ModelSection``,
-  torchtitan-free), so a typo is the same error as at launch. The Llama 4 style model's
+  the launcher's own reader (``torchtitan_parts``: the launcher's ``load_config`` when
+  torchtitan is installed, else the shared ``varlen_cp.job_file`` on what can be checked
+  without it, naming the keys it could not), so a typo is the same error as at launch.
+  The Llama 4 style model's
   layer masks come from its fields (``Llama4Args.layer_mask``); torchtitan's own models
   (``[model] name = "llama3"``, ...) are read from torchtitan's registry, which needs
   torchtitan installed. Heads are split over ``tensor_parallel_degree``; the dtype is
@@ -134,17 +136,19 @@ def torchtitan_parts(doc: dict[str, Any], path: Path) -> TorchtitanParts:
                                training.local_batch_size, training.mixed_precision_param)
     from ..integrations.torchtitan.options import ModelSection, VarlenCPSection
 
-    sections = by_section(flatten_toml(doc, str(path)), launcher.SECTIONS)
+    settings = flatten_toml(doc, str(path))
+    sections = by_section(settings, launcher.SECTIONS)
     values = {"context_parallel_degree": 1, "tensor_parallel_degree": 1, "seq_len": 2048,
               "local_batch_size": 1, "mixed_precision_param": "bfloat16"}
     unchecked = []
-    for name in launcher.SECTIONS:
-        for s in sections.get(name, []) if name not in ("varlen_cp", "model") else []:
-            tp = READ_WITHOUT_TORCHTITAN.get(s.path)
-            if tp is None:
-                unchecked.append(f"[{'.'.join(s.path[:-1])}] {s.path[-1]}")
-            else:
-                values[s.path[1]] = convert(s, tp)
+    for s in settings:   # in the file's order
+        if s.path[0] in ("varlen_cp", "model"):
+            continue
+        tp = READ_WITHOUT_TORCHTITAN.get(s.path)
+        if tp is None:
+            unchecked.append(f"[{'.'.join(s.path[:-1])}] {s.path[-1]}")
+        else:
+            values[s.path[1]] = convert(s, tp)
     par = SimpleNamespace(data_parallel_shard_degree=-1, **{
         k: values[k] for k in ("context_parallel_degree", "tensor_parallel_degree")})
     launcher.check_degrees(par, sections.get("parallelism", []))

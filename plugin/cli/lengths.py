@@ -30,6 +30,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
+from ..job_file import input_file
 from ..mixes import MIXES
 
 
@@ -37,13 +38,6 @@ def _positive(value: object, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{where}: a document length must be an int >= 1, got {value!r}")
     return value
-
-
-def _file(path: str | Path, flag: str) -> Path:
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{flag}: no such file {str(p)!r}")
-    return p
 
 
 @contextlib.contextmanager
@@ -66,7 +60,7 @@ def _text(p: Path, flag: str) -> Iterator[Iterator[tuple[int, str]]]:
 def iter_lengths_file(path: str | Path) -> Iterator[int]:
     """The integers of a text file (spaces, commas or newlines between them; ``#``
     comments), read line by line."""
-    p = _file(path, "--lengths")
+    p = input_file(path, "--lengths")
     with _text(p, "--lengths") as lines:
         for n, line in lines:
             for token in line.split("#", 1)[0].replace(",", " ").split():
@@ -81,7 +75,7 @@ def iter_lengths_file(path: str | Path) -> Iterator[int]:
 def iter_jsonl(path: str | Path, field: str) -> Iterator[int]:
     """The ``field`` of every record of a JSONL file (an int, or a list: its length), read
     record by record."""
-    p = _file(path, "--jsonl")
+    p = input_file(path, "--jsonl")
     with _text(p, "--jsonl") as lines:
         for n, line in lines:
             if not line.strip():

@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from collections import Counter
@@ -55,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import BACKENDS, LAYOUTS, STRATEGY_CHOICES
+from ..job_file import check_output
 from ..resolve import check_heads
 from ..mixes import MIXES
 from ..options import AttnOptions
@@ -312,21 +312,8 @@ def check_outputs(args: Any) -> None:
     """``--json`` names a file that can be written and ``--out`` a folder that can be,
     checked before the analysis (nothing is created yet), so a typo costs no planning."""
     for flag, value, is_dir in (("--json", args.json, False), ("--out", args.out, True)):
-        if not value:
-            continue
-        p = Path(value)
-        folder = p if is_dir else p.parent
-        if not is_dir and p.is_dir():
-            raise ValueError(f"{flag}: {p} is a folder; give a file name")
-        if is_dir and p.exists() and not p.is_dir():
-            raise ValueError(f"{flag}: {p} exists and is not a folder")
-        base = folder   # the nearest existing folder above: where it would be made
-        while not base.exists() and base != base.parent:
-            base = base.parent
-        if not base.is_dir():
-            raise ValueError(f"{flag}: cannot make the folder {folder}: {base} is a file")
-        if not os.access(base, os.W_OK):
-            raise ValueError(f"{flag}: the folder {base} is not writable")
+        if value:
+            check_output(flag, value, folder=is_dir)
 
 
 def run(args: Any) -> int:

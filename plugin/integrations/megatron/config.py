@@ -7,8 +7,11 @@ max_sequence_length, position_embedding_type, rotary_base, ...), ``[parallel]``
 (context_parallel_size, tensor_model_parallel_size, cp_comm_type,
 hierarchical_context_parallel_sizes), ``[varlen_cp]`` (``VarlenCPOptions``: every
 ``varlen_cp.CPConfig`` field plus chunk_size, chunk_layers), ``[training]``
-(``TrainingArgs``), ``[data]`` (``SyntheticDataConfig``). Unknown sections or keys are a
-ValueError naming them, so a typo never silently falls back to a default.
+(``TrainingArgs``), ``[data]`` (``SyntheticDataConfig``). The file is read by the shared
+reader (``varlen_cp.job_file``, as the torchtitan launcher and ``varlen-cp-plan`` read
+theirs): a missing, folder, non-UTF-8 or bad TOML file, an unknown section or key and a
+value of the wrong plain type are one ``ConfigError`` naming the key and the file, so a
+typo never silently falls back to a default.
 
 Limits: pipeline parallelism is not configurable (the demo uses megatron's no-pipelining
 schedule); a per-layer ``cp_comm_type`` list becomes ``varlen_cp.strategy`` because
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +31,7 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ...job_file import read_toml
+from ...job_file import ConfigError, check_sections, check_table, fields_of, read_toml
 from .data import SyntheticDataConfig
 from .options import VarlenCPOptions
 
@@ -111,29 +115,46 @@ class MegatronJob:
         return TransformerConfig(**kwargs)
 
 
-def _check_keys(section: str, table: dict[str, Any], allowed: set[str]) -> None:
-    unknown = sorted(set(table) - allowed)
-    if unknown:
-        raise ValueError(f"[{section}]: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+def _dataclass_from(section: str, cls: type, table: dict[str, Any], source: str) -> Any:
+    values = check_table(section, table, fields_of(cls), source)
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:   # the class's own checks, named with the file
+        raise ConfigError(f"{source}: [{section}] {e}") from None
 
 
-def _dataclass_from(section: str, cls: type, table: dict[str, Any]) -> Any:
-    _check_keys(section, table, {f.name for f in dataclasses.fields(cls)})
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
-    return cls(**values)
+def _model_types() -> dict[str, Any]:
+    """[model]: every TransformerConfig field not owned elsewhere (with its type), plus
+    ``activation``."""
+    types = {k: v for k, v in fields_of(TransformerConfig).items()
+             if k not in _RESERVED_MODEL_KEYS}
+    return {**types, "activation": str}
 
 
 def _model_keys() -> set[str]:
-    """[model]: every TransformerConfig field not owned elsewhere, plus ``activation``."""
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    return (fields - _RESERVED_MODEL_KEYS) | {"activation"}
+    return set(_model_types())
+
+
+def _gpt_types() -> dict[str, Any]:
+    """[gpt]: the GPTModel constructor's arguments that a job file may set (with their
+    annotations where they resolve)."""
+    params = inspect.signature(GPTModel.__init__).parameters
+    try:
+        hints = typing.get_type_hints(GPTModel.__init__)
+    except Exception:  # unresolvable forward refs: the values are checked by GPTModel
+        hints = {}
+    return {k: hints.get(k, Any) for k in params
+            if k not in {"self", "config", "transformer_layer_spec", "pre_process",
+                         "post_process", "pg_collection", "vp_stage"}}
 
 
 def _gpt_keys() -> set[str]:
-    """[gpt]: the GPTModel constructor's arguments that a job file may set."""
-    params = inspect.signature(GPTModel.__init__).parameters
-    return set(params) - {"self", "config", "transformer_layer_spec", "pre_process",
-                          "post_process", "pg_collection", "vp_stage"}
+    return set(_gpt_types())
+
+
+_PARALLEL_TYPES = {"context_parallel_size": int, "tensor_model_parallel_size": int,
+                   "cp_comm_type": Any, "hierarchical_context_parallel_sizes": Any}
 
 
 def section_keys() -> dict[str, set[str]]:
@@ -145,14 +166,15 @@ def section_keys() -> dict[str, set[str]]:
             "data": {f.name for f in dataclasses.fields(SyntheticDataConfig)}}
 
 
-def _model_section(table: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _model_section(table: dict[str, Any], source: str
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
     """[model] -> TransformerConfig kwargs and layer-spec kwargs."""
     reserved = sorted(set(table) & _RESERVED_MODEL_KEYS)
     if reserved:
         raise ValueError(f"[model]: key(s) {reserved} belong elsewhere: parallel sizes and "
                          f"cp_comm_type in [parallel], the activation as "
                          f"activation = {sorted(ACTIVATIONS)}")
-    _check_keys("model", table, _model_keys())
+    table = check_table("model", table, _model_types(), source)
     missing = [k for k in _REQUIRED_MODEL_KEYS if k not in table]
     if missing:
         raise ValueError(f"[model]: {missing} required")
@@ -173,17 +195,17 @@ def _model_section(table: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
     return kwargs, spec_kwargs
 
 
-def _gpt_section(table: dict[str, Any]) -> dict[str, Any]:
-    _check_keys("gpt", table, _gpt_keys())
+def _gpt_section(table: dict[str, Any], source: str) -> dict[str, Any]:
+    table = check_table("gpt", table, _gpt_types(), source)
     for key in ("vocab_size", "max_sequence_length"):
         if key not in table:
             raise ValueError(f"[gpt]: {key} is required")
     return dict(table)
 
 
-def _parallel_section(table: dict[str, Any], varlen: dict[str, Any]) -> dict[str, Any]:
-    _check_keys("parallel", table, set(_PARALLEL_KEYS))
-    out = dict(table)
+def _parallel_section(table: dict[str, Any], varlen: dict[str, Any], source: str
+                      ) -> dict[str, Any]:
+    out = check_table("parallel", table, _PARALLEL_TYPES, source)
     for key in ("context_parallel_size", "tensor_model_parallel_size"):
         v = out.get(key, 1)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -198,26 +220,24 @@ def _parallel_section(table: dict[str, Any], varlen: dict[str, Any]) -> dict[str
     return out
 
 
-def job_from_dict(doc: dict[str, Any]) -> MegatronJob:
-    """Validate a parsed TOML document and split it into the run's parts."""
+def job_from_dict(doc: dict[str, Any], source: str = "the job") -> MegatronJob:
+    """Validate a parsed TOML document (read from ``source``) and split it into the run's
+    parts; sections, keys and plain-typed values are checked by the shared reader
+    (``varlen_cp.job_file``), the rest by the classes they become."""
     if not isinstance(doc, dict):
         raise ValueError(f"config must be a table, got {type(doc).__name__}")
-    unknown = sorted(set(doc) - set(SECTIONS))
-    if unknown:
-        raise ValueError(f"config: unknown section(s) {unknown}; allowed: {list(SECTIONS)}")
-    for name in SECTIONS:
-        if name in doc and not isinstance(doc[name], dict):
-            raise ValueError(f"config: [{name}] must be a table, got {doc[name]!r}")
+    check_sections(doc, SECTIONS, source)
     if "model" not in doc or "gpt" not in doc:
-        raise ValueError("config: sections [model] and [gpt] are required")
+        raise ValueError(f"{source}: sections [model] and [gpt] are required")
     varlen = dict(doc.get("varlen_cp", {}))
-    parallel = _parallel_section(doc.get("parallel", {}), varlen)
-    model, spec_kwargs = _model_section(doc["model"])
-    job = MegatronJob(model=model, gpt=_gpt_section(doc["gpt"]), parallel=parallel,
-                      options=_dataclass_from("varlen_cp", VarlenCPOptions, varlen),
+    parallel = _parallel_section(doc.get("parallel", {}), varlen, source)
+    model, spec_kwargs = _model_section(doc["model"], source)
+    job = MegatronJob(model=model, gpt=_gpt_section(doc["gpt"], source), parallel=parallel,
+                      options=_dataclass_from("varlen_cp", VarlenCPOptions, varlen, source),
                       training=_dataclass_from("training", TrainingArgs,
-                                               doc.get("training", {})),
-                      data=_dataclass_from("data", SyntheticDataConfig, doc.get("data", {})),
+                                               doc.get("training", {}), source),
+                      data=_dataclass_from("data", SyntheticDataConfig, doc.get("data", {}),
+                                           source),
                       spec_kwargs=spec_kwargs)
     job.options.check_num_layers(model["num_layers"])
     if job.data.alphabet > job.gpt["vocab_size"]:
@@ -229,4 +249,4 @@ def job_from_dict(doc: dict[str, Any]) -> MegatronJob:
 def load_config(path: str | Path) -> MegatronJob:
     """Read and validate a TOML job file (``varlen_cp.job_file.read_toml``: a missing file,
     a folder, bytes that are not UTF-8 or bad TOML are one error naming the file)."""
-    return job_from_dict(read_toml(path, "--config"))
+    return job_from_dict(read_toml(path, "--config"), str(path))

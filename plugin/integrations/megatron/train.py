@@ -37,7 +37,9 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -50,6 +52,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ...kernels.flash import activate_flash_impl
 from ...host_memory import malloc_tuning
+from ...job_file import check_output
 from ...report import TrainingReport
 from ...resolve import check_launch
 from ...report.training import stdout_handler
@@ -237,6 +240,7 @@ def train(job: MegatronJob, *, log_json: str | None = None) -> list[float]:
                       f"{step_s[-1]:.2f} s{max_logit}", flush=True)
                 plan_metrics.append({"step": step, **report.log_step(step)})
     if rank0 and log_json:
+        Path(log_json).parent.mkdir(parents=True, exist_ok=True)
         with open(log_json, "w") as f:
             json.dump({"losses": losses, "step_s": step_s, "cp": job.context_parallel_size,
                        "world": dist.get_world_size(), "varlen_cp": plan_metrics}, f)
@@ -250,7 +254,9 @@ def check_before_build(job: MegatronJob) -> None:
     included; the backend on this machine's device) and ``VARLEN_CP_MALLOC_TUNING``."""
     malloc_tuning()
     cp = job.context_parallel_size
-    config = job.transformer_config(use_cpu_initialization=True)
+    with warnings.catch_warnings():   # its notes come again when the model is built; a
+        warnings.simplefilter("ignore")   # refused config stays one line
+        config = job.transformer_config(use_cpu_initialization=True)
     check_exact_under_cp(SimpleNamespace(**job.model), cp, job.options.layout)
     shape = attn_shape(config)
     device = "cpu" if is_cpu_only() else "cuda"
@@ -280,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--context-parallel-size must be an int >= 1, got "
                                  f"{args.context_parallel_size}")
             job.parallel["context_parallel_size"] = args.context_parallel_size
+        if args.log_json:
+            check_output("--log-json", args.log_json, folder=False)
         check_before_build(job)
     except (ValueError, AssertionError) as e:   # AssertionError: TransformerConfig's checks
         print(f"config error: {e}", file=sys.stderr)

@@ -20,16 +20,20 @@ each key onto a field of that dataclass. A few sections are mapped:
   ``flavor`` (torchtitan's registry flavor, default "debugmodel") picks that model unchanged.
 - ``[varlen_cp]`` (``options.VarlenCPSection``: ``varlen_cp.CPConfig`` + ``enable``).
 
-Values are parsed and type-checked by tyro (torchtitan's own CLI library, with torchtitan's
-rules, e.g. comma-separated lists): a command-line string with the field type's tyro
-constructor, a TOML value with its ``is_instance`` check (plus: a bool is never a number)
-and normalised through it (an int given for a float field becomes a float). Each section is
-then built with ``dataclasses.replace``, so its own ``__post_init__`` checks run.
+The file, its sections and keys are read by the shared reader, ``varlen_cp.job_file``
+(which ``varlen-cp-plan`` uses too, so a typo is the same line in both). TOML values of
+plain types (bool, int, float, str, literals, optionals) are checked there (a bool is never
+a number; an int given for a float field becomes a float); command-line strings and other
+types are parsed by tyro (torchtitan's own CLI library, with torchtitan's rules, e.g.
+comma-separated lists; ``tyro_value``). Each section is then built with
+``dataclasses.replace``, so its own ``__post_init__`` checks run.
 
 Command-line ``--section.key value`` (or ``--section.key=value``; a bare ``--section.key``
 means true) overrides the file. An unknown section or key, or a value of the wrong type,
 raises ``ConfigError`` naming it and where it came from (the file, or the command line),
-before anything is built.
+before anything is built; so do parallelism degrees below 1, and (``_finish``) what the
+first call would refuse: the strategy's head rule at this cp, the backend on this
+machine's device, ``VARLEN_CP_MALLOC_TUNING`` (``varlen_cp.resolve.check_launch``).
 Limits: list-of-dataclass fields (e.g. optimizer param groups) are not settable from TOML;
 use the ``[optimizer]`` keys above.
 """
@@ -40,8 +44,8 @@ import dataclasses
 import typing
 from typing import Any, Literal
 
-from ...job_file import (ConfigError, Setting, by_section, describe, fields_of, flatten_toml,
-                         parse_cli, read_toml, rebuild)
+from ...job_file import (ConfigError, Setting, by_section, check_output, describe,
+                         flatten_toml, parse_cli, read_toml, rebuild)
 from ...job_file import apply_section as _apply_section
 from ...job_file import convert as _convert
 
@@ -312,6 +316,8 @@ def _finish(config: Any, by_section: dict[str, list[Setting]], run_here: bool) -
                               f"heads and context_parallel_degree {cp}: {e}") from e
         if run_here:
             _check_launch(vc, shape, cp, src)
+    if run_here:   # where the run writes (checkpoints, traces): before it starts
+        check_output("job.dump_folder", config.dump_folder, folder=True)
     seq_len = config.training.seq_len
     if seq_len > model.max_seq_len:
         raise ConfigError(f"{src}: training.seq_len ({seq_len}) exceeds the model's "
