@@ -42,15 +42,14 @@ class ConfigError(ValueError):
 
 # ------------------------------------------------------------------------ files
 def input_file(path: str | Path, what: str) -> Path:
-    """``path`` if it is a readable file; ConfigError naming ``what`` (a flag such as
-    ``--config``, or "config file") and the path: missing, a folder, or unreadable."""
+    """``path`` if it can be read (a file or a pipe); ConfigError naming ``what`` (a flag
+    such as ``--config``, or "config file") and the path: missing, a folder, or
+    unreadable."""
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"{what}: {str(p)!r} is a folder; give a file")
-    if not p.exists():
+    if not p.exists():   # (a pipe is fine: --lengths <(zcat lengths.gz))
         raise ConfigError(f"{what}: no such file {str(p)!r}")
-    if not p.is_file():
-        raise ConfigError(f"{what}: {str(p)!r} is not a regular file")
     try:
         with p.open("rb"):
             pass

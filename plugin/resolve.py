@@ -27,7 +27,8 @@ from .kernels.api import resolve_backend
 from .kernels.flash import check_available, resolve_flash
 from .masks import AttnMask
 from .options import AttnOptions
-from .plan import CPPlan
+from .plan import CPPlan, LayoutSpec
+from .plan.cpplan import check_layout
 from .plan.collective import check_group as check_plan_group, check_group_type
 from .tables.auto import choose_strategy
 from .tables.flash_form import FlashRoute
@@ -64,17 +65,21 @@ def check_heads(options: AttnOptions, n_heads: int, n_kv_heads: int, cp_size: in
 
 
 def check_launch(options: AttnOptions, shape: AttnShape, cp_size: int,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, layout: LayoutSpec | None = None) -> None:
     """What a launcher checks from its config and world size before it builds a model: the
     rules the first call would apply, so that a mistake is one config error, not a
     traceback after the model was built. ValueError naming the option and its value for
     - the strategy's head rule at ``cp_size`` (cp 1 included: ``a2a_size`` must divide it);
+    - the layout's rules that involve cp (``te``'s ``pad_multiple``), when ``layout`` is
+      given;
     - the backend on ``device`` ("triton" on a CPU without the interpreter, "flash" without
       a kernel for the device, "fa4" without its package), asking nothing of a GPU (each
       rank would otherwise make a CUDA context before it picked its device).
     The environment variable the library reads is checked once per process, by
     ``host_memory.malloc_tuning``."""
     check_heads(options, shape.n_heads, shape.n_kv_heads, cp_size)
+    if layout is not None:
+        check_layout(layout, cp_size)
     device = torch.device(device)
     try:
         resolve_backend(options.backend, device)

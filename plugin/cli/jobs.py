@@ -278,6 +278,13 @@ OPTION_FLAGS = ("layout", "strategy", "backend", "a2a_size", "overlap_stages", "
                 "min_chunk_tokens", "pad_multiple")
 
 
+def _head_flags(args: Any) -> str:
+    """The head-shape flags given, as typed (an error about the shape names them)."""
+    return " ".join(f"{flag} {getattr(args, key)}" for key, flag in (
+        ("heads", "--heads"), ("kv_heads", "--kv-heads"), ("head_dim", "--head-dim"),
+        ("head_dim_v", "--head-dim-v")) if getattr(args, key) is not None) or "heads"
+
+
 def with_flags(job: Job | None, args: Any) -> Job:
     """``job`` (None: defaults) with the command-line flags applied; ValueError naming the
     flag on a bad value or a missing one."""
@@ -285,10 +292,13 @@ def with_flags(job: Job | None, args: Any) -> Job:
         if args.heads is None:
             raise ValueError("--heads is required without --config (the model's query heads "
                              "per tensor-parallel rank)")
+        try:
+            shape = AttnShape(n_heads=args.heads, n_kv_heads=args.kv_heads or args.heads,
+                              head_dim=128)
+        except ValueError as e:
+            raise ValueError(f"{_head_flags(args)}: {e}") from None
         job = Job("command line", 1, CPConfig(),
-                  tuple(layer_types([(AttnMask(), 1)], "p2p")),
-                  AttnShape(n_heads=args.heads, n_kv_heads=args.kv_heads or args.heads,
-                            head_dim=128))
+                  tuple(layer_types([(AttnMask(), 1)], "p2p")), shape)
     cp = job.cp if args.cp is None else _int(args.cp, "--cp")
     if cp > MAX_CP_SIZE:   # before any plan: the message names the flag
         raise ValueError(f"--cp must be at most {MAX_CP_SIZE} (a plan's rank-pair tables "
@@ -330,7 +340,7 @@ def with_flags(job: Job | None, args: Any) -> Job:
         try:
             shape = dataclasses.replace(shape, **changes)
         except ValueError as e:
-            raise ValueError(f"heads: {e}") from None
+            raise ValueError(f"{_head_flags(args)}: {e}") from None
     for key, dim in (("head_dim", shape.head_dim), ("head_dim_v", shape.value_dim)):
         if dim > MAX_HEAD_DIM:   # as the kernels refuse it (kernels.validation)
             where = ("--" + key.replace("_", "-") if key in changes

@@ -58,7 +58,7 @@ from ..job_file import check_output
 from ..resolve import check_heads
 from ..mixes import MIXES
 from ..options import AttnOptions
-from ..plan.cpplan import MAX_CP_SIZE
+from ..plan.cpplan import MAX_CP_SIZE, check_layout
 from ..prefetch import build_plan
 from ..report import Backends, PlanReport, plan_report
 from ..report.text import (coverage_lines, fmt_bytes, fmt_share, fmt_time, headline,
@@ -143,12 +143,19 @@ def read_documents(args: Any, job: jobs.Job, keep_tokens: int) -> tuple[lengths.
 
 
 def check_job(job: jobs.Job) -> None:
-    """The strategies' own rules for these heads and cp, as the trainers check them."""
-    if job.cp == 1:
-        return
+    """The strategies' and the layout's own rules for these heads and cp, at every cp, as
+    the launchers check them (``resolve.check_launch``; not the backend: the job runs
+    elsewhere)."""
     for t in job.layers:
-        check_heads(AttnOptions(strategy=t.strategy, a2a_size=t.a2a_size), job.shape.n_heads,
-                    job.shape.n_kv_heads, job.cp)
+        try:
+            check_heads(AttnOptions(strategy=t.strategy, a2a_size=t.a2a_size),
+                        job.shape.n_heads, job.shape.n_kv_heads, job.cp)
+        except ValueError as e:
+            raise ValueError(f"strategy {t.strategy!r} at cp {job.cp}: {e}") from None
+    try:
+        check_layout(job.config.layout_spec(), job.cp)
+    except ValueError as e:
+        raise ValueError(f"--layout {job.config.layout}: {e}") from None
 
 
 def sweep_values(text: str | None, job: jobs.Job, tokens: int) -> list[int]:
@@ -317,7 +324,11 @@ def check_outputs(args: Any) -> None:
 
 
 def run(args: Any) -> int:
-    model = CostModel(flops_per_s=args.flops, bytes_per_s=args.bandwidth)
+    try:
+        model = CostModel(flops_per_s=args.flops, bytes_per_s=args.bandwidth)
+    except ValueError as e:   # name the flag, not the field
+        flag = "--flops" if "flops_per_s" in str(e) else "--bandwidth"
+        raise ValueError(f"{flag}: {e}") from None
     job = jobs.with_flags(jobs.read_job(args.config) if args.config else None, args)
     if job.unchecked:   # read without torchtitan: say what could not be checked
         print(f"{PROG}: warning: torchtitan is not installed, so these keys of its sections "

@@ -112,6 +112,12 @@ def _check_params(cp_size: Any, cp_rank: Any, spec: LayoutSpec) -> LayoutSpec:
     return spec
 
 
+def check_layout(spec: LayoutSpec, cp_size: int) -> LayoutSpec:
+    """The layout spec's rules that involve cp (``te``'s ``pad_multiple``), and cp's bounds,
+    without a batch: what a launcher checks before it builds a model."""
+    return _check_params(cp_size, 0, spec)
+
+
 # handle -> plan: how a compiled graph names a plan (``CPPlan.handle``) without holding it
 _PLANS: "weakref.WeakValueDictionary[int, CPPlan]" = weakref.WeakValueDictionary()
 _HANDLES = itertools.count(1)

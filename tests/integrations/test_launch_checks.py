@@ -87,6 +87,12 @@ def test_torchtitan_a2a_size_at_cp_1():
                         "cp_size=1, got 3"), msg
 
 
+def test_torchtitan_layout_rule_at_cp():
+    msg = torchtitan_error(*CP1, "--varlen_cp.layout", "te", "--varlen_cp.pad_multiple", "3")
+    assert msg.endswith("varlen_cp on cpu: pad_multiple must be a positive multiple of "
+                        "2*cp_size=2, got 3"), msg
+
+
 def test_torchtitan_backend_on_this_machine(no_interpreter, no_flash_kernel, monkeypatch):
     from varlen_cp.integrations.torchtitan import cpu_mode
     from varlen_cp.kernels import flash
@@ -178,6 +184,13 @@ def test_megatron_a2a_size_at_cp_1(tmp_path, capsys):
     assert rc == 2 and msg.startswith("config error: [varlen_cp] on cpu, "
                                       "context_parallel_size 1, layers of strategy 'a2a+p2p'")
     assert msg.endswith("a2a_size must be a positive divisor of cp_size=1, got 3"), msg
+
+
+def test_megatron_layout_rule_at_cp(tmp_path, capsys):
+    rc = megatron_main(tmp_path, **{'layout = "balanced"': 'layout = "te"\npad_multiple = 6'})
+    msg = last_error(capsys)
+    assert rc == 2 and msg.endswith("pad_multiple must be a positive multiple of "
+                                    "2*cp_size=4, got 6"), msg
 
 
 def test_megatron_backend_on_this_machine(tmp_path, capsys, no_interpreter):

@@ -5,6 +5,7 @@ PNGs; bad input (exit 2); no torchtitan needed. In-process except two subprocess
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -233,6 +234,18 @@ def test_stock_torchtitan_model():
     (["--mix", "short_4k", "--cp", "100000", "--heads", "4"], "--cp must be at most 4096"),
     (["--mix", "short_4k", "--cp", "2", "--heads", "4", "--sweep", "2,1000000"],
      "--sweep values must be at most 4096"),
+    # every error names the flag, and cp 1 is checked as the launchers check it (issue 29)
+    (["--mix", "short_4k", "--cp", "2", "--heads", "4", "--flops", "0"],
+     "--flops: CostModel.flops_per_s must be a positive number, got 0.0"),
+    (["--mix", "short_4k", "--cp", "2", "--heads", "4", "--bandwidth", "nan"],
+     "--bandwidth: CostModel.bytes_per_s must be a positive number, got nan"),
+    (["--mix", "short_4k", "--cp", "2", "--heads", "8", "--kv-heads", "3"],
+     "--heads 8 --kv-heads 3: AttnShape: n_heads=8 must be a multiple of n_kv_heads=3"),
+    (["--mix", "short_4k", "--cp", "2", "--heads", "0"], "--heads 0: AttnShape.n_heads"),
+    (["--mix", "short_4k", "--cp", "2", "--heads", "4", "--layout", "te", "--pad-multiple",
+      "3"], "--layout te: pad_multiple must be a positive multiple of 2*cp_size=4, got 3"),
+    (["--mix", "short_4k", "--cp", "1", "--heads", "4", "--strategy", "a2a+p2p",
+      "--a2a-size", "3"], "strategy 'a2a+p2p' at cp 1: a2a_size must be a positive divisor"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, args, message):
     rc, out, err = run_cli(capsys, *args)
@@ -351,3 +364,16 @@ def test_bad_outputs_and_undecodable_inputs_exit_2_before_planning(tmp_path, cap
         assert rc == 2 and out == "" and err.count("\n") == 1, err
         assert f"{flag}: {path}: not UTF-8 text" in err, err
     assert not planned
+
+
+def test_lengths_from_a_pipe(capsys, tmp_path):
+    """``--lengths <(zcat lengths.gz)``: a pipe is an input like a file."""
+    read, write = os.pipe()
+    with os.fdopen(write, "w") as f:
+        f.write("64\n" * 8)
+    try:
+        rc, out, err = run_cli(capsys, "--lengths", f"/dev/fd/{read}", "--cp", "2", "--heads",
+                               "4", "--seq-len", "128")
+    finally:
+        os.close(read)
+    assert rc == 0 and "8 lengths from /dev/fd/" in out, err

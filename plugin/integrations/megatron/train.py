@@ -263,7 +263,7 @@ def check_before_build(job: MegatronJob) -> None:
     for layer in report_layers(config, job.options):
         try:
             check_launch(job.options.layer_options(layer.strategy, layer.a2a_size), shape, cp,
-                         device)
+                         device, job.options.layout_spec())
         except ValueError as e:
             raise ValueError(f"[varlen_cp] on {device}, context_parallel_size {cp}, layers "
                              f"of strategy {layer.strategy!r}: {e}") from None

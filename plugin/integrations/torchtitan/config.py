@@ -273,7 +273,7 @@ def _check_launch(vc: Any, shape: Any, cp: int, src: str) -> None:
 
     device = "cuda" if cpu_mode.cuda_available() else "cpu"
     try:
-        check_launch(vc.attn_options, shape, cp, device)
+        check_launch(vc.attn_options, shape, cp, device, vc.layout_spec())
     except ValueError as e:
         raise ConfigError(f"{src}: varlen_cp on {device}: {e}") from e
     try:
