@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from ..masks import AttnMask
 from ..plan import CPPlan
-from . import cost
+from . import cost, traffic
 from .hybrid import default_a2a_size, heads_fit
 from ..shape import AttnShape
 
@@ -40,6 +40,7 @@ class StrategyTraits:
     tie_rank: int
     options: Callable[[AttnShape, int], dict[str, Any] | None]
     bytes_sent: Callable[..., dict[str, list[int]]]
+    traffic: Callable[..., dict[str, Any]]
     visible_pairs: Callable[..., list[float]]
     visited_pairs: Callable[..., list[float]]
     saved_bytes: Callable[..., int]
@@ -64,16 +65,19 @@ def _hybrid_heads(shape: AttnShape, cp: int) -> dict[str, Any] | None:
 
 
 CATALOGUE: tuple[StrategyTraits, ...] = (
-    StrategyTraits("p2p", "ring", 0, _any_heads, cost.p2p_bytes, cost.rank_pairs,
-                   cost.p2p_visited, cost.nothing_saved),
+    StrategyTraits("p2p", "ring", 0, _any_heads, cost.p2p_bytes, traffic.p2p_traffic,
+                   cost.rank_pairs, cost.p2p_visited, cost.nothing_saved),
     StrategyTraits("all_gather", "stages", 4, _any_heads, cost.all_gather_bytes,
-                   cost.rank_pairs, cost.all_gather_visited, cost.selected_saved),
-    StrategyTraits("a2a", "none", 1, _a2a_heads, cost.a2a_bytes, cost.a2a_pairs,
-                   cost.a2a_visited, cost.a2a_saved),
-    StrategyTraits("a2a+p2p", "none", 3, _hybrid_heads, cost.hybrid_bytes, cost.hybrid_pairs,
-                   cost.hybrid_visited, cost.hybrid_saved),
-    StrategyTraits("dispatch", "stages", 2, _any_heads, cost.dispatch_bytes, cost.rank_pairs,
-                   cost.dispatch_visited, cost.selected_saved),
+                   traffic.all_gather_traffic, cost.rank_pairs, cost.all_gather_visited,
+                   cost.selected_saved),
+    StrategyTraits("a2a", "none", 1, _a2a_heads, cost.a2a_bytes, traffic.a2a_traffic,
+                   cost.a2a_pairs, cost.a2a_visited, cost.a2a_saved),
+    StrategyTraits("a2a+p2p", "none", 3, _hybrid_heads, cost.hybrid_bytes,
+                   traffic.hybrid_traffic, cost.hybrid_pairs, cost.hybrid_visited,
+                   cost.hybrid_saved),
+    StrategyTraits("dispatch", "stages", 2, _any_heads, cost.dispatch_bytes,
+                   traffic.dispatch_traffic, cost.rank_pairs, cost.dispatch_visited,
+                   cost.selected_saved),
 )
 BY_NAME: dict[str, StrategyTraits] = {t.name: t for t in CATALOGUE}
 STRATEGY_NAMES: tuple[str, ...] = tuple(BY_NAME)
@@ -92,6 +96,13 @@ def bytes_sent(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape,
                a2a_size: int | None = None) -> dict[str, list[int]]:
     """Bytes each rank sends per layer: {"fwd": [...], "bwd": [...]} (input dtype)."""
     return traits(name).bytes_sent(plan, mask, shape, a2a_size)
+
+
+def traffic_of(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape,
+               a2a_size: int | None = None) -> dict[str, Any]:
+    """Who sends how many bytes to whom per layer: {"fwd": int64 [cp, cp], "bwd": ...}
+    (row: sender, column: receiver; ``tables.traffic``); ``bytes_sent`` is its row sums."""
+    return traits(name).traffic(plan, mask, shape, a2a_size)
 
 
 def visible_pairs(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape,

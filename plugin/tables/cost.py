@@ -18,17 +18,18 @@ import numpy as np
 
 from ..masks import AttnMask
 from ..plan import CPPlan
-from .hybrid import default_a2a_size, group_members, group_visibility, hybrid_ring_tables
-from .ring import p2p_tables, rank_visibility, ring_length
-from .selected import fetch_count_array, fetched_tokens, selected_tokens
+from . import traffic
+from .hybrid import default_a2a_size, group_members, hybrid_ring_tables
+from .ring import p2p_tables
+from .selected import selected_tokens
 from ..shape import AttnShape, kv_heads_per_rank
 from .staged import staged_tables
+from .traffic import Traffic
 from .ulysses import group_call
 
 Sent = dict[str, list[int]]   # {"fwd": bytes per rank, "bwd": bytes per rank}
 
-__all__ = ["Sent", "hybrid_size", "ring_rows", "ulysses_bytes",
-           "ulysses_rank_bytes", "p2p_bytes", "all_gather_bytes", "dispatch_bytes",
+__all__ = ["Sent", "hybrid_size", "p2p_bytes", "all_gather_bytes", "dispatch_bytes",
            "a2a_bytes", "hybrid_bytes", "rank_pairs", "a2a_pairs", "hybrid_pairs",
            "p2p_visited", "all_gather_visited", "dispatch_visited", "a2a_visited",
            "hybrid_visited", "nothing_saved", "selected_saved", "a2a_saved", "hybrid_saved"]
@@ -46,102 +47,41 @@ def _local_sizes(plan: CPPlan) -> np.ndarray:
 
 
 # ---- bytes ------------------------------------------------------------------------------
-def ring_rows(sizes: np.ndarray, vis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per ring position: (K/V rows sent per pass, dK/dV partial rows sent backward), as
-    the ring engine posts them, for all positions at once: position i sends the K/V of
-    ring steps 0..n-2 (sources i - t) and, backward, the partials of the steps whose
-    source its queries see (the strategy tests count the bytes it really posts). numpy
-    int64 [H] in and out."""
-    size, n_steps = sizes.size, ring_length(vis)
-    src = (np.arange(size)[:, None] - np.arange(n_steps)[None, :]) % size   # [H, steps]
-    kv = sizes[src[:, :-1]].sum(1)
-    seen = np.take_along_axis(vis, src[:, 1:], 1) > 0
-    grads = (sizes[src[:, 1:]] * seen).sum(1)
-    return kv, grads
-
-
-def ulysses_bytes(sizes: tuple[int, ...], index: int, shape: AttnShape, need_lse: bool = False
-                  ) -> tuple[int, int]:
-    """(forward, backward) bytes member ``index`` of a group with ``sizes`` sends in its
-    all-to-alls (rows to itself excluded), as the engine packs them."""
-    size = len(sizes)
-    hk, _ = kv_heads_per_rank(shape.n_kv_heads, size)
-    hq = shape.n_heads // size
-    qkv_row = (hq * shape.head_dim + hk * (shape.head_dim + shape.value_dim)) \
-        * shape.dtype_bytes
-    out_row = hq * shape.value_dim * shape.dtype_bytes
-    mine, others = sizes[index], sum(sizes) - sizes[index]
-    fwd = (size - 1) * mine * qkv_row + others * out_row
-    bwd = (size - 1) * mine * out_row + others * qkv_row
-    if need_lse:  # the fp32 LSE back to tokens, its gradient to heads
-        fwd += others * hq * 4
-        bwd += (size - 1) * mine * hq * 4
-    return fwd, bwd
-
-
-def ulysses_rank_bytes(sizes: np.ndarray, size: int, shape: AttnShape
-                       ) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`ulysses_bytes` of every rank at once (groups of ``size`` consecutive ranks;
-    numpy int64 [cp] each; zeros for size 1)."""
-    if size == 1:
-        return np.zeros_like(sizes), np.zeros_like(sizes)
-    hk, _ = kv_heads_per_rank(shape.n_kv_heads, size)
-    hq = shape.n_heads // size
-    qkv_row = (hq * shape.head_dim + hk * (shape.head_dim + shape.value_dim)) \
-        * shape.dtype_bytes
-    out_row = hq * shape.value_dim * shape.dtype_bytes
-    others = np.repeat(sizes.reshape(-1, size).sum(1), size) - sizes
-    return ((size - 1) * sizes * qkv_row + others * out_row,
-            (size - 1) * sizes * out_row + others * qkv_row)
+# Per rank: the row sums of the strategy's traffic matrix (``tables.traffic``: who sends
+# what to whom, which also splits it into in-node and cross-node bytes).
+def _row_sums(traffic: Traffic) -> Sent:
+    return {phase: m.sum(1).tolist() for phase, m in traffic.items()}
 
 
 def p2p_bytes(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | None = None
               ) -> Sent:
     """The ring: every pass's K/V forward, again backward with the dK/dV partials."""
-    kv, grads = ring_rows(_local_sizes(plan), rank_visibility(plan, mask))
-    return {"fwd": (kv * shape.kv_row).tolist(), "bwd": ((kv + grads) * shape.kv_row).tolist()}
+    return _row_sums(traffic.p2p_traffic(plan, mask, shape))
 
 
 def all_gather_bytes(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | None = None
                      ) -> Sent:
     """Every rank's padded K/V to every other; back only the picked keys' dK/dV."""
-    cp, row = plan.cp_size, shape.kv_row
-    stride = int(_local_sizes(plan).max())
-    return {"fwd": [(cp - 1) * stride * row] * cp,
-            "bwd": [f * row for f in fetched_tokens(plan, mask)]}
+    return _row_sums(traffic.all_gather_traffic(plan, mask, shape))
 
 
 def dispatch_bytes(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | None = None
                    ) -> Sent:
     """Exactly the keys others see forward, their dK/dV backward."""
-    row = shape.kv_row
-    counts = fetch_count_array(plan, mask)
-    sent = counts.sum(0) - counts.diagonal()   # what the others fetch from each rank
-    return {"fwd": (sent * row).tolist(), "bwd": [f * row for f in fetched_tokens(plan, mask)]}
-
-
-def _group_bytes(plan: CPPlan, mask: AttnMask, shape: AttnShape, size: int) -> Sent:
-    """Ulysses groups of ``size`` ranks, a ring of the groups when size < cp."""
-    sizes = _local_sizes(plan)
-    fwd, bwd = ulysses_rank_bytes(sizes, size, shape)
-    if size < plan.cp_size:  # a ring across the groups, on this rank's head slice
-        hk, _ = kv_heads_per_rank(shape.n_kv_heads, size)
-        ring_row = hk * (shape.head_dim + shape.value_dim) * shape.dtype_bytes
-        group_sizes = sizes.reshape(-1, size).sum(1)
-        kv, grads = ring_rows(group_sizes, group_visibility(plan, mask, size))
-        fwd = fwd + np.repeat(kv * ring_row, size)
-        bwd = bwd + np.repeat((kv + grads) * ring_row, size)
-    return {"fwd": fwd.tolist(), "bwd": bwd.tolist()}
+    return _row_sums(traffic.dispatch_traffic(plan, mask, shape))
 
 
 def a2a_bytes(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | None = None
               ) -> Sent:
-    return _group_bytes(plan, mask, shape, plan.cp_size)
+    """Ulysses all-to-alls over all ranks."""
+    return _row_sums(traffic.a2a_traffic(plan, mask, shape))
 
 
 def hybrid_bytes(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | None = None
                  ) -> Sent:
-    return _group_bytes(plan, mask, shape, hybrid_size(plan, shape, a2a_size))
+    """Ulysses groups of ``a2a_size`` ranks, a ring of the groups."""
+    return _row_sums(traffic.hybrid_traffic(plan, mask, shape, hybrid_size(plan, shape,
+                                                                          a2a_size)))
 
 
 # ---- compute ----------------------------------------------------------------------------

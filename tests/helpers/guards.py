@@ -38,11 +38,13 @@ def forbid_host_reads():
 
 
 class ByteCounter:
-    """Counts the bytes this rank sends through the collectives the strategies call."""
+    """Counts the bytes this rank sends through the collectives the strategies call:
+    ``total``, and ``by_peer`` (global rank of the receiver -> bytes)."""
 
     def __init__(self):
         from varlen_cp.strategies import all_gather
         self.total = 0
+        self.by_peer: dict[int, int] = {}
         self._ag = all_gather
         self._saved = (dist.batch_isend_irecv, dist.all_to_all_single,
                        all_gather._all_gather_single)
@@ -50,21 +52,34 @@ class ByteCounter:
     def __enter__(self):
         p2p_fn, a2a_fn, ag_fn = self._saved
 
+        def add(peer: int, n: int) -> None:
+            self.total += n
+            self.by_peer[peer] = self.by_peer.get(peer, 0) + n
+
+        def global_of(group, index: int) -> int:
+            return index if group is None else dist.get_global_rank(group, index)
+
         def p2p(ops):
-            self.total += sum(op.tensor.numel() * op.tensor.element_size()
-                              for op in ops if op.op is dist.isend)
+            for op in ops:
+                if op.op is dist.isend:
+                    add(op.peer, op.tensor.numel() * op.tensor.element_size())
             return p2p_fn(ops)
 
         def a2a(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                 **kw):
             row = input[0].numel() * input.element_size() if input.shape[0] else 0
             me = dist.get_rank(group)
-            self.total += row * (sum(input_split_sizes) - input_split_sizes[me])
+            for j, rows in enumerate(input_split_sizes):
+                if j != me:
+                    add(global_of(group, j), row * rows)
             return a2a_fn(output, input, output_split_sizes, input_split_sizes, group=group,
                           **kw)
 
         def ag(output, input, group=None, **kw):
-            self.total += (dist.get_world_size(group) - 1) * input.numel() * input.element_size()
+            me = dist.get_rank(group)
+            for j in range(dist.get_world_size(group)):
+                if j != me:
+                    add(global_of(group, j), input.numel() * input.element_size())
             return ag_fn(output, input, group=group, **kw)
 
         dist.batch_isend_irecv, dist.all_to_all_single = p2p, a2a

@@ -194,6 +194,7 @@ def bytes_worker(rank, world):
     """fp16 forward + backward of every strategy; the bytes each collective really sends
     must equal the strategy's ``bytes_sent_per_rank``."""
     from varlen_cp.strategies import get_strategy
+    from varlen_cp.tables import catalogue
     mismatches, n = [], 0
     for strategy in STRATEGIES:
         options = AttnOptions(strategy=strategy, backend="torch",
@@ -208,13 +209,22 @@ def bytes_worker(rank, world):
                 out = cp_varlen_attn(ql, kl, vl, plan, mask, None, options)
             with ByteCounter() as bwd:
                 out.backward(plan.shard(dout).half())
+            shape = AttnShape(n_heads=hq, n_kv_heads=hkv, head_dim=D, head_dim_v=DV,
+                              dtype=torch.float16)
             want = get_strategy(strategy).bytes_sent_per_rank(
-                plan, mask, AttnShape(n_heads=hq, n_kv_heads=hkv, head_dim=D, head_dim_v=DV,
-                                      dtype=torch.float16), a2a_size=options.a2a_size)
+                plan, mask, shape, a2a_size=options.a2a_size)
             got = (fwd.total, bwd.total)
             if got != (want["fwd"][rank], want["bwd"][rank]):
                 mismatches.append(f"{strategy} {layout} {mname}: sent {got}, model "
                                   f"{(want['fwd'][rank], want['bwd'][rank])}")
+            # and to whom: the traffic matrix's row of this rank (the group is the world)
+            matrix = catalogue.traffic_of(strategy, plan, mask, shape, options.a2a_size)
+            for phase, counter in (("fwd", fwd), ("bwd", bwd)):
+                row = {d: int(b) for d, b in enumerate(matrix[phase][rank]) if b}
+                sent = {d: b for d, b in counter.by_peer.items() if b}
+                if sent != row:
+                    mismatches.append(f"{strategy} {layout} {mname} {phase}: sent to peers "
+                                      f"{sent}, traffic matrix {row}")
             n += 1
     assert not mismatches, "\n".join(mismatches)
     return n
