@@ -11,7 +11,10 @@ The rule (per (plan, mask, head shape, dtype); cached in the plan):
    q/k/v/out of their group; p2p keeps nothing extra, so it always survives.
 3. Time per layer (forward + backward), slowest rank: compute = visible pairs x Hq x
    flops per pair (2(D+Dv) forward, 6D+4Dv backward: FA2's five matmuls) /
-   ``flops_per_s``; comm = bytes sent (exactly what the collectives post) / ``bytes_per_s``.
+   ``flops_per_s``; comm = bytes sent (exactly what the collectives post), those to the
+   rank's own node / ``bytes_per_s`` and those to other nodes / ``cross_node_bytes_per_s``
+   on their own links, the longer of the two (``tables.traffic``; nodes: the model's
+   ``ranks_per_node``).
    How transfers meet compute is each strategy's ``overlap`` in ``tables.catalogue``.
    The ring (p2p) overlaps its transfers with compute: max(compute, comm) per pass;
    dispatch and all_gather overlap theirs in stages (local keys first, remote K/V in the
@@ -54,6 +57,7 @@ from .catalogue import CATALOGUE, traits
 from .cost_model import CostModel, check_model
 from .cache import host_table, table_key
 from .staged import default_stages, staged_time
+from .traffic import split
 
 # Tie order: simpler / less memory first (the catalogue's tie ranks).
 CANDIDATES: tuple[str, ...] = tuple(t.name for t in sorted(CATALOGUE, key=lambda t: t.tie_rank))
@@ -71,6 +75,7 @@ class Estimate:
     comm_s: float
     bytes_sent: int       # max over ranks, forward + backward
     saved_bytes: int      # max over ranks: kept for the backward beyond inputs and out
+    cross_node_bytes: int = 0   # max over ranks, forward + backward, to other nodes
 
 
 def candidate_options(name: str, shape: AttnShape, cp: int) -> dict[str, Any] | None:
@@ -82,13 +87,13 @@ def estimate(plan: CPPlan, mask: AttnMask, name: str, shape: AttnShape, model: C
              a2a_size: int | None = None) -> Estimate:
     """Time, bytes and saved memory of strategy ``name`` (host only, closed form)."""
     entry = traits(name)
-    sent = entry.bytes_sent(plan, mask, shape, a2a_size)
+    links = split(entry.traffic(plan, mask, shape, a2a_size), model.nodes(plan.cp_size))
     pairs = max(entry.visible_pairs(plan, mask, shape, a2a_size)) * shape.n_heads
     d, dv = shape.head_dim, shape.value_dim
     c_fwd = pairs * 2 * (d + dv) / model.flops_per_s
     c_bwd = pairs * (6 * d + 4 * dv) / model.flops_per_s
-    x_fwd = max(sent["fwd"]) / model.bytes_per_s
-    x_bwd = max(sent["bwd"]) / model.bytes_per_s
+    x_fwd = float(model.link_seconds(links["fwd_in"], links["fwd_cross"]).max())
+    x_bwd = float(model.link_seconds(links["bwd_in"], links["bwd_cross"]).max())
     if entry.overlap == "stages":
         # all_gather is timed with dispatch's stage count (one simulation, not a second
         # search): it moves at least dispatch's bytes with the same compute, so a search of
@@ -100,9 +105,10 @@ def estimate(plan: CPPlan, mask: AttnMask, name: str, shape: AttnShape, model: C
         seconds = max(c_fwd, x_fwd) + max(c_bwd, x_bwd)
     else:
         seconds = c_fwd + x_fwd + c_bwd + x_bwd
-    total = max(f + b for f, b in zip(sent["fwd"], sent["bwd"]))
-    return Estimate(seconds, c_fwd + c_bwd, x_fwd + x_bwd, total,
-                    entry.saved_bytes(plan, mask, shape, a2a_size))
+    total = links["fwd_in"] + links["fwd_cross"] + links["bwd_in"] + links["bwd_cross"]
+    cross = links["fwd_cross"] + links["bwd_cross"]
+    return Estimate(seconds, c_fwd + c_bwd, x_fwd + x_bwd, int(total.max()),
+                    entry.saved_bytes(plan, mask, shape, a2a_size), int(cross.max()))
 
 
 def estimates(plan: CPPlan, mask: AttnMask, shape: AttnShape, *,

@@ -66,3 +66,74 @@ def test_split_into_in_node_and_cross_node(seed):
             cross = sum(int(m[phase][s, d]) for d in range(cp) if nodes[d] != nodes[s])
             inside = sum(int(m[phase][s, d]) for d in range(cp) if nodes[d] == nodes[s])
             assert (got[f"{phase}_cross"][s], got[f"{phase}_in"][s]) == (cross, inside)
+
+
+# ---------------------------------------------------------------- the cost model's two links
+def _estimates(plan, mask, shape, model):
+    from varlen_cp.tables.auto import estimates
+    return estimates(plan, mask, shape, model=model)
+
+
+def _timing(e):
+    return {k: (v.seconds, v.compute_s, v.comm_s, v.bytes_sent) for k, v in e.items()}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_rank_per_node_is_the_cross_node_link_alone(seed):
+    """Every rank its own node: every byte crosses, so the estimates are those of one node
+    whose only link is the cross-node one; a node holding every rank is the default."""
+    from varlen_cp.tables.auto import CostModel
+
+    rng = np.random.default_rng(seed)
+    cp, mask = (4, 8)[seed % 2], MASKS[seed % 4]
+    plan = random_plan(rng, cp, mask)
+    shape = AttnShape(n_heads=8, n_kv_heads=2, head_dim=32)
+    base = dict(flops_per_s=1e12, stage_latency_s=1e-6)
+    apart = _estimates(plan, mask, shape, CostModel(**base, bytes_per_s=1e10,
+                                                    cross_node_bytes_per_s=2e9,
+                                                    ranks_per_node=1))
+    slow_node = _estimates(plan, mask, shape, CostModel(**base, bytes_per_s=2e9))
+    assert _timing(apart) == _timing(slow_node)
+    assert all(e.cross_node_bytes == e.bytes_sent for e in apart.values())
+    together = _estimates(plan, mask, shape, CostModel(**base, bytes_per_s=1e10,
+                                                       ranks_per_node=cp))
+    alone = _estimates(plan, mask, shape, CostModel(**base, bytes_per_s=1e10))
+    assert _timing(together) == _timing(alone)
+    assert all(e.cross_node_bytes == 0 for e in together.values())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_links_run_side_by_side(seed):
+    """Two nodes: a waiting strategy's transfer time is, per rank, the longer of its bytes
+    to its own node at one rate and to the other node at the other (a loop over peers)."""
+    from varlen_cp.tables.auto import CostModel
+
+    rng = np.random.default_rng(10 + seed)
+    cp, mask = 8, MASKS[seed % 4]
+    plan = random_plan(rng, cp, mask)
+    shape = AttnShape(n_heads=8, n_kv_heads=8, head_dim=32)
+    model = CostModel(flops_per_s=1e12, bytes_per_s=1e10, cross_node_bytes_per_s=3e9,
+                      ranks_per_node=4)
+    got = _estimates(plan, mask, shape, model)
+    for name in ("a2a", "p2p"):
+        m = catalogue.traffic_of(name, plan, mask, shape)
+        comm = []
+        for phase in ("fwd", "bwd"):
+            worst = 0.0
+            for s in range(cp):
+                inside = sum(int(m[phase][s, d]) for d in range(cp) if d // 4 == s // 4)
+                cross = sum(int(m[phase][s, d]) for d in range(cp) if d // 4 != s // 4)
+                worst = max(worst, inside / 1e10, cross / 3e9)
+            comm.append(worst)
+        assert got[name].comm_s == pytest.approx(sum(comm), rel=1e-12), name
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"cross_node_bytes_per_s": 0}, "cross_node_bytes_per_s must be a positive number"),
+    ({"ranks_per_node": 0}, "ranks_per_node must be None or an int >= 1, got 0"),
+    ({"ranks_per_node": True}, "ranks_per_node must be None or an int >= 1, got True")])
+def test_cost_model_links_are_checked(kwargs, message):
+    from varlen_cp.tables.auto import CostModel
+
+    with pytest.raises(ValueError, match=message):
+        CostModel(**kwargs)

@@ -5,8 +5,9 @@ collective ends for all when its last rank has posted it and its bytes have move
 c_s is the compute of stage s on a rank (visible pairs x FLOPs per pair / flops_per_s; a
 fetched stage's pairs are the rank's pairs with each owner's keys in proportion to that
 owner's keys in it, plus ``stage_latency_s`` and the fold's memory traffic), t_s the
-transfer of stage s (the most K/V rows a rank sends or receives in it / bytes_per_s;
-t_0 = 0: the local keys need none). The forward posts stage s+1 when stage s-1 has
+transfer of stage s (the most K/V rows a rank sends or receives in it, those of its own
+node / bytes_per_s and those of other nodes / cross_node_bytes_per_s on their own links,
+the longer; t_0 = 0: the local keys need none). The forward posts stage s+1 when stage s-1 has
 computed, so with equal ranks
 
     forward  = t_0 + sum_{s=0..S-1} max(c_s, t_{s+1})       (t_S = 0)
@@ -40,6 +41,7 @@ from ...plan import CPPlan
 from ..cost_model import CostModel, check_model
 from ..cache import host_table, table_key
 from ..selected import fetch_count_array, pair_count_array
+from ..traffic import cross_node
 from ...shape import AttnShape
 from .memory import staged_memory
 from .routes import gather_stage_rows, stage_array, transfers
@@ -109,14 +111,21 @@ def _simulate(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape, model: 
     1.6 ms with the stage counts they build, which now cost most of it."""
     cp = plan.cp_size
     f_fwd, f_bwd = _flops_per_pair(shape)
-    rate, bw, row = model.flops_per_s, model.bytes_per_s, shape.kv_row
+    rate, row = model.flops_per_s, shape.kv_row
     per = [stage_array(name, plan, mask, s) for s in stage_list]      # [P, d, o]
     sizes = [c.shape[0] for c in per]
     first = np.cumsum([0] + sizes)
     counts = np.concatenate(per)
     pairs_all = ((counts * r.vis) // r.fetch).sum(2)                # [sum P, d], proportional
-    rows_all = np.maximum(counts.sum(2), counts.sum(1))             # [sum P, r] sent or received
-    back_all = [x * row / bw for x in rows_all.max(1).tolist()]     # dK/dV returns
+    nodes = model.nodes(cp)
+    cross = counts * cross_node(nodes)                              # rows between nodes
+    inside = counts - cross
+    # per transfer and rank: the rows it sends or receives (the larger), on each link
+    back_all = model.link_seconds(   # dK/dV returns (and dispatch's sends: the same rows)
+        np.maximum(inside.sum(2), inside.sum(1)) * row,
+        np.maximum(cross.sum(2), cross.sum(1)) * row).max(1).tolist()
+    peers_in = np.bincount(nodes, minlength=int(nodes.max()) + 1)[nodes] - 1
+    peers_cross = cp - 1 - peers_in
     out: dict[int, StagedTime] = {}
     piped = []   # (S, its index, send, back, compute, comm, bound) of the S that overlap
     for i, stages in enumerate(stage_list):
@@ -124,8 +133,9 @@ def _simulate(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape, model: 
         back = back_all[a:a + n_parts]
         if name == "dispatch":
             send = back
-        else:   # every rank sends (cp - 1) copies of its slice
-            send = [(cp - 1) * (hi - lo) * row / bw
+        else:   # every rank sends (cp - 1) copies of its slice, to its node and others
+            send = [float(model.link_seconds(peers_in * (hi - lo) * row,
+                                             peers_cross * (hi - lo) * row).max())
                     for lo, hi in gather_stage_rows(plan, transfers(stages))]
         work = int((r.local + pairs_all[a:a + n_parts].sum(0)).max())
         compute = work * (f_fwd + f_bwd) / rate
