@@ -59,6 +59,7 @@ class Job:
     seq_len: int | None = None
     rows: int = 1
     unchecked: tuple[str, ...] = ()   # keys read without torchtitan that it did not check
+    tp: int = 1                       # tensor-parallel degree (GPUs of a node per CP rank)
 
 
 def _int(value: Any, where: str, low: int = 1) -> int:
@@ -174,7 +175,7 @@ def torchtitan_job(doc: dict[str, Any], path: Path) -> Job:
     config = CPConfig(**{f.name: getattr(vc, f.name) for f in dataclasses.fields(CPConfig)})
     return Job(f"{path} (torchtitan, model {model.name})", t.cp, config,
                tuple(layer_types(_counts(masks), vc.strategy, vc.a2a_size)), shape,
-               t.seq_len, t.rows, t.unchecked)
+               t.seq_len, t.rows, t.unchecked, t.tp)
 
 
 def stock_layers(name: str, flavor: str, path: Path
@@ -224,7 +225,8 @@ def megatron_job(path: Path) -> Job:
     config = job.transformer_config(use_cpu_initialization=True)
     cp = job.context_parallel_size
     return Job(f"{path} (megatron)", cp, job.options, tuple(report_layers(config, job.options)),
-               attn_shape(config), job.data.seq_len, job.training.micro_batches)
+               attn_shape(config), job.data.seq_len, job.training.micro_batches,
+               tp=job.tensor_model_parallel_size)
 
 
 # ---- flags --------------------------------------------------------------------------------
@@ -350,4 +352,4 @@ def with_flags(job: Job | None, args: Any) -> Job:
     seq_len = job.seq_len if args.seq_len is None else _int(args.seq_len, "--seq-len")
     changed = job.source != "command line" and (options or args.mask or changes or args.cp)
     return Job(f"{job.source} with command-line changes" if changed else job.source, cp,
-               config, layers, shape, seq_len, job.rows, job.unchecked)
+               config, layers, shape, seq_len, job.rows, job.unchecked, job.tp)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -116,9 +117,35 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--flops", type=float, default=CostModel.flops_per_s,
                      help="attention FLOP/s per GPU of the cost model (default 3e14)")
     out.add_argument("--bandwidth", type=float, default=CostModel.bytes_per_s,
-                     help="bytes/s one rank sends in a collective (default 1.5e11: NVLink; "
-                     "~2.5e10-4.5e10 across InfiniBand nodes)")
+                     help="bytes/s one rank sends to ranks of its own node (default 1.5e11: "
+                     "NVLink)")
+    out.add_argument("--cross-node-bandwidth", type=float,
+                     default=CostModel.cross_node_bytes_per_s,
+                     help="bytes/s one rank sends to other nodes (default 4.5e10: a 400 Gb/s "
+                     "NIC per GPU); both links run at once")
+    out.add_argument("--gpus-per-node", type=int, default=None,
+                     help="GPUs per node (default: $LOCAL_WORLD_SIZE, else 8); a node holds "
+                     "gpus-per-node / TP consecutive CP ranks")
     return p
+
+
+def cost_model(args: Any, job: jobs.Job) -> CostModel:
+    """The rates of the flags, and the nodes of the job's CP ranks: ``--gpus-per-node``
+    (else the launch's ``LOCAL_WORLD_SIZE``, else 8) over the job's TP degree."""
+    gpus = args.gpus_per_node
+    if gpus is None:
+        env = os.environ.get("LOCAL_WORLD_SIZE", "")
+        gpus = int(env) if env.isdigit() and int(env) >= 1 else 8
+    jobs._int(gpus, "--gpus-per-node")
+    try:
+        return CostModel(flops_per_s=args.flops, bytes_per_s=args.bandwidth,
+                         cross_node_bytes_per_s=args.cross_node_bandwidth,
+                         ranks_per_node=max(gpus // job.tp, 1))
+    except ValueError as e:   # name the flag, not the field
+        field = str(e).split(" ", 1)[0].split(".")[-1]
+        flag = {"flops_per_s": "--flops", "bytes_per_s": "--bandwidth",
+                "cross_node_bytes_per_s": "--cross-node-bandwidth"}.get(field, "--gpus-per-node")
+        raise ValueError(f"{flag}: {e}") from None
 
 
 # ---- inputs -------------------------------------------------------------------------------
@@ -257,7 +284,10 @@ def report_text(job: jobs.Job, docs: str, reps: list[PlanReport], n_batches: int
              f"documents {docs}; {n_batches} batches of {job.rows} x {job.seq_len} tokens; "
              f"analysing {len(reps)}",
              f"cost model: {model.flops_per_s:.3g} FLOP/s attention, "
-             f"{model.bytes_per_s:.3g} B/s per rank (--flops, --bandwidth)",
+             f"{model.bytes_per_s:.3g} B/s per rank in a node, "
+             f"{model.cross_node_bytes_per_s:.3g} B/s across nodes, {model.ranks_per_node} "
+             f"CP ranks per node (--flops, --bandwidth, --cross-node-bandwidth, "
+             f"--gpus-per-node)",
              "", f"batch 0: {headline(rep)}; tokens max/mean {rep.token_imbalance:.3f}"]
     if cfg.overlap_stages is not None:
         lines[-1] += f"; overlap_stages {cfg.overlap_stages}"
@@ -296,7 +326,8 @@ def report_json(job: jobs.Job, docs: str, reps: list[PlanReport], n_batches: int
         return {"label": r.label, "n_layers": r.layer.n_layers, "configured": r.layer.strategy,
                 "strategy": r.strategy, "stages": r.stages, "work": r.work,
                 "work_imbalance": r.work_imbalance, "kv_floor_bytes": r.kv_floor_bytes,
-                "sent_bytes": r.sent_bytes, "auto_pick": r.auto_pick,
+                "sent_bytes": r.sent_bytes, "cross_node_bytes": r.cross_node_bytes,
+                "auto_pick": r.auto_pick,
                 "estimates": {n: vars(e) for n, e in (r.estimates or {}).items()},
                 "coverage": coverage_json(r)}
 
@@ -324,12 +355,8 @@ def check_outputs(args: Any) -> None:
 
 
 def run(args: Any) -> int:
-    try:
-        model = CostModel(flops_per_s=args.flops, bytes_per_s=args.bandwidth)
-    except ValueError as e:   # name the flag, not the field
-        flag = "--flops" if "flops_per_s" in str(e) else "--bandwidth"
-        raise ValueError(f"{flag}: {e}") from None
     job = jobs.with_flags(jobs.read_job(args.config) if args.config else None, args)
+    model = cost_model(args, job)
     if job.unchecked:   # read without torchtitan: say what could not be checked
         print(f"{PROG}: warning: torchtitan is not installed, so these keys of its sections "
               f"in {args.config} were not checked: {', '.join(job.unchecked)}",

@@ -8,7 +8,8 @@ reads the step's tables):
   work, per query head), the K/V floor (other ranks' K/V bytes its queries see: what
   ``dispatch`` fetches in the forward, the least any K/V-moving strategy can) and the bytes
   the running strategy sends per layer (forward + backward, exactly what its collectives
-  post: ``tables.catalogue.bytes_sent``);
+  post: ``tables.traffic``), and the part of them that leaves the rank's node (nodes: the
+  cost model's ``ranks_per_node``; none by default);
 - per layer type: work imbalance (max / mean over ranks, ``plan.work_imbalance``), the
   strategy that runs (``auto`` resolved with the rule and cache of ``tables.auto``), the
   overlap stage count of staged strategies (``tables.staged.resolve_stages``, as the
@@ -49,6 +50,7 @@ from ..tables.auto import CostModel, Estimate, choose_strategy, estimates, pick
 from ..tables.coverage import FlashCoverage
 from ..tables.selected import fetch_count_array
 from ..tables.staged import resolve_stages
+from ..tables.traffic import split
 from ..shape import AttnShape
 from .coverage import Backends, layer_coverage
 
@@ -96,6 +98,7 @@ class LayerReport:
     work_imbalance: float             # max / mean of ``work``
     kv_floor_bytes: list[int]         # other ranks' K/V this rank's queries see (forward)
     sent_bytes: list[int]             # what the running strategy sends, fwd + bwd
+    cross_node_bytes: list[int]       # the part of ``sent_bytes`` that leaves the node
     estimates: dict[str, Estimate] | None = None   # every candidate, when asked for
     auto_pick: str | None = None      # what ``auto`` picks among ``estimates``
     coverage: FlashCoverage | None = None  # the reporting rank's calls on FA, when asked for
@@ -166,21 +169,25 @@ def layer_report(plan: CPPlan, layer: LayerType, shape: AttnShape, *,
         stages = resolve_stages(plan, mask, name, shape, overlap_stages)
     counts = fetch_count_array(plan, mask)
     floor = ((counts.sum(1) - counts.diagonal()) * shape.kv_row).tolist()
+    model = CostModel() if model is None else model
     if plan.cp_size == 1:
-        sent = [0]
+        sent, cross = [0], [0]
     else:
         a2a = layer.a2a_size if takes(name, "a2a_size") else None
-        by_pass = catalogue.bytes_sent(name, plan, mask, shape, a2a)
-        sent = [f + b for f, b in zip(by_pass["fwd"], by_pass["bwd"])]
+        links = split(catalogue.traffic_of(name, plan, mask, shape, a2a),
+                      model.nodes(plan.cp_size))
+        cross = (links["fwd_cross"] + links["bwd_cross"]).tolist()
+        sent = (links["fwd_in"] + links["bwd_in"]).tolist()
+        sent = [a + b for a, b in zip(sent, cross)]
     table = auto_pick = None
     if with_estimates and plan.cp_size > 1:
-        model = CostModel() if model is None else model
         table = estimates(plan, mask, shape, model=model)
         auto_pick = pick(table, model)
     coverage = None if backends is None else \
         layer_coverage(plan, mask, name, backends, stages, layer.a2a_size, shape)
     return LayerReport(layer, name, stages, plan.work_per_rank(mask),
-                       plan.work_imbalance(mask), floor, sent, table, auto_pick, coverage,
+                       plan.work_imbalance(mask), floor, sent, cross, table, auto_pick,
+                       coverage,
                        None if backends is None else backends.flash)
 
 

@@ -104,13 +104,16 @@ def headline(rep: PlanReport) -> str:
 
 def layer_table(rep: PlanReport) -> list[str]:
     """Per layer type: layers, strategy, stages, work balance, and the busiest rank's K/V
-    floor and bytes sent per layer."""
+    floor and bytes sent per layer (and of them to other nodes, when some leave one)."""
+    nodes = any(max(r.cross_node_bytes) for r in rep.layers)
     rows = [["layer type", "layers", "strategy", "stages", "work max/mean",
-             "K/V floor (max rank)", "sent per layer (max rank)"]]
+             "K/V floor (max rank)", "sent per layer (max rank)"]
+            + (["cross-node (max rank)"] if nodes else [])]
     for r in rep.layers:
         rows.append([r.label, str(r.layer.n_layers), strategy_cell(r),
                      "-" if r.stages is None else str(r.stages), f"{r.work_imbalance:.3f}",
-                     fmt_bytes(max(r.kv_floor_bytes)), fmt_bytes(max(r.sent_bytes))])
+                     fmt_bytes(max(r.kv_floor_bytes)), fmt_bytes(max(r.sent_bytes))]
+                    + ([fmt_bytes(max(r.cross_node_bytes))] if nodes else []))
     return table(rows)
 
 
@@ -121,6 +124,8 @@ def rank_rows(rep: PlanReport) -> list[tuple[str, list[float], object]]:
         rows += [(f"{r.label} work (pairs/head)", r.work, fmt_count),
                  (f"{r.label} K/V floor", r.kv_floor_bytes, fmt_bytes),
                  (f"{r.label} sent", r.sent_bytes, fmt_bytes)]
+        if max(r.cross_node_bytes):
+            rows.append((f"{r.label} cross-node", r.cross_node_bytes, fmt_bytes))
     return rows
 
 

@@ -39,8 +39,10 @@ are compute-bound, so the least traffic wins among the near-equal times: a2a, p2
 documents make dispatch's traffic a small fraction of anyone else's (it fetches only visible K/V);
 p2p when memory is tight; all_gather is never better than dispatch (same compute, more bytes).
 
-Limits: the defaults of :class:`CostModel` are one H100 node's order of magnitude (NVLink);
-pass your own for other machines. Latency per collective is modelled only for the extra
+Limits: the defaults of :class:`CostModel` are one H100 node's order of magnitude (NVLink,
+and a 400 Gb/s NIC per GPU across nodes); pass your own for other machines. The training
+integrations do not yet tell it which CP ranks share a node (``ranks_per_node``), so in a
+run every rank counts as one node's; ``varlen-cp-plan --gpus-per-node`` does. Latency per collective is modelled only for the extra
 stages of dispatch / all_gather, so for tiny batches the pick is arbitrary (all are fast).
 """
 

@@ -69,6 +69,13 @@ def test_bad_mask_names_the_flag(text):
         jobs.parse_mask(text)
 
 
+@pytest.fixture(autouse=True)
+def no_launch_env(monkeypatch):
+    """The planner reads LOCAL_WORLD_SIZE for its default GPUs per node: a launch's value
+    left in this process must not change the tests' plans."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+
+
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
     rc = plan.main(list(args))
     out = capsys.readouterr()
@@ -246,6 +253,10 @@ def test_stock_torchtitan_model():
       "3"], "--layout te: pad_multiple must be a positive multiple of 2*cp_size=4, got 3"),
     (["--mix", "short_4k", "--cp", "1", "--heads", "4", "--strategy", "a2a+p2p",
       "--a2a-size", "3"], "strategy 'a2a+p2p' at cp 1: a2a_size must be a positive divisor"),
+    (["--mix", "short_4k", "--cp", "2", "--heads", "4", "--gpus-per-node", "0"],
+     "--gpus-per-node must be an int >= 1, got 0"),
+    (["--mix", "short_4k", "--cp", "2", "--heads", "4", "--cross-node-bandwidth", "0"],
+     "--cross-node-bandwidth: CostModel.cross_node_bytes_per_s must be a positive number"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, args, message):
     rc, out, err = run_cli(capsys, *args)
@@ -377,3 +388,37 @@ def test_lengths_from_a_pipe(capsys, tmp_path):
     finally:
         os.close(read)
     assert rc == 0 and "8 lengths from /dev/fd/" in out, err
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_cross_node_bytes(capsys, tmp_path, monkeypatch, how):
+    """Two GPUs per node at cp 4: the bytes each rank's strategy sends to the other node, as
+    a loop over the strategy's traffic matrix counts them; the report shows them."""
+    from varlen_cp.tables import catalogue
+
+    node = ["--gpus-per-node", "2"] if how == "flag" else []
+    if how == "env":
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    rc, out, err = run_cli(capsys, "--mix", "short_4k", "--cp", "4", "--heads", "4",
+                           "--strategy", "p2p", "--seq-len", "4096", "--batches", "1",
+                           "--json", str(tmp_path / "rep.json"), *node)
+    assert rc == 0, err
+    assert "2 CP ranks per node" in out and "cross-node (max rank)" in out
+    rep = json.loads((tmp_path / "rep.json").read_text())
+    cu = lengths.pack(lengths.mix_lengths("short_4k", 4 * 4096), 4096)[0]
+    p = build_plan(cu, CPConfig(), cp_size=4, cp_rank=0, layer_masks=[(AttnMask(), 1)])
+    m = catalogue.traffic_of("p2p", p, AttnMask(), AttnShape(n_heads=4, n_kv_heads=4,
+                                                           head_dim=128))
+    want = [sum(int(m[ph][s, d]) for ph in ("fwd", "bwd") for d in range(4) if d // 2 != s // 2)
+            for s in range(4)]
+    assert rep["batches"][0]["layers"][0]["cross_node_bytes"] == want and max(want) > 0
+
+
+def test_gpus_per_node_over_tensor_parallelism():
+    """A node of 8 GPUs with TP 2 holds 4 consecutive CP ranks."""
+    args = plan.build_parser().parse_args(["--heads", "4"])
+    job = jobs.with_flags(None, args)
+    assert plan.cost_model(args, job).ranks_per_node == 8
+    import dataclasses
+    assert plan.cost_model(args, dataclasses.replace(job, tp=2)).ranks_per_node == 4
+    assert plan.cost_model(args, dataclasses.replace(job, tp=16)).ranks_per_node == 1
