@@ -44,6 +44,9 @@ from pathlib import Path
 
 import torch
 
+# backend='triton' sizes the tables with the GPU's tiles; on a CPU it resolves only under
+# the interpreter (no kernel runs here), which must be set before varlen_cp is imported
+os.environ.setdefault("TRITON_INTERPRET", "1")
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:   # the package from a checkout
     sys.path.insert(0, str(ROOT))

@@ -23,7 +23,10 @@ bwd), traffic = 2 * fetched K/V bytes (bf16, Hkv * 2d per token) / bandwidth (15
 cp <= 8, in a node; 45 GB/s per GPU across nodes); layer time = max over ranks of
 max(compute, traffic); efficiency = mean compute / layer time. Hq 32, Hkv 8, d 128. For a
 multi-mask model: each layer type, and the layer-count-weighted total (sum of weighted mean
-compute / sum of weighted layer times). Both parts also record, per rank, the documents it
+compute / sum of weighted layer times). Part 2 also has the two-level efficiency (``bench/two_level.py``: nodes of 8 GPUs, K/V in
+a node at 150 GB/s and across nodes at 45 GB/s on separate links, FA2- and FA3-class
+rates, with and without overlap) and the cross-node bytes per rank. Both parts also
+record, per rank, the documents it
 holds only in part (each costs the fetch of the keys it lacks; max and mean over ranks) and
 the plan's runs.
 
@@ -45,11 +48,15 @@ from pathlib import Path
 
 import torch
 
+# backend='triton' sizes the tables with the GPU's tiles; on a CPU it resolves only under
+# the interpreter (no kernel runs here), which must be set before varlen_cp is imported
+os.environ.setdefault("TRITON_INTERPRET", "1")
 ROOT = Path(__file__).resolve().parent.parent
 for path in (ROOT, ROOT / "bench"):  # the package from a checkout; bench/mixes.py
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+import two_level  # noqa: E402  (bench/two_level.py)
 from mixes import MIXES, TOTAL  # noqa: E402  (bench/mixes.py)
 from varlen_cp import AttnMask, CPPlan  # noqa: E402
 from varlen_cp.kernels import mask_math  # noqa: E402
@@ -259,10 +266,13 @@ def measure_efficiency(mix: str, cp: int) -> list[dict]:
                 plan = _build(cu, cp, layout, masks)
                 fixed[layout] = (plan, rank_tables(plan))
             plan, tables = fixed[layout]
-            layers, num, den, b_den = {}, 0.0, 0.0, 0.0
+            layers, num, den, b_den, nodes = {}, 0.0, 0.0, 0.0, []
             for m, w in masks:
                 work = plan.work_per_rank(m)
                 e = efficiency(work, kv_floor(tables, m, cp), cp)
+                nodes.append((w, two_level.layer_figures(
+                    plan, m, work, hq=HQ, head_dim=HEAD_DIM, kv_bytes=KV_BYTES,
+                    bw_node=BW_NODE, bw_net=BW_NET)))
                 bound = efficiency_bound(lengths, m, cp, sum(work))
                 layers[repr(m)] = {"weight": w, **e, "bound": bound}
                 num += w * e["mean_compute_s"]
@@ -273,7 +283,8 @@ def measure_efficiency(mix: str, cp: int) -> list[dict]:
                          "layers": layers, "eff": num / den if den else 1.0,
                          **partial_docs(plan),
                          "bound": num / b_den if b_den else 1.0,
-                         "eff_min_layer": min(x["eff"] for x in layers.values())})
+                         "eff_min_layer": min(x["eff"] for x in layers.values()),
+                         "two_level": two_level.weighted(nodes)})
     return rows
 
 
@@ -368,6 +379,7 @@ def print_tables(rows: list[dict]) -> None:
             cells = ["/".join(str(_sel(eff, masks=mname, layout=layout, mix=mix, cp=cp)[0]
                                   ["partial_docs_max"]) for cp in ecps) for mix in mixes]
             print(f"  {mname:<12}{layout:<11}" + "".join(f"{c:>16}" for c in cells))
+    two_level.print_table(eff, mixes, EFF_MIXES, _short)
     print("Balanced, per layer type (min over cp " + "/".join(map(str, ecps)) + "):")
     for mname in EFF_MIXES[1:]:
         for key in _sel(eff, masks=mname)[0]["layers"]:
@@ -405,6 +417,7 @@ def check_targets(rows: list[dict]) -> dict:
              worst["eff"] >= TARGETS["efficiency"],
              f"worst at {worst['mix']} cp {worst['cp']}; {n_ok}/{len(sel)} (mix, cp) met; "
              f"{n_cap} capped below 0.9 by the bound")
+    two_level.check(eff, line)
     k = [r["layout_ms"] for r in bal if r["mix"] == "lognormal_1k" and r["cp"] == 64]
     if k:
         line("layout_ms_cp64_1k_docs", max(k), TARGETS["layout_ms_cp64_1k_docs"],
