@@ -118,12 +118,15 @@ def _simulate(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape, model: 
     counts = np.concatenate(per)
     pairs_all = ((counts * r.vis) // r.fetch).sum(2)                # [sum P, d], proportional
     nodes = model.nodes(cp)
-    cross = counts * cross_node(nodes)                              # rows between nodes
-    inside = counts - cross
     # per transfer and rank: the rows it sends or receives (the larger), on each link
+    if nodes.any():   # several nodes: the rows between nodes apart
+        cross = counts * cross_node(nodes)
+        inside = counts - cross
+        cross_rows = np.maximum(cross.sum(2), cross.sum(1)) * row
+    else:
+        inside, cross_rows = counts, 0
     back_all = model.link_seconds(   # dK/dV returns (and dispatch's sends: the same rows)
-        np.maximum(inside.sum(2), inside.sum(1)) * row,
-        np.maximum(cross.sum(2), cross.sum(1)) * row).max(1).tolist()
+        np.maximum(inside.sum(2), inside.sum(1)) * row, cross_rows).max(1).tolist()
     peers_in = np.bincount(nodes, minlength=int(nodes.max()) + 1)[nodes] - 1
     peers_cross = cp - 1 - peers_in
     out: dict[int, StagedTime] = {}
