@@ -96,7 +96,7 @@ class TorchtitanParts:
 
 
 # torchtitan's keys the planner reads without torchtitan, with torchtitan 0.3.0's types
-# (tests/package/test_cli_plan.py checks them against torchtitan's dataclasses)
+# (tests/package/test_job_files.py checks them against torchtitan's dataclasses)
 READ_WITHOUT_TORCHTITAN = {
     ("parallelism", "context_parallel_degree"): int,
     ("parallelism", "tensor_parallel_degree"): int,
