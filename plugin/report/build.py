@@ -176,9 +176,8 @@ def layer_report(plan: CPPlan, layer: LayerType, shape: AttnShape, *,
         a2a = layer.a2a_size if takes(name, "a2a_size") else None
         links = split(catalogue.traffic_of(name, plan, mask, shape, a2a),
                       model.nodes(plan.cp_size))
+        sent = sum(links.values()).tolist()   # fwd + bwd, in the node and across
         cross = (links["fwd_cross"] + links["bwd_cross"]).tolist()
-        sent = (links["fwd_in"] + links["bwd_in"]).tolist()
-        sent = [a + b for a, b in zip(sent, cross)]
     table = auto_pick = None
     if with_estimates and plan.cp_size > 1:
         table = estimates(plan, mask, shape, model=model)

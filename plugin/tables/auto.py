@@ -107,7 +107,7 @@ def estimate(plan: CPPlan, mask: AttnMask, name: str, shape: AttnShape, model: C
         seconds = max(c_fwd, x_fwd) + max(c_bwd, x_bwd)
     else:
         seconds = c_fwd + x_fwd + c_bwd + x_bwd
-    total = links["fwd_in"] + links["fwd_cross"] + links["bwd_in"] + links["bwd_cross"]
+    total = sum(links.values())   # fwd + bwd, in the node and across
     cross = links["fwd_cross"] + links["bwd_cross"]
     return Estimate(seconds, c_fwd + c_bwd, x_fwd + x_bwd, int(total.max()),
                     entry.saved_bytes(plan, mask, shape, a2a_size), int(cross.max()))

@@ -5,7 +5,8 @@ Everything that needs to know the strategies reads this list: the registry of ru
 implementations (``varlen_cp.strategies.STRATEGIES``, one per entry, in this order), the
 choice of ``strategy="auto"`` (``tables.auto``), the options (``config.STRATEGY_CHOICES``,
 ``STAGED_STRATEGIES``), the plan report and the benchmarks. A new strategy is one entry
-here, its cost functions (``tables.cost``) and its runtime module.
+here, its traffic (``tables.traffic``: who sends what to whom; the bytes per rank are its
+row sums), its other cost functions (``tables.cost``) and its runtime module.
 
 ``overlap``: "ring" (each ring step's transfer runs under the previous step's compute:
 max(compute, comm) per pass), "stages" (``overlap_stages`` stages, the staged pipeline of
@@ -39,7 +40,6 @@ class StrategyTraits:
     overlap: str
     tie_rank: int
     options: Callable[[AttnShape, int], dict[str, Any] | None]
-    bytes_sent: Callable[..., dict[str, list[int]]]
     traffic: Callable[..., dict[str, Any]]
     visible_pairs: Callable[..., list[float]]
     visited_pairs: Callable[..., list[float]]
@@ -65,19 +65,16 @@ def _hybrid_heads(shape: AttnShape, cp: int) -> dict[str, Any] | None:
 
 
 CATALOGUE: tuple[StrategyTraits, ...] = (
-    StrategyTraits("p2p", "ring", 0, _any_heads, cost.p2p_bytes, traffic.p2p_traffic,
-                   cost.rank_pairs, cost.p2p_visited, cost.nothing_saved),
-    StrategyTraits("all_gather", "stages", 4, _any_heads, cost.all_gather_bytes,
-                   traffic.all_gather_traffic, cost.rank_pairs, cost.all_gather_visited,
-                   cost.selected_saved),
-    StrategyTraits("a2a", "none", 1, _a2a_heads, cost.a2a_bytes, traffic.a2a_traffic,
-                   cost.a2a_pairs, cost.a2a_visited, cost.a2a_saved),
-    StrategyTraits("a2a+p2p", "none", 3, _hybrid_heads, cost.hybrid_bytes,
-                   traffic.hybrid_traffic, cost.hybrid_pairs, cost.hybrid_visited,
-                   cost.hybrid_saved),
-    StrategyTraits("dispatch", "stages", 2, _any_heads, cost.dispatch_bytes,
-                   traffic.dispatch_traffic, cost.rank_pairs, cost.dispatch_visited,
-                   cost.selected_saved),
+    StrategyTraits("p2p", "ring", 0, _any_heads, traffic.p2p_traffic, cost.rank_pairs,
+                   cost.p2p_visited, cost.nothing_saved),
+    StrategyTraits("all_gather", "stages", 4, _any_heads, traffic.all_gather_traffic,
+                   cost.rank_pairs, cost.all_gather_visited, cost.selected_saved),
+    StrategyTraits("a2a", "none", 1, _a2a_heads, traffic.a2a_traffic, cost.a2a_pairs,
+                   cost.a2a_visited, cost.a2a_saved),
+    StrategyTraits("a2a+p2p", "none", 3, _hybrid_heads, traffic.hybrid_traffic,
+                   cost.hybrid_pairs, cost.hybrid_visited, cost.hybrid_saved),
+    StrategyTraits("dispatch", "stages", 2, _any_heads, traffic.dispatch_traffic,
+                   cost.rank_pairs, cost.dispatch_visited, cost.selected_saved),
 )
 BY_NAME: dict[str, StrategyTraits] = {t.name: t for t in CATALOGUE}
 STRATEGY_NAMES: tuple[str, ...] = tuple(BY_NAME)
@@ -94,8 +91,10 @@ def traits(name: Any) -> StrategyTraits:
 # ---- costs by name ---------------------------------------------------------------------------
 def bytes_sent(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape,
                a2a_size: int | None = None) -> dict[str, list[int]]:
-    """Bytes each rank sends per layer: {"fwd": [...], "bwd": [...]} (input dtype)."""
-    return traits(name).bytes_sent(plan, mask, shape, a2a_size)
+    """Bytes each rank sends per layer: {"fwd": [...], "bwd": [...]} (input dtype): the
+    row sums of :func:`traffic_of`."""
+    return {phase: m.sum(1).tolist()
+            for phase, m in traits(name).traffic(plan, mask, shape, a2a_size).items()}
 
 
 def traffic_of(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape,

@@ -1,7 +1,6 @@
 """What each strategy costs per layer and rank, in closed form on the plan.
 
-Bytes are exactly what the strategies' collectives post (the tests count them on gloo);
-visible pairs are exact (``plan.runs`` and ``pair_work``); both come from the run-level
+Bytes (who sends what to whom) are ``tables.traffic``'s; visible pairs are exact (``plan.runs`` and ``pair_work``); both come from the run-level
 tables (visibility matrices, fetch counts), never from tile schedules or per-token passes,
 so ``strategy="auto"`` can compare every candidate in a few milliseconds. Visited pairs
 (what the kernels' tiles cover) need each rank's tile schedules: the ``*_visited``
@@ -9,79 +8,23 @@ functions build them, for benchmarks and tests.
 
 One function per strategy and quantity, all with the signature ``(plan, mask, shape,
 a2a_size=None)`` (visited pairs: ``block`` before ``a2a_size``); ``catalogue`` lists them
-per strategy and answers by name (``catalogue.bytes_sent("p2p", ...)``).
+per strategy and answers by name (``catalogue.visible_pairs("p2p", ...)``).
 """
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..masks import AttnMask
 from ..plan import CPPlan
-from . import traffic
-from .hybrid import default_a2a_size, group_members, hybrid_ring_tables
+from .hybrid import group_members, hybrid_ring_tables, hybrid_size
 from .ring import p2p_tables
 from .selected import selected_tokens
 from ..shape import AttnShape, kv_heads_per_rank
 from .staged import staged_tables
-from .traffic import Traffic
 from .ulysses import group_call
 
-Sent = dict[str, list[int]]   # {"fwd": bytes per rank, "bwd": bytes per rank}
-
-__all__ = ["Sent", "hybrid_size", "p2p_bytes", "all_gather_bytes", "dispatch_bytes",
-           "a2a_bytes", "hybrid_bytes", "rank_pairs", "a2a_pairs", "hybrid_pairs",
+__all__ = ["rank_pairs", "a2a_pairs", "hybrid_pairs",
            "p2p_visited", "all_gather_visited", "dispatch_visited", "a2a_visited",
            "hybrid_visited", "nothing_saved", "selected_saved", "a2a_saved", "hybrid_saved"]
-
-
-def hybrid_size(plan: CPPlan, shape: AttnShape, a2a_size: int | None) -> int:
-    """a2a+p2p's Ulysses group size: ``a2a_size``, or the largest the heads allow."""
-    return default_a2a_size(shape.n_heads, shape.n_kv_heads, plan.cp_size) \
-        if a2a_size is None else a2a_size
-
-
-def _local_sizes(plan: CPPlan) -> np.ndarray:
-    offsets = plan.arrays.rank_offsets
-    return offsets[1:] - offsets[:-1]
-
-
-# ---- bytes ------------------------------------------------------------------------------
-# Per rank: the row sums of the strategy's traffic matrix (``tables.traffic``: who sends
-# what to whom, which also splits it into in-node and cross-node bytes).
-def _row_sums(traffic: Traffic) -> Sent:
-    return {phase: m.sum(1).tolist() for phase, m in traffic.items()}
-
-
-def p2p_bytes(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | None = None
-              ) -> Sent:
-    """The ring: every pass's K/V forward, again backward with the dK/dV partials."""
-    return _row_sums(traffic.p2p_traffic(plan, mask, shape))
-
-
-def all_gather_bytes(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | None = None
-                     ) -> Sent:
-    """Every rank's padded K/V to every other; back only the picked keys' dK/dV."""
-    return _row_sums(traffic.all_gather_traffic(plan, mask, shape))
-
-
-def dispatch_bytes(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | None = None
-                   ) -> Sent:
-    """Exactly the keys others see forward, their dK/dV backward."""
-    return _row_sums(traffic.dispatch_traffic(plan, mask, shape))
-
-
-def a2a_bytes(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | None = None
-              ) -> Sent:
-    """Ulysses all-to-alls over all ranks."""
-    return _row_sums(traffic.a2a_traffic(plan, mask, shape))
-
-
-def hybrid_bytes(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | None = None
-                 ) -> Sent:
-    """Ulysses groups of ``a2a_size`` ranks, a ring of the groups."""
-    return _row_sums(traffic.hybrid_traffic(plan, mask, shape, hybrid_size(plan, shape,
-                                                                          a2a_size)))
 
 
 # ---- compute ----------------------------------------------------------------------------

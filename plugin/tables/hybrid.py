@@ -8,6 +8,7 @@ import torch
 
 from ..masks import AttnMask
 from ..plan import CPPlan
+from ..shape import AttnShape
 from .flash_form import FlashRoute
 from .holders import HolderSet
 from .cache import cached_table, host_table, table_key
@@ -26,6 +27,12 @@ def default_a2a_size(n_heads: int, n_kv_heads: int, cp_size: int) -> int:
     """Largest divisor of cp whose all-to-all the head counts allow."""
     return max(a for a in range(1, cp_size + 1)
                if cp_size % a == 0 and heads_fit(n_heads, n_kv_heads, a))
+
+
+def hybrid_size(plan: CPPlan, shape: AttnShape, a2a_size: int | None) -> int:
+    """a2a+p2p's Ulysses group size: ``a2a_size``, or the largest the heads allow."""
+    return default_a2a_size(shape.n_heads, shape.n_kv_heads, plan.cp_size) \
+        if a2a_size is None else a2a_size
 
 
 def group_members(rank: int, size: int) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ move on different links (NVLink inside a node, InfiniBand / RoCE across).
 - all_gather: every rank's padded K/V to every other; back only the picked keys' dK/dV.
 - dispatch: exactly the keys each rank's queries see, from their owners; dK/dV back.
 Everything is numpy integer math on the plan's run-level tables (cached there).
+``catalogue.bytes_sent`` is the row sums: one count of the bytes, not two.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 from ..masks import AttnMask
 from ..plan import CPPlan
 from ..shape import AttnShape, kv_heads_per_rank
-from .hybrid import default_a2a_size, group_visibility
+from .hybrid import group_visibility, hybrid_size
 from .ring import rank_visibility, ring_length
 from .selected import fetch_count_array
 
@@ -126,9 +127,7 @@ def a2a_traffic(plan: CPPlan, mask: AttnMask, shape: AttnShape, a2a_size: int | 
 
 def hybrid_traffic(plan: CPPlan, mask: AttnMask, shape: AttnShape,
                    a2a_size: int | None = None) -> Traffic:
-    size = default_a2a_size(shape.n_heads, shape.n_kv_heads, plan.cp_size) \
-        if a2a_size is None else a2a_size
-    return _group_traffic(plan, mask, shape, size)
+    return _group_traffic(plan, mask, shape, hybrid_size(plan, shape, a2a_size))
 
 
 # ---- in-node / cross-node --------------------------------------------------------------------
