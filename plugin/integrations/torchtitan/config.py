@@ -253,14 +253,11 @@ def check_degrees(par: Any, settings: list[Setting]) -> None:
 def _launch_shape(config: Any, model: Any) -> Any:
     """The attention shape the trainer will have on each rank (heads split over TP), read
     from the model config before anything is built."""
-    from ...shape import AttnShape
-    from .stock import DTYPES, _shape_of
+    from .stock import _shape_of, rank_shape
 
-    n_heads, n_kv_heads, head_dim, head_dim_v = _shape_of(model.first_attention)
-    tp = config.parallelism.tensor_parallel_degree
-    return AttnShape(n_heads=max(n_heads // tp, 1), n_kv_heads=max(n_kv_heads // tp, 1),
-                     head_dim=head_dim, head_dim_v=head_dim_v,
-                     dtype=DTYPES.get(config.training.mixed_precision_param, DTYPES["float32"]))
+    return rank_shape(_shape_of(model.first_attention),
+                      tp=config.parallelism.tensor_parallel_degree,
+                      dtype=config.training.mixed_precision_param)
 
 
 def _check_launch(vc: Any, shape: Any, cp: int, src: str) -> None:

@@ -138,12 +138,20 @@ def attention_shape(layers: list[AttentionLayer], *, tp: int, dtype: str) -> Att
     if len(shapes) != 1:
         raise ValueError(f"varlen_cp: attention layers with different shapes are not supported "
                          f"(found {sorted(shapes)})")
-    n_heads, n_kv, head_dim, head_dim_v = shapes.pop()
+    return rank_shape(shapes.pop(), tp=tp, dtype=dtype,
+                      lse_grad=any(layer.lse_grad for layer in layers),
+                      row_max=any(layer.row_max for layer in layers))
+
+
+def rank_shape(shape: tuple[int, int, int, int], *, tp: int, dtype: str,
+               lse_grad: bool = False, row_max: bool = False) -> AttnShape:
+    """The ``AttnShape`` of one rank for a model's (n_heads, n_kv_heads, head_dim,
+    head_dim_v): heads split over ``tp``, the dtype of ``mixed_precision_param``."""
+    n_heads, n_kv, head_dim, head_dim_v = shape
     return AttnShape(n_heads=max(n_heads // tp, 1), n_kv_heads=max(n_kv // tp, 1),
                      head_dim=head_dim, head_dim_v=head_dim_v,
-                     dtype=DTYPES.get(dtype, torch.float32),
-                     lse_grad=any(layer.lse_grad for layer in layers),
-                     row_max=any(layer.row_max for layer in layers))
+                     dtype=DTYPES.get(dtype, torch.float32), lse_grad=lse_grad,
+                     row_max=row_max)
 
 
 # ------------------------------------------------------------------------ fp32 experts
