@@ -58,6 +58,12 @@ def input_file(path: str | Path, what: str) -> Path:
     return p
 
 
+def not_utf8(what: str, path: Path, line: int, e: UnicodeDecodeError) -> ConfigError:
+    """The one message for a byte that is not UTF-8: ``what``, the file, the line."""
+    return ConfigError(f"{what}: {path}: not UTF-8 text at line {line} ({e.reason}, byte "
+                       f"{e.object[e.start:e.start + 1]!r})")
+
+
 def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
     """The TOML document of ``path`` (:func:`input_file`'s checks first); a byte that is not
     UTF-8 or a syntax error is a ConfigError naming the file and the line."""
@@ -66,9 +72,7 @@ def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise ConfigError(f"{what}: {p}: not UTF-8 text at line {line} ({e.reason}, byte "
-                          f"{data[e.start:e.start + 1]!r})") from None
+        raise not_utf8(what, p, data[:e.start].count(b"\n") + 1, e) from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:

@@ -30,7 +30,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from ..job_file import input_file
+from ..job_file import input_file, not_utf8
 from ..mixes import MIXES
 
 
@@ -42,18 +42,16 @@ def _positive(value: object, where: str) -> int:
 
 @contextlib.contextmanager
 def _text(p: Path, flag: str) -> Iterator[Iterator[tuple[int, str]]]:
-    """(line number, line) of a UTF-8 text file; a byte that is not UTF-8 is a ValueError
-    naming the flag, the file and the line (not Python's codec message alone)."""
-    with p.open(encoding="utf-8") as f:
+    """(line number, line) of a UTF-8 text file, each line decoded on its own so that a
+    byte that is not UTF-8 is named with its exact line (``job_file.not_utf8``)."""
+    with p.open("rb") as f:
         def lines() -> Iterator[tuple[int, str]]:
-            n = 0
-            try:
-                for n, line in enumerate(f, 1):
-                    yield n, line
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{flag}: {p}: not UTF-8 text after line {n} "
-                                 f"({e.reason}, byte {e.object[e.start:e.start + 1]!r})"
-                                 ) from None
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise not_utf8(flag, p, n, e) from None
+                yield n, line
         yield lines()
 
 
