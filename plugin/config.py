@@ -20,12 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .checks import check_bool, check_choice
+from .checks import check_bool, check_choice, check_int
 from .kernels.flash import FLASH_IMPLS
 from .kernels.sink import SOFTMAX_TYPES
 from .kernels.validation import BACKENDS
 from .options import STAGED_STRATEGIES, STRATEGY_CHOICES, AttnOptions
 from .plan.layout_spec import LAYOUTS, LayoutSpec, layout_spec
+from .plan.nodes import Topology, launch_gpus_per_node, node_of_ranks
 from .shape import AttnShape
 
 __all__ = ["CPConfig", "AttnShape", "AttnOptions", "LAYOUTS", "STRATEGY_CHOICES",
@@ -66,6 +67,17 @@ class CPConfig:
     pad_multiple: "te" only: pad each document to a multiple of it (None: 2*cp; 2*cp*tp
                with sequence parallelism).
 
+    The machine (the plan's topology, ``varlen_cp.plan.Topology``):
+
+    gpus_per_node: GPUs per node (None: the launch's ``LOCAL_WORLD_SIZE``, else 8); a CP
+               rank's node is its global rank // this, so with TP inside a node a node
+               holds fewer CP ranks. "balanced" places its ranks so that the K/V a rank
+               fetches comes from its own node where it can, and ``auto`` and the overlap
+               stages time in-node and cross-node bytes on their own links.
+    node_bandwidth / cross_node_bandwidth: bytes per second one rank sends to a rank of
+               its own node (default 1.5e11: NVLink) / of another node (default 4.5e10: a
+               400 Gb/s NIC per GPU).
+
     The integrations:
 
     prefetch:  build the next batch's plan and all its tables in the background while the
@@ -86,6 +98,9 @@ class CPConfig:
     min_chunk_tokens: int | None = None
     tile_tokens: int | None = None
     pad_multiple: int | None = None
+    gpus_per_node: int | None = None
+    node_bandwidth: float = 1.5e11
+    cross_node_bandwidth: float = 4.5e10
     prefetch: bool = True
     report: bool = True
 
@@ -94,6 +109,13 @@ class CPConfig:
         if self.flash_impl is not None:
             check_choice("flash_impl", self.flash_impl, FLASH_IMPLS)
         self.layout_spec()
+        check_int("gpus_per_node", self.gpus_per_node, 1, optional=True)
+        for name in ("node_bandwidth", "cross_node_bandwidth"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a finite number > 0 (bytes per second), "
+                                 f"got {value!r}")
         check_bool("prefetch", self.prefetch)
         check_bool("report", self.report)
 
@@ -107,6 +129,15 @@ class CPConfig:
         return AttnOptions(strategy=self.strategy, backend=self.backend,
                            validate=self.validate, a2a_size=self.a2a_size,
                            overlap_stages=self.overlap_stages)
+
+    def topology(self, global_ranks: Any) -> Topology:
+        """The plan's topology for a CP group of ``global_ranks`` (its ranks in CP rank
+        order): each rank's node, global rank // ``gpus_per_node`` (None: the launch's
+        ``LOCAL_WORLD_SIZE``, else 8), and the two links' rates. The same on every rank of
+        the group."""
+        gpus = launch_gpus_per_node() if self.gpus_per_node is None else self.gpus_per_node
+        return Topology(node_of_ranks(global_ranks, gpus), self.node_bandwidth,
+                        self.cross_node_bandwidth, gpus)
 
     def layout_spec(self, masks: Any = None) -> LayoutSpec:
         """The plan's layout spec for ``CPPlan.build(..., layout=)``. ``masks``: the

@@ -28,7 +28,7 @@ from .config import AttnShape, CPConfig
 from .host_memory import keep_freed_host_memory
 from .masks import AttnMask
 from .options import AttnOptions
-from .plan import CPPlan
+from .plan import CPPlan, Topology
 from .plan.balanced import normalize_masks
 
 T = TypeVar("T")
@@ -38,17 +38,19 @@ LayerMasks = Sequence[tuple[AttnMask, int]]
 
 
 def build_plan(cu_seqlens: torch.Tensor, config: CPConfig, *, cp_size: int, cp_rank: int,
-               layer_masks: LayerMasks | None = None) -> CPPlan:
+               layer_masks: LayerMasks | None = None,
+               topology: Topology | None = None) -> CPPlan:
     """The batch's plan for ``config`` (host integer math, the same on every rank).
     ``layer_masks``: the model's masks with their layer counts, which the ``balanced``
-    layout balances one by one (others ignore them)."""
+    layout balances one by one (others ignore them). ``topology``: which CP ranks share a
+    node (``config.topology(global ranks of the CP group)``; None: one node)."""
     if not isinstance(config, CPConfig):
         raise ValueError(f"config must be a varlen_cp.CPConfig, got {type(config).__name__}")
     masks = None if layer_masks is None else list(layer_masks)
     if masks is not None and config.layout != "balanced":
         normalize_masks(masks)  # checked only: balanced's spec checks (and keeps) its own
     return CPPlan.build(cu_seqlens, cp_size=cp_size, cp_rank=cp_rank,
-                        layout=config.layout_spec(masks))
+                        layout=config.layout_spec(masks), topology=topology)
 
 
 def build_tables(plan: CPPlan, config: CPConfig, layer_masks: LayerMasks, shape: AttnShape,

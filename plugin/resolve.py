@@ -30,6 +30,7 @@ from .options import AttnOptions
 from .plan import CPPlan, LayoutSpec
 from .plan.cpplan import check_layout
 from .plan.collective import check_group as check_plan_group, check_group_type
+from .plan.nodes import Topology, group_mismatch, node_of_ranks
 from .tables.auto import choose_strategy
 from .tables.flash_form import FlashRoute
 from .tables.hybrid import default_a2a_size
@@ -121,9 +122,26 @@ def resolve(plan: CPPlan, mask: AttnMask, options: AttnOptions, shape: AttnShape
 def check_group(group: Any, plan: CPPlan) -> Any:
     """The CP process group of a call on ``plan`` (``group``, else the default group; None
     at cp 1 without one), after ``plan.collective.check_group``'s checks: a ProcessGroup
-    of the plan's cp_size in which this process is the plan's rank."""
+    of the plan's cp_size in which this process is the plan's rank, whose ranks sit on the
+    nodes the plan's topology was built for (checked once per plan and group)."""
     check_group_type(group)
     if plan.cp_size == 1 and group is None:
         return None
     check_plan_group(group, plan.cp_size, plan.cp_rank)
-    return dist.group.WORLD if group is None else group
+    group = dist.group.WORLD if group is None else group
+    topology = plan.topology
+    if topology is not None and topology.gpus_per_node is not None:
+        key = (id(group), topology.gpus_per_node)
+        hit = _GROUP_NODES.get(key)
+        if hit is None or hit[0] is not group:
+            hit = (group, Topology(node_of_ranks(dist.get_process_group_ranks(group),
+                                                 topology.gpus_per_node)).nodes)
+            _GROUP_NODES[key] = hit
+        if hit[1] != topology.nodes:
+            raise ValueError(group_mismatch(topology, dist.get_process_group_ranks(group)))
+    return group
+
+
+# The nodes of each CP group's ranks, per gpus_per_node (holding the group keeps its id
+# unique): a call compares tuples, the step builds nothing in the plan.
+_GROUP_NODES: dict[tuple[int, int], tuple[Any, tuple[int, ...]]] = {}

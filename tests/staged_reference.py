@@ -36,7 +36,7 @@ from varlen_cp.tables.rounds import UniqueRounds, rank_within
 from varlen_cp.tables.cache import host_table, table_key
 from varlen_cp.tables.selected import (fetch_counts, needed_spans, pair_counts, run_arrays,
                                           runs_by_document)
-from varlen_cp.tables.spans import span_pieces
+from varlen_cp.plan.spans import span_pieces
 from varlen_cp.shape import AttnShape
 from varlen_cp.tables.staged import (CANDIDATE_STAGES, Stage, StagedMemory, StagedTables,
                                         StagedTime, dispatch_stage_counts, gather_stage_counts,

@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from collections import Counter
@@ -60,6 +59,7 @@ from ..resolve import check_heads
 from ..mixes import MIXES
 from ..options import AttnOptions
 from ..plan.cpplan import MAX_CP_SIZE, check_layout
+from ..plan.nodes import Topology, launch_gpus_per_node
 from ..prefetch import build_plan
 from ..report import Backends, PlanReport, plan_report
 from ..report.text import (coverage_lines, fmt_bytes, fmt_share, fmt_time, headline,
@@ -125,17 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
                      "NIC per GPU); both links run at once")
     out.add_argument("--gpus-per-node", type=int, default=None,
                      help="GPUs per node (default: $LOCAL_WORLD_SIZE, else 8); a node holds "
-                     "gpus-per-node / TP consecutive CP ranks")
+                     "gpus-per-node / TP consecutive CP ranks, and balanced places its ranks "
+                     "on them as a run does")
     return p
 
 
 def cost_model(args: Any, job: jobs.Job) -> CostModel:
     """The rates of the flags, and the nodes of the job's CP ranks: ``--gpus-per-node``
     (else the launch's ``LOCAL_WORLD_SIZE``, else 8) over the job's TP degree."""
-    gpus = args.gpus_per_node
-    if gpus is None:
-        env = os.environ.get("LOCAL_WORLD_SIZE", "")
-        gpus = int(env) if env.isdigit() and int(env) >= 1 else 8
+    gpus = launch_gpus_per_node() if args.gpus_per_node is None else args.gpus_per_node
     jobs._int(gpus, "--gpus-per-node")
     try:
         return CostModel(flops_per_s=args.flops, bytes_per_s=args.bandwidth,
@@ -207,7 +205,12 @@ def analyse(job: jobs.Job, cu: Any, cp: int, model: CostModel,
     """Rank 0's plan and report; ``backends``: with the backend coverage (None: without,
     as the cp sweep needs only estimates)."""
     layer_masks = [(t.mask, t.n_layers) for t in job.layers]
-    plan = build_plan(cu, job.config, cp_size=cp, cp_rank=0, layer_masks=layer_masks)
+    # The run's topology: consecutive CP ranks fill a node (model.ranks_per_node of them),
+    # with the flags' rates; balanced places its ranks on those nodes as a run would.
+    topology = Topology(tuple(model.nodes(cp).tolist()), model.bytes_per_s,
+                        model.cross_node_bytes_per_s) if cp > 1 else None
+    plan = build_plan(cu, job.config, cp_size=cp, cp_rank=0, layer_masks=layer_masks,
+                      topology=topology)
     return plan, plan_report(plan, job.layers, job.shape,
                              overlap_stages=job.config.overlap_stages,
                              with_estimates=True, model=model, backends=backends)

@@ -41,8 +41,9 @@ from ..kernels.host_copy import one_to_device
 from ..masks import AttnMask
 from ..checks import is_int
 from .collective import check_group, gather_padded
-from .layout_spec import TE, LayoutSpec, layout_spec
-from .layouts import layout_pieces
+from .layout_spec import TE, Balanced, LayoutSpec, layout_spec
+from .layouts import Pieces, layout_pieces
+from .nodes import Topology, check_topology, place_on_nodes
 from .runs import Runs, pair_work
 from .tokens import TokenTables, expand_pieces
 
@@ -153,12 +154,15 @@ class CPPlan:
     """
 
     def __init__(self, cu_seqlens: np.ndarray, cp_size: int, cp_rank: int,
-                 spec: LayoutSpec, padded_lengths: np.ndarray, tables: TokenTables) -> None:
+                 spec: LayoutSpec, padded_lengths: np.ndarray, tables: TokenTables,
+                 topology: Topology | None = None) -> None:
         """From :meth:`build`'s checked values: ``cu_seqlens`` and ``padded_lengths`` int64
         numpy arrays, ``tables`` the layout's token tables (numpy)."""
         self.cp_size = cp_size
         self.cp_rank = cp_rank
         self.layout_spec = spec  # the layout and its options (te: pad_multiple resolved)
+        # Which CP ranks share a node (plan/nodes.py; None: not given, one node assumed).
+        self.topology = topology
         self.layout = spec.name
         self.n_docs = cu_seqlens.size - 1
         self._cu = cu_seqlens
@@ -192,7 +196,8 @@ class CPPlan:
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int,
-              layout: LayoutSpec | str = "balanced") -> "CPPlan":
+              layout: LayoutSpec | str = "balanced",
+              topology: Topology | None = None) -> "CPPlan":
         """Plan the layout of the global batch ``cu_seqlens`` (CPU int tensor [n_docs+1];
         checked, then converted once to int64 numpy for all of the planning).
 
@@ -201,16 +206,29 @@ class CPPlan:
         see ``plan/layout_spec.py``), or a layout name for that layout with its default
         options. Default: ``balanced`` for causal attention, what the integrations use
         (pass the model's masks in ``Balanced(masks=...)`` to balance each of them).
+
+        topology: which CP ranks share a node (``varlen_cp.plan.Topology``: the node of
+        each CP rank and the two links' rates; the integrations derive it from the CP
+        group's global ranks and the GPUs per node). ``balanced`` then places its ranks on
+        the nodes so that the K/V a rank fetches comes from its own node where it can
+        (``plan/nodes.py``; every rank's share, so the balance, unchanged); the plan records
+        it for the cost model and refuses a group on other nodes. None: one node.
         """
         cu = _check_cu_seqlens(cu_seqlens)
         spec = layout_spec(layout)
         spec = _check_params(cp_size, cp_rank, spec)
+        topology = check_topology(topology, cp_size)
         lengths = cu[1:] - cu[:-1]
         pieces = layout_pieces(lengths, cp_size, spec)
         if isinstance(spec, TE):  # padding adds up to pad_multiple - 1 tokens per document
             _check_total(int(pieces.padded_lengths.sum()), "cu_seqlens (padded)")
+        if isinstance(spec, Balanced) and topology is not None:
+            rank = place_on_nodes(pieces.rank, pieces.doc, pieces.start, pieces.length,
+                                  lengths, spec.masks, topology)
+            pieces = Pieces(rank, pieces.doc, pieces.start, pieces.length,
+                            pieces.padded_lengths)
         tables = expand_pieces(pieces, lengths, cp_size)
-        return cls(cu, cp_size, cp_rank, spec, pieces.padded_lengths, tables)
+        return cls(cu, cp_size, cp_rank, spec, pieces.padded_lengths, tables, topology)
 
     def __repr__(self) -> str:
         return (f"CPPlan(layout={self.layout!r}, cp_size={self.cp_size}, "
@@ -479,10 +497,13 @@ class CPPlan:
         return self._cache[key]
 
     def fingerprint(self) -> int:
-        """Stable 63-bit hash of (cu_seqlens, cp_size, layout spec), the same on every rank
-        (cp_rank excluded) and across processes, for the cross-rank check."""
+        """Stable 63-bit hash of (cu_seqlens, cp_size, layout spec, topology), the same on
+        every rank (cp_rank excluded) and across processes, for the cross-rank check."""
         h = hashlib.blake2b(digest_size=8)
-        # A spec's repr is its class and fields (masks: AttnMask reprs), no addresses.
+        # A spec's repr is its class and fields (masks: AttnMask reprs), no addresses; so is
+        # a topology's (its nodes and rates).
         h.update(repr((self.cp_size, self.layout_spec)).encode())
+        if self.topology is not None:
+            h.update(repr(self.topology).encode())
         h.update(self._cu.astype("<i8", copy=False).tobytes())  # little-endian int64s
         return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)

@@ -9,9 +9,9 @@ tokens or rank pairs is not.
 Three facts from docs/design.md's mask table make runs enough:
 - every real query sees itself, and both ends of its key interval never decrease with its
   position, so the keys seen by the queries of a run form ONE contiguous span
-  ``[lo(first), hi(last)]`` (``tables.spans.key_spans``);
+  ``[lo(first), hi(last)]`` (``plan.spans.key_spans``);
 - the spans of one holder's runs in one document are ordered too, so their union is a few
-  merged spans (``tables.spans.merge_spans``);
+  merged spans (``plan.spans.merge_spans``);
 - the number of visible pairs between a query run and a key range has a closed form
   (:func:`pair_work`), piecewise-quadratic in the ends, split at chunk edges.
 

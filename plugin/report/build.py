@@ -9,7 +9,8 @@ reads the step's tables):
   ``dispatch`` fetches in the forward, the least any K/V-moving strategy can) and the bytes
   the running strategy sends per layer (forward + backward, exactly what its collectives
   post: ``tables.traffic``), and the part of them that leaves the rank's node (nodes: the
-  cost model's ``ranks_per_node``; none by default);
+  plan's ``topology``, which the integrations derive from the CP group, else the cost
+  model's ``ranks_per_node``; none by default);
 - per layer type: work imbalance (max / mean over ranks, ``plan.work_imbalance``), the
   strategy that runs (``auto`` resolved with the rule and cache of ``tables.auto``), the
   overlap stage count of staged strategies (``tables.staged.resolve_stages``, as the
@@ -33,7 +34,7 @@ offline (the CLI, or an unprepared plan) it builds those tables.
 
 Limits: one head shape for every layer type; ``memory_budget_bytes`` of ``auto`` is not
 modelled (the integrations do not set it); the rates are :class:`CostModel`'s defaults
-unless one is passed.
+(with the link rates of the plan's topology) unless one is passed.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from ..masks import AttnMask
 from ..plan import CPPlan
 from ..tables import catalogue
 from ..tables.auto import CostModel, Estimate, choose_strategy, estimates, pick
+from ..tables.cost_model import check_model
 from ..tables.coverage import FlashCoverage
 from ..tables.selected import fetch_count_array
 from ..tables.staged import resolve_stages
@@ -169,13 +171,13 @@ def layer_report(plan: CPPlan, layer: LayerType, shape: AttnShape, *,
         stages = resolve_stages(plan, mask, name, shape, overlap_stages)
     counts = fetch_count_array(plan, mask)
     floor = ((counts.sum(1) - counts.diagonal()) * shape.kv_row).tolist()
-    model = CostModel() if model is None else model
+    model = check_model(model, plan.topology)
     if plan.cp_size == 1:
         sent, cross = [0], [0]
     else:
         a2a = layer.a2a_size if takes(name, "a2a_size") else None
         links = split(catalogue.traffic_of(name, plan, mask, shape, a2a),
-                      model.nodes(plan.cp_size))
+                      model.nodes(plan.cp_size, plan.topology))
         sent = sum(links.values()).tolist()   # fwd + bwd, in the node and across
         cross = (links["fwd_cross"] + links["bwd_cross"]).tolist()
     table = auto_pick = None

@@ -15,6 +15,9 @@ metrics (torchtitan's MetricsProcessor, hence TensorBoard / W&B):
 - ``varlen_cp/sent_bytes/<layer type>``, ``varlen_cp/kv_floor_bytes/<layer type>``: the
   busiest rank's bytes per layer (sent by the running strategy, fwd + bwd; the K/V its
   queries need from other ranks);
+- ``varlen_cp/cross_node_bytes/<layer type>``: the busiest rank's part of them that leaves
+  its node (the plan's topology: ``[varlen_cp] gpus_per_node``), when the CP group spans
+  nodes;
 - ``varlen_cp/stages/<layer type>`` for staged strategies;
 - ``varlen_cp/fa_work_share/<layer type>``, ``varlen_cp/fa_call_share/<layer type>``: the
   share of this rank's visible pairs and of its kernel calls in FlashAttention's form (the
@@ -159,6 +162,8 @@ class TrainingReport:
             out[f"varlen_cp/work_imbalance/{key}"] = r.work_imbalance
             out[f"varlen_cp/sent_bytes/{key}"] = float(max(r.sent_bytes))
             out[f"varlen_cp/kv_floor_bytes/{key}"] = float(max(r.kv_floor_bytes))
+            if self.plan.topology is not None and self.plan.topology.n_nodes > 1:
+                out[f"varlen_cp/cross_node_bytes/{key}"] = float(max(r.cross_node_bytes))
             if r.stages is not None:
                 out[f"varlen_cp/stages/{key}"] = float(r.stages)
             if r.coverage is not None:

@@ -13,8 +13,9 @@ The rule (per (plan, mask, head shape, dtype); cached in the plan):
    flops per pair (2(D+Dv) forward, 6D+4Dv backward: FA2's five matmuls) /
    ``flops_per_s``; comm = bytes sent (exactly what the collectives post), those to the
    rank's own node / ``bytes_per_s`` and those to other nodes / ``cross_node_bytes_per_s``
-   on their own links, the longer of the two (``tables.traffic``; nodes: the model's
-   ``ranks_per_node``).
+   on their own links, the longer of the two (``tables.traffic``; nodes: the plan's
+   ``topology``, which the integrations derive from the CP group, else the model's
+   ``ranks_per_node``; the default model takes the topology's link rates).
    How transfers meet compute is each strategy's ``overlap`` in ``tables.catalogue``.
    The ring (p2p) overlaps its transfers with compute: max(compute, comm) per pass;
    dispatch and all_gather overlap theirs in stages (local keys first, remote K/V in the
@@ -40,9 +41,9 @@ documents make dispatch's traffic a small fraction of anyone else's (it fetches 
 p2p when memory is tight; all_gather is never better than dispatch (same compute, more bytes).
 
 Limits: the defaults of :class:`CostModel` are one H100 node's order of magnitude (NVLink,
-and a 400 Gb/s NIC per GPU across nodes); pass your own for other machines. The training
-integrations do not yet tell it which CP ranks share a node (``ranks_per_node``), so in a
-run every rank counts as one node's; ``varlen-cp-plan --gpus-per-node`` does. Latency per collective is modelled only for the extra
+and a 400 Gb/s NIC per GPU across nodes); pass your own for other machines, or set the
+``[varlen_cp]`` keys ``node_bandwidth`` / ``cross_node_bandwidth`` (they reach the plan's
+topology). Latency per collective is modelled only for the extra
 stages of dispatch / all_gather, so for tiny batches the pick is arbitrary (all are fast).
 """
 
@@ -89,7 +90,7 @@ def estimate(plan: CPPlan, mask: AttnMask, name: str, shape: AttnShape, model: C
              a2a_size: int | None = None) -> Estimate:
     """Time, bytes and saved memory of strategy ``name`` (host only, closed form)."""
     entry = traits(name)
-    links = split(entry.traffic(plan, mask, shape, a2a_size), model.nodes(plan.cp_size))
+    links = split(entry.traffic(plan, mask, shape, a2a_size), model.nodes(plan.cp_size, plan.topology))
     pairs = max(entry.visible_pairs(plan, mask, shape, a2a_size)) * shape.n_heads
     d, dv = shape.head_dim, shape.value_dim
     c_fwd = pairs * 2 * (d + dv) / model.flops_per_s
@@ -117,7 +118,7 @@ def estimates(plan: CPPlan, mask: AttnMask, shape: AttnShape, *,
               model: CostModel | None = None) -> dict[str, Estimate]:
     """Estimate of every candidate strategy (see the module docstring), in tie order."""
     check_kinds(mask=mask, shape=shape)
-    model = check_model(model)
+    model = check_model(model, plan.topology)
     out = {}
     for name in CANDIDATES:
         opts = candidate_options(name, shape, plan.cp_size)
@@ -154,7 +155,7 @@ def choose_strategy(plan: CPPlan, mask: AttnMask, shape: AttnShape, *,
     plan per arguments; the same on every rank (host integer math on the shared plan)."""
     check_kinds(mask=mask, shape=shape)
     check_int("memory_budget_bytes", memory_budget_bytes, 0, optional=True)
-    model = check_model(model)
+    model = check_model(model, plan.topology)
     if plan.cp_size == 1:
         return "p2p"  # every strategy is the local op
     key = table_key("auto", mask, None, shape, memory_budget_bytes, model)

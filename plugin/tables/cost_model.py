@@ -76,8 +76,12 @@ class CostModel:
     def __hash__(self) -> int:
         return self._hash
 
-    def nodes(self, cp_size: int) -> np.ndarray:
-        """int64 [cp]: the node of each CP rank (all 0 without ``ranks_per_node``)."""
+    def nodes(self, cp_size: int, topology: Any = None) -> np.ndarray:
+        """int64 [cp]: the node of each CP rank: a plan's ``topology`` (``plan.Topology``,
+        what the CP group's ranks say) where it has one, else ``ranks_per_node`` (all 0
+        without it)."""
+        if topology is not None:
+            return topology.node_array
         ranks = np.arange(cp_size, dtype=np.int64)
         return ranks // self.ranks_per_node if self.ranks_per_node else ranks * 0
 
@@ -88,9 +92,14 @@ class CostModel:
                           np.asarray(cross) / self.cross_node_bytes_per_s)
 
 
-def check_model(model: Any) -> CostModel:
-    """``model``, or the default :class:`CostModel` for None; ValueError otherwise."""
-    model = CostModel() if model is None else model
+def check_model(model: Any, topology: Any = None) -> CostModel:
+    """``model``, or for None the default :class:`CostModel` with the link rates of a
+    plan's ``topology`` (``plan.Topology``; the ``[varlen_cp]`` keys) where it has one;
+    ValueError otherwise."""
+    if model is None:
+        model = CostModel() if topology is None else CostModel(
+            bytes_per_s=topology.node_bytes_per_s,
+            cross_node_bytes_per_s=topology.cross_node_bytes_per_s)
     if not isinstance(model, CostModel):
         raise ValueError(f"model must be a CostModel or None, got {type(model).__name__}")
     return model

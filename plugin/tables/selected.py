@@ -22,7 +22,7 @@ from ..masks import AttnMask
 from ..plan import CPPlan
 from ..plan.runs import STRIDE, Runs, pair_work
 from .cache import host_table, table_key
-from .spans import key_spans, merge_spans, span_pieces
+from ..plan.spans import key_spans, merge_spans, span_pieces
 
 
 # ---- spans and pieces -----------------------------------------------------------------------

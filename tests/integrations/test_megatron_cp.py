@@ -45,9 +45,11 @@ CASES = [
     # megatron's own THD RoPE (TE's layout) instead of RoPE positions from the plan
     ("te_megatron_rope_p2p", {"no_rope_freq": 2},
      {"strategy": "p2p", "layout": "te", "chunk_size": 16}, "thd"),
-    # balanced with small tiles, so that documents really are cut across the ranks
+    # balanced with small tiles, so that documents really are cut across the ranks; one
+    # GPU per node: the CP group spans two nodes (the plan's topology)
     ("balanced_llama4_dispatch", {"no_rope_freq": 2},
-     {"strategy": "dispatch", "chunk_size": 16, "tile_tokens": 8}, "thd"),
+     {"strategy": "dispatch", "chunk_size": 16, "tile_tokens": 8, "gpus_per_node": 1},
+     "thd"),
     ("dual_chunk_swa_auto", {"window_size": (12, 0)},
      {"strategy": "auto", "layout": "dual_chunk", "min_chunk_tokens": 4}, "thd"),
 ]
@@ -137,9 +139,10 @@ def _micro_batches(fmt: str, cp: int, model):
         return list(batches)
 
 
-def _run(model, fmt: str, cp: int, misses: list | None = None):
+def _run(model, fmt: str, cp: int, misses: list | None = None,
+         nodes: set | None = None):
     """Loss and grads of one step; ``misses`` collects the plan cache entries (tables,
-    plans) that the step itself had to build."""
+    plans) that the step itself had to build, ``nodes`` the plans' topologies' nodes."""
     from varlen_cp.integrations.megatron.train import run_step
     from varlen_cp.plan import CPPlan
 
@@ -148,6 +151,8 @@ def _run(model, fmt: str, cp: int, misses: list | None = None):
     cached, build = CPPlan.__dict__["cached"], CPPlan.__dict__["build"]
 
     def counting_cached(plan, key, fn):
+        if nodes is not None:
+            nodes.add(None if plan.topology is None else plan.topology.nodes)
         if key not in plan._cache and misses is not None:
             misses.append(repr(key))
         return cached(plan, key, fn)
@@ -273,8 +278,13 @@ def _check_layout_refused() -> str:
 
 
 def _parity_worker(rank: int, world: int, config_path: str, log_path: str) -> dict:
+    import os
+
     import torch
 
+    # The default gpus_per_node reads LOCAL_WORLD_SIZE (an in-process CPU launch in an
+    # earlier test sets it to 1): unset, both ranks share one node of 8.
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
     result: dict = {"cases": {}}
     _setup_parallel(1)
     result["megatron_ref"] = _check_against_megatron(rank)
@@ -290,8 +300,10 @@ def _parity_worker(rank: int, world: int, config_path: str, log_path: str) -> di
         state, ref_loss, ref_grads, ref_max = refs[name]
         model = _build(extra, opts, 2, state, SPEC_KWARGS.get(name))
         misses: list = []
-        loss, grads = _run(model, fmt, 2, misses)
+        nodes: set = set()
+        loss, grads = _run(model, fmt, 2, misses, nodes)
         result.setdefault("misses", {})[name] = misses
+        result.setdefault("nodes", {})[name] = sorted(nodes, key=repr)
         result.setdefault("max_logits", {})[name] = (_max_logits(model), ref_max)
         result.setdefault("grads", {})[name] = {n: float(g.abs().max())
                                                 for n, g in grads.items()}
@@ -398,6 +410,14 @@ def test_sink_gets_gradient_and_max_logit_matches_cp1(parity) -> None:
         for layer_got, layer_ref in zip(got, ref):
             assert layer_got == pytest.approx(layer_ref, rel=1e-5, abs=1e-5)
         assert res["max_logits"]["causal_p2p"] == (None, None)
+
+
+def test_plans_carry_the_group_topology(parity) -> None:
+    """``gpus_per_node`` reaches every plan of the step as its topology (the CP group's
+    global ranks // it); unset, both ranks share a node (LOCAL_WORLD_SIZE unset: 8)."""
+    for res in parity:
+        assert res["nodes"]["balanced_llama4_dispatch"] == [(0, 1)]
+        assert res["nodes"]["causal_p2p"] == [(0, 0)]
 
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES if c[3] == "thd"

@@ -60,8 +60,11 @@ RUNS = {  # name: (processes, overrides)
                     "--varlen_cp.strategy", "p2p"]),
     "cp2_all_gather": (2, ["--parallelism.context_parallel_degree", "2",
                            "--varlen_cp.strategy", "all_gather", "--varlen_cp.validate"]),
+    # one GPU per node: the CP group spans two nodes (the plan's topology, the cost
+    # model's two links, the report's cross-node bytes)
     "cp2_dispatch": (2, ["--parallelism.context_parallel_degree", "2",
-                         "--varlen_cp.strategy", "dispatch", "--metrics.enable_tensorboard"]),
+                         "--varlen_cp.strategy", "dispatch", "--metrics.enable_tensorboard",
+                         "--varlen_cp.gpus_per_node", "1"]),
     "cp2_a2a": (2, ["--parallelism.context_parallel_degree", "2",
                     "--varlen_cp.strategy", "a2a", "--varlen_cp.layout", "contiguous"]),
     # dp_shard=2 gives each data-parallel rank its own batch; adding CP=2 (4 processes,
@@ -261,6 +264,9 @@ def test_metrics_reach_tensorboard(results, train_root):
             sent = catalogue.bytes_sent("dispatch", plan, mask, shape)
             assert value == max(f + b for f, b in zip(sent["fwd"], sent["bwd"]))
         assert all(v >= 1 for _, v in scalars[f"varlen_cp/stages/{key}"])
+        # two nodes of one rank: every byte a rank sends leaves its node
+        assert scalars[f"varlen_cp/cross_node_bytes/{key}"] == \
+            scalars[f"varlen_cp/sent_bytes/{key}"]
         # the step's backend reached the report: on CPUs "auto" is the PyTorch twin, no FA
         for what in ("work", "call"):
             assert scalars[f"varlen_cp/fa_{what}_share/{key}"] == [(1, 0.0), (2, 0.0),

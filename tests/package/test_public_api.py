@@ -17,7 +17,8 @@ PUBLIC = {
             "class(*, strategy='p2p', backend='auto', validate=True, a2a_size=None, "
             'overlap_stages=None)'
         ),
-        "CPPlan": 'class(cu_seqlens, cp_size, cp_rank, spec, padded_lengths, tables)',
+        "CPPlan": ('class(cu_seqlens, cp_size, cp_rank, spec, padded_lengths, tables, '
+                   'topology=None)'),
         "ContextParallelVarlenAttention": (
             'class(mask, options=None, group=None, *, '
             "softmax_scale=None, softmax_type='vanilla', "

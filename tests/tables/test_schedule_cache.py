@@ -137,12 +137,12 @@ def test_intervals_on_numpy_equal_those_on_torch():
 
 @pytest.mark.parametrize("layout", ["balanced", "dual_chunk", "te"])
 def test_spans_against_per_token_sets(layout):
-    """``tables.spans`` on a plan's runs against sets of positions built token by token:
+    """``plan.spans`` on a plan's runs against sets of positions built token by token:
     each run's span is the union of its queries' key intervals (``AttnMask.key_interval``
     per position) clipped to the document; a holder's merged spans cover exactly the union
     of its runs' spans in each document; the pieces cut by the owners' runs are those
     positions, per owner."""
-    from varlen_cp.tables import spans
+    from varlen_cp.plan import spans
 
     plan = small_plan(DOCS, 4, 0, layout)
     runs, part = plan.runs, plan.runs.by_document()

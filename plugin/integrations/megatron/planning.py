@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core.transformer.enums import AttnMaskType
 
 from ... import prefetch
@@ -150,14 +151,20 @@ def prepare_model_plan(plan: CPPlan, options: VarlenCPOptions, model: ModelAtten
 
 
 def plan_batch(cu_seqlens: torch.Tensor, options: VarlenCPOptions, cp_size: int, cp_rank: int,
-               model: ModelAttention | None = None, device: Any = None) -> CPPlan:
+               model: ModelAttention | None = None, device: Any = None,
+               group: Any = None) -> CPPlan:
     """One batch's plan: ``options``' layout balanced for ``model``'s layer masks (causal
     when None); with ``model`` and ``device``, prepared (tables built) for the model's
     layers. With one CP rank the ``contiguous`` layout (the identity) replaces the
-    configured one."""
+    configured one. ``group``: the CP group, whose ranks' nodes the plan's topology
+    records (``options.gpus_per_node``; None: one node)."""
     config = _SINGLE_RANK if cp_size == 1 else options
+    topology = None
+    if group is not None and cp_size > 1:
+        topology = options.topology(dist.get_process_group_ranks(group))
     plan = prefetch.build_plan(cu_seqlens, config, cp_size=cp_size, cp_rank=cp_rank,
-                              layer_masks=None if model is None else model.layer_masks)
+                              layer_masks=None if model is None else model.layer_masks,
+                              topology=topology)
     if model is not None and device is not None:
         prepare_model_plan(plan, options, model, device)
     return plan

@@ -71,7 +71,7 @@ class PrefetchedTHDBatches:
                              f"{type(item).__name__}")
         _check_host_cu(item[1], "cu_seqlens")
         return plan_batch(item[1].flatten(), self.options, self.cp_size, self.cp_rank,
-                          model=self.model, device=self.device)
+                          model=self.model, device=self.device, group=self.cp_group)
 
     def __iter__(self) -> "PrefetchedTHDBatches":
         return self

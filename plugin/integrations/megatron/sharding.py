@@ -158,7 +158,7 @@ def get_thd_batch_on_this_cp_rank(
                        if isinstance(x, torch.Tensor) and x.dim() >= 2), None)
     if plan is None:
         plan = plan_batch(cu_seqlens.flatten(), options, cp_size, cp_rank,
-                          model=_model(config, options), device=device)
+                          model=_model(config, options), device=device, group=group)
     else:
         _check_plan(plan, cu_seqlens, cp_size, cp_rank)
     _check_batch(batch, plan, cu_seqlens_padded)

@@ -247,6 +247,10 @@ class VarlenCPTrainer(Trainer):
             mesh = pd.get_mesh("cp")
             self.cp_group = mesh.get_group()
             self.cp_size, self.cp_rank = mesh.size(), mesh.get_local_rank()
+        # Which CP ranks share a node (global rank // [varlen_cp] gpus_per_node): the same
+        # on every rank; the balanced layout and the cost model read it from each plan.
+        self.cp_topology = (config.varlen_cp.topology(dist.get_process_group_ranks(
+            self.cp_group)) if self.cp_size > 1 else None)
         for part in self.model_parts:
             bind_cp_group(part, self.cp_group)
             feed_real_rows(part)
@@ -277,7 +281,7 @@ class VarlenCPTrainer(Trainer):
         inputs = input_dict["input"]
         cu = packed_cu_seqlens(input_dict.get("positions"), tuple(inputs.shape))
         plan = build_plan(cu, vc, cp_size=self.cp_size, cp_rank=self.cp_rank,
-                          layer_masks=self.layer_masks)
+                          layer_masks=self.layer_masks, topology=self.cp_topology)
         plan.real_rows(self.device)  # the MoE layers' rows of real tokens (te padding)
         return build_tables(plan, vc, self.layer_masks, self.attn_shape, self.device)
 

@@ -16,7 +16,9 @@ for a causal layer everything before its first position, for a window one window
 chunked attention its chunk's prefix. Across nodes one fetched key costs as much as ~1270
 visible pairs, so the layout keeps what a rank holds of a document in few contiguous
 stretches (a stretch [a, b) costs a), gives long bodies to ranks in whole shares, and cuts
-filler near the start of an item. Measurements, figures and limits:
+filler near the start of an item. Which of the solver's ranks go to which node is decided
+after it, by ``plan/nodes.py`` (a relabelling: every rank's share unchanged). Measurements,
+figures and limits:
 ``docs/balanced-layout.md`` (from ``bench/plan.py``, results in ``bench/results/plan.json``).
 
 How, in the order of the package's modules (each imports only those above it):

@@ -32,7 +32,7 @@ from ..holders import Holder, HolderSet, KernelCall, rank_holder, set_calls
 from ..cache import cached_table, host_table, table_key
 from ..rounds import UniqueRounds
 from ..selected import run_arrays, span_arrays
-from ..spans import span_pieces
+from ...plan.spans import span_pieces
 from .routes import (cut_runs, dispatch_stage_array, gather_stage_array, gather_stage_rows,
                      index_in_group, transfers)
 

@@ -117,7 +117,7 @@ def _simulate(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape, model: 
     first = np.cumsum([0] + sizes)
     counts = np.concatenate(per)
     pairs_all = ((counts * r.vis) // r.fetch).sum(2)                # [sum P, d], proportional
-    nodes = model.nodes(cp)
+    nodes = model.nodes(cp, plan.topology)
     # per transfer and rank: the rows it sends or receives (the larger), on each link
     if nodes.any():   # several nodes: the rows between nodes apart
         cross = counts * cross_node(nodes)
@@ -265,7 +265,7 @@ def default_stages(plan: CPPlan, mask: AttnMask, name: str, shape: AttnShape,
     within 1% of it) among those whose peak memory (``staged_memory``, max over ranks) is
     no more than S = 1's, the call without overlap; cached in the plan per (mask,
     strategy, shape, model)."""
-    model = check_model(model)
+    model = check_model(model, plan.topology)
 
     def choose() -> int:
         times = {s: t.seconds for s, t in staged_times(name, plan, mask, shape, model).items()}

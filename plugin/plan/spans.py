@@ -1,7 +1,9 @@
 """Key spans of query runs, their union per holder and document, and their cut by runs.
 
-``selected`` and ``staged`` cut every rank's key spans by the ranks' runs on each plan and
-mask (``fetch_counts``, ``pair_counts``, the staged runs; the tests' per-key ``select_keys`` / ``sent_keys``):
+``tables.selected`` and ``tables.staged`` cut every rank's key spans by the ranks' runs on
+each plan and mask (``fetch_counts``, ``pair_counts``, the staged runs; the tests' per-key
+``select_keys`` / ``sent_keys``), and ``plan.nodes`` on a layout's pieces before any table
+exists (which ranks need whose keys, to place ranks on nodes):
 a few thousand runs at cp 64, in numpy (torch's per-op cost, ~3-5 us on CPU against
 numpy's ~0.5-1, made ``span_pieces`` alone ~3 ms of ``auto``'s ~30 ms at cp 64). Why a run's
 keys are one span and a holder's spans merge into a few: ``plan/runs.py``'s docstring.
@@ -13,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..masks import AttnMask
-from ..plan.runs import STRIDE
+from .runs import STRIDE
 
 
 def key_spans(start: np.ndarray, stop: np.ndarray, doc_len: np.ndarray, mask: AttnMask
