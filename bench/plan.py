@@ -25,7 +25,10 @@ max(compute, traffic); efficiency = mean compute / layer time. Hq 32, Hkv 8, d 1
 multi-mask model: each layer type, and the layer-count-weighted total (sum of weighted mean
 compute / sum of weighted layer times). Part 2 also has the two-level efficiency (``bench/two_level.py``: nodes of 8 GPUs, K/V in
 a node at 150 GB/s and across nodes at 45 GB/s on separate links, FA2- and FA3-class
-rates, with and without overlap) and the cross-node bytes per rank. Both parts also
+rates, with and without overlap, and the ceiling of any placement on nodes: every fetch in
+a node) and the cross-node bytes per rank, of ``balanced`` placed on nodes of 8 (what a run
+builds; ``two_level_blind``: the same layout node-blind, before issue 30). Part 1's build
+times are of the placed plan too (cp > 8). Both parts also
 record, per rank, the documents it
 holds only in part (each costs the fetch of the keys it lacks; max and mean over ranks) and
 the plan's runs.
@@ -46,6 +49,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 # backend='triton' sizes the tables with the GPU's tiles; on a CPU it resolves only under
@@ -60,7 +64,7 @@ import two_level  # noqa: E402  (bench/two_level.py)
 from mixes import MIXES, TOTAL  # noqa: E402  (bench/mixes.py)
 from varlen_cp import AttnMask, CPPlan  # noqa: E402
 from varlen_cp.kernels import mask_math  # noqa: E402
-from varlen_cp.plan import Balanced  # noqa: E402
+from varlen_cp.plan import Balanced, Topology  # noqa: E402
 from varlen_cp.plan.balanced import balanced_runs, normalize_masks  # noqa: E402
 
 LAYOUTS = ("contiguous", "te", "dual_chunk", "balanced")
@@ -208,9 +212,14 @@ def _timed(fn, repeats: int) -> tuple[object, float]:
     return out, statistics.median(times) * 1e3
 
 
-def _build(cu: torch.Tensor, cp: int, layout: str, masks) -> CPPlan:
+def _build(cu: torch.Tensor, cp: int, layout: str, masks, nodes: bool = True) -> CPPlan:
+    """The plan a run would build: ``balanced`` for the masks, placed on nodes of
+    ``two_level.GPUS_PER_NODE`` (``nodes=False``: node-blind, the layout before issue 30)."""
     spec = Balanced(masks=list(masks)) if layout == "balanced" else layout
-    return CPPlan.build(cu, cp_size=cp, cp_rank=0, layout=spec)
+    topology = None
+    if layout == "balanced" and nodes and cp > two_level.GPUS_PER_NODE:
+        topology = Topology(tuple((np.arange(cp) // two_level.GPUS_PER_NODE).tolist()))
+    return CPPlan.build(cu, cp_size=cp, cp_rank=0, layout=spec, topology=topology)
 
 
 def measure_balance(mix: str, lengths: list[int], cp: int, repeats: int) -> list[dict]:
@@ -222,13 +231,17 @@ def measure_balance(mix: str, lengths: list[int], cp: int, repeats: int) -> list
             if layout == "balanced" or layout not in fixed:
                 plan, ms = _timed(lambda: _build(cu, cp, layout, masks), repeats)
                 tables = rank_tables(plan)
-                layout_ms = None
+                layout_ms = blind_ms = None
+                if layout == "balanced" and cp > two_level.GPUS_PER_NODE:
+                    # the same build node-blind: what the placement on nodes costs
+                    _, blind_ms = _timed(lambda: _build(cu, cp, layout, masks, nodes=False),
+                                         repeats)
                 if layout == "balanced":
                     mw = normalize_masks(list(masks))
                     _, layout_ms = _timed(lambda: balanced_runs(
                         plan.cu_seqlens[1:] - plan.cu_seqlens[:-1], cp, mw, 64), repeats)
-                fixed[layout] = (plan, ms, layout_ms, tables)
-            plan, ms, layout_ms, tables = fixed[layout]
+                fixed[layout] = (plan, ms, layout_ms, blind_ms, tables)
+            plan, ms, layout_ms, blind_ms, tables = fixed[layout]
             counts = [plan.num_tokens_of(r) for r in range(cp)]
             layers = {}
             for m, w in masks:
@@ -245,7 +258,7 @@ def measure_balance(mix: str, lengths: list[int], cp: int, repeats: int) -> list
                          "token_imb": max(counts) * cp / sum(counts),
                          "padding": plan.padded_total_tokens - plan.total_tokens,
                          **partial_docs(plan),
-                         "build_ms": ms, "layout_ms": layout_ms,
+                         "build_ms": ms, "layout_ms": layout_ms, "build_ms_blind": blind_ms,
                          "strategy_ms": strategy_table_ms(plan)})
     for row in rows:  # floor relative to dual_chunk's, per layer type
         for key, layer in row["layers"].items():
@@ -278,13 +291,20 @@ def measure_efficiency(mix: str, cp: int) -> list[dict]:
                 num += w * e["mean_compute_s"]
                 den += w * e["layer_s"]
                 b_den += w * e["mean_compute_s"] / bound
+            blind = {}
+            if layout == "balanced":   # the same layout, node-blind (before issue 30)
+                plain = _build(cu, cp, layout, masks, nodes=False)
+                blind = {"two_level_blind": two_level.weighted([(w, two_level.layer_figures(
+                    plain, m, plain.work_per_rank(m), hq=HQ, head_dim=HEAD_DIM,
+                    kv_bytes=KV_BYTES, bw_node=BW_NODE, bw_net=BW_NET))
+                    for m, w in masks])}
             rows.append({"part": "efficiency", "mix": mix, "n_docs": len(lengths), "cp": cp,
                          "tokens": sum(lengths), "masks": mname, "layout": layout,
                          "layers": layers, "eff": num / den if den else 1.0,
                          **partial_docs(plan),
                          "bound": num / b_den if b_den else 1.0,
                          "eff_min_layer": min(x["eff"] for x in layers.values()),
-                         "two_level": two_level.weighted(nodes)})
+                         "two_level": two_level.weighted(nodes), **blind})
     return rows
 
 
@@ -372,6 +392,14 @@ def print_tables(rows: list[dict]) -> None:
         print(f"{mname:<12}{'(bound)':<11}" + "".join(f"{c:>16}" for c in cells))
         print()
     print("(bound): upper bound for any layout within 3% work balance (efficiency_bound).")
+    placed = [r for r in bal if r["layout"] == "balanced" and r["build_ms_blind"]]
+    if placed:
+        print("Placement on nodes of 8 (balanced, part 1): CPPlan.build placed - node-blind, "
+              "ms, median / max over mixes and mask mixes, cp " + "/".join(
+                  str(c) for c in cps if c > two_level.GPUS_PER_NODE) + ": " + "  ".join(
+                  f"{statistics.median(d):.1f} / {max(d):.1f}" for d in (
+                      [r["build_ms"] - r["build_ms_blind"] for r in placed if r["cp"] == c]
+                      for c in cps if c > two_level.GPUS_PER_NODE)))
     print("Documents held in part per rank (max over ranks), cp " + "/".join(map(str, ecps))
           + ":")
     for mname in EFF_MIXES:
