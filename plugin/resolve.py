@@ -123,7 +123,8 @@ def check_group(group: Any, plan: CPPlan) -> Any:
     """The CP process group of a call on ``plan`` (``group``, else the default group; None
     at cp 1 without one), after ``plan.collective.check_group``'s checks: a ProcessGroup
     of the plan's cp_size in which this process is the plan's rank, whose ranks sit on the
-    nodes the plan's topology was built for (checked once per plan and group)."""
+    nodes the plan's topology was built for (a group's nodes are read once per group and
+    ``gpus_per_node``; a topology without ``gpus_per_node`` is not checked)."""
     check_group_type(group)
     if plan.cp_size == 1 and group is None:
         return None
