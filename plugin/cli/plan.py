@@ -116,29 +116,37 @@ def build_parser() -> argparse.ArgumentParser:
                      "powers of two to 64 and the job's cp)")
     out.add_argument("--flops", type=float, default=CostModel.flops_per_s,
                      help="attention FLOP/s per GPU of the cost model (default 3e14)")
-    out.add_argument("--bandwidth", type=float, default=CostModel.bytes_per_s,
-                     help="bytes/s one rank sends to ranks of its own node (default 1.5e11: "
-                     "NVLink)")
-    out.add_argument("--cross-node-bandwidth", type=float,
-                     default=CostModel.cross_node_bytes_per_s,
-                     help="bytes/s one rank sends to other nodes (default 4.5e10: a 400 Gb/s "
-                     "NIC per GPU); both links run at once")
+    out.add_argument("--bandwidth", type=float, default=None,
+                     help="bytes/s one rank sends to ranks of its own node (default: the job "
+                     "file's [varlen_cp] node_bandwidth, else 1.5e11: NVLink)")
+    out.add_argument("--cross-node-bandwidth", type=float, default=None,
+                     help="bytes/s one rank sends to other nodes (default: the job file's "
+                     "[varlen_cp] cross_node_bandwidth, else 4.5e10: a 400 Gb/s NIC per "
+                     "GPU); both links run at once")
     out.add_argument("--gpus-per-node", type=int, default=None,
-                     help="GPUs per node (default: $LOCAL_WORLD_SIZE, else 8); a node holds "
-                     "gpus-per-node / TP consecutive CP ranks, and balanced places its ranks "
-                     "on them as a run does")
+                     help="GPUs per node (default: the job file's [varlen_cp] gpus_per_node, "
+                     "else $LOCAL_WORLD_SIZE, else 8); a node holds gpus-per-node / TP "
+                     "consecutive CP ranks, and balanced places its ranks on them as a run "
+                     "does")
     return p
 
 
 def cost_model(args: Any, job: jobs.Job) -> CostModel:
-    """The rates of the flags, and the nodes of the job's CP ranks: ``--gpus-per-node``
-    (else the launch's ``LOCAL_WORLD_SIZE``, else 8) over the job's TP degree."""
-    gpus = launch_gpus_per_node() if args.gpus_per_node is None else args.gpus_per_node
+    """The rates of the flags, else of the job's ``[varlen_cp]`` keys (``node_bandwidth``,
+    ``cross_node_bandwidth``: what a run's cost model takes), and the nodes of the job's CP
+    ranks: ``--gpus-per-node`` (else the job's ``gpus_per_node``, else the launch's
+    ``LOCAL_WORLD_SIZE``, else 8) over the job's TP degree."""
+    cfg = job.config
+    gpus = next((g for g in (args.gpus_per_node, cfg.gpus_per_node) if g is not None),
+                None)
+    gpus = launch_gpus_per_node() if gpus is None else gpus
     jobs._int(gpus, "--gpus-per-node")
+    inside = cfg.node_bandwidth if args.bandwidth is None else args.bandwidth
+    cross = (cfg.cross_node_bandwidth if args.cross_node_bandwidth is None
+             else args.cross_node_bandwidth)
     try:
-        return CostModel(flops_per_s=args.flops, bytes_per_s=args.bandwidth,
-                         cross_node_bytes_per_s=args.cross_node_bandwidth,
-                         ranks_per_node=max(gpus // job.tp, 1))
+        return CostModel(flops_per_s=args.flops, bytes_per_s=inside,
+                         cross_node_bytes_per_s=cross, ranks_per_node=max(gpus // job.tp, 1))
     except ValueError as e:   # name the flag, not the field
         field = str(e).split(" ", 1)[0].split(".")[-1]
         flag = {"flops_per_s": "--flops", "bytes_per_s": "--bandwidth",

@@ -185,7 +185,11 @@ def place_ranks(fetch: np.ndarray, weights: np.ndarray, nodes: np.ndarray,
     """int64 [cp]: the CP rank each of the layout's ranks becomes (a permutation), so that
     ranks that fetch from each other share nodes (module docstring). ``fetch`` [M, cp, cp]
     (:func:`fetch_matrix`), ``weights`` [M] the masks' layer counts, ``nodes`` [cp] the
-    node of each CP rank, ``ratio``: in-node over cross-node rate."""
+    node of each CP rank, ``ratio``: in-node over cross-node rate. A rank's keys of its
+    own (the diagonal) are not fetched: they are left out."""
+    fetch = fetch.copy()
+    idx = np.arange(nodes.size)
+    fetch[:, idx, idx] = 0.0   # the swap arithmetic below assumes it
     cp = nodes.size
     slot = np.arange(cp)                      # layout rank v -> CP rank slot[v]
     node = nodes[slot].copy()                 # node of layout rank v

@@ -418,6 +418,7 @@ def test_plans_carry_the_group_topology(parity) -> None:
     for res in parity:
         assert res["nodes"]["balanced_llama4_dispatch"] == [(0, 1)]
         assert res["nodes"]["causal_p2p"] == [(0, 0)]
+        assert res["nodes"]["sbhd_causal_p2p"] == [(0, 0)]   # the sbhd plans too
 
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES if c[3] == "thd"

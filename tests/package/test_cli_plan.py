@@ -17,6 +17,7 @@ import torch
 from varlen_cp import AttnMask
 from varlen_cp.cli import jobs, lengths, loss_curve, plan, plots
 from varlen_cp.config import CPConfig
+from varlen_cp.plan import Topology
 from varlen_cp.prefetch import build_plan
 from varlen_cp.tables.auto import choose_strategy
 from varlen_cp.shape import AttnShape
@@ -406,12 +407,35 @@ def test_cross_node_bytes(capsys, tmp_path, monkeypatch, how):
     assert "2 CP ranks per node" in out and "cross-node (max rank)" in out
     rep = json.loads((tmp_path / "rep.json").read_text())
     cu = lengths.pack(lengths.mix_lengths("short_4k", 4 * 4096), 4096)[0]
-    p = build_plan(cu, CPConfig(), cp_size=4, cp_rank=0, layer_masks=[(AttnMask(), 1)])
+    p = build_plan(cu, CPConfig(), cp_size=4, cp_rank=0, layer_masks=[(AttnMask(), 1)],
+                   topology=Topology((0, 0, 1, 1)))   # placed on the nodes, as a run's
     m = catalogue.traffic_of("p2p", p, AttnMask(), AttnShape(n_heads=4, n_kv_heads=4,
                                                            head_dim=128))
     want = [sum(int(m[ph][s, d]) for ph in ("fwd", "bwd") for d in range(4) if d // 2 != s // 2)
             for s in range(4)]
     assert rep["batches"][0]["layers"][0]["cross_node_bytes"] == want and max(want) > 0
+
+
+def test_machine_keys_of_the_job_file_and_the_flags_over_them(monkeypatch):
+    """Without flags the job's [varlen_cp] gpus_per_node, node_bandwidth and
+    cross_node_bandwidth set the model (what a run of that job uses); flags win."""
+    import dataclasses
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    cfg = CPConfig(gpus_per_node=2, node_bandwidth=1e11, cross_node_bandwidth=2e10)
+    job = dataclasses.replace(jobs.with_flags(None, plan.build_parser().parse_args(
+        ["--heads", "4"])), config=cfg)
+    model = plan.cost_model(plan.build_parser().parse_args(["--heads", "4"]), job)
+    assert (model.ranks_per_node, model.bytes_per_s, model.cross_node_bytes_per_s) == \
+        (2, 1e11, 2e10)
+    flags = plan.build_parser().parse_args(["--heads", "4", "--gpus-per-node", "4",
+                                            "--bandwidth", "3e11",
+                                            "--cross-node-bandwidth", "5e10"])
+    model = plan.cost_model(flags, job)
+    assert (model.ranks_per_node, model.bytes_per_s, model.cross_node_bytes_per_s) == \
+        (4, 3e11, 5e10)
+    model = plan.cost_model(plan.build_parser().parse_args(["--heads", "4"]),
+                            dataclasses.replace(job, config=CPConfig()))
+    assert (model.ranks_per_node, model.bytes_per_s) == (8, CPConfig().node_bandwidth)
 
 
 def test_gpus_per_node_over_tensor_parallelism():

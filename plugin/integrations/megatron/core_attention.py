@@ -34,6 +34,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -122,6 +123,10 @@ class VarlenCPCoreAttention(MegatronModule, ContextParallelVarlenAttention):
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
         self.cp_size, self.cp_rank = cp_size, cp_rank
+        # Which CP ranks share a node (the sbhd plans' topology; THD plans get theirs from
+        # the sharding hook): the CP group's global ranks // gpus_per_node.
+        self.cp_topology = (options.topology(dist.get_process_group_ranks(group))
+                            if group is not None and cp_size > 1 else None)
         self._init_softmax_extras(config)
 
     def _init_softmax_extras(self, config: Any) -> None:
@@ -208,7 +213,7 @@ class VarlenCPCoreAttention(MegatronModule, ContextParallelVarlenAttention):
             raise ValueError(f"attention_mask: mask tensors are not supported (attn_mask_type "
                              f"{mask_type!r}); pack the sequences as THD instead")
         s, b = query.shape[:2]
-        plan = sbhd_plan(b, s, self.cp_size, self.cp_rank)
+        plan = sbhd_plan(b, s, self.cp_size, self.cp_rank, self.cp_topology)
 
         def thd(x: torch.Tensor) -> torch.Tensor:  # [s, b, h, d] -> [b*s, h, d], row-major
             return x.transpose(0, 1).reshape(b * s, x.shape[2], x.shape[3])

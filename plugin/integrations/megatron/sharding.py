@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from ...plan import CPPlan
+from ...plan import CPPlan, Topology
 from ...plan.agreement import agree_on_plan
 from ...sharding import padded_input_rows
 from .moe import padding_mask
@@ -245,10 +245,12 @@ def plan_from_packed_seq_params(params: PackedSeqParams, cp_size: int,
 
 
 @lru_cache(maxsize=16)
-def sbhd_plan(batch_size: int, local_seq_len: int, cp_size: int, cp_rank: int) -> CPPlan:
+def sbhd_plan(batch_size: int, local_seq_len: int, cp_size: int, cp_rank: int,
+              topology: Topology | None = None) -> CPPlan:
     """Plan of an unpacked [s, b] batch sharded by megatron's ``get_batch_on_this_cp_rank``:
     each row is one document of ``local_seq_len * cp_size`` tokens, cut into 2*cp chunks
     with chunks r and 2*cp-1-r on rank r, which is the ``te`` layout without padding.
+    ``topology``: the CP group's nodes (for the cost model; ``te`` is not placed).
     Cached: every layer of a step (and every step of one shape) shares it."""
     doc_len = local_seq_len * cp_size
     cu = torch.arange(batch_size + 1, dtype=torch.int64) * doc_len
@@ -257,4 +259,4 @@ def sbhd_plan(batch_size: int, local_seq_len: int, cp_size: int, cp_rank: int) -
     if doc_len % (2 * cp_size):
         raise ValueError(f"query: sbhd with context parallelism needs the global sequence "
                          f"length ({doc_len}) to be a multiple of 2*cp={2 * cp_size}")
-    return CPPlan.build(cu, cp_size=cp_size, cp_rank=cp_rank, layout="te")
+    return CPPlan.build(cu, cp_size=cp_size, cp_rank=cp_rank, layout="te", topology=topology)
