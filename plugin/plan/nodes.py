@@ -164,20 +164,29 @@ def fetch_matrix(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, length: n
     return out
 
 
-def _fetch_times(fetch: np.ndarray, node: np.ndarray, ratio: float) -> np.ndarray:
-    """[M, cp]: each rank's fetch time in units of an in-node key: max(in-node keys,
-    ratio x cross-node keys) (``node``: the node of each rank)."""
-    same = node[:, None] == node[None, :]
-    inside = (fetch * same).sum(2)
-    return np.maximum(inside, ratio * (fetch.sum(2) - inside))
+def _times(inside: np.ndarray, total: np.ndarray, ratio: float) -> np.ndarray:
+    """Each rank's fetch time in units of an in-node key: max(in-node keys, ratio x
+    cross-node keys), from its in-node and total keys (any shape, elementwise)."""
+    return np.maximum(inside, ratio * (total - inside))
+
+
+def _cost(t: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Sum over masks (axis 0) of weight x (the slowest rank's time (axis 1) + a tiny
+    weight x the mean)."""
+    w = weights.reshape((-1,) + (1,) * (t.ndim - 2))
+    return (w * (t.max(1) + MEAN_WEIGHT * t.mean(1))).sum(0)
+
+
+def _inside(fetch: np.ndarray, node: np.ndarray) -> np.ndarray:
+    """[M, cp]: each rank's keys from ranks of its own node (``node``: each rank's)."""
+    return (fetch * (node[:, None] == node[None, :])).sum(2)
 
 
 def placement_cost(fetch: np.ndarray, weights: np.ndarray, node: np.ndarray,
                    ratio: float) -> float:
     """What :func:`place_ranks` minimizes: sum over masks of weight x (the slowest rank's
     fetch time + ``MEAN_WEIGHT`` x the mean)."""
-    t = _fetch_times(fetch, node, ratio)
-    return float((weights * (t.max(1) + MEAN_WEIGHT * t.mean(1))).sum())
+    return float(_cost(_times(_inside(fetch, node), fetch.sum(2), ratio), weights))
 
 
 def place_ranks(fetch: np.ndarray, weights: np.ndarray, nodes: np.ndarray,
@@ -197,9 +206,8 @@ def place_ranks(fetch: np.ndarray, weights: np.ndarray, nodes: np.ndarray,
     m_idx = np.arange(fetch.shape[0])[:, None]
     best = placement_cost(fetch, weights, node, ratio)
     for _ in range(4 * cp):
-        same = node[:, None] == node[None, :]
-        inside = (fetch * same).sum(2)                                   # [M, cp]
-        t = np.maximum(inside, ratio * (total - inside))
+        inside = _inside(fetch, node)                                    # [M, cp]
+        t = _times(inside, total, ratio)
         m, r = np.unravel_index(int(np.argmax(weights[:, None] * t)), t.shape)
         # Candidates: r with any rank of another node; r's three largest cross-node
         # sources with any rank of r's node.
@@ -221,8 +229,7 @@ def place_ranks(fetch: np.ndarray, weights: np.ndarray, nodes: np.ndarray,
         on_na = (fetch[:, b, :] * (node[None, None, :] == na[None, :, None])).sum(2)
         new_in[:, a, k] = on_nb - fetch[m_idx, a, b]                     # a moved to nb
         new_in[:, b, k] = on_na - fetch[m_idx, b, a]                     # b moved to na
-        new_t = np.maximum(new_in, ratio * (total[:, :, None] - new_in))
-        cost = (weights[:, None] * (new_t.max(1) + MEAN_WEIGHT * new_t.mean(1))).sum(0)
+        cost = _cost(_times(new_in, total[:, :, None], ratio), weights)  # [K]
         j = int(np.argmin(cost))
         if not cost[j] < best * (1 - 1e-12):
             break
