@@ -14,7 +14,9 @@ results equal these.
   (the package runs the same steps on numpy vectors, all candidates sharing their inputs).
   The walk is the one before tests/tables/test_staged_memory.py checked it against the engine's
   real allocations; the package's differs where this one was wrong: fp32 inputs (no fp32
-  copies there) and head dims D != Dv (the K and V halves picked apart at S = 1).
+  copies there) and head dims D != Dv (the K and V halves picked apart at S = 1). Since
+  issue 30 the engine frees a transfer's send buffer once the transfer is in, before its
+  keys are picked (the walk with it; this one too).
 
 Not cached; not used by the package.
 """
@@ -374,28 +376,31 @@ class _Walk:
     def zero(self) -> torch.Tensor:
         return torch.zeros(self.cp, dtype=torch.int64)
 
-    def post(self, live: _Live, p: int) -> torch.Tensor:
-        """A transfer posted: its buffers (returned), built with their temporaries."""
+    def post(self, live: _Live, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A transfer posted: its (send, receive) buffers (returned), built with their
+        temporaries."""
         if self.name == "dispatch":   # two halves, cat into the send buffer; the receive
             live.alloc(self.given[p] * self.kv)
             live.alloc(self.given[p] * self.kv)
             live.free(self.given[p] * self.kv)
             live.alloc(self.fetched[p] * self.kv)
-            return (self.given[p] + self.fetched[p]) * self.kv
+            return self.given[p] * self.kv, self.fetched[p] * self.kv
         lo, hi = self.slices[p]        # the zero-padded slice; the gathered slices
         live.alloc((1 + self.cp) * (hi - lo) * self.kv)
-        return self.zero + (1 + self.cp) * (hi - lo) * self.kv
+        return self.zero + (hi - lo) * self.kv, self.zero + self.cp * (hi - lo) * self.kv
 
 
 def _forward_walk(w: _Walk) -> tuple[torch.Tensor, torch.Tensor]:
     """(peak beyond q, k, v; bytes kept for the backward) of the forward."""
     t, kv, o = w.t, w.kv, w.o
     live, have = _Live(w.zero), w.zero
-    xchg = w.post(live, 0) if w.n_parts else w.zero
+    none = (w.zero, w.zero)
+    xchg = w.post(live, 0) if w.n_parts else none
     acc = torch.where(w.local, t * o, 0)
     live.alloc(t * o, w.local)                               # the local call's output
     for p in range(w.n_parts):
-        nxt = w.post(live, p + 1) if p + 1 < w.n_parts else w.zero
+        nxt = w.post(live, p + 1) if p + 1 < w.n_parts else none
+        live.free(xchg[0])    # the send buffer, once its transfer is in (issue 30)
         if w.one:   # every key: fetched ones picked, local ones copied, per K and V half
             for _ in range(2):
                 live.alloc(w.keys[p] * kv // 2)
@@ -406,7 +411,7 @@ def _forward_walk(w: _Walk) -> tuple[torch.Tensor, torch.Tensor]:
         else:
             live.alloc(w.keys[p] * kv)
         have = have + w.keys[p] * kv
-        live.free(xchg)
+        live.free(xchg[1])
         xchg = nxt
         k = w.keys[p] > 0
         live.alloc(t * o, k)                                 # the call's output

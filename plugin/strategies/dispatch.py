@@ -28,6 +28,14 @@ Bytes: forward, each rank sends the K/V rows others need from it; backward, the 
 of the keys it fetched: the same totals in any number of stages, and the lower bound of any
 scheme that moves K/V to the queries (the other ranks' keys that a rank's queries see).
 
+Across nodes (a plan whose topology spans nodes, ``tables.staged.relay``): each transfer
+moves in two hops, a node's union of the keys its ranks need from another node's owner to
+the node's ranks in equal chunks (each key crosses the network once per node), then from
+those relays to the node mates that need them; backward, the reverse, the relay summing its
+mates' dK/dV in fp32 before the cross-node return (:class:`RelayPending`,
+:class:`RelayReturns`). Two transfers are in flight: the second hop of s + 1 is posted
+(from a side stream on CUDA) while s computes.
+
 Limits: the fetched K/V are kept for the backward pass (memory: the remote keys this
 rank's queries see; with S = 1 the local ones too). Every rank plans every rank's needs as
 runs (a few per document and rank: what travels where is a [P, cp, cp] count table) and
@@ -37,17 +45,127 @@ tables of one batch are in ``bench/results/host_tables.json``.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..tables.staged import Stage
-from .selected_keys import Pending, SelectedKeysStrategy
+from ..tables.staged.relay_tables import RelayStage
+from .selected_keys import Pending, SelectedKeysStrategy, post_returns
+
+_SIDE: dict[torch.device, Any] = {}
 
 
-def dispatch_exchange(kf: torch.Tensor, vf: torch.Tensor, stage: Stage, group: Any) -> Pending:
-    """Post one stage: our rows that others take in it, theirs that we take (K|V rows)."""
+def _side(device: torch.device) -> Any:
+    """Where a relay's second hop is prepared: on CUDA a side stream, so that waiting for
+    the first hop holds back neither the compute stream nor the host; elsewhere in line."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device)
+    return torch.cuda.stream(_SIDE[device])
+
+
+def _ready(device: torch.device) -> Any:
+    """A CUDA event at this point of the compute stream (None elsewhere)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _a2a(out: torch.Tensor, send: torch.Tensor, out_splits, in_splits, group: Any) -> Any:
+    return dist.all_to_all_single(out, send, list(out_splits), list(in_splits), group=group,
+                                  async_op=True)
+
+
+class RelayPending(Pending):
+    """A relayed transfer's K/V: hop 1 posted; ``advance`` (on the side stream) waits for
+    it and posts hop 2, the rows node mates need, into the tail of the same buffer."""
+
+    def __init__(self, kf: torch.Tensor, vf: torch.Tensor, stage: RelayStage, group: Any
+                 ) -> None:
+        send = torch.cat([kf.index_select(0, stage.in_rows),
+                          vf.index_select(0, stage.in_rows)], dim=1)
+        n1 = stage.n_hop1
+        recv = kf.new_empty(n1 + sum(stage.hop2_splits), kf.shape[1] + vf.shape[1])
+        super().__init__(recv, _a2a(recv[:n1], send, stage.back_splits, stage.in_splits,
+                                    group), send)
+        self.stage, self.group, self.second = stage, group, None
+
+    def advance(self) -> None:
+        if self.second is not None:
+            return
+        st, n1 = self.stage, self.stage.n_hop1
+        with _side(self.recv.device):
+            self.work.wait()
+            send = self.recv[:n1].index_select(0, st.relay_rows)
+            self.second = (_a2a(self.recv[n1:], send, st.hop2_splits, st.relay_splits,
+                                self.group), send)
+
+    def result(self) -> torch.Tensor:
+        self.advance()
+        work, send = self.second
+        work.wait()
+        if send.device.type == "cuda":   # (made on the side stream, read by the collective)
+            send.record_stream(torch.cuda.current_stream(send.device))
+        return self.recv
+
+
+class RelayReturns(Pending):
+    """A relayed transfer's dK/dV going home: hop 2 reversed posted (the relayed keys' rows
+    to their relays); ``advance`` (side stream) sums what the node mates returned with our
+    own rows onto the hop-1 buffer, in fp32 and fixed rounds, and posts hop 1 reversed."""
+
+    def __init__(self, grads: torch.Tensor, stage: RelayStage, group: Any) -> None:
+        send = grads.index_select(0, stage.hop2_order)
+        recv = grads.new_empty(sum(stage.relay_splits), grads.shape[1])
+        super().__init__(recv, _a2a(recv, send, stage.relay_splits, stage.hop2_splits, group),
+                         send)
+        self.own = grads.index_select(0, stage.own_slots)
+        self.ready = _ready(grads.device)
+        self.stage, self.group, self.second = stage, group, None
+
+    def advance(self) -> None:
+        if self.second is not None:
+            return
+        st = self.stage
+        with _side(self.recv.device):
+            if self.ready is not None:
+                torch.cuda.current_stream(self.recv.device).wait_event(self.ready)
+            self.work.wait()
+            rows = self.own.new_zeros(st.n_hop1, self.own.shape[1], dtype=torch.float32)
+            rows.index_copy_(0, st.own_rows, self.own.float())
+            st.relay_rounds.add_(rows, self.recv.float())
+            send = rows.to(self.own.dtype)
+            out = send.new_empty(sum(st.in_splits), send.shape[1])
+            self.second = (_a2a(out, send, st.in_splits, st.back_splits, self.group), out,
+                           send)
+            if send.device.type == "cuda":   # made on the compute stream, read here
+                self.own.record_stream(torch.cuda.current_stream(send.device))
+                self.recv.record_stream(torch.cuda.current_stream(send.device))
+        self.own = self.recv = None
+
+    def result(self) -> torch.Tensor:
+        self.advance()
+        work, out, send = self.second
+        work.wait()
+        if out.device.type == "cuda":    # (made on the side stream, read here)
+            stream = torch.cuda.current_stream(out.device)
+            out.record_stream(stream)
+            send.record_stream(stream)
+        return out
+
+
+def dispatch_exchange(kf: torch.Tensor, vf: torch.Tensor, stage: Stage | RelayStage,
+                      group: Any) -> Pending:
+    """Post one stage: our rows that others take in it, theirs that we take (K|V rows);
+    relayed (:class:`RelayPending`) on a plan across nodes."""
+    if isinstance(stage, RelayStage):
+        return RelayPending(kf, vf, stage, group)
     send = torch.cat([kf.index_select(0, stage.in_rows), vf.index_select(0, stage.in_rows)],
                      dim=1)
     recv = kf.new_empty(sum(stage.back_splits), kf.shape[1] + vf.shape[1])
@@ -56,8 +174,17 @@ def dispatch_exchange(kf: torch.Tensor, vf: torch.Tensor, stage: Stage, group: A
     return Pending(recv, work, send)
 
 
+def dispatch_returns(grads: torch.Tensor, stage: Stage | RelayStage, group: Any) -> Pending:
+    """Post a stage's dK/dV home: one all-to-all, or relayed (:class:`RelayReturns`)."""
+    if isinstance(stage, RelayStage):
+        return RelayReturns(grads, stage, group)
+    return post_returns(grads, stage, group)
+
+
 class Dispatch(SelectedKeysStrategy):
-    """Exactly the K/V ranges each rank's queries see, fetched in overlapped stages."""
+    """Exactly the K/V ranges each rank's queries see, fetched in overlapped stages
+    (relayed through nodes on a plan across nodes)."""
 
     name = "dispatch"
     exchange = staticmethod(dispatch_exchange)
+    returns = staticmethod(dispatch_returns)

@@ -31,6 +31,7 @@ unfused pass over the fp32 output (the cost model counts its memory traffic).
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Callable
 
 import torch
@@ -65,10 +66,15 @@ def fold_(acc: torch.Tensor | None, lse: torch.Tensor | None, out_i: torch.Tenso
 
 
 class Pending:
-    """One posted collective: its receive buffer and what must live until it completes."""
+    """One posted collective: its receive buffer and what must live until it completes.
+    A transfer of two hops (relayed dispatch) posts its second in ``advance``; one of a
+    single hop has nothing to advance."""
 
     def __init__(self, recv: torch.Tensor, work: Any, *keep: torch.Tensor) -> None:
         self.recv, self.work, self.keep = recv, work, keep
+
+    def advance(self) -> None:
+        """Post the next hop once the previous one has arrived (none here)."""
 
     def result(self) -> torch.Tensor:
         if self.work is not None:
@@ -76,7 +82,7 @@ class Pending:
         return self.recv
 
 
-def _post_returns(grads: torch.Tensor, stage: Stage, group: Any) -> Pending:
+def post_returns(grads: torch.Tensor, stage: Stage, group: Any) -> Pending:
     """Post the dK/dV rows of a stage's keys to their owners; receive ours."""
     send = grads.index_select(0, stage.back_order)
     recv = grads.new_empty(sum(stage.in_splits), grads.shape[1])
@@ -94,8 +100,12 @@ def staged_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tab: Stage
     backward). ``exchange(kf, vf, stage, group)`` posts one transfer."""
     hq, hkv, d, dv = q.shape[1], k.shape[1], k.shape[2], v.shape[2]
     kf, vf = k.reshape(k.shape[0], hkv * d), v.reshape(v.shape[0], hkv * dv)
-    stages = tab.stages
-    pending = exchange(kf, vf, stages[0], group) if stages else None
+    stages, depth = tab.stages, tab.hops
+    # ``depth`` transfers in flight: with two hops, transfer s + 1's second hop is posted
+    # (``advance``) while transfer s computes, its first hop one stage earlier
+    queue = deque(exchange(kf, vf, st, group) for st in stages[:depth])
+    if queue:
+        queue[0].advance()
     acc = lse = None
     max_part = head_max(None, hq, q.device) if need_max else no_max(q.device)
     if tab.local is not None:
@@ -106,12 +116,14 @@ def staged_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tab: Stage
         del o
     fetched: list[torch.Tensor] = []
     for s, stage in enumerate(stages):
-        nxt = exchange(kf, vf, stages[s + 1], group) if s + 1 < len(stages) else None
-        recv = pending.result()
+        if s + depth < len(stages):
+            queue.append(exchange(kf, vf, stages[s + depth], group))
+        if depth > 1 and len(queue) > 1:
+            queue[1].advance()
+        recv = queue.popleft().result()
         k_s = _pick(recv[:, :hkv * d], kf, stage).view(stage.n_keys, hkv, d)
         v_s = _pick(recv[:, hkv * d:], vf, stage).view(stage.n_keys, hkv, dv)
         del recv
-        pending = nxt
         fetched += [k_s, v_s]
         if stage.call is None:
             continue
@@ -142,17 +154,19 @@ def _pick(recv: torch.Tensor, local: torch.Tensor, stage: Stage) -> torch.Tensor
 def staged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
                     v: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
                     fetched: list[torch.Tensor], tab: StagedTables, group: Any, attn: Attn,
-                    dlse: torch.Tensor | None, kv: tuple) -> tuple[torch.Tensor, ...]:
+                    dlse: torch.Tensor | None, kv: tuple,
+                    returns: Callable[..., Pending] | None = None) -> tuple[torch.Tensor, ...]:
     """(dq, dk, dv) in the input dtypes; ``fetched`` as ``staged_forward`` returned it;
     ``k``, ``v`` (None unless ``tab.local``) and ``kv`` = (k.shape, k.dtype, Dv, v.dtype)
-    of the local K/V."""
+    of the local K/V; ``returns(grads, stage, group)`` posts a stage's dK/dV home
+    (default :func:`post_returns`: one all-to-all)."""
+    returns = post_returns if returns is None else returns
     k_shape, k_dtype, dv, v_dtype = kv
     t, hkv, d = k_shape
     width = hkv * (d + dv)
     acc = None    # fp32 dK|dV of the local keys, made when first needed
     dq, several = None, tab.n_calls > 1
-    pending: Pending | None = None
-    rows = None
+    inflight: deque = deque()   # (posted returns, their rounds), oldest first
     stats = attn.bwd_stats(dout, out, lse, dlse)  # one delta pass per layer, not per stage
 
     def fold(acc, pending, rounds):
@@ -174,12 +188,13 @@ def staged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
         if stage.local_slots is not None:  # S = 1: the local keys' dK/dV stay here
             acc = _zeros(acc, t, width, q.device)
             acc.index_add_(0, stage.local_rows, grads.index_select(0, stage.local_slots).float())
-        posted = _post_returns(grads, stage, group)
+        inflight.append((returns(grads, stage, group), stage.rounds))
         del grads
-        if pending is not None:  # the previous stage's returns travelled meanwhile
-            acc = fold(acc, pending, rows)
-        pending, rows = posted, stage.rounds
-        del posted   # (else the last transfer's buffers live to the end of the backward)
+        if len(inflight) > 1:   # two hops: the previous stage's first hop goes out now
+            inflight[-2][0].advance()
+        while len(inflight) > tab.hops:  # the oldest returns travelled meanwhile
+            acc = fold(acc, *inflight.popleft())
+    _advance(inflight)   # the last hops leave under the local call
     if tab.local is not None:
         dq_0, dk_0, dv_0 = attn.bwd(dout, q, k, v, out, lse, tab.local, dlse, stats)
         dq = _add(dq, dq_0, several)
@@ -188,13 +203,19 @@ def staged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
         acc[:, :hkv * d].add_(dk_0.reshape(t, -1))
         acc[:, hkv * d:].add_(dv_0.reshape(t, -1))
         del dk_0, dv_0
-    if pending is not None:
-        acc = fold(acc, pending, rows)
-        del pending
+    while inflight:
+        acc = fold(acc, *inflight.popleft())
     dq = torch.zeros_like(q) if dq is None else dq.to(q.dtype)
     acc = _zeros(acc, t, width, q.device)   # (nothing visible anywhere: zeros)
     dk, dv_out = unpack_key_grads(acc, k_shape, k_dtype, v_dtype, dv)
     return dq, dk, dv_out
+
+
+def _advance(inflight: deque) -> None:
+    """Advance every posted return (a function: no loop variable outlives it to hold the
+    last transfer's buffers)."""
+    for posted, _ in inflight:
+        posted.advance()
 
 
 def _zeros(acc: torch.Tensor | None, t: int, width: int, device: torch.device
@@ -226,6 +247,7 @@ class StagedKeysAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k if local else None, v if local else None, out, lse,
                               *fetched)
         ctx.spec, ctx.name, ctx.stages = spec, engine.name, stages
+        ctx.returns = engine.returns
         ctx.kv = (k.shape, k.dtype, v.shape[2], v.dtype)
         ctx.mark_non_differentiable(max_part)
         ctx.set_materialize_grads(False)  # an unused lse gets no zero gradient
@@ -239,7 +261,8 @@ class StagedKeysAttention(torch.autograd.Function):
         dq, dk, dv = staged_backward(dout, q, k, v, out, lse, fetched,
                                      tables(spec.plan, spec.attn.mask, spec.block, ctx.name,
                                             ctx.stages, q.device, spec.route),
-                                     spec.group, spec.attn, dlse_or_none(dlse), ctx.kv)
+                                     spec.group, spec.attn, dlse_or_none(dlse), ctx.kv,
+                                     ctx.returns)
         return dq, dk, dv, None, None, None
 
 
@@ -252,9 +275,11 @@ def tables(plan: CPPlan, mask: AttnMask, block: tuple[int, int], name: str, stag
 class SelectedKeysStrategy(Strategy):
     """A strategy that brings the keys a rank's queries see in ``overlap_stages`` stages;
     subclasses name it and supply ``exchange(kf, vf, stage, group) -> Pending`` (how one
-    stage's K/V travel)."""
+    stage's K/V travel) and may supply ``returns(grads, stage, group) -> Pending`` (how
+    its dK/dV go home; default one all-to-all)."""
 
     exchange: Callable[..., Pending]
+    returns: Callable[..., Pending] = staticmethod(post_returns)
 
     def build_tables(self, plan: CPPlan, mask: AttnMask, res: Resolution,
                      device: torch.device) -> None:

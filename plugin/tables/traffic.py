@@ -13,7 +13,9 @@ move on different links (NVLink inside a node, InfiniBand / RoCE across).
 - a2a: one Ulysses group of all ranks: each rank's q/k/v heads to every peer, the
   outputs back to the tokens' owners (and the reverse backward).
 - all_gather: every rank's padded K/V to every other; back only the picked keys' dK/dV.
-- dispatch: exactly the keys each rank's queries see, from their owners; dK/dV back.
+- dispatch: exactly the keys each rank's queries see, from their owners; dK/dV back. On a
+  plan across nodes, relayed: a node's union from each owner to its relays, then from the
+  relays to the ranks of the node (``staged.relay``); the reverse backward.
 Everything is numpy integer math on the plan's run-level tables (cached there).
 ``catalogue.bytes_sent`` is the row sums: one count of the bytes, not two.
 """
@@ -28,6 +30,7 @@ from ..shape import AttnShape, kv_heads_per_rank
 from .hybrid import group_visibility, hybrid_size
 from .ring import rank_visibility, ring_length
 from .selected import fetch_count_array
+from .staged.relay import relay_active, relay_routes
 
 Traffic = dict[str, np.ndarray]   # {"fwd": int64 [cp, cp], "bwd": int64 [cp, cp]}
 
@@ -104,7 +107,11 @@ def all_gather_traffic(plan: CPPlan, mask: AttnMask, shape: AttnShape,
 
 def dispatch_traffic(plan: CPPlan, mask: AttnMask, shape: AttnShape,
                      a2a_size: int | None = None) -> Traffic:
-    counts = _off_diagonal(fetch_count_array(plan, mask))
+    if relay_active(plan):   # both hops (which rank relays a key does not depend on S)
+        routes = relay_routes(plan, mask, 1)
+        counts = (routes.hop1 + routes.hop2).sum(0)
+    else:
+        counts = _off_diagonal(fetch_count_array(plan, mask))
     return {"fwd": counts.T * shape.kv_row, "bwd": counts * shape.kv_row}
 
 

@@ -191,7 +191,7 @@ def test_balanced_modules_import_only_earlier_ones() -> None:
 
 
 def test_staged_modules_import_only_earlier_ones() -> None:
-    """plugin/tables/staged/: routes, tables, memory, timing, in that order."""
+    """plugin/tables/staged/: each module imports only those listed before it."""
     _imports_follow_the_listed_order("tables.staged")
 
 

@@ -14,7 +14,13 @@ Modules, each importing only those listed before it:
 
 - ``routes``: which remote keys travel in which transfer (the [P, cp, cp] counts every
   rank computes alike) and the cut of a rank's runs of keys at the transfers' bounds.
+- ``relay``: dispatch through nodes on a plan whose topology spans them: both hops' routes
+  of every rank (each node fetches a key from another node once, then shares it).
+- ``links``: the rows each transfer moves per hop, and the keys its calls use (what the
+  time model and the memory walk read).
 - ``tables``: one rank's tables (``Stage`` per transfer, the local call), built from runs.
+- ``relay_tables``: one rank's tables of relayed dispatch (``RelayStage``).
+- ``cached``: a rank's tables of a strategy, cached in the plan (the entry).
 - ``memory``: the host walk of the engine's allocations (peak bytes per rank).
 - ``timing``: the pipeline's time per layer and the default stage count (least time under
   S = 1's memory).
@@ -23,11 +29,12 @@ Modules, each importing only those listed before it:
 from __future__ import annotations
 
 from .memory import StagedMemory, staged_memory
-from .tables import Stage, StagedTables, staged_tables
+from .cached import staged_tables
+from .tables import Stage, StagedTables
 from .timing import (CANDIDATE_STAGES, MAX_STAGES, StagedTime, default_stages, resolve_stages,
                      staged_time, staged_times)
-from .routes import (dispatch_stage_counts, gather_stage_counts, gather_stage_rows,
-                        stage_counts, transfers)
+from .links import stage_counts
+from .routes import dispatch_stage_counts, gather_stage_counts, gather_stage_rows, transfers
 
 __all__ = ["CANDIDATE_STAGES", "MAX_STAGES", "Stage", "StagedMemory", "StagedTables",
            "StagedTime", "default_stages", "dispatch_stage_counts", "gather_stage_counts",

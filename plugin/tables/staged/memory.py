@@ -19,7 +19,8 @@ from ...masks import AttnMask
 from ...plan import CPPlan
 from ..selected import fetch_count_array, pair_count_array
 from ...shape import AttnShape
-from .routes import gather_stage_rows, stage_array, transfers
+from .links import stage_links
+from .routes import gather_stage_rows, transfers
 
 
 @dataclass(frozen=True)
@@ -86,28 +87,31 @@ class _Walk:
     def zero(self) -> np.ndarray:
         return np.zeros(self.cp, dtype=np.int64)
 
-    def post(self, live: _Live, p: int) -> np.ndarray:
-        """A transfer posted: its buffers (returned), built with their temporaries."""
+    def post(self, live: _Live, p: int) -> tuple[np.ndarray, np.ndarray]:
+        """A transfer posted: its (send, receive) buffers (returned), built with their
+        temporaries."""
         if self.name == "dispatch":   # two halves, cat into the send buffer; the receive
             live.alloc(self.given[p] * self.kv)
             live.alloc(self.given[p] * self.kv)
             live.free(self.given[p] * self.kv)
             live.alloc(self.fetched[p] * self.kv)
-            return (self.given[p] + self.fetched[p]) * self.kv
+            return self.given[p] * self.kv, self.fetched[p] * self.kv
         lo, hi = self.slices[p]        # the zero-padded slice; the gathered slices
         live.alloc((1 + self.cp) * (hi - lo) * self.kv)
-        return self.zero + (1 + self.cp) * (hi - lo) * self.kv
+        return self.zero + (hi - lo) * self.kv, self.zero + self.cp * (hi - lo) * self.kv
 
 
 def _forward_walk(w: _Walk) -> tuple[np.ndarray, np.ndarray]:
     """(peak beyond q, k, v; bytes kept for the backward) of the forward."""
     t, kv, o = w.t, w.kv, w.o
     live, have = _Live(w.zero), w.zero
-    xchg = w.post(live, 0) if w.n_parts else w.zero
+    none = (w.zero, w.zero)
+    xchg = w.post(live, 0) if w.n_parts else none
     acc = np.where(w.local, t * o, 0)
     live.alloc(t * o, w.local)                               # the local call's output
     for p in range(w.n_parts):
-        nxt = w.post(live, p + 1) if p + 1 < w.n_parts else w.zero
+        nxt = w.post(live, p + 1) if p + 1 < w.n_parts else none
+        live.free(xchg[0])      # the send buffer goes with the transfer, once it is in
         if w.one:   # every key: fetched ones picked, local ones copied, per K and V half
             for half in w.halves:
                 live.alloc(w.keys[p] * half)
@@ -118,7 +122,7 @@ def _forward_walk(w: _Walk) -> tuple[np.ndarray, np.ndarray]:
         else:
             live.alloc(w.keys[p] * kv)
         have = have + w.keys[p] * kv
-        live.free(xchg)
+        live.free(xchg[1])      # the receive buffer, once picked
         xchg = nxt
         k = w.keys[p] > 0
         live.alloc(t * o, k)                                 # the call's output
@@ -200,13 +204,15 @@ def staged_memory(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape, sta
     returns in flight. Not counted: the kernels' own workspaces, [H, T] tensors (LSE, fold
     weights), index tables."""
     b = shape.dtype_bytes
-    counts = stage_array(name, plan, mask, stages)
+    *hops, counts = stage_links(name, plan, mask, stages)
     one = stages == 1 and counts.shape[0] > 0      # one call over local and fetched keys
     own = np.diagonal(fetch_count_array(plan, mask))
     offsets = plan.arrays.rank_offsets
     o, g = shape.n_heads * shape.value_dim, shape.n_heads * shape.head_dim
-    w = _Walk(name, plan.cp_size, offsets[1:] - offsets[:-1], counts.sum(2), counts.sum(1),
-              own, counts.sum(2) + (own if one else 0),
+    # relayed dispatch: its hops' buffers as one transfer's (received: both hops' rows;
+    # sent: both hops'); approximate there: the walk mirrors the one-hop engine
+    w = _Walk(name, plan.cp_size, offsets[1:] - offsets[:-1], sum(h.sum(2) for h in hops),
+              sum(h.sum(1) for h in hops), own, counts.sum(2) + (own if one else 0),
               (np.diagonal(pair_count_array(plan, mask)) > 0) & (not one), one,
               gather_stage_rows(plan, transfers(stages)) if name == "all_gather" else (),
               b, shape.kv_row, shape.kv_row * 4 // b, o * b, o * 4, g * b, g * 4,

@@ -122,19 +122,6 @@ def gather_stage_counts(plan: CPPlan, mask: AttnMask, parts: int) -> torch.Tenso
     return torch.from_numpy(gather_stage_array(plan, mask, parts))
 
 
-def stage_array(name: str, plan: CPPlan, mask: AttnMask, stages: int) -> np.ndarray:
-    """int64 [P, cp, cp]: keys rank d takes from rank o in each transfer of ``name`` with
-    ``stages`` stages (numpy)."""
-    if name == "dispatch":
-        return dispatch_stage_array(plan, mask, transfers(stages))
-    return gather_stage_array(plan, mask, transfers(stages))
-
-
-def stage_counts(name: str, plan: CPPlan, mask: AttnMask, stages: int) -> torch.Tensor:
-    """:func:`stage_array` as a tensor (a view)."""
-    return torch.from_numpy(stage_array(name, plan, mask, stages))
-
-
 # ---- runs of keys cut at the transfers' bounds -----------------------------------------------
 def index_in_group(group: np.ndarray, length: np.ndarray, n_groups: int) -> np.ndarray:
     """int64: where each run of ``length`` keys starts in its group's list, the group's runs

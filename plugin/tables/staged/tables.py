@@ -29,7 +29,7 @@ from ...plan import CPPlan
 from ...plan.runs import run_rows
 from ..flash_form import FlashRoute
 from ..holders import Holder, HolderSet, KernelCall, rank_holder, set_calls
-from ..cache import cached_table, host_table, table_key
+from ..cache import host_table, table_key
 from ..rounds import UniqueRounds
 from ..selected import run_arrays, span_arrays
 from ...plan.spans import span_pieces
@@ -71,6 +71,7 @@ class Stage:
     local_slots: torch.Tensor | None = None    # S = 1: call slots of the local keys
     local_rows: torch.Tensor | None = None     # S = 1: their local rows
     rounds: UniqueRounds | None = None         # the deterministic fold of the returns
+    hops = 1                                   # collectives per transfer, each way
 
     def to(self, device: torch.device) -> "Stage":
         names = ("gather", "back_order", "in_rows", "remote_slots", "local_slots",
@@ -88,6 +89,12 @@ class StagedTables:
 
     local: KernelCall | None
     stages: tuple[Stage, ...]
+
+    @property
+    def hops(self) -> int:
+        """Collectives per transfer each way: 1, or 2 for dispatch relayed through
+        nodes (the engine keeps that many transfers in flight)."""
+        return self.stages[0].hops if self.stages else 1
 
     @property
     def n_calls(self) -> int:
@@ -240,7 +247,7 @@ def _assemble(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int], s
     return StagedTables(local_call, built)
 
 
-def _dispatch_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int],
+def dispatch_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int],
                      stages: int, route: FlashRoute | None) -> StagedTables:
     """Dispatch: each (d, o) list of keys cut into equal transfers (``transfers``)."""
     cp = plan.cp_size
@@ -266,7 +273,7 @@ def _dispatch_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, 
                      given.take(grun, goffset, glength), gstage, (), route)
 
 
-def _gather_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int],
+def gather_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int],
                    stages: int, route: FlashRoute | None) -> StagedTables:
     """all_gather: the runs cut at the slices of the owners' padded rows."""
     slices = gather_stage_rows(plan, transfers(stages))
@@ -288,16 +295,3 @@ def _gather_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, in
     counts = gather_stage_array(plan, mask, transfers(stages))
     return _assemble(plan, mask, rank, block, stages, counts, fetched, stage, buffer,
                      given.take(grun, goffset, glength), gstage, slices, route)
-
-
-def staged_tables(name: str, plan: CPPlan, mask: AttnMask, rank: int,
-                  block: tuple[int, int], stages: int,
-                  device: torch.device | str | None = None,
-                  route: FlashRoute | None = None) -> StagedTables:
-    """Host tables of ``rank``'s ``name`` call (``dispatch`` or ``all_gather``) with
-    ``stages`` stages, or their copy on ``device`` (cached); FA forms where exact with a
-    ``route``."""
-    build = _dispatch_tables if name == "dispatch" else _gather_tables
-    return cached_table(plan, table_key(f"{name}_staged", mask, block, rank, stages,
-                                          route=route),
-                        lambda: build(plan, mask, rank, block, stages, route), device)

@@ -44,7 +44,8 @@ from ..selected import fetch_count_array, pair_count_array
 from ..traffic import cross_node
 from ...shape import AttnShape
 from .memory import staged_memory
-from .routes import gather_stage_rows, stage_array, transfers
+from .links import stage_links
+from .routes import gather_stage_rows, transfers
 
 MAX_STAGES = 8          # the default search range; a user may ask for more
 # S values the default tries: the times of neighbouring S differ by little once S passes 4.
@@ -112,21 +113,28 @@ def _simulate(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape, model: 
     cp = plan.cp_size
     f_fwd, f_bwd = _flops_per_pair(shape)
     rate, row = model.flops_per_s, shape.kv_row
-    per = [stage_array(name, plan, mask, s) for s in stage_list]      # [P, d, o]
-    sizes = [c.shape[0] for c in per]
+    links = [stage_links(name, plan, mask, s) for s in stage_list]   # per S: hops, keys
+    sizes = [lk[-1].shape[0] for lk in links]
     first = np.cumsum([0] + sizes)
-    counts = np.concatenate(per)
+    counts = np.concatenate([lk[-1] for lk in links])                 # [sum P, d, o]
     pairs_all = ((counts * r.vis) // r.fetch).sum(2)                # [sum P, d], proportional
     nodes = model.nodes(cp, plan.topology)
-    # per transfer and rank: the rows it sends or receives (the larger), on each link
-    if nodes.any():   # several nodes: the rows between nodes apart
-        cross = counts * cross_node(nodes)
-        inside = counts - cross
-        cross_rows = np.maximum(cross.sum(2), cross.sum(1)) * row
-    else:
-        inside, cross_rows = counts, 0
-    back_all = model.link_seconds(   # dK/dV returns (and dispatch's sends: the same rows)
-        np.maximum(inside.sum(2), inside.sum(1)) * row, cross_rows).max(1).tolist()
+    cross_mask = cross_node(nodes) if nodes.any() else None
+
+    def hop_seconds(rows: np.ndarray) -> np.ndarray:
+        # per transfer: its slowest rank's rows sent or received (the larger), on each link
+        if cross_mask is None:
+            inside, cross_rows = rows, 0
+        else:   # several nodes: the rows between nodes apart
+            cross = rows * cross_mask
+            inside = rows - cross
+            cross_rows = np.maximum(cross.sum(2), cross.sum(1)) * row
+        return model.link_seconds(np.maximum(inside.sum(2), inside.sum(1)) * row,
+                                  cross_rows).max(1)
+
+    # dK/dV returns (and dispatch's sends: the same rows); a relay's two hops in turn
+    back_all = sum(hop_seconds(np.concatenate([lk[h] for lk in links]))
+                   for h in range(len(links[0]) - 1)).tolist()
     peers_in = np.bincount(nodes, minlength=int(nodes.max()) + 1)[nodes] - 1
     peers_cross = cp - 1 - peers_in
     out: dict[int, StagedTime] = {}

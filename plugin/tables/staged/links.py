@@ -1,0 +1,40 @@
+"""The rows each transfer of a staged strategy moves, per hop, and the keys its calls use:
+what the time model and the memory walk read (plain dispatch and all_gather: one hop;
+dispatch relayed through nodes: two)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ...masks import AttnMask
+from ...plan import CPPlan
+from .relay import relay_active, relay_routes
+from .routes import dispatch_stage_array, gather_stage_array, transfers
+
+
+def stage_array(name: str, plan: CPPlan, mask: AttnMask, stages: int) -> np.ndarray:
+    """int64 [P, cp, cp]: keys rank d takes from rank o in each transfer of ``name`` with
+    ``stages`` stages (numpy); relayed dispatch: the keys its calls use."""
+    return stage_links(name, plan, mask, stages)[-1]
+
+
+def stage_links(name: str, plan: CPPlan, mask: AttnMask, stages: int
+                ) -> tuple[np.ndarray, ...]:
+    """The rows each hop of each transfer moves, int64 [P, receiver, sender] per hop, then
+    (last) the keys rank d's calls use from rank o: for plain dispatch and all_gather one
+    hop whose rows are those keys (``(counts, counts)``); for dispatch relayed through
+    nodes (``relay``) (hop1, hop2, keys)."""
+    if name == "dispatch":
+        if relay_active(plan):
+            r = relay_routes(plan, mask, transfers(stages))
+            return r.hop1, r.hop2, r.fetch
+        counts = dispatch_stage_array(plan, mask, transfers(stages))
+    else:
+        counts = gather_stage_array(plan, mask, transfers(stages))
+    return counts, counts
+
+
+def stage_counts(name: str, plan: CPPlan, mask: AttnMask, stages: int) -> torch.Tensor:
+    """:func:`stage_array` as a tensor (a view)."""
+    return torch.from_numpy(stage_array(name, plan, mask, stages))

@@ -1,0 +1,231 @@
+"""``dispatch`` across nodes: each node fetches the keys its ranks need from another node
+once, and shares them inside the node (the node relay).
+
+Plain dispatch sends a key across the network once per rank that needs it: when the 8
+ranks of a node all see one long document of another node, its K/V cross 8 times. With the
+plan's ``topology`` spanning nodes (``Topology.placeable``: several nodes, one of them with
+more than one CP rank), ``dispatch`` moves the keys in two hops per transfer instead:
+
+1. the union, over the ranks of node N, of the keys they need from owner o of another
+   node (``U(N, o)``, listed in (document, position) order) is cut into as many equal
+   chunks as N has ranks, the j-th for the j-th rank of N (its *relay* for those keys), and
+   each chunk into P equal pieces, one per transfer, which the relay receives straight from
+   o (so which rank relays a key does not depend on P). In the same
+   collective, keys of an owner in one's own node come straight from it (cut into P equal
+   pieces per (rank, owner), as plain dispatch cuts them);
+2. every relay forwards to each rank of its node the keys of its chunks that rank needs
+   (listed by (owner, place in ``U``)).
+
+So each key crosses the network once per node, the network load spread evenly over the
+node's ranks (chunks of equal size), and the second hop stays on NVLink. Backward, the
+reverse: each rank returns the dK/dV of relayed keys to their relay (second hop reversed),
+the relay sums them with its own in fp32 (fixed rounds, deterministic) and returns one row
+per key to the owner in the first hop's reverse, rounded to the input dtype once more than
+plain dispatch rounds it. Cross-node bytes per rank fall to the node's union spread over
+its ranks (never above plain dispatch's largest, per rank or per link); ``bench/plan.py``
+measures it.
+
+Every rank computes every rank's routes from the plan alone (no metadata exchange), as
+plain dispatch does: :func:`relay_routes` the counts of both hops ([P, cp, cp], what the
+cost model, the memory walk and the traffic report read) and the cut of any runs of keys
+(:func:`relay_cut`), from which ``tables`` builds one rank's ``RelayStage``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...masks import AttnMask
+from ...plan import CPPlan
+from ...plan.runs import STRIDE
+from ...plan.spans import span_pieces
+from ..cache import host_table, table_key
+from ..selected import fetch_count_array, piece_arrays, run_arrays, span_arrays
+from .routes import cut_runs, index_in_group
+
+
+def relay_active(plan: CPPlan) -> bool:
+    """Whether ``dispatch`` relays through nodes on this plan (its topology has several
+    nodes, one of them with more than one CP rank)."""
+    return plan.topology is not None and plan.topology.placeable
+
+
+@dataclass(frozen=True)
+class RelayRoutes:
+    """Every rank's routes of one mask (numpy int64).
+
+    ``hop1`` [P, cp, cp]: rows rank r receives from rank o in transfer p's first hop (its
+    chunks of the nodes' unions from owners of other nodes, and its own keys from owners
+    of its node); ``hop2`` [P, cp, cp]: rows rank d receives from relay r in the second
+    hop; ``fetch`` [P, cp, cp]: keys rank d's calls of transfer p use from owner o (what
+    plain dispatch's stage counts are). Transfers empty on every rank are dropped.
+
+    The unions, to cut any runs with (:func:`relay_cut`): ``key`` (group = node * cp +
+    owner, times ``rows``, plus the owner's local row of the piece's first key; sorted),
+    ``coord`` (the piece's first key's place in its group's list), ``length``, and per group its
+    ``bounds`` [groups, K + 1] (chunk k: relay j = k // P of the node, transfer p = k % P;
+    K = P x the largest node)."""
+
+    hop1: np.ndarray
+    hop2: np.ndarray
+    fetch: np.ndarray
+    key: np.ndarray
+    coord: np.ndarray
+    length: np.ndarray
+    bounds: np.ndarray
+    rows: int
+    parts: int
+    stage_of: np.ndarray      # transfer before the drop -> after (-1: dropped)
+    direct: np.ndarray        # [P0 + 1, cp, cp] in-node direct cut bounds (before the drop)
+
+
+def node_members(plan: CPPlan) -> tuple[np.ndarray, np.ndarray]:
+    """(node of each rank, the ranks of each node by index [nodes, largest node] (-1
+    beyond a node's size))."""
+    nodes = plan.topology.node_array
+    order = np.argsort(nodes, kind="stable")
+    size = np.bincount(nodes)
+    first = np.cumsum(size) - size
+    index = np.empty_like(nodes)
+    index[order] = np.arange(nodes.size) - first[nodes[order]]
+    members = np.full((size.size, int(size.max())), -1, dtype=np.int64)
+    members[nodes, index] = np.arange(nodes.size)
+    return nodes, members
+
+
+def _unions(plan: CPPlan, mask: AttnMask, nodes: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The keys each node's ranks need from owners of other nodes, each once: pieces
+    (node, owner, owner's row, length) in (node, document, position) order."""
+    holder, doc, lo, hi = span_arrays(plan, mask)
+    group = nodes[holder] * (plan.n_docs + 1) + doc
+    order = np.lexsort((lo, group))
+    group, lo, hi = group[order], lo[order], hi[order]
+    if group.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty, empty
+    # union per (node, doc): a span starts a new one unless it begins within the running
+    # maximum end of the earlier spans of its group (hi is not monotone across ranks)
+    reach = np.maximum.accumulate(group * STRIDE + hi) - group * STRIDE
+    new = np.ones(group.size, dtype=bool)
+    new[1:] = (group[1:] != group[:-1]) | (lo[1:] > reach[:-1] + 1)
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], group.size) - 1
+    u_node, u_doc = group[first] // (plan.n_docs + 1), group[first] % (plan.n_docs + 1)
+    part = run_arrays(plan, by_document=True)
+    span, run, pos, length = span_pieces(u_doc, lo[first], reach[last], part.doc,
+                                         part.start, part.stop)
+    owner = part.holder[run]
+    away = nodes[owner] != u_node[span]
+    row = part.row[run] + pos - part.start[run]
+    return u_node[span][away], owner[away], row[away], length[away]
+
+
+def relay_routes(plan: CPPlan, mask: AttnMask, parts: int) -> RelayRoutes:
+    """Both hops' routes of every rank with ``parts`` transfers (cached)."""
+    def build() -> RelayRoutes:
+        cp = plan.cp_size
+        nodes, members = node_members(plan)
+        n_nodes, widest = members.shape
+        offsets = plan.arrays.rank_offsets
+        rows = int((offsets[1:] - offsets[:-1]).max()) + 1
+        # -- the unions and their chunks
+        u_node, u_owner, u_row, u_len = _unions(plan, mask, nodes)
+        group = u_node * cp + u_owner
+        coord = index_in_group(group, u_len, n_nodes * cp)
+        total = np.bincount(group, weights=u_len, minlength=n_nodes * cp).astype(np.int64)
+        n_chunks = parts * np.repeat(np.bincount(nodes, minlength=n_nodes), cp)   # per group
+        k = np.arange(parts * widest + 1, dtype=np.int64)
+        bounds = total[:, None] * np.minimum(k[None, :], n_chunks[:, None]) \
+            // np.maximum(n_chunks, 1)[:, None]
+        key = group * rows + u_row
+        order = np.argsort(key, kind="stable")
+        key, coord, u_len_sorted = key[order], coord[order], u_len[order]
+        # -- hop 1, across nodes: relay (node, j) of transfer p gets chunk p * n + j
+        size = np.bincount(nodes, minlength=n_nodes)
+        chunk = bounds[:, 1:] - bounds[:, :-1]                     # [groups, K]
+        g_node, g_owner = np.divmod(np.arange(n_nodes * cp), cp)
+        kk = np.arange(parts * widest)
+        n = size[g_node][:, None]
+        valid = kk[None, :] < parts * n
+        relay = members[g_node[:, None], np.where(valid, kk[None, :] // parts, 0)]
+        stage = np.broadcast_to(kk[None, :] % parts, valid.shape)
+        hop1 = np.zeros((parts, cp, cp), np.int64)
+        np.add.at(hop1, (stage[valid], relay[valid], np.broadcast_to(g_owner[:, None],
+                                                                    valid.shape)[valid]),
+                  chunk[valid])
+        # -- hop 1, inside a node: each (rank, owner) list cut into P equal pieces
+        counts = fetch_count_array(plan, mask) * (nodes[:, None] == nodes[None, :])
+        np.fill_diagonal(counts, 0)
+        direct = counts[None] * np.arange(parts + 1).reshape(-1, 1, 1) // parts
+        hop1 += direct[1:] - direct[:-1]
+        # -- hop 2 and the per-transfer keys: every rank's remote keys cut at the chunks
+        holder = span_arrays(plan, mask)[0]
+        part = run_arrays(plan, by_document=True)
+        span, run, pos, length = piece_arrays(plan, mask)
+        dest, owner = holder[span], part.holder[run]
+        row = part.row[run] + pos - part.start[run]
+        routes = RelayRoutes(hop1, np.zeros_like(hop1), np.zeros_like(hop1), key, coord,
+                             u_len_sorted, bounds, rows, parts, np.arange(parts), direct)
+        away = nodes[dest] != nodes[owner]
+        cut = relay_cut(routes, nodes, dest[away], owner[away], row[away], length[away],
+                        members, raw=True)
+        piece, p, via, _, _, n_keys = cut
+        hop2, fetch = routes.hop2, routes.fetch
+        d, o = dest[away][piece], owner[away][piece]
+        far = via != d
+        np.add.at(hop2, (p[far], d[far], via[far]), n_keys[far])
+        np.add.at(fetch, (p, d, o), n_keys)
+        fetch += direct[1:] - direct[:-1]
+        keep = (hop1 + hop2).reshape(parts, -1).sum(1) > 0
+        stage_of = np.where(keep, np.cumsum(keep) - 1, -1)
+        return RelayRoutes(hop1[keep], hop2[keep], fetch[keep], key, coord, u_len_sorted,
+                           bounds, rows, parts, stage_of, direct)
+    return host_table(plan, table_key("relay_routes", mask, None, parts), build)
+
+
+def relay_cut(routes: RelayRoutes, nodes: np.ndarray, dest: np.ndarray, owner: np.ndarray,
+              row: np.ndarray, length: np.ndarray, members: np.ndarray,
+              raw: bool = False) -> tuple[np.ndarray, ...]:
+    """Runs of keys that ranks ``dest`` need from owners of other nodes (the owner's local
+    rows ``[row, row + length)``), cut at their node's chunks: (run index, transfer, relay,
+    place in the chunk, offset in the run, length) of every piece, in (run, place) order;
+    transfers after the drop (before it with ``raw``)."""
+    cp = nodes.size
+    group = nodes[dest] * cp + owner
+    at = np.searchsorted(routes.key, group * routes.rows + row, side="right") - 1
+    coord = routes.coord[at] + row - routes.key[at] % routes.rows
+    bounds = routes.bounds[group]
+    run, k, offset, n = cut_runs(coord, length, bounds[:, :-1], bounds[:, 1:])
+    j, stage = np.divmod(k, routes.parts)
+    relay = members[nodes[dest[run]], j]
+    place = coord[run] + offset - routes.bounds[group[run], k]
+    if not raw:
+        stage = routes.stage_of[stage]
+    return run, stage, relay, place, offset, n
+
+
+def union_cut(routes: RelayRoutes, nodes: np.ndarray, owner: int, members: np.ndarray
+              ) -> tuple[np.ndarray, ...]:
+    """What ``owner`` sends in the first hop to the relays of other nodes: (transfer,
+    relay, place in the relay's chunk, owner's row, length) of every piece (after the
+    drop)."""
+    cp = nodes.size
+    group = routes.key // routes.rows
+    mine = np.flatnonzero(group % cp == owner)
+    group = group[mine]
+    coord = routes.coord[mine]
+    bounds = routes.bounds[group]
+    run, k, offset, n = cut_runs(coord, routes.length[mine], bounds[:, :-1], bounds[:, 1:])
+    node = group[run] // cp
+    j, stage = np.divmod(k, routes.parts)
+    place = coord[run] + offset - routes.bounds[group[run], k]
+    row = routes.key[mine][run] % routes.rows + offset
+    return routes.stage_of[stage], members[node, j], place, row, n
+
+
+def relay_stage_counts(plan: CPPlan, mask: AttnMask, parts: int) -> tuple[np.ndarray, ...]:
+    """(hop1, hop2, fetch) [P, cp, cp] of :func:`relay_routes`."""
+    r = relay_routes(plan, mask, parts)
+    return r.hop1, r.hop2, r.fetch

@@ -1,0 +1,197 @@
+"""Relayed dispatch tables (``tables.staged.relay``) run through on the host for every rank
+at once: the two hops and their reverse simulated with the tables' splits and rows, against
+the per-key reference (``tests/staged_reference.select_keys``): every rank's calls get
+exactly the keys its queries see, in selection order, and every owner gets each key's
+gradient summed over exactly the ranks that see it. Also the routes' counts: the first
+hop's cross-node rows equal, per node, the union of the keys its ranks need from other
+nodes (a per-key set reference), spread evenly over its ranks."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from tests import staged_reference as ref
+from varlen_cp import AttnMask, CPPlan
+from varlen_cp.plan import Topology
+from varlen_cp.tables import staged
+from varlen_cp.tables.staged.relay import relay_active, relay_routes
+
+MASKS = (AttnMask(), AttnMask(causal=False), AttnMask(window_size=(7, 0)),
+         AttnMask(chunk_size=16), AttnMask(chunk_size=12, window_size=(4, 0)))
+NODES = ((0, 0, 1, 1), (0, 0, 0, 1, 1, 1), (0, 0, 0, 0, 1, 1, 1, 1), (0, 0, 1, 1, 2, 2, 2, 2),
+         (0, 1, 1, 1, 2, 2, 2, 0))
+
+
+def _plan(rng: random.Random, nodes) -> CPPlan:
+    docs = [rng.choice([1, 2, 3, 5, 9, 17, 30, 64, 100]) for _ in range(rng.randint(1, 9))]
+    docs.append(rng.randint(1, 60))
+    cu = torch.tensor([0] + docs).cumsum(0)
+    layout = rng.choice(("balanced", "te", "contiguous"))
+    return CPPlan.build(cu, cp_size=len(nodes), cp_rank=0, layout=layout,
+                        topology=Topology(nodes))
+
+
+def _keys(plan: CPPlan) -> list[torch.Tensor]:
+    """Per rank: (owner, row) of each local row, as float64 [T, 2]."""
+    offsets = plan.arrays.rank_offsets
+    return [torch.stack([torch.full((int(n),), r, dtype=torch.float64),
+                         torch.arange(int(n), dtype=torch.float64)], 1)
+            for r, n in enumerate(offsets[1:] - offsets[:-1])]
+
+
+def _alltoall(sends: list[torch.Tensor], send_splits: list, recv_splits: list
+              ) -> list[torch.Tensor]:
+    """``all_to_all_single`` of every rank, on the host; checks both sides' sizes."""
+    cp = len(sends)
+    pieces = [list(torch.split(s, list(sp))) for s, sp in zip(sends, send_splits)]
+    out = []
+    for d in range(cp):
+        got = [pieces[o][d] for o in range(cp)]
+        assert [g.shape[0] for g in got] == list(recv_splits[d])
+        out.append(torch.cat(got) if got else sends[d][:0])
+    return out
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_relay_moves_every_key_once_each_way(seed):
+    rng = random.Random(seed)
+    nodes = NODES[seed % len(NODES)]
+    plan, mask = _plan(rng, nodes), MASKS[seed % len(MASKS)]
+    stages = (1, 2, 3, 5)[seed % 4]
+    assert relay_active(plan)
+    cp = plan.cp_size
+    tabs = [staged.staged_tables("dispatch", plan, mask, r, (16, 16), stages)
+            for r in range(cp)]
+    n_stages = {len(t.stages) for t in tabs}
+    assert len(n_stages) == 1
+    keys = _keys(plan)
+    width = 2
+    got = [[] for _ in range(cp)]
+    acc = [torch.zeros(k.shape[0], dtype=torch.float64) for k in keys]
+    for p in range(n_stages.pop()):
+        st = [t.stages[p] for t in tabs]
+        recv1 = _alltoall([keys[r][s.in_rows] for r, s in enumerate(st)],
+                          [s.in_splits for s in st], [s.back_splits for s in st])
+        recv2 = _alltoall([recv1[r][s.relay_rows] for r, s in enumerate(st)],
+                          [s.relay_splits for s in st], [s.hop2_splits for s in st])
+        calls = []
+        for r, s in enumerate(st):
+            fetched = torch.cat([recv1[r], recv2[r]])[s.gather]
+            if s.local_slots is not None:   # S = 1: one call over every key
+                call = torch.empty(s.n_keys, width, dtype=torch.float64)
+                call[s.remote_slots] = fetched
+                call[s.local_slots] = keys[r][s.local_rows]
+            else:
+                call = fetched
+            assert call.shape[0] == s.n_keys
+            calls.append(call)
+            got[r].append(call)
+        # backward: each call slot's gradient is a function of (rank, owner, row)
+        grads = [c[:, 0] * 1000 + c[:, 1] + r * 1e6 for r, c in enumerate(calls)]
+        back2 = _alltoall([g[s.hop2_order] for g, s in zip(grads, st)],
+                          [s.hop2_splits for s in st], [s.relay_splits for s in st])
+        g1 = []
+        for r, s in enumerate(st):
+            buf = torch.zeros(s.n_hop1, dtype=torch.float64)
+            buf[s.own_rows] = grads[r][s.own_slots]
+            g1.append(s.relay_rounds.add_(buf, back2[r]))
+        back1 = _alltoall(g1, [s.back_splits for s in st], [s.in_splits for s in st])
+        for r, s in enumerate(st):
+            s.rounds.add_(acc[r], back1[r])
+            if s.local_slots is not None:
+                acc[r].index_add_(0, s.local_rows, grads[r][s.local_slots])
+    want = [torch.zeros_like(a) for a in acc]
+    for r in range(cp):
+        sel = ref.select_keys(plan, mask, r)
+        expect = torch.stack([sel.owner.double(), sel.row.double()], 1)
+        mine = torch.cat(got[r]) if got[r] else expect[:0]
+        if stages == 1:
+            assert torch.equal(mine, expect)
+        else:   # the local keys are the local call's; each stage's keys in selection order
+            remote = expect[sel.owner != r]
+            where = {tuple(x): i for i, x in enumerate(remote.tolist())}
+            order = [[where[tuple(x)] for x in c.tolist()] for c in got[r]]
+            assert sorted(sum(order, [])) == list(range(remote.shape[0]))
+            assert all(o == sorted(o) for o in order)
+        for o, row in (expect if stages == 1 else expect[sel.owner != r]).long().tolist():
+            want[o][row] += o * 1000 + row + r * 1e6
+    for a, w in zip(acc, want):
+        assert torch.allclose(a, w, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_each_key_crosses_once_per_node_spread_over_its_ranks(seed):
+    rng = random.Random(100 + seed)
+    nodes = NODES[seed % len(NODES)]
+    plan, mask = _plan(rng, nodes), MASKS[seed % len(MASKS)]
+    parts = (1, 2, 4)[seed % 3]
+    routes = relay_routes(plan, mask, parts)
+    node = np.asarray(nodes)
+    cross = node[:, None] != node[None, :]
+    hop1 = routes.hop1                                  # [P, receiver, sender]
+    union, plain = {}, np.zeros(len(nodes), np.int64)
+    for r in range(len(nodes)):
+        sel = ref.select_keys(plan, mask, r)
+        far = node[sel.owner.numpy()] != node[r]
+        plain[r] = int(far.sum())
+        for o, row in zip(sel.owner[far].tolist(), sel.row[far].tolist()):
+            union.setdefault((node[r], o), set()).add(row)
+    for n in set(nodes):
+        got = (hop1 * cross[None])[:, node == n].sum(0)         # [ranks of n, sender]
+        for o in range(len(nodes)):
+            want = len(union.get((n, o), ()))
+            assert got[:, o].sum() == want
+            # the union from one owner, cut into P x (ranks of n) equal chunks
+            assert got[:, o].max() - got[:, o].min() <= parts
+    per_rank = (hop1 * cross[None]).sum((0, 2))
+    assert per_rank.sum() <= plain.sum()
+    assert per_rank.max() <= plain.max() + parts * len(nodes)
+    # every rank's calls use exactly its remote keys (the counts the cost model reads)
+    fetch = routes.fetch.sum(0)
+    for r in range(len(nodes)):
+        owners = ref.select_keys(plan, mask, r).owner
+        want = torch.bincount(owners[owners != r], minlength=len(nodes)).numpy()
+        assert np.array_equal(fetch[r], want)
+
+
+def test_relay_only_on_plans_across_nodes_with_shared_nodes():
+    cu = torch.tensor([0, 40, 90])
+    assert not relay_active(CPPlan.build(cu, cp_size=4, cp_rank=0))
+    assert not relay_active(CPPlan.build(cu, cp_size=4, cp_rank=0, topology=Topology((0, 1, 2, 3))))
+    assert not relay_active(CPPlan.build(cu, cp_size=4, cp_rank=0, topology=Topology((0, 0, 0, 0))))
+    assert relay_active(CPPlan.build(cu, cp_size=4, cp_rank=0, topology=Topology((0, 0, 1, 1))))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_timing_counts_both_hops_on_their_links(seed):
+    """The staged time model's communication for relayed dispatch: per transfer, each hop
+    timed on its links (the slowest rank's rows in or out, in-node and cross-node at once),
+    the hops in turn, forward and backward (a loop over ranks and hops)."""
+    from varlen_cp.shape import AttnShape
+    from varlen_cp.tables.cost_model import CostModel
+    from varlen_cp.tables.staged import staged_time
+    rng = random.Random(200 + seed)
+    nodes = NODES[seed % len(NODES)]
+    plan, mask = _plan(rng, nodes), MASKS[seed % len(MASKS)]
+    stages = (2, 3, 4)[seed % 3]
+    shape = AttnShape(n_heads=8, n_kv_heads=2, head_dim=32)
+    model = CostModel(bytes_per_s=1e11, cross_node_bytes_per_s=1e10)
+    routes = relay_routes(plan, mask, stages - 1)
+    got = staged_time("dispatch", plan, mask, shape, model, stages)
+    want = 0.0
+    cp = len(nodes)
+    for hop in (routes.hop1, routes.hop2):
+        for rows in hop:                                    # [receiver, sender]
+            worst = 0.0
+            for r in range(cp):
+                same = [o for o in range(cp) if nodes[o] == nodes[r]]
+                other = [o for o in range(cp) if nodes[o] != nodes[r]]
+                inside = max(rows[r, same].sum(), rows[same, r].sum()) * shape.kv_row
+                cross = max(rows[r, other].sum(), rows[other, r].sum()) * shape.kv_row
+                worst = max(worst, inside / 1e11, cross / 1e10)
+            want += 2 * worst                               # forward and backward
+    assert got.comm_s == pytest.approx(want, rel=1e-9)
