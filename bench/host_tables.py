@@ -203,8 +203,9 @@ if __name__ == "__main__":
 
 
 def table_ms_for(plan, repeats: int = 3) -> dict[str, float]:
-    """Per strategy (``auto`` included): ms of rebuilding ``plan`` (same batch, layout spec
-    and rank) and preparing that strategy's tables for the plan's masks (causal when it has
+    """Per strategy (``auto`` included): ms of rebuilding ``plan`` (same batch, layout spec,
+    rank and topology: the placement and relayed dispatch included) and preparing that
+    strategy's tables for the plan's masks (causal when it has
     none), as the integrations' planner runs them (bench/plan.py's hook)."""
     from varlen_cp.plan import CPPlan
 
@@ -217,7 +218,7 @@ def table_ms_for(plan, repeats: int = 3) -> dict[str, float]:
 
         def run() -> None:
             fresh = CPPlan.build(plan.cu_seqlens, cp_size=plan.cp_size, cp_rank=plan.cp_rank,
-                                 layout=plan.layout_spec)
+                                 layout=plan.layout_spec, topology=plan.topology)
             build_tables(fresh, config, masks, SHAPE, torch.device("cpu"))
         out[name] = min_ms(run, repeats)
     return out

@@ -79,6 +79,8 @@ class RelayRoutes:
     parts: int
     stage_of: np.ndarray      # transfer before the drop -> after (-1: dropped)
     direct: np.ndarray        # [P0 + 1, cp, cp] in-node direct cut bounds (before the drop)
+    forwarded: tuple          # second hop's pieces: (transfer, mate, owner, relay, place in
+                              # the relay's chunk from the owner, length)
 
 
 def node_members(plan: CPPlan) -> tuple[np.ndarray, np.ndarray]:
@@ -122,6 +124,14 @@ def _unions(plan: CPPlan, mask: AttnMask, nodes: np.ndarray) -> tuple[np.ndarray
     return u_node[span][away], owner[away], row[away], length[away]
 
 
+def _counts(parts: int, cp: int, p: np.ndarray, a: np.ndarray, b: np.ndarray,
+            n: np.ndarray) -> np.ndarray:
+    """int64 [parts, cp, cp]: ``n`` summed per (p, a, b) (a float64 bincount: exact, the
+    sums stay far below 2^53)."""
+    flat = np.bincount((p * cp + a) * cp + b, weights=n, minlength=parts * cp * cp)
+    return flat.astype(np.int64).reshape(parts, cp, cp)
+
+
 def relay_routes(plan: CPPlan, mask: AttnMask, parts: int) -> RelayRoutes:
     """Both hops' routes of every rank with ``parts`` transfers (cached)."""
     def build() -> RelayRoutes:
@@ -151,10 +161,8 @@ def relay_routes(plan: CPPlan, mask: AttnMask, parts: int) -> RelayRoutes:
         valid = kk[None, :] < parts * n
         relay = members[g_node[:, None], np.where(valid, kk[None, :] // parts, 0)]
         stage = np.broadcast_to(kk[None, :] % parts, valid.shape)
-        hop1 = np.zeros((parts, cp, cp), np.int64)
-        np.add.at(hop1, (stage[valid], relay[valid], np.broadcast_to(g_owner[:, None],
-                                                                    valid.shape)[valid]),
-                  chunk[valid])
+        hop1 = _counts(parts, cp, stage[valid], relay[valid],
+                       np.broadcast_to(g_owner[:, None], valid.shape)[valid], chunk[valid])
         # -- hop 1, inside a node: each (rank, owner) list cut into P equal pieces
         counts = fetch_count_array(plan, mask) * (nodes[:, None] == nodes[None, :])
         np.fill_diagonal(counts, 0)
@@ -167,21 +175,22 @@ def relay_routes(plan: CPPlan, mask: AttnMask, parts: int) -> RelayRoutes:
         dest, owner = holder[span], part.holder[run]
         row = part.row[run] + pos - part.start[run]
         routes = RelayRoutes(hop1, np.zeros_like(hop1), np.zeros_like(hop1), key, coord,
-                             u_len_sorted, bounds, rows, parts, np.arange(parts), direct)
+                             u_len_sorted, bounds, rows, parts, np.arange(parts), direct,
+                             ())
         away = nodes[dest] != nodes[owner]
         cut = relay_cut(routes, nodes, dest[away], owner[away], row[away], length[away],
                         members, raw=True)
-        piece, p, via, _, _, n_keys = cut
-        hop2, fetch = routes.hop2, routes.fetch
+        piece, p, via, place, _, n_keys = cut
         d, o = dest[away][piece], owner[away][piece]
         far = via != d
-        np.add.at(hop2, (p[far], d[far], via[far]), n_keys[far])
-        np.add.at(fetch, (p, d, o), n_keys)
-        fetch += direct[1:] - direct[:-1]
+        hop2 = _counts(parts, cp, p[far], d[far], via[far], n_keys[far])
+        fetch = _counts(parts, cp, p, d, o, n_keys) + direct[1:] - direct[:-1]
         keep = (hop1 + hop2).reshape(parts, -1).sum(1) > 0
         stage_of = np.where(keep, np.cumsum(keep) - 1, -1)
+        relayed = np.flatnonzero(far)       # what the relays forward to their mates
+        hops = tuple(x[relayed] for x in (stage_of[p], d, o, via, place, n_keys))
         return RelayRoutes(hop1[keep], hop2[keep], fetch[keep], key, coord, u_len_sorted,
-                           bounds, rows, parts, stage_of, direct)
+                           bounds, rows, parts, stage_of, direct, hops)
     return host_table(plan, table_key("relay_routes", mask, None, parts), build)
 
 

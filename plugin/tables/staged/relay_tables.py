@@ -124,25 +124,12 @@ def _fetched(plan: CPPlan, mask: AttnMask, rank: int, routes, nodes, members
             np.concatenate([d_place, place]))
 
 
-def _relayed_for_mates(plan: CPPlan, mask: AttnMask, rank: int, routes, nodes, members
-                       ) -> tuple[np.ndarray, ...]:
+def _relayed_for_mates(rank: int, routes) -> tuple[np.ndarray, ...]:
     """What ``rank`` forwards in hop 2: (transfer, mate, owner, place in our chunk from
     the owner, length) of every piece of its node mates' keys it relays."""
-    mates = members[nodes[rank]]
-    out = []
-    for d in mates[(mates >= 0) & (mates != rank)].tolist():   # a node's ranks: <= 8-ish
-        sel = selection_runs(plan, mask, d)
-        far = sel.take(np.flatnonzero(nodes[sel.peer] != nodes[d]))
-        run, stage, via, place, _, n = relay_cut(
-            routes, nodes, np.full(far.length.size, d), far.peer, far.row, far.length,
-            members)
-        mine = via == rank
-        out.append((stage[mine], np.full(int(mine.sum()), d), far.peer[run][mine],
-                    place[mine], n[mine]))
-    if not out:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, empty, empty, empty
-    return _cat(*out)
+    stage, mate, owner, via, place, length = routes.forwarded
+    mine = via == rank
+    return stage[mine], mate[mine], owner[mine], place[mine], length[mine]
 
 
 def _sent(plan: CPPlan, mask: AttnMask, rank: int, routes, nodes, members
@@ -173,8 +160,7 @@ def relay_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int]
     nodes, members = node_members(plan)
     fetched, f_stage, f_via, f_place = _fetched(plan, mask, rank, routes, nodes, members)
     s_stage, s_dest, s_place, s_row, s_len = _sent(plan, mask, rank, routes, nodes, members)
-    r_stage, r_mate, r_owner, r_place, r_len = _relayed_for_mates(plan, mask, rank, routes,
-                                                                  nodes, members)
+    r_stage, r_mate, r_owner, r_place, r_len = _relayed_for_mates(rank, routes)
     n_parts = routes.hop1.shape[0]
     one = stages == 1
     sel = selection_runs(plan, mask, rank) if one else None
