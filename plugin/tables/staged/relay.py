@@ -132,33 +132,80 @@ def _counts(parts: int, cp: int, p: np.ndarray, a: np.ndarray, b: np.ndarray,
     return flat.astype(np.int64).reshape(parts, cp, cp)
 
 
-def relay_routes(plan: CPPlan, mask: AttnMask, parts: int) -> RelayRoutes:
-    """Both hops' routes of every rank with ``parts`` transfers (cached)."""
-    def build() -> RelayRoutes:
+@dataclass(frozen=True)
+class _Base:
+    """What does not depend on the number of transfers: the unions (sorted by ``key``),
+    their totals per group, and every rank's keys from other nodes cut at the relays'
+    chunks (``dest``, ``owner``, ``group``, ``at``: the first key's place in the group's
+    union, ``n``: length, ``relay``: the relay's index in the node)."""
+
+    rows: int
+    key: np.ndarray
+    coord: np.ndarray
+    length: np.ndarray
+    total: np.ndarray
+    size: np.ndarray          # ranks of each group's node
+    dest: np.ndarray
+    owner: np.ndarray
+    group: np.ndarray
+    at: np.ndarray
+    n: np.ndarray
+    relay: np.ndarray
+
+
+def _base(plan: CPPlan, mask: AttnMask) -> _Base:
+    def build() -> _Base:
         cp = plan.cp_size
         nodes, members = node_members(plan)
         n_nodes, widest = members.shape
         offsets = plan.arrays.rank_offsets
         rows = int((offsets[1:] - offsets[:-1]).max()) + 1
-        # -- the unions and their chunks
         u_node, u_owner, u_row, u_len = _unions(plan, mask, nodes)
         group = u_node * cp + u_owner
         coord = index_in_group(group, u_len, n_nodes * cp)
         total = np.bincount(group, weights=u_len, minlength=n_nodes * cp).astype(np.int64)
-        n_chunks = parts * np.repeat(np.bincount(nodes, minlength=n_nodes), cp)   # per group
-        k = np.arange(parts * widest + 1, dtype=np.int64)
-        bounds = total[:, None] * np.minimum(k[None, :], n_chunks[:, None]) \
-            // np.maximum(n_chunks, 1)[:, None]
+        size = np.repeat(np.bincount(nodes, minlength=n_nodes), cp)
         key = group * rows + u_row
         order = np.argsort(key, kind="stable")
-        key, coord, u_len_sorted = key[order], coord[order], u_len[order]
-        # -- hop 1, across nodes: relay (node, j) of transfer p gets chunk p * n + j
-        size = np.bincount(nodes, minlength=n_nodes)
+        key, coord, u_len = key[order], coord[order], u_len[order]
+        # every rank's keys from other nodes, at their place in their node's union
+        holder = span_arrays(plan, mask)[0]
+        part = run_arrays(plan, by_document=True)
+        span, run, pos, length = piece_arrays(plan, mask)
+        dest, owner = holder[span], part.holder[run]
+        away = np.flatnonzero(nodes[dest] != nodes[owner])
+        dest, owner, length = dest[away], owner[away], length[away]
+        row = (part.row[run] + pos - part.start[run])[away]
+        g = nodes[dest] * cp + owner
+        at = np.searchsorted(key, g * rows + row, side="right") - 1
+        u = coord[at] + row - key[at] % rows
+        # ... cut at the relays' chunks (equal, one per rank of the node)
+        j = np.arange(widest + 1, dtype=np.int64)
+        edges = total[g][:, None] * np.minimum(j[None, :], size[g][:, None]) \
+            // size[g][:, None]
+        piece, relay, offset, n = cut_runs(u, length, edges[:, :-1], edges[:, 1:])
+        return _Base(rows, key, coord, u_len, total, size, dest[piece], owner[piece],
+                     g[piece], u[piece] + offset, n, relay)
+    return host_table(plan, table_key("relay_base", mask), build)
+
+
+def relay_routes(plan: CPPlan, mask: AttnMask, parts: int) -> RelayRoutes:
+    """Both hops' routes of every rank with ``parts`` transfers (cached)."""
+    def build() -> RelayRoutes:
+        cp = plan.cp_size
+        nodes, members = node_members(plan)
+        widest = members.shape[1]
+        b = _base(plan, mask)
+        # -- the chunks: relay j of a group's node gets transfer p's piece k = j * P + p
+        n_chunks = parts * b.size
+        k = np.arange(parts * widest + 1, dtype=np.int64)
+        bounds = b.total[:, None] * np.minimum(k[None, :], n_chunks[:, None]) \
+            // np.maximum(n_chunks, 1)[:, None]
+        # -- hop 1, across nodes
         chunk = bounds[:, 1:] - bounds[:, :-1]                     # [groups, K]
-        g_node, g_owner = np.divmod(np.arange(n_nodes * cp), cp)
+        g_node, g_owner = np.divmod(np.arange(b.total.size), cp)
         kk = np.arange(parts * widest)
-        n = size[g_node][:, None]
-        valid = kk[None, :] < parts * n
+        valid = kk[None, :] < n_chunks[:, None]
         relay = members[g_node[:, None], np.where(valid, kk[None, :] // parts, 0)]
         stage = np.broadcast_to(kk[None, :] % parts, valid.shape)
         hop1 = _counts(parts, cp, stage[valid], relay[valid],
@@ -168,20 +215,13 @@ def relay_routes(plan: CPPlan, mask: AttnMask, parts: int) -> RelayRoutes:
         np.fill_diagonal(counts, 0)
         direct = counts[None] * np.arange(parts + 1).reshape(-1, 1, 1) // parts
         hop1 += direct[1:] - direct[:-1]
-        # -- hop 2 and the per-transfer keys: every rank's remote keys cut at the chunks
-        holder = span_arrays(plan, mask)[0]
-        part = run_arrays(plan, by_document=True)
-        span, run, pos, length = piece_arrays(plan, mask)
-        dest, owner = holder[span], part.holder[run]
-        row = part.row[run] + pos - part.start[run]
-        routes = RelayRoutes(hop1, np.zeros_like(hop1), np.zeros_like(hop1), key, coord,
-                             u_len_sorted, bounds, rows, parts, np.arange(parts), direct,
-                             ())
-        away = nodes[dest] != nodes[owner]
-        cut = relay_cut(routes, nodes, dest[away], owner[away], row[away], length[away],
-                        members, raw=True)
-        piece, p, via, place, _, n_keys = cut
-        d, o = dest[away][piece], owner[away][piece]
+        # -- hop 2 and the keys per transfer: the relays' pieces cut at the transfers
+        first = (b.relay * parts)[:, None] + np.arange(parts + 1)[None, :]
+        edges = bounds[b.group[:, None], first]                    # [pieces, P + 1]
+        piece, p, offset, n_keys = cut_runs(b.at, b.n, edges[:, :-1], edges[:, 1:])
+        d, o = b.dest[piece], b.owner[piece]
+        via = members[nodes[d], b.relay[piece]]
+        place = b.at[piece] + offset - edges[piece, p]
         far = via != d
         hop2 = _counts(parts, cp, p[far], d[far], via[far], n_keys[far])
         fetch = _counts(parts, cp, p, d, o, n_keys) + direct[1:] - direct[:-1]
@@ -189,8 +229,8 @@ def relay_routes(plan: CPPlan, mask: AttnMask, parts: int) -> RelayRoutes:
         stage_of = np.where(keep, np.cumsum(keep) - 1, -1)
         relayed = np.flatnonzero(far)       # what the relays forward to their mates
         hops = tuple(x[relayed] for x in (stage_of[p], d, o, via, place, n_keys))
-        return RelayRoutes(hop1[keep], hop2[keep], fetch[keep], key, coord, u_len_sorted,
-                           bounds, rows, parts, stage_of, direct, hops)
+        return RelayRoutes(hop1[keep], hop2[keep], fetch[keep], b.key, b.coord, b.length,
+                           bounds, b.rows, parts, stage_of, direct, hops)
     return host_table(plan, table_key("relay_routes", mask, None, parts), build)
 
 

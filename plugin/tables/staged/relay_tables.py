@@ -24,12 +24,12 @@ from ...masks import AttnMask
 from ...plan import CPPlan
 from ...plan.runs import run_rows
 from ..flash_form import FlashRoute
-from ..holders import HolderSet, KernelCall, rank_holder, set_calls
-from ..cache import host_table, table_key
+from ..holders import KernelCall
 from ..rounds import UniqueRounds
 from .relay import node_members, relay_cut, relay_routes, union_cut
 from .routes import cut_runs, index_in_group, transfers
-from .tables import KeyRuns, StagedTables, _holder, _tensor, given_runs, selection_runs
+from .tables import (KeyRuns, StagedTables, _holder, _tensor, given_runs, selection_runs,
+                     with_calls)
 
 _BIG = 1 << 40
 
@@ -147,10 +147,6 @@ def _sent(plan: CPPlan, mask: AttnMask, rank: int, routes, nodes, members
     return _cat(direct, union_cut(routes, nodes, rank, members))
 
 
-def _rows(start: np.ndarray, length: np.ndarray) -> np.ndarray:
-    return run_rows(start, length)
-
-
 def relay_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int],
                  stages: int, route: FlashRoute | None) -> StagedTables:
     """``rank``'s relayed dispatch tables with ``stages`` stages (uncached: through
@@ -174,14 +170,14 @@ def relay_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int]
         here = np.flatnonzero(s_stage == p)
         order = here[np.lexsort((s_place[here], s_dest[here]))]
         in_start, in_len = s_row[order], s_len[order]
-        in_rows = _rows(in_start, in_len)
+        in_rows = run_rows(in_start, in_len)
         in_splits = np.bincount(s_dest[order], weights=s_len[order], minlength=cp)
         # relay: hop-1 rows per mate, in buffer order
         here = np.flatnonzero(r_stage == p)
         r_buf = blk1[r_owner[here]] + r_place[here]
         order = np.lexsort((r_buf, r_mate[here]))
         relay_start, relay_len = r_buf[order], r_len[here][order]
-        relay_rows = _rows(relay_start, relay_len)
+        relay_rows = run_rows(relay_start, relay_len)
         relay_splits = np.bincount(r_mate[here], weights=r_len[here], minlength=cp)
         # receiver: the call's keys in selection order, and where each lies
         here = np.flatnonzero(f_stage == p)
@@ -197,35 +193,24 @@ def relay_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int]
         slots = mine.slot if one else np.cumsum(mine.length) - mine.length
         order2 = np.flatnonzero(two)[np.argsort(buf[two], kind="stable")]
         fields = dict(
-            gather=_tensor(_rows(buf, mine.length)),
+            gather=_tensor(run_rows(buf, mine.length)),
             in_rows=_tensor(in_rows), in_splits=tuple(in_splits.astype(np.int64).tolist()),
             back_splits=tuple(hop1_in.tolist()),
             relay_rows=_tensor(relay_rows),
             relay_splits=tuple(relay_splits.astype(np.int64).tolist()),
             hop2_splits=tuple(hop2_in.tolist()),
-            hop2_order=_tensor(_rows(slots[order2], mine.length[order2])),
-            own_slots=_tensor(_rows(slots[~two], mine.length[~two])),
-            own_rows=_tensor(_rows(buf[~two], mine.length[~two])),
+            hop2_order=_tensor(run_rows(slots[order2], mine.length[order2])),
+            own_slots=_tensor(run_rows(slots[~two], mine.length[~two])),
+            own_rows=_tensor(run_rows(buf[~two], mine.length[~two])),
             relay_rounds=UniqueRounds.of_runs(relay_start, relay_len, relay_rows),
             rounds=UniqueRounds.of_runs(in_start, in_len, in_rows))
         if one:
             local = sel.take(np.flatnonzero(sel.peer == rank))
-            fields["remote_slots"] = _tensor(_rows(mine.slot, mine.length))
-            fields["local_slots"] = _tensor(_rows(local.slot, local.length))
-            fields["local_rows"] = _tensor(_rows(local.row, local.length))
+            fields["remote_slots"] = _tensor(run_rows(mine.slot, mine.length))
+            fields["local_slots"] = _tensor(run_rows(local.slot, local.length))
+            fields["local_rows"] = _tensor(run_rows(local.row, local.length))
             mine = sel
         fields["n_keys"] = int(mine.length.sum())
         parts.append(fields)
         keys.append(_holder(mine, plan.n_docs) if mine.length.size else None)
-    me = host_table(plan, table_key("rank_holder", None, None, rank),
-                    lambda: rank_holder(plan, rank))
-    with_local = not one or not parts
-    holders = [h for h in keys if h is not None] + ([me] if with_local else [])
-    calls = iter(set_calls(me.as_set, 0, HolderSet.of(holders), list(range(len(holders))),
-                           mask, block, route) if holders else [])
-    built = tuple(RelayStage(call=None if h is None else next(calls), **fields)
-                  for h, fields in zip(keys, parts))
-    local_call = next(calls) if with_local else None
-    if local_call is not None and local_call.visited_pairs == 0:
-        local_call = None
-    return StagedTables(local_call, built)
+    return with_calls(plan, mask, rank, block, stages, route, keys, parts, RelayStage)

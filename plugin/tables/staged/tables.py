@@ -233,13 +233,22 @@ def _assemble(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int], s
         fields["n_keys"] = int(mine.length.sum())
         parts.append(fields)
         keys.append(_holder(mine, plan.n_docs) if mine.length.size else None)
+    return with_calls(plan, mask, rank, block, stages, route, keys, parts, Stage)
+
+
+def with_calls(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int], stages: int,
+               route: FlashRoute | None, keys: list[Holder | None], parts: list[dict],
+               stage_type: type) -> StagedTables:
+    """The tables of a rank whose transfers' fields are ``parts`` and their calls' keys
+    ``keys`` (None: no call): the tile schedules of all its calls, the local one too,
+    computed together (``set_calls``)."""
     me = host_table(plan, table_key("rank_holder", None, None, rank),   # (its schedules'
                     lambda: rank_holder(plan, rank))                    # blocks cached)
     with_local = stages > 1 or not parts  # (with nothing to fetch anywhere, it is all)
     holders = [h for h in keys if h is not None] + ([me] if with_local else [])
     calls = iter(set_calls(me.as_set, 0, HolderSet.of(holders), list(range(len(holders))),
                            mask, block, route) if holders else [])
-    built = tuple(Stage(call=None if h is None else next(calls), **fields)
+    built = tuple(stage_type(call=None if h is None else next(calls), **fields)
                   for h, fields in zip(keys, parts))
     local_call = next(calls) if with_local else None
     if local_call is not None and local_call.visited_pairs == 0:

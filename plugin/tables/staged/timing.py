@@ -7,7 +7,8 @@ fetched stage's pairs are the rank's pairs with each owner's keys in proportion 
 owner's keys in it, plus ``stage_latency_s`` and the fold's memory traffic), t_s the
 transfer of stage s (the most K/V rows a rank sends or receives in it, those of its own
 node / bytes_per_s and those of other nodes / cross_node_bytes_per_s on their own links,
-the longer; t_0 = 0: the local keys need none). The forward posts stage s+1 when stage s-1 has
+the longer; t_0 = 0: the local keys need none; dispatch relayed through nodes: its two
+hops' in turn, plus one ``stage_latency_s``). The forward posts stage s+1 when stage s-1 has
 computed, so with equal ranks
 
     forward  = t_0 + sum_{s=0..S-1} max(c_s, t_{s+1})       (t_S = 0)
@@ -132,9 +133,11 @@ def _simulate(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape, model: 
         return model.link_seconds(np.maximum(inside.sum(2), inside.sum(1)) * row,
                                   cross_rows).max(1)
 
-    # dK/dV returns (and dispatch's sends: the same rows); a relay's two hops in turn
-    back_all = sum(hop_seconds(np.concatenate([lk[h] for lk in links]))
-                   for h in range(len(links[0]) - 1)).tolist()
+    # dK/dV returns (and dispatch's sends: the same rows); a relay's two hops in turn, the
+    # second one more collective's latency
+    n_hops = len(links[0]) - 1
+    back_all = (sum(hop_seconds(np.concatenate([lk[h] for lk in links]))
+                    for h in range(n_hops)) + (n_hops - 1) * model.stage_latency_s).tolist()
     peers_in = np.bincount(nodes, minlength=int(nodes.max()) + 1)[nodes] - 1
     peers_cross = cp - 1 - peers_in
     out: dict[int, StagedTime] = {}
