@@ -16,7 +16,7 @@ from varlen_cp import AttnOptions, cp_varlen_attn
 from varlen_cp.plan import CPPlan, Topology, layout_spec
 from varlen_cp.shape import AttnShape
 from varlen_cp.tables import catalogue
-from varlen_cp.tables.staged.relay import relay_active, relay_routes
+from varlen_cp.tables.staged.relay import relay_active, relay_counts
 
 NODES = ((0, 0, 1, 1), (0, 0, 0, 1))
 LAYOUTS = ("balanced", "dual_chunk", "contiguous")
@@ -41,7 +41,7 @@ def relay_worker(rank, world):
         ref = single_device(*inputs, DOCS, mask)
         plan = _plan(rank, world, layout, mask, nodes)
         assert relay_active(plan)
-        relayed += int(relay_routes(plan, mask, 1).hop2.sum())
+        relayed += int(relay_counts(plan, mask, 1)[0].sum())
         for stages in STAGES:
             options = AttnOptions(strategy="dispatch", backend="torch",
                                   overlap_stages=stages)

@@ -18,7 +18,8 @@ from tests import staged_reference as ref
 from varlen_cp import AttnMask, CPPlan
 from varlen_cp.plan import Topology
 from varlen_cp.tables import staged
-from varlen_cp.tables.staged.relay import relay_active, relay_routes
+from varlen_cp.tables.staged.relay import (relay_active, relay_counts, relay_link_counts,
+                                           relay_routes)
 
 MASKS = (AttnMask(), AttnMask(causal=False), AttnMask(window_size=(7, 0)),
          AttnMask(chunk_size=16), AttnMask(chunk_size=12, window_size=(4, 0)))
@@ -151,7 +152,7 @@ def test_each_key_crosses_once_per_node_spread_over_its_ranks(seed):
     assert per_rank.sum() <= plain.sum()
     assert per_rank.max() <= plain.max() + parts * len(nodes)
     # every rank's calls use exactly its remote keys (the counts the cost model reads)
-    fetch = routes.fetch.sum(0)
+    fetch = relay_counts(plan, mask, parts)[1].sum(0)
     for r in range(len(nodes)):
         owners = ref.select_keys(plan, mask, r).owner
         want = torch.bincount(owners[owners != r], minlength=len(nodes)).numpy()
@@ -181,11 +182,11 @@ def test_timing_counts_both_hops_on_their_links(seed):
     stages = (2, 3, 4)[seed % 3]
     shape = AttnShape(n_heads=8, n_kv_heads=2, head_dim=32)
     model = CostModel(bytes_per_s=1e11, cross_node_bytes_per_s=1e10)
-    routes = relay_routes(plan, mask, stages - 1)
+    hops = relay_link_counts(plan, mask, stages - 1)[:2]
     got = staged_time("dispatch", plan, mask, shape, model, stages)
     want = 0.0
     cp = len(nodes)
-    for hop in (routes.hop1, routes.hop2):
+    for hop in hops:
         for rows in hop:                                    # [receiver, sender]
             worst = 0.0
             for r in range(cp):
@@ -195,5 +196,26 @@ def test_timing_counts_both_hops_on_their_links(seed):
                 cross = max(rows[r, other].sum(), rows[other, r].sum()) * shape.kv_row
                 worst = max(worst, inside / 1e11, cross / 1e10)
             want += 2 * worst                               # forward and backward
-    want += 2 * routes.hop2.shape[0] * model.stage_latency_s   # the second collectives
+    want += 2 * hops[1].shape[0] * model.stage_latency_s   # the second collectives
     assert got.comm_s == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_link_counts_of_the_time_model(seed):
+    """The time model's counts (``relay_link_counts``: no per-key cut) against the exact
+    routes: hop 1 equal transfer by transfer; hop 2 and the keys per (rank, peer) equal
+    in total, each transfer's an equal part of it."""
+    rng = random.Random(300 + seed)
+    nodes = NODES[seed % len(NODES)]
+    plan, mask = _plan(rng, nodes), MASKS[seed % len(MASKS)]
+    parts = (1, 2, 3, 5)[seed % 4]
+    exact = relay_routes(plan, mask, parts)
+    exact_hop2, exact_keys = relay_counts(plan, mask, parts)
+    hop1, hop2, keys = relay_link_counts(plan, mask, parts)
+    if hop1.shape == exact.hop1.shape:
+        assert np.array_equal(hop1, exact.hop1)
+    assert np.array_equal(hop1.sum(0), exact.hop1.sum(0))
+    assert np.array_equal(hop2.sum(0), exact_hop2.sum(0))
+    assert np.array_equal(keys.sum(0), exact_keys.sum(0))
+    for c in (hop2, keys):
+        assert (c.max(0) - c.min(0) <= 1).all() or c.shape[0] < parts

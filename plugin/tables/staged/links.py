@@ -9,7 +9,7 @@ import torch
 
 from ...masks import AttnMask
 from ...plan import CPPlan
-from .relay import relay_active, relay_routes
+from .relay import relay_active, relay_link_counts
 from .routes import dispatch_stage_array, gather_stage_array, transfers
 
 
@@ -27,8 +27,7 @@ def stage_links(name: str, plan: CPPlan, mask: AttnMask, stages: int
     nodes (``relay``) (hop1, hop2, keys)."""
     if name == "dispatch":
         if relay_active(plan):
-            r = relay_routes(plan, mask, transfers(stages))
-            return r.hop1, r.hop2, r.fetch
+            return relay_link_counts(plan, mask, transfers(stages))
         counts = dispatch_stage_array(plan, mask, transfers(stages))
     else:
         counts = gather_stage_array(plan, mask, transfers(stages))

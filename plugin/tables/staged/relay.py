@@ -54,33 +54,27 @@ def relay_active(plan: CPPlan) -> bool:
 
 @dataclass(frozen=True)
 class RelayRoutes:
-    """Every rank's routes of one mask (numpy int64).
+    """What every rank's tables of one mask share (numpy int64).
 
     ``hop1`` [P, cp, cp]: rows rank r receives from rank o in transfer p's first hop (its
     chunks of the nodes' unions from owners of other nodes, and its own keys from owners
-    of its node); ``hop2`` [P, cp, cp]: rows rank d receives from relay r in the second
-    hop; ``fetch`` [P, cp, cp]: keys rank d's calls of transfer p use from owner o (what
-    plain dispatch's stage counts are). Transfers empty on every rank are dropped.
-
-    The unions, to cut any runs with (:func:`relay_cut`): ``key`` (group = node * cp +
-    owner, times ``rows``, plus the owner's local row of the piece's first key; sorted),
-    ``coord`` (the piece's first key's place in its group's list), ``length``, and per group its
-    ``bounds`` [groups, K + 1] (chunk k: relay j = k // P of the node, transfer p = k % P;
-    K = P x the largest node)."""
+    of its node); transfers empty on every rank are dropped (``stage_of``: transfer
+    before the drop -> after, -1: dropped). The unions, to cut any runs with
+    (:func:`relay_cut`): ``key`` (group = node * cp + owner, times ``rows``, plus the
+    owner's local row of the piece's first key; sorted), ``coord`` (the piece's first
+    key's place in its group's list), ``length``, and per group its ``bounds`` [groups,
+    K + 1] (chunk k: relay j = k // P of the node, transfer p = k % P; K = P x the largest
+    node). ``direct`` [P0 + 1, cp, cp]: the in-node lists' cut (before the drop)."""
 
     hop1: np.ndarray
-    hop2: np.ndarray
-    fetch: np.ndarray
     key: np.ndarray
     coord: np.ndarray
     length: np.ndarray
     bounds: np.ndarray
     rows: int
     parts: int
-    stage_of: np.ndarray      # transfer before the drop -> after (-1: dropped)
-    direct: np.ndarray        # [P0 + 1, cp, cp] in-node direct cut bounds (before the drop)
-    forwarded: tuple          # second hop's pieces: (transfer, mate, owner, relay, place in
-                              # the relay's chunk from the owner, length)
+    stage_of: np.ndarray
+    direct: np.ndarray
 
 
 def node_members(plan: CPPlan) -> tuple[np.ndarray, np.ndarray]:
@@ -137,7 +131,8 @@ class _Base:
     """What does not depend on the number of transfers: the unions (sorted by ``key``),
     their totals per group, and every rank's keys from other nodes cut at the relays'
     chunks (``dest``, ``owner``, ``group``, ``at``: the first key's place in the group's
-    union, ``n``: length, ``relay``: the relay's index in the node)."""
+    union, ``n``: length, ``relay``: the relay's index in the node), and what the second
+    hops move in all (``hop2``)."""
 
     rows: int
     key: np.ndarray
@@ -151,6 +146,7 @@ class _Base:
     at: np.ndarray
     n: np.ndarray
     relay: np.ndarray
+    hop2: np.ndarray          # [cp, cp]: rows rank d gets from relay r in all hops 2
 
 
 def _base(plan: CPPlan, mask: AttnMask) -> _Base:
@@ -184,54 +180,118 @@ def _base(plan: CPPlan, mask: AttnMask) -> _Base:
         edges = total[g][:, None] * np.minimum(j[None, :], size[g][:, None]) \
             // size[g][:, None]
         piece, relay, offset, n = cut_runs(u, length, edges[:, :-1], edges[:, 1:])
-        return _Base(rows, key, coord, u_len, total, size, dest[piece], owner[piece],
-                     g[piece], u[piece] + offset, n, relay)
+        d = dest[piece]
+        via = members[nodes[d], relay]
+        far = via != d
+        hop2 = _counts(1, cp, np.zeros(int(far.sum()), np.int64), d[far], via[far],
+                       n[far])[0]
+        return _Base(rows, key, coord, u_len, total, size, d, owner[piece], g[piece],
+                     u[piece] + offset, n, relay, hop2)
     return host_table(plan, table_key("relay_base", mask), build)
 
 
-def relay_routes(plan: CPPlan, mask: AttnMask, parts: int) -> RelayRoutes:
-    """Both hops' routes of every rank with ``parts`` transfers (cached)."""
-    def build() -> RelayRoutes:
-        cp = plan.cp_size
-        nodes, members = node_members(plan)
-        widest = members.shape[1]
+def _hop1(plan: CPPlan, mask: AttnMask, b: _Base, parts: int, members: np.ndarray
+          ) -> tuple[np.ndarray, ...]:
+    """(hop1 [P, cp, cp], the chunks' bounds [groups, K + 1], the in-node direct cut
+    [P + 1, cp, cp]) before the drop."""
+    cp = plan.cp_size
+    nodes = plan.topology.node_array
+    widest = members.shape[1]
+    # the chunks: relay j of a group's node gets transfer p's piece k = j * P + p
+    n_chunks = parts * b.size
+    k = np.arange(parts * widest + 1, dtype=np.int64)
+    bounds = b.total[:, None] * np.minimum(k[None, :], n_chunks[:, None]) \
+        // np.maximum(n_chunks, 1)[:, None]
+    # across nodes
+    chunk = bounds[:, 1:] - bounds[:, :-1]                     # [groups, K]
+    g_node, g_owner = np.divmod(np.arange(b.total.size), cp)
+    kk = np.arange(parts * widest)
+    valid = kk[None, :] < n_chunks[:, None]
+    relay = members[g_node[:, None], np.where(valid, kk[None, :] // parts, 0)]
+    stage = np.broadcast_to(kk[None, :] % parts, valid.shape)
+    hop1 = _counts(parts, cp, stage[valid], relay[valid],
+                   np.broadcast_to(g_owner[:, None], valid.shape)[valid], chunk[valid])
+    # inside a node: each (rank, owner) list cut into P equal pieces
+    counts = fetch_count_array(plan, mask) * (nodes[:, None] == nodes[None, :])
+    np.fill_diagonal(counts, 0)
+    direct = counts[None] * np.arange(parts + 1).reshape(-1, 1, 1) // parts
+    return hop1 + direct[1:] - direct[:-1], bounds, direct
+
+
+def relay_link_counts(plan: CPPlan, mask: AttnMask, parts: int) -> tuple[np.ndarray, ...]:
+    """(hop1, hop2, keys) [P, cp, cp] for the time model and the memory walk, without
+    cutting every rank's keys at the transfers (what made the stage count's choice,
+    simulating six counts per mask, cost 60 ms at cp 64): hop 1 exact; hop 2 and the
+    keys a rank's calls use, each (rank, peer) total cut into P equal parts (the tables'
+    exact split, ``relay_routes``, differs by the keys' places in the relays' chunks)
+    (cached)."""
+    def build() -> tuple[np.ndarray, ...]:
+        _, members = node_members(plan)
         b = _base(plan, mask)
-        # -- the chunks: relay j of a group's node gets transfer p's piece k = j * P + p
-        n_chunks = parts * b.size
-        k = np.arange(parts * widest + 1, dtype=np.int64)
-        bounds = b.total[:, None] * np.minimum(k[None, :], n_chunks[:, None]) \
-            // np.maximum(n_chunks, 1)[:, None]
-        # -- hop 1, across nodes
-        chunk = bounds[:, 1:] - bounds[:, :-1]                     # [groups, K]
-        g_node, g_owner = np.divmod(np.arange(b.total.size), cp)
-        kk = np.arange(parts * widest)
-        valid = kk[None, :] < n_chunks[:, None]
-        relay = members[g_node[:, None], np.where(valid, kk[None, :] // parts, 0)]
-        stage = np.broadcast_to(kk[None, :] % parts, valid.shape)
-        hop1 = _counts(parts, cp, stage[valid], relay[valid],
-                       np.broadcast_to(g_owner[:, None], valid.shape)[valid], chunk[valid])
-        # -- hop 1, inside a node: each (rank, owner) list cut into P equal pieces
-        counts = fetch_count_array(plan, mask) * (nodes[:, None] == nodes[None, :])
-        np.fill_diagonal(counts, 0)
-        direct = counts[None] * np.arange(parts + 1).reshape(-1, 1, 1) // parts
-        hop1 += direct[1:] - direct[:-1]
-        # -- hop 2 and the keys per transfer: the relays' pieces cut at the transfers
-        first = (b.relay * parts)[:, None] + np.arange(parts + 1)[None, :]
-        edges = bounds[b.group[:, None], first]                    # [pieces, P + 1]
-        piece, p, offset, n_keys = cut_runs(b.at, b.n, edges[:, :-1], edges[:, 1:])
-        d, o = b.dest[piece], b.owner[piece]
-        via = members[nodes[d], b.relay[piece]]
-        place = b.at[piece] + offset - edges[piece, p]
-        far = via != d
-        hop2 = _counts(parts, cp, p[far], d[far], via[far], n_keys[far])
-        fetch = _counts(parts, cp, p, d, o, n_keys) + direct[1:] - direct[:-1]
-        keep = (hop1 + hop2).reshape(parts, -1).sum(1) > 0
+        hop1, _, _ = _hop1(plan, mask, b, parts, members)
+        split = np.arange(parts + 1).reshape(-1, 1, 1)
+        keys = fetch_count_array(plan, mask).copy()
+        np.fill_diagonal(keys, 0)
+        hop2 = np.diff(b.hop2[None] * split // parts, axis=0)
+        fetch = np.diff(keys[None] * split // parts, axis=0)
+        keep = hop1.reshape(parts, -1).sum(1) > 0      # (as ``relay_routes`` drops them)
+        return hop1[keep], hop2[keep], fetch[keep]
+    return host_table(plan, table_key("relay_link_counts", mask, None, parts), build)
+
+
+def relay_routes(plan: CPPlan, mask: AttnMask, parts: int) -> RelayRoutes:
+    """Both hops' routes of every rank with ``parts`` transfers, but the cut of each node's
+    keys at the transfers (:func:`node_pieces`, per node: a rank needs its own node's)
+    (cached). A transfer is dropped when its first hop is empty everywhere (its second
+    hop then is too: it forwards what the first brought)."""
+    def build() -> RelayRoutes:
+        _, members = node_members(plan)
+        b = _base(plan, mask)
+        hop1, bounds, direct = _hop1(plan, mask, b, parts, members)
+        keep = hop1.reshape(parts, -1).sum(1) > 0
         stage_of = np.where(keep, np.cumsum(keep) - 1, -1)
-        relayed = np.flatnonzero(far)       # what the relays forward to their mates
-        hops = tuple(x[relayed] for x in (stage_of[p], d, o, via, place, n_keys))
-        return RelayRoutes(hop1[keep], hop2[keep], fetch[keep], b.key, b.coord, b.length,
-                           bounds, b.rows, parts, stage_of, direct, hops)
+        return RelayRoutes(hop1[keep], b.key, b.coord, b.length, bounds, b.rows, parts,
+                           stage_of, direct)
     return host_table(plan, table_key("relay_routes", mask, None, parts), build)
+
+
+def node_pieces(plan: CPPlan, mask: AttnMask, parts: int, node: int
+                ) -> tuple[np.ndarray, ...]:
+    """The keys the ranks of ``node`` need from other nodes, cut at the transfers:
+    (transfer, rank, owner, relay (a rank of the node), place in the relay's chunk from
+    the owner, length) of every piece (cached per node)."""
+    def build() -> tuple[np.ndarray, ...]:
+        nodes, members = node_members(plan)
+        b = _base(plan, mask)
+        routes = relay_routes(plan, mask, parts)
+        mine = np.flatnonzero(nodes[b.dest] == node)
+        relay = b.relay[mine]
+        first = (relay * parts)[:, None] + np.arange(parts + 1)[None, :]
+        edges = routes.bounds[b.group[mine][:, None], first]        # [pieces, P + 1]
+        piece, p, offset, n = cut_runs(b.at[mine], b.n[mine], edges[:, :-1], edges[:, 1:])
+        place = b.at[mine][piece] + offset - edges[piece, p]
+        return (routes.stage_of[p], b.dest[mine][piece], b.owner[mine][piece],
+                members[node, relay[piece]], place, n)
+    return host_table(plan, table_key("relay_node_pieces", mask, None, parts, node), build)
+
+
+def relay_counts(plan: CPPlan, mask: AttnMask, parts: int) -> tuple[np.ndarray, np.ndarray]:
+    """(hop2, keys) int64 [P, cp, cp], exact: rows rank d receives from relay r in the
+    second hop, and keys rank d's calls of each transfer use from owner o (every node's
+    :func:`node_pieces`; the report and the tests read them, the tables only their own
+    node's) (cached)."""
+    def build() -> tuple[np.ndarray, np.ndarray]:
+        cp = plan.cp_size
+        routes = relay_routes(plan, mask, parts)
+        n_parts = routes.hop1.shape[0]
+        pieces = [node_pieces(plan, mask, parts, n) for n in range(plan.topology.n_nodes)]
+        p, d, o, via, _, n = (np.concatenate(x) for x in zip(*pieces))
+        far = via != d
+        hop2 = _counts(n_parts, cp, p[far], d[far], via[far], n[far])
+        direct = routes.direct[1:] - routes.direct[:-1]
+        keys = _counts(n_parts, cp, p, d, o, n) + direct[routes.stage_of >= 0]
+        return hop2, keys
+    return host_table(plan, table_key("relay_counts", mask, None, parts), build)
 
 
 def relay_cut(routes: RelayRoutes, nodes: np.ndarray, dest: np.ndarray, owner: np.ndarray,

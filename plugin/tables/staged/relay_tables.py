@@ -26,7 +26,7 @@ from ...plan.runs import run_rows
 from ..flash_form import FlashRoute
 from ..holders import KernelCall
 from ..rounds import UniqueRounds
-from .relay import node_members, relay_cut, relay_routes, union_cut
+from .relay import node_members, node_pieces, relay_cut, relay_routes, union_cut
 from .routes import cut_runs, index_in_group, transfers
 from .tables import (KeyRuns, StagedTables, _holder, _tensor, given_runs, selection_runs,
                      with_calls)
@@ -124,12 +124,24 @@ def _fetched(plan: CPPlan, mask: AttnMask, rank: int, routes, nodes, members
             np.concatenate([d_place, place]))
 
 
-def _relayed_for_mates(rank: int, routes) -> tuple[np.ndarray, ...]:
+def _relayed_for_mates(plan: CPPlan, mask: AttnMask, rank: int, parts: int, nodes
+                       ) -> tuple[np.ndarray, ...]:
     """What ``rank`` forwards in hop 2: (transfer, mate, owner, place in our chunk from
     the owner, length) of every piece of its node mates' keys it relays."""
-    stage, mate, owner, via, place, length = routes.forwarded
-    mine = via == rank
+    stage, mate, owner, via, place, length = node_pieces(plan, mask, parts, nodes[rank])
+    mine = (via == rank) & (mate != rank)
     return stage[mine], mate[mine], owner[mine], place[mine], length[mine]
+
+
+def _hop2_in(plan: CPPlan, mask: AttnMask, rank: int, parts: int, nodes, n_parts: int
+             ) -> np.ndarray:
+    """int64 [P, cp]: rows ``rank`` receives from each relay in each transfer's hop 2."""
+    stage, dest, _, via, _, length = node_pieces(plan, mask, parts, nodes[rank])
+    mine = (dest == rank) & (via != rank)
+    cp = plan.cp_size
+    flat = np.bincount(stage[mine] * cp + via[mine], weights=length[mine],
+                       minlength=n_parts * cp)
+    return flat.astype(np.int64).reshape(n_parts, cp)
 
 
 def _sent(plan: CPPlan, mask: AttnMask, rank: int, routes, nodes, members
@@ -156,13 +168,16 @@ def relay_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int]
     nodes, members = node_members(plan)
     fetched, f_stage, f_via, f_place = _fetched(plan, mask, rank, routes, nodes, members)
     s_stage, s_dest, s_place, s_row, s_len = _sent(plan, mask, rank, routes, nodes, members)
-    r_stage, r_mate, r_owner, r_place, r_len = _relayed_for_mates(rank, routes)
+    parts_in = transfers(stages)
+    r_stage, r_mate, r_owner, r_place, r_len = _relayed_for_mates(plan, mask, rank, parts_in,
+                                                                  nodes)
     n_parts = routes.hop1.shape[0]
+    hop2_all = _hop2_in(plan, mask, rank, parts_in, nodes, n_parts)
     one = stages == 1
     sel = selection_runs(plan, mask, rank) if one else None
     parts, keys = [], []
     for p in range(n_parts):
-        hop1_in, hop2_in = routes.hop1[p, rank], routes.hop2[p, rank]
+        hop1_in, hop2_in = routes.hop1[p, rank], hop2_all[p]
         blk1 = np.cumsum(hop1_in) - hop1_in
         blk2 = np.cumsum(hop2_in) - hop2_in
         n1 = int(hop1_in.sum())
