@@ -26,9 +26,11 @@ multi-mask model: each layer type, and the layer-count-weighted total (sum of we
 compute / sum of weighted layer times). Part 2 also has the two-level efficiency (``bench/two_level.py``: nodes of 8 GPUs, K/V in
 a node at 150 GB/s and across nodes at 45 GB/s on separate links, FA2- and FA3-class
 rates, with and without overlap, and the ceiling of any placement on nodes: every fetch in
-a node) and the cross-node bytes per rank, of ``balanced`` placed on nodes of 8 (what a run
-builds; ``two_level_blind``: the same layout node-blind, before issue 30). Part 1's build
-times are of the placed plan too (cp > 8). Both parts also
+a node; and dispatch relayed through nodes, as built, with the bound of that exchange) and
+the cross-node bytes per rank, of ``balanced`` placed on nodes of 8 (what a run builds;
+``two_level_blind``: the same layout node-blind, before issue 30). Part 1's build times
+are of the placed plan too (cp > 8), and its strategies' table times of the plan with its
+topology (relayed dispatch at cp 64). Both parts also
 record, per rank, the documents it
 holds only in part (each costs the fetch of the keys it lacks; max and mean over ranks) and
 the plan's runs.
