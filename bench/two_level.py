@@ -25,7 +25,7 @@ import numpy as np
 from varlen_cp.plan.runs import STRIDE
 from varlen_cp.plan.spans import key_spans, span_pieces
 from varlen_cp.tables.selected import fetch_count_array
-from varlen_cp.tables.staged.relay import relay_active, relay_counts, relay_routes
+from varlen_cp.tables.staged.relay import relay_active, relay_link_counts
 
 GPUS_PER_NODE = 8
 RATES = {"fa2": 3e14, "fa3": 5e14}
@@ -84,8 +84,7 @@ def layer_figures(plan, mask, work: list[int], *, hq: int, head_dim: int, kv_byt
     out["node_fetch_cross_bytes_max"] = int(node_x.max())
     # The relayed dispatch as built (on a plan across nodes; plain dispatch otherwise).
     if relay_active(plan):
-        hop1 = relay_routes(plan, mask, 1).hop1.sum(0)             # [receiver, sender]
-        hop2 = relay_counts(plan, mask, 1)[0].sum(0)
+        hop1, hop2 = (h.sum(0) for h in relay_link_counts(plan, mask, 1)[:2])  # [recv, send]
         x1 = 2 * (hop1 * cross).sum(1) * kv_bytes
         in1 = 2 * (hop1 * ~cross).sum(1) * kv_bytes
         relay = np.maximum(in1 / bw_node, x1 / bw_net) + 2 * hop2.sum(1) * kv_bytes / bw_node

@@ -30,7 +30,7 @@ from ..shape import AttnShape, kv_heads_per_rank
 from .hybrid import group_visibility, hybrid_size
 from .ring import rank_visibility, ring_length
 from .selected import fetch_count_array
-from .staged.relay import relay_active, relay_counts, relay_routes
+from .staged.relay import relay_active, relay_link_counts
 
 Traffic = dict[str, np.ndarray]   # {"fwd": int64 [cp, cp], "bwd": int64 [cp, cp]}
 
@@ -108,8 +108,8 @@ def all_gather_traffic(plan: CPPlan, mask: AttnMask, shape: AttnShape,
 def dispatch_traffic(plan: CPPlan, mask: AttnMask, shape: AttnShape,
                      a2a_size: int | None = None) -> Traffic:
     if relay_active(plan):   # both hops (which rank relays a key does not depend on S)
-        counts = (relay_routes(plan, mask, 1).hop1.sum(0)
-                  + relay_counts(plan, mask, 1)[0].sum(0))
+        hop1, hop2, _ = relay_link_counts(plan, mask, 1)   # (totals: exact)
+        counts = (hop1 + hop2).sum(0)
     else:
         counts = _off_diagonal(fetch_count_array(plan, mask))
     return {"fwd": counts.T * shape.kv_row, "bwd": counts * shape.kv_row}

@@ -147,6 +147,7 @@ class _Base:
     n: np.ndarray
     relay: np.ndarray
     hop2: np.ndarray          # [cp, cp]: rows rank d gets from relay r in all hops 2
+    direct: np.ndarray        # [cp, cp]: keys rank d needs from owners of its node
 
 
 def _base(plan: CPPlan, mask: AttnMask) -> _Base:
@@ -185,8 +186,10 @@ def _base(plan: CPPlan, mask: AttnMask) -> _Base:
         far = via != d
         hop2 = _counts(1, cp, np.zeros(int(far.sum()), np.int64), d[far], via[far],
                        n[far])[0]
+        direct = fetch_count_array(plan, mask) * (nodes[:, None] == nodes[None, :])
+        np.fill_diagonal(direct, 0)
         return _Base(rows, key, coord, u_len, total, size, d, owner[piece], g[piece],
-                     u[piece] + offset, n, relay, hop2)
+                     u[piece] + offset, n, relay, hop2, direct)
     return host_table(plan, table_key("relay_base", mask), build)
 
 
@@ -195,7 +198,6 @@ def _hop1(plan: CPPlan, mask: AttnMask, b: _Base, parts: int, members: np.ndarra
     """(hop1 [P, cp, cp], the chunks' bounds [groups, K + 1], the in-node direct cut
     [P + 1, cp, cp]) before the drop."""
     cp = plan.cp_size
-    nodes = plan.topology.node_array
     widest = members.shape[1]
     # the chunks: relay j of a group's node gets transfer p's piece k = j * P + p
     n_chunks = parts * b.size
@@ -212,9 +214,7 @@ def _hop1(plan: CPPlan, mask: AttnMask, b: _Base, parts: int, members: np.ndarra
     hop1 = _counts(parts, cp, stage[valid], relay[valid],
                    np.broadcast_to(g_owner[:, None], valid.shape)[valid], chunk[valid])
     # inside a node: each (rank, owner) list cut into P equal pieces
-    counts = fetch_count_array(plan, mask) * (nodes[:, None] == nodes[None, :])
-    np.fill_diagonal(counts, 0)
-    direct = counts[None] * np.arange(parts + 1).reshape(-1, 1, 1) // parts
+    direct = b.direct[None] * np.arange(parts + 1).reshape(-1, 1, 1) // parts
     return hop1 + direct[1:] - direct[:-1], bounds, direct
 
 
@@ -223,8 +223,8 @@ def relay_link_counts(plan: CPPlan, mask: AttnMask, parts: int) -> tuple[np.ndar
     cutting every rank's keys at the transfers (what made the stage count's choice,
     simulating six counts per mask, cost 60 ms at cp 64): hop 1 exact; hop 2 and the
     keys a rank's calls use, each (rank, peer) total cut into P equal parts (the tables'
-    exact split, ``relay_routes``, differs by the keys' places in the relays' chunks)
-    (cached)."""
+    exact split, ``relay_routes``, differs by the keys' places in the relays' chunks; the
+    totals over the transfers are exact: what the traffic matrices read) (cached)."""
     def build() -> tuple[np.ndarray, ...]:
         _, members = node_members(plan)
         b = _base(plan, mask)
