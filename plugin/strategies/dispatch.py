@@ -33,8 +33,9 @@ moves in two hops, a node's union of the keys its ranks need from another node's
 the node's ranks in equal chunks (each key crosses the network once per node), then from
 those relays to the node mates that need them; backward, the reverse, the relay summing its
 mates' dK/dV in fp32 before the cross-node return (:class:`RelayPending`,
-:class:`RelayReturns`). Two transfers are in flight: the second hop of s + 1 is posted
-(from a side stream on CUDA) while s computes.
+:class:`RelayReturns`). Each transfer's second hop is posted right after its first (from a
+side stream on CUDA, which waits for the first hop), so transfer s + 1's two hops travel
+while s computes.
 
 Limits: the fetched K/V are kept for the backward pass (memory: the remote keys this
 rank's queries see; with S = 1 the local ones too). Every rank plans every rank's needs as
@@ -73,7 +74,7 @@ def _ready(device: torch.device) -> Any:
     if device.type != "cuda":
         return None
     event = torch.cuda.Event()
-    event.record()
+    event.record(torch.cuda.current_stream(device))
     return event
 
 
@@ -83,8 +84,10 @@ def _a2a(out: torch.Tensor, send: torch.Tensor, out_splits, in_splits, group: An
 
 
 class RelayPending(Pending):
-    """A relayed transfer's K/V: hop 1 posted; ``advance`` (on the side stream) waits for
-    it and posts hop 2, the rows node mates need, into the tail of the same buffer."""
+    """A relayed transfer's K/V: hop 1 posted, then (on the side stream, so the host and
+    the compute stream go on) the wait for it and hop 2, the rows node mates need, into
+    the tail of the same buffer. Both hops go on the CP group's communicator in turn, so
+    the compute of transfer s waits only for s's second hop, never for s + 1's first."""
 
     def __init__(self, kf: torch.Tensor, vf: torch.Tensor, stage: RelayStage, group: Any
                  ) -> None:
@@ -94,20 +97,16 @@ class RelayPending(Pending):
         recv = kf.new_empty(n1 + sum(stage.hop2_splits), kf.shape[1] + vf.shape[1])
         super().__init__(recv, _a2a(recv[:n1], send, stage.back_splits, stage.in_splits,
                                     group), send)
-        self.stage, self.group, self.second = stage, group, None
+        self.second = self._forward(stage, group)
 
-    def advance(self) -> None:
-        if self.second is not None:
-            return
-        st, n1 = self.stage, self.stage.n_hop1
+    def _forward(self, st: RelayStage, group: Any) -> tuple:
+        n1 = st.n_hop1
         with _side(self.recv.device):
             self.work.wait()
             send = self.recv[:n1].index_select(0, st.relay_rows)
-            self.second = (_a2a(self.recv[n1:], send, st.hop2_splits, st.relay_splits,
-                                self.group), send)
+            return _a2a(self.recv[n1:], send, st.hop2_splits, st.relay_splits, group), send
 
     def result(self) -> torch.Tensor:
-        self.advance()
         work, send = self.second
         work.wait()
         if send.device.type == "cuda":   # (made on the side stream, read by the collective)
@@ -117,40 +116,33 @@ class RelayPending(Pending):
 
 class RelayReturns(Pending):
     """A relayed transfer's dK/dV going home: hop 2 reversed posted (the relayed keys' rows
-    to their relays); ``advance`` (side stream) sums what the node mates returned with our
-    own rows onto the hop-1 buffer, in fp32 and fixed rounds, and posts hop 1 reversed."""
+    to their relays), then (side stream) what the node mates returned summed with our own
+    rows onto the hop-1 buffer, in fp32 and fixed rounds, and hop 1 reversed posted."""
 
     def __init__(self, grads: torch.Tensor, stage: RelayStage, group: Any) -> None:
         send = grads.index_select(0, stage.hop2_order)
         recv = grads.new_empty(sum(stage.relay_splits), grads.shape[1])
         super().__init__(recv, _a2a(recv, send, stage.relay_splits, stage.hop2_splits, group),
                          send)
-        self.own = grads.index_select(0, stage.own_slots)
-        self.ready = _ready(grads.device)
-        self.stage, self.group, self.second = stage, group, None
-
-    def advance(self) -> None:
-        if self.second is not None:
-            return
-        st = self.stage
-        with _side(self.recv.device):
-            if self.ready is not None:
-                torch.cuda.current_stream(self.recv.device).wait_event(self.ready)
+        own = grads.index_select(0, stage.own_slots)
+        ready = _ready(grads.device)
+        with _side(grads.device):
+            if ready is not None:
+                torch.cuda.current_stream(grads.device).wait_event(ready)
             self.work.wait()
-            rows = self.own.new_zeros(st.n_hop1, self.own.shape[1], dtype=torch.float32)
-            rows.index_copy_(0, st.own_rows, self.own.float())
-            st.relay_rounds.add_(rows, self.recv.float())
-            send = rows.to(self.own.dtype)
-            out = send.new_empty(sum(st.in_splits), send.shape[1])
-            self.second = (_a2a(out, send, st.in_splits, st.back_splits, self.group), out,
+            rows = own.new_zeros(stage.n_hop1, own.shape[1], dtype=torch.float32)
+            rows.index_copy_(0, stage.own_rows, own.float())
+            stage.relay_rounds.add_(rows, recv.float())
+            send = rows.to(own.dtype)
+            out = send.new_empty(sum(stage.in_splits), send.shape[1])
+            self.second = (_a2a(out, send, stage.in_splits, stage.back_splits, group), out,
                            send)
             if send.device.type == "cuda":   # made on the compute stream, read here
-                self.own.record_stream(torch.cuda.current_stream(send.device))
-                self.recv.record_stream(torch.cuda.current_stream(send.device))
-        self.own = self.recv = None
+                own.record_stream(torch.cuda.current_stream(send.device))
+                recv.record_stream(torch.cuda.current_stream(send.device))
+        self.recv = None
 
     def result(self) -> torch.Tensor:
-        self.advance()
         work, out, send = self.second
         work.wait()
         if out.device.type == "cuda":    # (made on the side stream, read here)

@@ -31,7 +31,6 @@ unfused pass over the fp32 output (the cost model counts its memory traffic).
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any, Callable
 
 import torch
@@ -66,15 +65,10 @@ def fold_(acc: torch.Tensor | None, lse: torch.Tensor | None, out_i: torch.Tenso
 
 
 class Pending:
-    """One posted collective: its receive buffer and what must live until it completes.
-    A transfer of two hops (relayed dispatch) posts its second in ``advance``; one of a
-    single hop has nothing to advance."""
+    """One posted collective: its receive buffer and what must live until it completes."""
 
     def __init__(self, recv: torch.Tensor, work: Any, *keep: torch.Tensor) -> None:
         self.recv, self.work, self.keep = recv, work, keep
-
-    def advance(self) -> None:
-        """Post the next hop once the previous one has arrived (none here)."""
 
     def result(self) -> torch.Tensor:
         if self.work is not None:
@@ -100,12 +94,8 @@ def staged_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tab: Stage
     backward). ``exchange(kf, vf, stage, group)`` posts one transfer."""
     hq, hkv, d, dv = q.shape[1], k.shape[1], k.shape[2], v.shape[2]
     kf, vf = k.reshape(k.shape[0], hkv * d), v.reshape(v.shape[0], hkv * dv)
-    stages, depth = tab.stages, tab.hops
-    # ``depth`` transfers in flight: with two hops, transfer s + 1's second hop is posted
-    # (``advance``) while transfer s computes, its first hop one stage earlier
-    queue = deque(exchange(kf, vf, st, group) for st in stages[:depth])
-    if queue:
-        queue[0].advance()
+    stages = tab.stages
+    pending = exchange(kf, vf, stages[0], group) if stages else None
     acc = lse = None
     max_part = head_max(None, hq, q.device) if need_max else no_max(q.device)
     if tab.local is not None:
@@ -116,11 +106,9 @@ def staged_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tab: Stage
         del o
     fetched: list[torch.Tensor] = []
     for s, stage in enumerate(stages):
-        if s + depth < len(stages):
-            queue.append(exchange(kf, vf, stages[s + depth], group))
-        if depth > 1 and len(queue) > 1:
-            queue[1].advance()
-        recv = queue.popleft().result()
+        nxt = exchange(kf, vf, stages[s + 1], group) if s + 1 < len(stages) else None
+        recv = pending.result()
+        pending = nxt           # (the arrived transfer's send buffer goes now)
         k_s = _pick(recv[:, :hkv * d], kf, stage).view(stage.n_keys, hkv, d)
         v_s = _pick(recv[:, hkv * d:], vf, stage).view(stage.n_keys, hkv, dv)
         del recv
@@ -166,7 +154,8 @@ def staged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
     width = hkv * (d + dv)
     acc = None    # fp32 dK|dV of the local keys, made when first needed
     dq, several = None, tab.n_calls > 1
-    inflight: deque = deque()   # (posted returns, their rounds), oldest first
+    pending: Pending | None = None
+    rows = None
     stats = attn.bwd_stats(dout, out, lse, dlse)  # one delta pass per layer, not per stage
 
     def fold(acc, pending, rounds):
@@ -188,13 +177,12 @@ def staged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
         if stage.local_slots is not None:  # S = 1: the local keys' dK/dV stay here
             acc = _zeros(acc, t, width, q.device)
             acc.index_add_(0, stage.local_rows, grads.index_select(0, stage.local_slots).float())
-        inflight.append((returns(grads, stage, group), stage.rounds))
+        posted = returns(grads, stage, group)
         del grads
-        if len(inflight) > 1:   # two hops: the previous stage's first hop goes out now
-            inflight[-2][0].advance()
-        while len(inflight) > tab.hops:  # the oldest returns travelled meanwhile
-            acc = fold(acc, *inflight.popleft())
-    _advance(inflight)   # the last hops leave under the local call
+        if pending is not None:  # the previous stage's returns travelled meanwhile
+            acc = fold(acc, pending, rows)
+        pending, rows = posted, stage.rounds
+        del posted   # (else the last transfer's buffers live to the end of the backward)
     if tab.local is not None:
         dq_0, dk_0, dv_0 = attn.bwd(dout, q, k, v, out, lse, tab.local, dlse, stats)
         dq = _add(dq, dq_0, several)
@@ -203,19 +191,13 @@ def staged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
         acc[:, :hkv * d].add_(dk_0.reshape(t, -1))
         acc[:, hkv * d:].add_(dv_0.reshape(t, -1))
         del dk_0, dv_0
-    while inflight:
-        acc = fold(acc, *inflight.popleft())
+    if pending is not None:
+        acc = fold(acc, pending, rows)
+        del pending
     dq = torch.zeros_like(q) if dq is None else dq.to(q.dtype)
     acc = _zeros(acc, t, width, q.device)   # (nothing visible anywhere: zeros)
     dk, dv_out = unpack_key_grads(acc, k_shape, k_dtype, v_dtype, dv)
     return dq, dk, dv_out
-
-
-def _advance(inflight: deque) -> None:
-    """Advance every posted return (a function: no loop variable outlives it to hold the
-    last transfer's buffers)."""
-    for posted, _ in inflight:
-        posted.advance()
 
 
 def _zeros(acc: torch.Tensor | None, t: int, width: int, device: torch.device

@@ -1,5 +1,5 @@
 """``dispatch`` relayed through nodes (``tables.staged.relay``) on gloo: 4 ranks on 2 nodes
-(2 + 2 and 3 + 1), every layout x mask of the CP grid and S = 1, 2, 3: out, lse, dq, dk, dv
+(2 + 2 and 3 + 1), every layout x mask of the CP grid and S = 1, 2, 3, 5: out, lse, dq, dk, dv
 equal the single-device op (fp32), and in fp16 the bytes each rank posts to each peer equal
 the traffic matrix (both hops, forward and backward). Some cases must relay keys from one
 rank to another inside a node (else the second hop went untested)."""
@@ -20,7 +20,7 @@ from varlen_cp.tables.staged.relay import relay_active, relay_counts
 
 NODES = ((0, 0, 1, 1), (0, 0, 0, 1))
 LAYOUTS = ("balanced", "dual_chunk", "contiguous")
-STAGES = (1, 2, 3)
+STAGES = (1, 2, 3, 5)
 
 
 def _plan(rank, world, layout, mask, nodes):

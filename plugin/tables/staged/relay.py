@@ -332,9 +332,3 @@ def union_cut(routes: RelayRoutes, nodes: np.ndarray, owner: int, members: np.nd
     place = coord[run] + offset - routes.bounds[group[run], k]
     row = routes.key[mine][run] % routes.rows + offset
     return routes.stage_of[stage], members[node, j], place, row, n
-
-
-def relay_stage_counts(plan: CPPlan, mask: AttnMask, parts: int) -> tuple[np.ndarray, ...]:
-    """(hop1, hop2, fetch) [P, cp, cp] of :func:`relay_routes`."""
-    r = relay_routes(plan, mask, parts)
-    return r.hop1, r.hop2, r.fetch

@@ -66,7 +66,6 @@ class RelayStage:
     remote_slots: torch.Tensor | None = None
     local_slots: torch.Tensor | None = None
     local_rows: torch.Tensor | None = None
-    hops = 2
 
     @property
     def n_hop1(self) -> int:

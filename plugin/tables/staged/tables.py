@@ -71,7 +71,6 @@ class Stage:
     local_slots: torch.Tensor | None = None    # S = 1: call slots of the local keys
     local_rows: torch.Tensor | None = None     # S = 1: their local rows
     rounds: UniqueRounds | None = None         # the deterministic fold of the returns
-    hops = 1                                   # collectives per transfer, each way
 
     def to(self, device: torch.device) -> "Stage":
         names = ("gather", "back_order", "in_rows", "remote_slots", "local_slots",
@@ -89,12 +88,6 @@ class StagedTables:
 
     local: KernelCall | None
     stages: tuple[Stage, ...]
-
-    @property
-    def hops(self) -> int:
-        """Collectives per transfer each way: 1, or 2 for dispatch relayed through
-        nodes (the engine keeps that many transfers in flight)."""
-        return self.stages[0].hops if self.stages else 1
 
     @property
     def n_calls(self) -> int:
