@@ -192,7 +192,6 @@ def _layer_info(model) -> list:
 def _check_against_megatron(rank: int) -> dict:
     """cp=1, sbhd: the plugin spec vs megatron's DotProductAttention (local spec) on the
     same weights, causal and sliding window: an independent check of the mask mapping."""
-    import torch
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -221,8 +220,6 @@ def _check_clip_qk() -> dict:
     """cp=1: ``clip_qk_step`` drives megatron's own ``Attention.clip_qk`` from the recorded
     max logits: Q and K rows of each query group scaled by sqrt(tau / max) (alpha 0.5),
     V rows untouched, the record reset. Large weights so every head exceeds tau."""
-    import torch
-
     from varlen_cp.integrations.megatron import clip_qk_step
 
     model = _build({"qk_clip": True, "qk_clip_threshold": 0.5, "init_method_std": 1.0},

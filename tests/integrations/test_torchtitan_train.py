@@ -65,6 +65,9 @@ RUNS = {  # name: (processes, overrides)
     "cp2_dispatch": (2, ["--parallelism.context_parallel_degree", "2",
                          "--varlen_cp.strategy", "dispatch", "--metrics.enable_tensorboard",
                          "--varlen_cp.gpus_per_node", "1"]),
+    # 2 GPUs per node at CP=4: nodes (0, 0, 1, 1), dispatch relayed through them
+    "cp4_relay": (4, ["--parallelism.context_parallel_degree", "4",
+                      "--varlen_cp.strategy", "dispatch", "--varlen_cp.gpus_per_node", "2"]),
     "cp2_a2a": (2, ["--parallelism.context_parallel_degree", "2",
                     "--varlen_cp.strategy", "a2a", "--varlen_cp.layout", "contiguous"]),
     # dp_shard=2 gives each data-parallel rank its own batch; adding CP=2 (4 processes,
@@ -148,6 +151,11 @@ def assert_same(ref: list[dict], got: list[dict], what: str) -> None:
 def test_cp2_matches_cp1(results, strategy):
     got = results[f"cp2_{strategy}"]
     assert_same(results["cp1"], got, strategy)
+
+
+def test_cp4_relayed_dispatch_matches_cp1(results):
+    """CP=4 on two nodes of two GPUs: every dispatch transfer relayed through the nodes."""
+    assert_same(results["cp1"], results["cp4_relay"], "cp4 relayed dispatch")
 
 
 @pytest.mark.parametrize("run", ["cp2_compile", "cp2_compile_inductor"])
