@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from varlen_cp.plan.runs import STRIDE
-from varlen_cp.plan.spans import key_spans, span_pieces
 from varlen_cp.tables.selected import fetch_count_array
-from varlen_cp.tables.staged.relay import relay_active, relay_link_counts
+from varlen_cp.tables.staged.relay import node_unions, relay_active, relay_link_counts
 
 GPUS_PER_NODE = 8
 RATES = {"fa2": 3e14, "fa3": 5e14}
@@ -35,28 +33,10 @@ TARGET = 0.90   # every mix at cp 8..64, FA3-class rate, with overlap (issue 30)
 
 def node_fetch_keys(plan, mask, nodes: np.ndarray) -> np.ndarray:
     """Per node: the keys of other nodes that any of its ranks' queries see, each counted
-    once (the union over the node's ranks): what a node-level K/V exchange would move
-    across nodes (fetched once, spread over the node's NICs, then shared on NVLink)."""
-    r = plan.arrays.runs
-    stop = r.start + r.length
-    lo, hi = key_spans(r.start, stop, plan.doc_length_array[r.doc], mask)
-    group = nodes[r.rank] * (plan.n_docs + 1) + r.doc
-    order = np.lexsort((lo, group))
-    group, lo, hi = group[order], lo[order], hi[order]
-    # union per (node, doc): a span starts a new piece unless it begins within the running
-    # max end of the earlier spans of its group (groups sorted, so an offset resets it)
-    reach = np.maximum.accumulate(group * STRIDE + hi) - group * STRIDE
-    new = np.ones(group.size, dtype=bool)
-    new[1:] = (group[1:] != group[:-1]) | (lo[1:] > reach[:-1] + 1)
-    first = np.flatnonzero(new)
-    last = np.append(first[1:], group.size) - 1
-    u_group, u_lo, u_hi = group[first], lo[first], reach[last]
-    u_node, u_doc = u_group // (plan.n_docs + 1), u_group % (plan.n_docs + 1)
-    by_doc = np.argsort(r.doc * STRIDE + r.start, kind="stable")
-    span, run, _, n = span_pieces(u_doc, u_lo, u_hi, r.doc[by_doc], r.start[by_doc],
-                                  stop[by_doc])
-    away = nodes[r.rank[by_doc][run]] != u_node[span]
-    return np.bincount(u_node[span][away], weights=n[away], minlength=int(nodes.max()) + 1)
+    once (the union over the node's ranks): what a node-level K/V exchange moves across
+    nodes (the relay's unions, ``relay.node_unions``, for any grouping ``nodes``)."""
+    u_node, _, _, length = node_unions(plan, mask, np.asarray(nodes))
+    return np.bincount(u_node, weights=length, minlength=int(nodes.max()) + 1)
 
 
 def layer_figures(plan, mask, work: list[int], *, hq: int, head_dim: int, kv_bytes: int,

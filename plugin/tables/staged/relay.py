@@ -91,7 +91,7 @@ def node_members(plan: CPPlan) -> tuple[np.ndarray, np.ndarray]:
     return nodes, members
 
 
-def _unions(plan: CPPlan, mask: AttnMask, nodes: np.ndarray) -> tuple[np.ndarray, ...]:
+def node_unions(plan: CPPlan, mask: AttnMask, nodes: np.ndarray) -> tuple[np.ndarray, ...]:
     """The keys each node's ranks need from owners of other nodes, each once: pieces
     (node, owner, owner's row, length) in (node, document, position) order."""
     holder, doc, lo, hi = span_arrays(plan, mask)
@@ -157,7 +157,7 @@ def _base(plan: CPPlan, mask: AttnMask) -> _Base:
         n_nodes, widest = members.shape
         offsets = plan.arrays.rank_offsets
         rows = int((offsets[1:] - offsets[:-1]).max()) + 1
-        u_node, u_owner, u_row, u_len = _unions(plan, mask, nodes)
+        u_node, u_owner, u_row, u_len = node_unions(plan, mask, nodes)
         group = u_node * cp + u_owner
         coord = index_in_group(group, u_len, n_nodes * cp)
         total = np.bincount(group, weights=u_len, minlength=n_nodes * cp).astype(np.int64)
@@ -278,8 +278,8 @@ def node_pieces(plan: CPPlan, mask: AttnMask, parts: int, node: int
 def relay_counts(plan: CPPlan, mask: AttnMask, parts: int) -> tuple[np.ndarray, np.ndarray]:
     """(hop2, keys) int64 [P, cp, cp], exact: rows rank d receives from relay r in the
     second hop, and keys rank d's calls of each transfer use from owner o (every node's
-    :func:`node_pieces`; the report and the tests read them, the tables only their own
-    node's) (cached)."""
+    :func:`node_pieces`; the tests check ``relay_link_counts`` and the tables against
+    them; the tables read only their own node's pieces) (cached)."""
     def build() -> tuple[np.ndarray, np.ndarray]:
         cp = plan.cp_size
         routes = relay_routes(plan, mask, parts)
