@@ -35,6 +35,7 @@ from .resolve import check_group, resolve
 from .shape import AttnShape
 from .strategies import CallSpec, Strategy
 from .strategies.calls import Attn
+from .tables.static_rows import check_capacity
 
 
 # ------------------------------------------------------------------------------- checks
@@ -84,14 +85,17 @@ def resolve_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan
     will run with its spec. ``need_lse``: the caller wants the LSE (returned, or for a
     sink's rescaling), which is also its gradient's input."""
     check_qkv(q, k, v)
-    n_local = plan.num_tokens_of(plan.cp_rank)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.shape[0] != n_local:
-            raise ValueError(f"{name} has {t.shape[0]} local tokens, but the plan gives "
-                             f"rank {plan.cp_rank} {n_local} tokens")
     check_scale(softmax_scale)
     res = resolve(plan, mask, options, AttnShape.of(q, k, v, lse_grad=need_lse,
                                                     row_max=need_max), q.device)
+    n_local, what = plan.num_tokens_of(plan.cp_rank), "the plan gives"
+    if res.capacity is not None:   # graph-safe: capacity rows, the tokens first
+        check_capacity(plan, res.capacity)
+        n_local, what = res.capacity, "graph_capacity gives"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[0] != n_local:
+            raise ValueError(f"{name} has {t.shape[0]} local tokens, but {what} rank "
+                             f"{plan.cp_rank} {n_local} tokens")
     group = check_group(group, plan)
     if plan.cp_size > 1 and options.validate:
         agree_on_plan(plan, group)  # on the host; a no-op when the step's sharding did it

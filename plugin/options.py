@@ -1,6 +1,7 @@
 """AttnOptions: how one context-parallel attention call runs, declared and checked once.
 
-The five runtime options (strategy, backend, validate, a2a_size, overlap_stages) travel as
+The runtime options (strategy, backend, validate, a2a_size, overlap_stages, graph_safe,
+graph_capacity) travel as
 ONE frozen object down the spine: ``CPConfig.attn_options`` (the integrations' TOML) ->
 ``ContextParallelVarlenAttention`` / ``cp_varlen_attn`` (and the compiled op) -> the
 strategies' ``CallSpec``. Everything that can be said about them without the tensors is
@@ -31,6 +32,9 @@ STRATEGY_CHOICES: tuple[str, ...] = (*catalogue.STRATEGY_NAMES, catalogue.AUTO)
 
 STAGED_STRATEGIES: tuple[str, ...] = (*catalogue.STAGED, catalogue.AUTO)
 """Strategies that take ``overlap_stages`` ("auto" passes it on when it picks one)."""
+
+GRAPH_SAFE_STRATEGIES: tuple[str, ...] = catalogue.GRAPH_SAFE
+"""The strategies with a graph-safe form (``varlen_cp.strategies.static``)."""
 
 TAKES: dict[str, tuple[str, ...]] = {
     "a2a_size": ("a2a+p2p",),
@@ -85,6 +89,15 @@ class AttnOptions:
                transfers, each in flight while the previous stage computes; 1: one
                transfer, then one call (no overlap). None: the cost model's choice per plan
                and mask (``varlen_cp.tables.staged.default_stages``).
+    graph_safe: the same device work for every batch, so that a captured step (CUDA
+               graphs) replays right with other documents (``varlen_cp.strategies.static``;
+               docs/graph-safe.md): every rank's q, k, v hold ``graph_capacity`` rows (its
+               tokens, then unused slots), the rows' documents and positions are refreshed
+               in place in device buffers, collectives have fixed sizes. Strategies
+               ``GRAPH_SAFE_STRATEGIES``; CPU only so far.
+    graph_capacity: graph_safe only: rows per rank (None: 1.02 x the mean tokens per rank,
+               rounded up to 64, ``tables.static_rows.default_capacity``); a batch in which
+               a rank holds more is refused before any communication.
     """
 
     strategy: str = "p2p"
@@ -92,6 +105,8 @@ class AttnOptions:
     validate: bool = True
     a2a_size: int | None = None
     overlap_stages: int | None = None
+    graph_safe: bool = False
+    graph_capacity: int | None = None
 
     def __post_init__(self) -> None:
         check_strategy(self.strategy)
@@ -99,6 +114,20 @@ class AttnOptions:
         check_bool("validate", self.validate)
         for option in TAKES:
             check_taken(option, getattr(self, option), (self.strategy,))
+        check_bool("graph_safe", self.graph_safe)
+        check_int("graph_capacity", self.graph_capacity, 1, optional=True)
+        if self.graph_capacity is not None and not self.graph_safe:
+            raise ValueError(f"graph_capacity applies with graph_safe=True only, got "
+                             f"graph_capacity={self.graph_capacity!r}")
+        if self.graph_safe:
+            if self.strategy not in GRAPH_SAFE_STRATEGIES:
+                raise ValueError(f"graph_safe=True runs strategy {GRAPH_SAFE_STRATEGIES} "
+                                 f"only (the others have no static form yet), got "
+                                 f"strategy={self.strategy!r}")
+            if self.overlap_stages is not None:
+                raise ValueError(f"overlap_stages does not apply with graph_safe=True (one "
+                                 f"transfer, no stages), got overlap_stages="
+                                 f"{self.overlap_stages!r}")
         # The compiled op's handle on these options (a plain int the graph can carry):
         # equal options share one, and ``of_key`` gives the object back whole.
         key = _KEYS.setdefault(self, len(_KEYS))
@@ -109,7 +138,7 @@ class AttnOptions:
     def __reduce__(self):
         # rebuilt through __init__ in another process, so it gets that process's key
         return (_rebuild, (self.strategy, self.backend, self.validate, self.a2a_size,
-                           self.overlap_stages))
+                           self.overlap_stages, self.graph_safe, self.graph_capacity))
 
     @staticmethod
     def of_key(key: int) -> "AttnOptions":
@@ -122,6 +151,8 @@ _BY_KEY: list[AttnOptions] = []
 
 
 def _rebuild(strategy: str, backend: str, validate: bool, a2a_size: int | None,
-             overlap_stages: int | None) -> AttnOptions:
+             overlap_stages: int | None, graph_safe: bool = False,
+             graph_capacity: int | None = None) -> AttnOptions:
     return AttnOptions(strategy=strategy, backend=backend, validate=validate,
-                       a2a_size=a2a_size, overlap_stages=overlap_stages)
+                       a2a_size=a2a_size, overlap_stages=overlap_stages,
+                       graph_safe=graph_safe, graph_capacity=graph_capacity)

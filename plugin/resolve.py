@@ -37,6 +37,8 @@ from .tables.hybrid import default_a2a_size
 from .tables.staged import resolve_stages
 from .shape import AttnShape
 from .strategies import LOCAL, Resolution, get_strategy
+from .strategies.static import get_static_strategy
+from .tables.static_rows import capacity_of
 
 
 def kernel_route(backend: str, device: torch.device, shape: AttnShape
@@ -91,6 +93,8 @@ def check_launch(options: AttnOptions, shape: AttnShape, cp_size: int,
 
 def _resolve(plan: CPPlan, mask: AttnMask, options: AttnOptions, shape: AttnShape,
              device: torch.device) -> Resolution:
+    if options.graph_safe:
+        return _resolve_graph_safe(plan, options, shape, device)
     check_heads(options, shape.n_heads, shape.n_kv_heads, plan.cp_size)
     backend, block, route, _ = kernel_route(options.backend, device, shape)
     name = options.strategy
@@ -107,6 +111,19 @@ def _resolve(plan: CPPlan, mask: AttnMask, options: AttnOptions, shape: AttnShap
         if a2a_size is None:
             a2a_size = default_a2a_size(shape.n_heads, shape.n_kv_heads, plan.cp_size)
     return Resolution(name, strategy, backend, block, route, shape, stages, a2a_size)
+
+
+def _resolve_graph_safe(plan: CPPlan, options: AttnOptions, shape: AttnShape,
+                        device: torch.device) -> Resolution:
+    """The graph-safe mode: the strategy's static form at every cp (cp 1 too: the local op
+    reads tile schedules of the batch), its capacity; CPU devices only so far."""
+    if device.type != "cpu":
+        raise ValueError(f"graph_safe=True runs on CPU devices only so far (its GPU kernels "
+                         f"are not built: docs/graph-safe.md), got device {device}")
+    strategy = get_static_strategy(options.strategy)
+    strategy.check_heads(shape.n_heads, shape.n_kv_heads, plan.cp_size)
+    return Resolution(options.strategy, strategy, "torch", (0, 0), None, shape,
+                      capacity=capacity_of(plan, options.graph_capacity))
 
 
 def resolve(plan: CPPlan, mask: AttnMask, options: AttnOptions, shape: AttnShape,

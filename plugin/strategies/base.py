@@ -49,7 +49,8 @@ class Resolution:
     ``backend``: our kernels ("triton" / "torch") for the calls FlashAttention does not
     take; ``block``: their tiles; ``route``: FlashAttention for the calls it expresses
     exactly (None: none); ``stages``: a staged strategy's stage count; ``a2a_size``: the
-    Ulysses group size of "a2a+p2p" (the heads' default when not given)."""
+    Ulysses group size of "a2a+p2p" (the heads' default when not given); ``capacity``: the
+    graph-safe mode's rows per rank (None: not graph-safe)."""
 
     name: str
     strategy: "Strategy"
@@ -59,6 +60,7 @@ class Resolution:
     shape: AttnShape
     stages: int | None = None
     a2a_size: int | None = None
+    capacity: int | None = None   # graph_safe: rows per rank (``tables.static_rows``)
 
 
 @dataclass(frozen=True)

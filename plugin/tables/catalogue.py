@@ -12,7 +12,8 @@ row sums), its other cost functions (``tables.cost``) and its runtime module.
 max(compute, comm) per pass), "stages" (``overlap_stages`` stages, the staged pipeline of
 ``tables.staged``; such a strategy is *staged*), "none" (it waits for its collectives:
 compute + comm). ``tie_rank``: ``auto``'s order among near-equal estimates (simpler, less
-memory first).
+memory first). ``graph_safe``: it has a static form (``varlen_cp.strategies.static``: the
+same device work for every batch, ``AttnOptions(graph_safe=True)``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class StrategyTraits:
     visible_pairs: Callable[..., list[float]]
     visited_pairs: Callable[..., list[float]]
     saved_bytes: Callable[..., int]
+    graph_safe: bool = False
 
     @property
     def staged(self) -> bool:
@@ -66,11 +68,11 @@ def _hybrid_heads(shape: AttnShape, cp: int) -> dict[str, Any] | None:
 
 CATALOGUE: tuple[StrategyTraits, ...] = (
     StrategyTraits("p2p", "ring", 0, _any_heads, traffic.p2p_traffic, cost.rank_pairs,
-                   cost.p2p_visited, cost.nothing_saved),
+                   cost.p2p_visited, cost.nothing_saved, True),
     StrategyTraits("all_gather", "stages", 4, _any_heads, traffic.all_gather_traffic,
-                   cost.rank_pairs, cost.all_gather_visited, cost.selected_saved),
+                   cost.rank_pairs, cost.all_gather_visited, cost.selected_saved, True),
     StrategyTraits("a2a", "none", 1, _a2a_heads, traffic.a2a_traffic, cost.a2a_pairs,
-                   cost.a2a_visited, cost.a2a_saved),
+                   cost.a2a_visited, cost.a2a_saved, True),
     StrategyTraits("a2a+p2p", "none", 3, _hybrid_heads, traffic.hybrid_traffic,
                    cost.hybrid_pairs, cost.hybrid_visited, cost.hybrid_saved),
     StrategyTraits("dispatch", "stages", 2, _any_heads, traffic.dispatch_traffic,
@@ -79,6 +81,7 @@ CATALOGUE: tuple[StrategyTraits, ...] = (
 BY_NAME: dict[str, StrategyTraits] = {t.name: t for t in CATALOGUE}
 STRATEGY_NAMES: tuple[str, ...] = tuple(BY_NAME)
 STAGED: tuple[str, ...] = tuple(t.name for t in CATALOGUE if t.staged)
+GRAPH_SAFE: tuple[str, ...] = tuple(t.name for t in CATALOGUE if t.graph_safe)
 
 
 def traits(name: Any) -> StrategyTraits:

@@ -112,20 +112,21 @@ class AllReduceCounter:
 def no_communication():
     """Every collective and P2P call the strategies (and plan checks) use raises."""
     from varlen_cp.strategies import all_gather
+    from varlen_cp.strategies.static import all_gather as static
     names = ("all_reduce", "all_to_all_single", "batch_isend_irecv", "all_gather",
              "all_gather_into_tensor", "new_group", "broadcast", "barrier")
     saved = {n: getattr(dist, n) for n in names}
-    saved_ag = all_gather._all_gather_single
+    saved_ag = all_gather._all_gather_single, static._all_gather_single
 
     def refuse(*_a, **_k):
         raise RuntimeError("communication before validation")
 
     for n in names:
         setattr(dist, n, refuse)
-    all_gather._all_gather_single = refuse
+    all_gather._all_gather_single = static._all_gather_single = refuse
     try:
         yield
     finally:
         for n, f in saved.items():
             setattr(dist, n, f)
-        all_gather._all_gather_single = saved_ag
+        all_gather._all_gather_single, static._all_gather_single = saved_ag

@@ -1,0 +1,89 @@
+"""The graph-safe strategies: the same device work for every batch, so that a captured step
+(CUDA graphs) replays correctly with another batch's documents.
+
+``AttnOptions(graph_safe=True)`` runs these instead of the dynamic strategies. Every rank
+holds ``capacity`` rows (``varlen_cp.tables.static_rows``: its tokens, then unused slots);
+each row's document and position live in device buffers allocated once per (device, cp,
+rank, capacity) and refreshed IN PLACE for each plan (:class:`StaticRows`: a non-blocking
+copy from a pinned staging buffer, on the current stream, before the call reads them). A
+call then reads nothing of the batch on the host: its collectives have fixed sizes
+(capacity rows per rank), its kernel the buffers' shapes (``kernels.dense``: every row
+against every key row, visibility from (document, position)), and no Python branch looks
+at the batch. What changes between batches is the buffers' contents only.
+
+- ``p2p`` (ring): cp steps, each block of capacity rows posted to the next rank while the
+  previous one computes; backward the blocks go round again with fp32 dK|dV
+  accumulators that end at their owners.
+- ``all_gather``: one ``all_gather_single`` of every rank's K|V rows (capacity each), one
+  call of the local rows against all of them; backward: the dK|dV rows of every rank go
+  back in one ``all_to_all_single`` of equal splits and are summed in fp32 in rank order
+  (a reduce-scatter, deterministic).
+- ``a2a`` (Ulysses): one ``all_to_all_single`` of q|k|v to heads (equal splits: capacity
+  rows per rank), one call of every row against every row on this rank's heads, one back
+  (out|lse); backward the same in reverse. K/V heads fewer than cp are repeated to cp
+  (their gradients summed back), as the dynamic ``a2a`` does.
+
+The others (``a2a+p2p``, ``dispatch``, ``auto``) are refused in this mode with an
+error naming the supported ones (docs/graph-safe.md: what remains to do). The kernel is
+the CPU stand-in (quadratic in the capacity); CUDA devices are refused until the
+capacity-grid GPU kernels land.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...masks import AttnMask
+from ...options import GRAPH_SAFE_STRATEGIES
+from ...plan import CPPlan
+from ..base import CallSpec, Resolution, Strategy
+from .a2a import _StaticUlysses
+from .all_gather import _StaticAllGather
+from .p2p import _StaticRing
+from .buffers import StaticRows, static_buffers
+
+__all__ = ["StaticRows", "StaticStrategy", "STATIC_STRATEGIES", "get_static_strategy",
+           "static_buffers"]
+
+
+class StaticStrategy(Strategy):
+    """One graph-safe strategy (module docstring)."""
+
+    def __init__(self, name: str, function: type[torch.autograd.Function]) -> None:
+        self.name = name
+        self._function = function
+
+    @property
+    def staged(self) -> bool:
+        return False
+
+    def check_heads(self, n_heads: int, n_kv_heads: int, cp_size: int,
+                    a2a_size: int | None = None) -> None:
+        if self.name != "a2a":
+            return
+        if n_heads % cp_size or not (n_kv_heads % cp_size == 0 or cp_size % n_kv_heads == 0):
+            raise ValueError(f"graph_safe strategy 'a2a' needs n_heads ({n_heads}) divisible "
+                             f"by cp ({cp_size}) and n_kv_heads ({n_kv_heads}) a multiple "
+                             f"or a divisor of cp")
+
+    def build_tables(self, plan: CPPlan, mask: AttnMask, res: Resolution,
+                     device: torch.device) -> None:
+        static_buffers(plan, res.capacity, device)
+
+    def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
+                 ) -> tuple[type[torch.autograd.Function], tuple]:
+        plan = spec.plan
+        rows = static_buffers(plan, spec.res.capacity, q.device)
+        return self._function, (rows, plan.cp_rank, plan.cp_size, spec.group,
+                                spec.attn.mask, spec.attn.scale, spec.need_max)
+
+
+STATIC_STRATEGIES: dict[str, StaticStrategy] = {
+    f.strategy: StaticStrategy(f.strategy, f) for f in (_StaticRing, _StaticAllGather, _StaticUlysses)}
+assert tuple(STATIC_STRATEGIES) == GRAPH_SAFE_STRATEGIES, "the catalogue's graph_safe traits"
+
+
+def get_static_strategy(name: str) -> StaticStrategy:
+    """The graph-safe form of strategy ``name`` (one of ``GRAPH_SAFE_STRATEGIES``: the
+    options refuse the others)."""
+    return STATIC_STRATEGIES[name]

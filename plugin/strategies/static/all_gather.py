@@ -1,0 +1,63 @@
+"""Graph-safe ``all_gather``: one ``all_gather_single`` of every rank's K|V rows (capacity
+each), one call of the local rows against all of them; backward: the dK|dV rows of every
+rank go back in one ``all_to_all_single`` of equal splits and are summed in fp32 in rank
+order (a reduce-scatter, deterministic)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...kernels.dense import dense_bwd, dense_fwd, dense_visible
+from ...masks import AttnMask
+from ...plan.collective import all_gather_single
+from ..calls import head_max, no_max
+from .buffers import StaticRows, mask_args, pair
+
+# The one shim (plan/collective.py); looked up here at call time, so tests can replace it.
+_all_gather_single = all_gather_single
+
+
+class _StaticAllGather(torch.autograd.Function):
+    strategy = "all_gather"
+
+    @staticmethod
+    def forward(ctx, q, k, v, rows: StaticRows, rank: int, cp: int, group: Any,
+                mask: AttnMask, scale: float, need_max: bool):
+        cap, hkv, d, dv = q.shape[0], k.shape[1], k.shape[2], v.shape[2]
+        kv = torch.cat([k.reshape(cap, hkv * d), v.reshape(cap, hkv * dv)], 1)
+        gathered = kv
+        if cp > 1:
+            gathered = kv.new_empty(cp * cap, kv.shape[1])
+            _all_gather_single(gathered, kv, group=group)
+        k_all, v_all = pair(gathered, hkv * d)
+        k_all = k_all.reshape(cp * cap, hkv, d)
+        v_all = v_all.reshape(cp * cap, hkv, dv)
+        q_doc, q_pos = rows.rank_rows(rank)
+        seen = dense_visible(q_doc, q_pos, rows.doc, rows.pos, *mask_args(mask))
+        out, lse, row_max = dense_fwd(q, k_all, v_all, seen, scale, need_max)
+        ctx.save_for_backward(q, k_all, v_all, out, lse, seen)
+        ctx.meta = (cp, group, scale, k.dtype)
+        ctx.set_materialize_grads(False)
+        part = head_max(row_max, q.shape[1], q.device) if need_max else no_max(q.device)
+        return out.to(q.dtype), lse, part
+
+    @staticmethod
+    def backward(ctx, dout, dlse, _dmax):
+        q, k_all, v_all, out, lse, seen = ctx.saved_tensors
+        cp, group, scale, dtype = ctx.meta
+        cap = q.shape[0]
+        dout = torch.zeros_like(out) if dout is None else dout
+        dq, dk, dv = dense_bwd(dout, q, k_all, v_all, out, lse, dlse, seen, scale)
+        width = dk.shape[1] * dk.shape[2]
+        send = torch.cat([dk.reshape(cp * cap, width), dv.reshape(cp * cap, -1)], 1)
+        recv = send
+        if cp > 1:
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, group=group)
+        mine = recv.view(cp, cap, -1).sum(0)        # in rank order: deterministic
+        dk_own, dv_own = pair(mine, width)
+        return (dq.to(q.dtype), dk_own.reshape(cap, *k_all.shape[1:]).to(dtype),
+                dv_own.reshape(cap, *v_all.shape[1:]).to(dtype)) + (None,) * 7

@@ -1,0 +1,100 @@
+"""Graph-safe ``p2p`` (ring): cp steps; at step s the rank holds the K|V rows of rank
+(rank - s) mod cp (capacity rows, fixed size), posts them to the next rank while it
+computes its queries against them, and folds the partial by its LSE. Backward: the K|V
+blocks go round again, each with an fp32 dK|dV accumulator that every rank adds its share
+to; after cp steps each accumulator is back at its owner (no reduction collective, the
+sum in ring order: deterministic). Which block a step holds is a constant of (rank, s),
+never of the batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...kernels.dense import dense_bwd, dense_fwd, dense_visible
+from ...kernels.merge import merge_attn_partials_
+from ...masks import AttnMask
+from ..calls import global_rank, head_max, no_max
+from .buffers import StaticRows, mask_args, pair
+
+
+def _pass(send: list[torch.Tensor], rank: int, cp: int, group: Any) -> tuple[list, list]:
+    """Post ``send`` to the next rank and receive as much from the previous one: (the
+    receive buffers, the works to wait for)."""
+    recv = [torch.empty_like(t) for t in send]
+    nxt = global_rank(group, (rank + 1) % cp)
+    prv = global_rank(group, (rank - 1) % cp)
+    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in send]
+    ops += [dist.P2POp(dist.irecv, t, prv, group) for t in recv]
+    return recv, dist.batch_isend_irecv(ops)
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+class _StaticRing(torch.autograd.Function):
+    strategy = "p2p"
+
+    @staticmethod
+    def forward(ctx, q, k, v, rows: StaticRows, rank: int, cp: int, group: Any,
+                mask: AttnMask, scale: float, need_max: bool):
+        cap, hkv, d, dv = q.shape[0], k.shape[1], k.shape[2], v.shape[2]
+        kv = torch.cat([k.reshape(cap, hkv * d), v.reshape(cap, hkv * dv)], 1)
+        q_doc, q_pos = rows.rank_rows(rank)
+        cur, out, lse, row_max = kv, None, None, None
+        for s in range(cp):
+            works = []
+            if s + 1 < cp:
+                (nxt,), works = _pass([cur], rank, cp, group)
+            k_b, v_b = pair(cur, hkv * d)
+            seen = dense_visible(q_doc, q_pos, *rows.rank_rows((rank - s) % cp),
+                                 *mask_args(mask))
+            o, l, m = dense_fwd(q, k_b.reshape(cap, hkv, d), v_b.reshape(cap, hkv, dv),
+                                seen, scale, need_max)
+            if out is None:
+                out, lse, row_max = o, l, m
+            else:
+                out, lse = merge_attn_partials_(out, lse, o, l)
+                row_max = torch.maximum(row_max, m) if need_max else None
+            _wait(works)
+            if s + 1 < cp:
+                cur = nxt
+        ctx.save_for_backward(q, kv, out, lse)
+        ctx.meta = (rows, rank, cp, group, mask, scale, (hkv, d, dv), k.dtype)
+        ctx.set_materialize_grads(False)
+        part = head_max(row_max, q.shape[1], q.device) if need_max else no_max(q.device)
+        return out.to(q.dtype), lse, part
+
+    @staticmethod
+    def backward(ctx, dout, dlse, _dmax):
+        q, kv, out, lse = ctx.saved_tensors
+        rows, rank, cp, group, mask, scale, (hkv, d, dv), dtype = ctx.meta
+        cap = q.shape[0]
+        dout = torch.zeros_like(out) if dout is None else dout
+        q_doc, q_pos = rows.rank_rows(rank)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        cur = kv
+        acc = torch.zeros(cap, hkv * (d + dv), dtype=torch.float32, device=q.device)
+        for s in range(cp):
+            k_b, v_b = pair(cur, hkv * d)
+            seen = dense_visible(q_doc, q_pos, *rows.rank_rows((rank - s) % cp),
+                                 *mask_args(mask))
+            dq_s, dk_s, dv_s = dense_bwd(dout, q, k_b.reshape(cap, hkv, d),
+                                         v_b.reshape(cap, hkv, dv), out, lse, dlse, seen,
+                                         scale)
+            dq += dq_s
+            acc = acc + torch.cat([dk_s.reshape(cap, -1), dv_s.reshape(cap, -1)], 1)
+            if cp > 1:   # the block's accumulator on to the next rank (the block too, but
+                # after the last step: the accumulator then reaches its owner)
+                recv, works = _pass([acc] if s + 1 == cp else [acc, cur], rank, cp, group)
+                _wait(works)
+                acc = recv[0]
+                if s + 1 < cp:
+                    cur = recv[1]
+        dk, dv_ = pair(acc, hkv * d)
+        return (dq.to(q.dtype), dk.reshape(cap, hkv, d).to(dtype),
+                dv_.reshape(cap, hkv, dv).to(dtype)) + (None,) * 7

@@ -1,0 +1,266 @@
+"""The graph-safe mode (``AttnOptions(graph_safe=True)``, ``varlen_cp.strategies.static``)
+on gloo, at cp 2 and 4, for every graph-safe strategy x mask x layout of the CP grid:
+
+- a step (forward and backward, with LSE gradients) on batch A, recorded from the
+  dispatcher (``tests.helpers.replay.DeviceWork``), equals the single-device op;
+- batch B (other documents) written IN PLACE into the same inputs and buffers, recorded
+  again: the identical sequence of ops, on the identical storages, with the identical
+  scalar arguments and collective sizes, and no tensor from outside the step; it equals the
+  single-device op on B;
+- re-running batch A's recording on the refreshed buffers (what a CUDA graph replay does)
+  gives batch B's results exactly.
+
+The dynamic strategies fail the same check (their recordings differ between two batches
+that give every rank the same token count), so the check can fail; a batch in which a rank
+holds more than the capacity is refused on every rank, before any communication.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.helpers.cp_grid import (DV, HEADS, MASKS, D, compare_fp32, cu, global_inputs,
+                                   small_plan)
+from tests.helpers.replay import DeviceWork
+from varlen_cp import AttnOptions, cp_varlen_attn
+from varlen_cp.attention import build_layer_tables
+from varlen_cp.kernels import varlen_attn
+from varlen_cp.options import GRAPH_SAFE_STRATEGIES
+from varlen_cp.plan.agreement import agree_on_plan
+from varlen_cp.shape import AttnShape
+from varlen_cp.tables.static_rows import default_capacity
+
+BATCH_A = [1, 2, 37, 9, 0, 130, 5, 23]         # 207 tokens (the CP grid's batch)
+BATCH_B = [60, 3, 71, 1, 40, 32]               # 207 tokens, other documents
+LAYOUTS = ("balanced", "dual_chunk", "te", "contiguous")
+
+
+def reference(inputs, docs, mask):
+    """The single-device op on the whole batch: out, lse, dq, dk, dv, with the LSE's
+    gradient too."""
+    q, k, v, dout, dlse = inputs
+    c = cu(docs)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = varlen_attn(q, k, v, c, c, max(docs), max(docs), None, mask.causal,
+                           mask.window_size, chunk_size=mask.chunk_size, return_lse=True,
+                           backend="torch")
+    torch.autograd.backward((out, lse), (dout, dlse))
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def batch_inputs(docs, hq, hkv, seed):
+    q, k, v, dout = global_inputs(docs, hq, hkv, seed)
+    dlse = torch.randn(hq, sum(docs), generator=torch.Generator().manual_seed(seed + 99))
+    return q, k, v, dout, dlse
+
+
+class Step:
+    """One layer's inputs at capacity, allocated once (the graph's static inputs)."""
+
+    def __init__(self, cap: int, hq: int, hkv: int) -> None:
+        self.q = torch.zeros(cap, hq, D, requires_grad=True)
+        self.k = torch.zeros(cap, hkv, D, requires_grad=True)
+        self.v = torch.zeros(cap, hkv, DV, requires_grad=True)
+        self.dout = torch.zeros(cap, hq, DV)
+        self.dlse = torch.zeros(hq, cap)
+
+    def load(self, plan, inputs) -> None:
+        """Batch ``plan``'s rows written in place; unused slots zero."""
+        n = plan.num_tokens
+        with torch.no_grad():
+            for static, full in zip((self.q, self.k, self.v, self.dout), inputs):
+                static.zero_()
+                static[:n] = plan.shard(full)
+            self.dlse.zero_()
+            self.dlse[:, :n] = plan.shard(inputs[4].t().contiguous()).t()
+        for t in (self.q, self.k, self.v):
+            t.grad = None
+
+    def run(self, plan, mask, options):
+        out, lse = cp_varlen_attn(self.q, self.k, self.v, plan, mask, None, options,
+                                  return_lse=True)
+        torch.autograd.backward((out, lse), (self.dout, self.dlse))
+        return out, lse, self.q.grad, self.k.grad, self.v.grad
+
+
+def _prepare(plan, mask, options, step):
+    """What the step's planner and sharding do before the step: the tables (the device
+    buffers refreshed for the plan) and the plan agreement."""
+    shape = AttnShape.of(step.q, step.k, step.v)
+    build_layer_tables(plan, mask, options, shape, torch.device("cpu"))
+    agree_on_plan(plan, None)
+
+
+def _results(plan, res):
+    """(out, lse, dq, dk, dv) of the real rows, in global order (every rank)."""
+    n = plan.num_tokens
+    out, lse, dq, dk, dv = (t.detach() for t in res)
+    return (plan.unshard(out[:n]), plan.unshard(lse[:, :n].t().contiguous()).t(),
+            plan.unshard(dq[:n]), plan.unshard(dk[:n]), plan.unshard(dv[:n]))
+
+
+def _unused_slots(plan, res, what):
+    """Unused slots: out 0, lse -inf, gradients 0."""
+    n = plan.num_tokens
+    out, lse, dq, dk, dv = (t.detach() for t in res)
+    errors = []
+    if not (bool((out[n:] == 0).all()) and bool(torch.isneginf(lse[:, n:]).all())):
+        errors.append(f"{what}: unused slots' out / lse")
+    if not all(bool((g[n:] == 0).all()) for g in (dq, dk, dv)):
+        errors.append(f"{what}: unused slots' gradients")
+    return errors
+
+
+def graph_safe_worker(rank, world):
+    errors, n = [], 0
+    for i, (name, layout, mname) in enumerate(
+            (s, lay, m) for s in GRAPH_SAFE_STRATEGIES for lay in LAYOUTS for m in MASKS):
+        mask = MASKS[mname]
+        hq, hkv = HEADS[world][i % 2]
+        plans = [small_plan(docs, world, rank, layout, mask) for docs in (BATCH_A, BATCH_B)]
+        cap = max(default_capacity(p.padded_total_tokens, world) for p in plans)
+        options = AttnOptions(strategy=name, graph_safe=True, graph_capacity=cap)
+        step = Step(cap, hq, hkv)
+        what = f"[{name} {layout} {mname} cp {world}]"
+        recordings, results = [], []
+        for plan, docs, seed in zip(plans, (BATCH_A, BATCH_B), (i, i + 1000)):
+            inputs = batch_inputs(docs, hq, hkv, seed)
+            step.load(plan, inputs)
+            _prepare(plan, mask, options, step)
+            with DeviceWork([step.q, step.k, step.v, step.dout, step.dlse] +
+                            list(_buffers(plan, cap))) as rec:
+                res = step.run(plan, mask, options)
+            recordings.append(rec)
+            results.append(res)
+            errors += compare_fp32(_results(plan, res), reference(inputs, docs, mask),
+                                   f"{what} batch {len(results)}")
+            errors += _unused_slots(plan, res, what)
+        first, second = recordings
+        if first.signature() != second.signature():
+            errors.append(f"{what}: the two batches' device work differs "
+                          f"({_first_difference(first, second)})")
+        if first.externs():
+            errors.append(f"{what}: tensors from outside the step: {first.externs()[:2]}")
+        outs = first.replay()       # batch A's recording on batch B's buffers
+        for got, want, label in zip((first.replayed(outs, t) for t in results[0]),
+                                    results[1], ("out", "lse", "dq", "dk", "dv")):
+            if not torch.equal(got, want.detach()):
+                errors.append(f"{what}: replay {label} differs from batch B's step")
+        n += 1
+    assert not errors, "\n".join(errors[:20])
+    return n
+
+
+def _buffers(plan, cap):
+    from varlen_cp.strategies.static import static_buffers
+    return (static_buffers(plan, cap, torch.device("cpu")).table,)
+
+
+def _first_difference(a, b) -> str:
+    sa, sb = a.signature(), b.signature()
+    if len(sa) != len(sb):
+        return f"{len(sa)} vs {len(sb)} ops"
+    for i, (x, y) in enumerate(zip(sa, sb)):
+        if x != y:
+            return f"op {i}: {x[0]} {x[1][:3]} vs {y[0]} {y[1][:3]}"
+    return "?"
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_graph_safe_steps_replay_with_other_documents(tmp_path, world):
+    results = run_distributed(graph_safe_worker, world, tmp_path)
+    assert results == [len(GRAPH_SAFE_STRATEGIES) * len(LAYOUTS) * len(MASKS)] * world
+
+
+def dynamic_worker(rank, world):
+    """The dynamic strategies on two batches that give every rank the same token count
+    (``contiguous``): their recordings differ (the check above can fail)."""
+    from varlen_cp.options import STRATEGY_CHOICES
+    same = []
+    mask = MASKS["causal"]
+    for name in STRATEGY_CHOICES:
+        options = AttnOptions(strategy=name, backend="torch")
+        recordings = []
+        for docs, seed in ((BATCH_A, 0), (BATCH_B, 1)):
+            plan = small_plan(docs, world, rank, "contiguous", mask)
+            inputs = batch_inputs(docs, 4, 2, seed)
+            step = Step(plan.num_tokens, 4, 2)
+            step.load(plan, inputs)
+            agree_on_plan(plan, None)
+            build_layer_tables(plan, mask, options, AttnShape.of(step.q, step.k, step.v),
+                               torch.device("cpu"))
+            with DeviceWork([step.q, step.k, step.v, step.dout, step.dlse]) as rec:
+                step.run(plan, mask, options)
+            recordings.append(rec)
+        first, second = recordings
+        if first.signature() == second.signature() and not first.externs():
+            same.append(name)
+    return same
+
+
+def test_dynamic_strategies_issue_other_work_per_batch(tmp_path):
+    assert run_distributed(dynamic_worker, 2, tmp_path) == [[], []]
+
+
+def over_capacity_worker(rank, world):
+    """A capacity below a rank's share: ValueError on every rank, nothing communicated."""
+    from tests.helpers.guards import no_communication
+    mask = MASKS["causal"]
+    plan = small_plan(BATCH_A, world, rank, "contiguous", mask)
+    cap = 64                           # every rank holds 103 or 104 tokens
+    options = AttnOptions(strategy="all_gather", graph_safe=True, graph_capacity=cap)
+    step = Step(cap, 4, 2)
+    with no_communication():
+        try:
+            cp_varlen_attn(step.q, step.k, step.v, plan, mask, None, options)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def test_a_batch_over_capacity_is_refused_on_every_rank(tmp_path):
+    errors = run_distributed(over_capacity_worker, 2, tmp_path)
+    for e in errors:
+        assert e is not None and "graph_capacity=64" in e and "rank 1 holds 104" in e, e
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"strategy": "dispatch", "graph_safe": True}, "graph_safe=True runs strategy"),
+    ({"strategy": "auto", "graph_safe": True}, "graph_safe=True runs strategy"),
+    ({"strategy": "all_gather", "graph_capacity": 64}, "graph_capacity applies with"),
+    ({"strategy": "all_gather", "graph_safe": True, "graph_capacity": 0}, "graph_capacity"),
+    ({"strategy": "all_gather", "graph_safe": True, "overlap_stages": 2}, "overlap_stages"),
+    ({"strategy": "a2a", "graph_safe": "yes"}, "graph_safe"),
+])
+def test_graph_safe_options_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AttnOptions(**kwargs)
+
+
+def test_graph_safe_refuses_other_devices_and_wrong_row_counts():
+    from varlen_cp.resolve import resolve
+    mask = MASKS["causal"]
+    plan = small_plan(BATCH_A, 1, 0, "contiguous", mask)
+    options = AttnOptions(strategy="all_gather", graph_safe=True, graph_capacity=256)
+    shape = AttnShape(n_heads=4, n_kv_heads=2, head_dim=D, head_dim_v=DV,
+                      dtype=torch.float32)
+    with pytest.raises(ValueError, match="CPU devices only"):
+        resolve(plan, mask, options, shape, torch.device("meta"))
+    step = Step(plan.num_tokens, 4, 2)     # the batch's rows, not the capacity's
+    with pytest.raises(ValueError, match="graph_capacity gives rank 0 256 tokens"):
+        cp_varlen_attn(step.q, step.k, step.v, plan, mask, None, options)
+
+
+def test_buffers_are_refreshed_in_place():
+    from varlen_cp.strategies.static import static_buffers
+    from varlen_cp.tables.static_rows import static_rows
+    mask = MASKS["causal"]
+    rows = []
+    for docs in (BATCH_A, BATCH_B):
+        plan = small_plan(docs, 1, 0, "contiguous", mask)
+        buf = static_buffers(plan, 256, torch.device("cpu"))
+        rows.append((buf.table.untyped_storage().data_ptr(), buf.table.clone()))
+        assert torch.equal(buf.table, torch.from_numpy(static_rows(plan, 256)))
+    assert rows[0][0] == rows[1][0] and not torch.equal(rows[0][1], rows[1][1])
