@@ -35,7 +35,7 @@ from .resolve import check_group, resolve
 from .shape import AttnShape
 from .strategies import CallSpec, Strategy
 from .strategies.calls import Attn
-from .tables.static_rows import check_capacity
+from .tables.static_rows import check_capacity, check_send_capacity
 
 
 # ------------------------------------------------------------------------------- checks
@@ -91,6 +91,8 @@ def resolve_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan
     n_local, what = plan.num_tokens_of(plan.cp_rank), "the plan gives"
     if res.capacity is not None:   # graph-safe: capacity rows, the tokens first
         check_capacity(plan, res.capacity)
+        if res.send_capacity is not None:
+            check_send_capacity(plan, mask, res.send_capacity)
         n_local, what = res.capacity, "graph_capacity gives"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.shape[0] != n_local:

@@ -1,7 +1,7 @@
 """AttnOptions: how one context-parallel attention call runs, declared and checked once.
 
 The runtime options (strategy, backend, validate, a2a_size, overlap_stages, graph_safe,
-graph_capacity) travel as
+graph_capacity, graph_send_capacity) travel as
 ONE frozen object down the spine: ``CPConfig.attn_options`` (the integrations' TOML) ->
 ``ContextParallelVarlenAttention`` / ``cp_varlen_attn`` (and the compiled op) -> the
 strategies' ``CallSpec``. Everything that can be said about them without the tensors is
@@ -98,6 +98,8 @@ class AttnOptions:
     graph_capacity: graph_safe only: rows per rank (None: 1.02 x the mean tokens per rank,
                rounded up to 64, ``tables.static_rows.default_capacity``); a batch in which
                a rank holds more is refused before any communication.
+    graph_send_capacity: graph_safe "dispatch" only: the most keys one rank sends another
+               (None: ``graph_capacity``, which any batch fits); sends are padded to it.
     """
 
     strategy: str = "p2p"
@@ -107,6 +109,7 @@ class AttnOptions:
     overlap_stages: int | None = None
     graph_safe: bool = False
     graph_capacity: int | None = None
+    graph_send_capacity: int | None = None
 
     def __post_init__(self) -> None:
         check_strategy(self.strategy)
@@ -116,9 +119,15 @@ class AttnOptions:
             check_taken(option, getattr(self, option), (self.strategy,))
         check_bool("graph_safe", self.graph_safe)
         check_int("graph_capacity", self.graph_capacity, 1, optional=True)
-        if self.graph_capacity is not None and not self.graph_safe:
-            raise ValueError(f"graph_capacity applies with graph_safe=True only, got "
-                             f"graph_capacity={self.graph_capacity!r}")
+        check_int("graph_send_capacity", self.graph_send_capacity, 1, optional=True)
+        for name in ("graph_capacity", "graph_send_capacity"):
+            if getattr(self, name) is not None and not self.graph_safe:
+                raise ValueError(f"{name} applies with graph_safe=True only, got "
+                                 f"{name}={getattr(self, name)!r}")
+        if self.graph_send_capacity is not None and self.strategy != "dispatch":
+            raise ValueError(f"graph_send_capacity applies to strategy 'dispatch' only, got "
+                             f"graph_send_capacity={self.graph_send_capacity!r} with "
+                             f"strategy={self.strategy!r}")
         if self.graph_safe:
             if self.strategy not in GRAPH_SAFE_STRATEGIES:
                 raise ValueError(f"graph_safe=True runs strategy {GRAPH_SAFE_STRATEGIES} "
@@ -138,7 +147,8 @@ class AttnOptions:
     def __reduce__(self):
         # rebuilt through __init__ in another process, so it gets that process's key
         return (_rebuild, (self.strategy, self.backend, self.validate, self.a2a_size,
-                           self.overlap_stages, self.graph_safe, self.graph_capacity))
+                           self.overlap_stages, self.graph_safe, self.graph_capacity,
+                           self.graph_send_capacity))
 
     @staticmethod
     def of_key(key: int) -> "AttnOptions":
@@ -152,7 +162,9 @@ _BY_KEY: list[AttnOptions] = []
 
 def _rebuild(strategy: str, backend: str, validate: bool, a2a_size: int | None,
              overlap_stages: int | None, graph_safe: bool = False,
-             graph_capacity: int | None = None) -> AttnOptions:
+             graph_capacity: int | None = None,
+             graph_send_capacity: int | None = None) -> AttnOptions:
     return AttnOptions(strategy=strategy, backend=backend, validate=validate,
                        a2a_size=a2a_size, overlap_stages=overlap_stages,
-                       graph_safe=graph_safe, graph_capacity=graph_capacity)
+                       graph_safe=graph_safe, graph_capacity=graph_capacity,
+                       graph_send_capacity=graph_send_capacity)

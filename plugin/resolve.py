@@ -122,8 +122,12 @@ def _resolve_graph_safe(plan: CPPlan, options: AttnOptions, shape: AttnShape,
                          f"are not built: docs/graph-safe.md), got device {device}")
     strategy = get_static_strategy(options.strategy)
     strategy.check_heads(shape.n_heads, shape.n_kv_heads, plan.cp_size)
+    capacity = capacity_of(plan, options.graph_capacity)
+    send = None
+    if options.strategy == "dispatch":
+        send = options.graph_send_capacity or capacity
     return Resolution(options.strategy, strategy, "torch", (0, 0), None, shape,
-                      capacity=capacity_of(plan, options.graph_capacity))
+                      capacity=capacity, send_capacity=send)
 
 
 def resolve(plan: CPPlan, mask: AttnMask, options: AttnOptions, shape: AttnShape,

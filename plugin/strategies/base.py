@@ -50,7 +50,8 @@ class Resolution:
     take; ``block``: their tiles; ``route``: FlashAttention for the calls it expresses
     exactly (None: none); ``stages``: a staged strategy's stage count; ``a2a_size``: the
     Ulysses group size of "a2a+p2p" (the heads' default when not given); ``capacity``: the
-    graph-safe mode's rows per rank (None: not graph-safe)."""
+    graph-safe mode's rows per rank (None: not graph-safe), ``send_capacity`` its
+    ``dispatch``'s keys per pair of ranks."""
 
     name: str
     strategy: "Strategy"
@@ -61,6 +62,7 @@ class Resolution:
     stages: int | None = None
     a2a_size: int | None = None
     capacity: int | None = None   # graph_safe: rows per rank (``tables.static_rows``)
+    send_capacity: int | None = None   # graph_safe dispatch: keys per pair of ranks
 
 
 @dataclass(frozen=True)

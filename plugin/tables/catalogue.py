@@ -76,7 +76,7 @@ CATALOGUE: tuple[StrategyTraits, ...] = (
     StrategyTraits("a2a+p2p", "none", 3, _hybrid_heads, traffic.hybrid_traffic,
                    cost.hybrid_pairs, cost.hybrid_visited, cost.hybrid_saved),
     StrategyTraits("dispatch", "stages", 2, _any_heads, traffic.dispatch_traffic,
-                   cost.rank_pairs, cost.dispatch_visited, cost.selected_saved),
+                   cost.rank_pairs, cost.dispatch_visited, cost.selected_saved, True),
 )
 BY_NAME: dict[str, StrategyTraits] = {t.name: t for t in CATALOGUE}
 STRATEGY_NAMES: tuple[str, ...] = tuple(BY_NAME)

@@ -12,7 +12,10 @@ The capacity is the most tokens one rank may hold. Derived from the batch's toke
 rounded up to ``CAPACITY_MULTIPLE`` (the ``balanced`` layout keeps every rank within 2% of
 the mean; the others within a token or their padding), unless given. A batch in which a
 rank holds more is refused (:func:`check_capacity`) before anything is communicated; the
-plan is the same on every rank, so every rank raises the same error.
+plan is the same on every rank, so every rank raises the same error. Graph-safe
+``dispatch`` also has a capacity per pair of ranks: the most keys one rank sends another
+(``graph_send_capacity``, default the rows capacity: any batch fits), its send lists and
+received keys padded to it (:func:`dispatch_rows`, :func:`check_send_capacity`).
 """
 
 from __future__ import annotations
@@ -21,8 +24,13 @@ import math
 
 import numpy as np
 
+from ..masks import AttnMask
 from ..plan import CPPlan
+from ..plan.runs import run_rows
 from .cache import host_table, table_key
+from .selected import fetch_count_array
+from .staged.routes import index_in_group
+from .staged.tables import given_runs, selection_runs
 
 TOKEN_SLACK = 1.02
 """The derived capacity's slack over a rank's mean token count (the ``balanced`` layout's
@@ -76,3 +84,43 @@ def static_rows(plan: CPPlan, capacity: int) -> np.ndarray:
         out[1, slot[real]] = t.position[real]
         return out
     return host_table(plan, table_key("static_rows", None, None, capacity), build)
+
+
+def check_send_capacity(plan: CPPlan, mask: AttnMask, send_capacity: int) -> None:
+    """ValueError when a rank's queries of ``plan`` need more than ``send_capacity`` keys
+    from one other rank under ``mask`` (graph-safe ``dispatch``; every rank raises it)."""
+    counts = fetch_count_array(plan, mask).copy()
+    np.fill_diagonal(counts, 0)
+    dest, owner = np.unravel_index(int(np.argmax(counts)), counts.shape)
+    if int(counts[dest, owner]) > send_capacity:
+        raise ValueError(
+            f"graph_send_capacity={send_capacity} is below what this batch sends: rank "
+            f"{dest} needs {int(counts[dest, owner])} keys of rank {owner} ({mask}, cp "
+            f"{plan.cp_size}); raise graph_send_capacity (the keys one rank sends another "
+            f"in graph-safe dispatch)")
+
+
+def dispatch_rows(plan: CPPlan, mask: AttnMask, rank: int, capacity: int,
+                  send_capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Graph-safe ``dispatch`` of ``rank`` at ``send_capacity`` keys per peer: (int64 [cp,
+    K]: the local rows it sends each rank, in that rank's selection order, ``capacity`` (a
+    zero row) in the unused slots; int32 [2, cp * K]: the document and position of every
+    key it receives, peer-major, -1 in the unused slots), cached. Checks the capacity."""
+    def build() -> tuple[np.ndarray, np.ndarray]:
+        check_send_capacity(plan, mask, send_capacity)
+        cp, k = plan.cp_size, send_capacity
+        given = given_runs(plan, mask, rank)
+        send = np.full((cp, k), capacity, dtype=np.int64)
+        send[np.repeat(given.peer, given.length),
+             run_rows(given.slot, given.length)] = run_rows(given.row, given.length)
+        sel = selection_runs(plan, mask, rank)
+        away = np.flatnonzero(sel.peer != rank)
+        owner, length = sel.peer[away], sel.length[away]
+        slot = index_in_group(owner, length, cp)    # its place in the owner's list for us
+        at = np.repeat(owner * k, length) + run_rows(slot, length)
+        recv = np.full((2, cp * k), -1, dtype=np.int32)
+        recv[0, at] = np.repeat(sel.doc[away], length)
+        recv[1, at] = run_rows(sel.pos[away], length)
+        return send, recv
+    return host_table(plan, table_key("static_dispatch_rows", mask, None, rank, capacity,
+                                      send_capacity), build)

@@ -31,11 +31,11 @@ from varlen_cp.plan import TE, Balanced, Contiguous, DualChunk, layout_spec
 def test_attn_options_defaults_and_identity() -> None:
     opts = AttnOptions()
     assert (opts.strategy, opts.backend, opts.validate, opts.a2a_size,
-            opts.overlap_stages, opts.graph_safe, opts.graph_capacity) == \
-        ("p2p", "auto", True, None, None, False, None)
+            opts.overlap_stages, opts.graph_safe, opts.graph_capacity,
+            opts.graph_send_capacity) == ("p2p", "auto", True, None, None, False, None, None)
     assert [f.name for f in dataclasses.fields(AttnOptions)] == \
         ["strategy", "backend", "validate", "a2a_size", "overlap_stages", "graph_safe",
-         "graph_capacity"]
+         "graph_capacity", "graph_send_capacity"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.strategy = "a2a"
     assert hash(AttnOptions(strategy="dispatch", overlap_stages=2)) == \

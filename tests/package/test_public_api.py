@@ -15,7 +15,8 @@ PUBLIC = {
         "AttnMask": 'class(causal=True, window_size=(-1, -1), chunk_size=None)',
         "AttnOptions": (
             "class(*, strategy='p2p', backend='auto', validate=True, a2a_size=None, "
-            'overlap_stages=None, graph_safe=False, graph_capacity=None)'
+            'overlap_stages=None, graph_safe=False, graph_capacity=None, '
+            'graph_send_capacity=None)'
         ),
         "CPPlan": ('class(cu_seqlens, cp_size, cp_rank, spec, padded_lengths, tables, '
                    'topology=None)'),

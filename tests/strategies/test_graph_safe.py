@@ -30,6 +30,7 @@ from varlen_cp.kernels import varlen_attn
 from varlen_cp.options import GRAPH_SAFE_STRATEGIES
 from varlen_cp.plan.agreement import agree_on_plan
 from varlen_cp.shape import AttnShape
+from varlen_cp.tables.selected import fetch_count_array
 from varlen_cp.tables.static_rows import default_capacity
 
 BATCH_A = [1, 2, 37, 9, 0, 130, 5, 23]         # 207 tokens (the CP grid's batch)
@@ -121,7 +122,10 @@ def graph_safe_worker(rank, world):
         hq, hkv = HEADS[world][i % 2]
         plans = [small_plan(docs, world, rank, layout, mask) for docs in (BATCH_A, BATCH_B)]
         cap = max(default_capacity(p.padded_total_tokens, world) for p in plans)
-        options = AttnOptions(strategy=name, graph_safe=True, graph_capacity=cap)
+        extra = {}
+        if name == "dispatch":   # the most keys one rank sends another, in either batch
+            extra["graph_send_capacity"] = max(_most_sent(p, mask) for p in plans)
+        options = AttnOptions(strategy=name, graph_safe=True, graph_capacity=cap, **extra)
         step = Step(cap, hq, hkv)
         what = f"[{name} {layout} {mname} cp {world}]"
         recordings, results = [], []
@@ -130,7 +134,7 @@ def graph_safe_worker(rank, world):
             step.load(plan, inputs)
             _prepare(plan, mask, options, step)
             with DeviceWork([step.q, step.k, step.v, step.dout, step.dlse] +
-                            list(_buffers(plan, cap))) as rec:
+                            _buffers(plan, mask, options)) as rec:
                 res = step.run(plan, mask, options)
             recordings.append(rec)
             results.append(res)
@@ -153,9 +157,21 @@ def graph_safe_worker(rank, world):
     return n
 
 
-def _buffers(plan, cap):
-    from varlen_cp.strategies.static import static_buffers
-    return (static_buffers(plan, cap, torch.device("cpu")).table,)
+def _most_sent(plan, mask):
+    counts = fetch_count_array(plan, mask).copy()
+    counts.flat[::counts.shape[0] + 1] = 0
+    return max(1, int(counts.max()))
+
+
+def _buffers(plan, mask, options):
+    """The step's device buffers (static: refreshed in place)."""
+    from varlen_cp.strategies.static import dispatch_buffers, static_buffers
+    cap, cpu = options.graph_capacity, torch.device("cpu")
+    out = [static_buffers(plan, cap, cpu).table]
+    if options.graph_send_capacity is not None:
+        sent = dispatch_buffers(plan, mask, cap, options.graph_send_capacity, cpu)
+        out += [sent.send, sent.recv]
+    return out
 
 
 def _first_difference(a, b) -> str:
@@ -220,14 +236,40 @@ def over_capacity_worker(rank, world):
     return None
 
 
+def over_send_capacity_worker(rank, world):
+    """Graph-safe dispatch with a send capacity below what a rank needs from another."""
+    from tests.helpers.guards import no_communication
+    mask = MASKS["causal"]
+    plan = small_plan(BATCH_A, world, rank, "contiguous", mask)
+    options = AttnOptions(strategy="dispatch", graph_safe=True, graph_capacity=128,
+                          graph_send_capacity=8)
+    step = Step(128, 4, 2)
+    with no_communication():
+        try:
+            cp_varlen_attn(step.q, step.k, step.v, plan, mask, None, options)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
 def test_a_batch_over_capacity_is_refused_on_every_rank(tmp_path):
     errors = run_distributed(over_capacity_worker, 2, tmp_path)
     for e in errors:
         assert e is not None and "graph_capacity=64" in e and "rank 1 holds 104" in e, e
 
 
+def test_a_batch_over_the_send_capacity_is_refused_on_every_rank(tmp_path):
+    errors = run_distributed(over_send_capacity_worker, 2, tmp_path)
+    for e in errors:
+        assert e is not None and "graph_send_capacity=8" in e and \
+            "rank 1 needs 54 keys of rank 0" in e, e
+
+
 @pytest.mark.parametrize("kwargs, message", [
-    ({"strategy": "dispatch", "graph_safe": True}, "graph_safe=True runs strategy"),
+    ({"strategy": "a2a+p2p", "graph_safe": True}, "graph_safe=True runs strategy"),
+    ({"strategy": "p2p", "graph_safe": True, "graph_send_capacity": 8},
+     "graph_send_capacity applies to strategy 'dispatch' only"),
+    ({"strategy": "dispatch", "graph_send_capacity": 8}, "graph_send_capacity applies with"),
     ({"strategy": "auto", "graph_safe": True}, "graph_safe=True runs strategy"),
     ({"strategy": "all_gather", "graph_capacity": 64}, "graph_capacity applies with"),
     ({"strategy": "all_gather", "graph_safe": True, "graph_capacity": 0}, "graph_capacity"),

@@ -18,12 +18,15 @@ at the batch. What changes between batches is the buffers' contents only.
   call of the local rows against all of them; backward: the dK|dV rows of every rank go
   back in one ``all_to_all_single`` of equal splits and are summed in fp32 in rank order
   (a reduce-scatter, deterministic).
+- ``dispatch``: each rank sends each other rank the keys its queries see, padded to
+  ``graph_send_capacity`` rows per pair (one equal-split all-to-all), and their dK|dV
+  come back the same way.
 - ``a2a`` (Ulysses): one ``all_to_all_single`` of q|k|v to heads (equal splits: capacity
   rows per rank), one call of every row against every row on this rank's heads, one back
   (out|lse); backward the same in reverse. K/V heads fewer than cp are repeated to cp
   (their gradients summed back), as the dynamic ``a2a`` does.
 
-The others (``a2a+p2p``, ``dispatch``, ``auto``) are refused in this mode with an
+The others (``a2a+p2p``, ``auto``) are refused in this mode with an
 error naming the supported ones (docs/graph-safe.md: what remains to do). The kernel is
 the CPU stand-in (quadratic in the capacity); CUDA devices are refused until the
 capacity-grid GPU kernels land.
@@ -39,11 +42,12 @@ from ...plan import CPPlan
 from ..base import CallSpec, Resolution, Strategy
 from .a2a import _StaticUlysses
 from .all_gather import _StaticAllGather
+from .buffers import DispatchRows, StaticRows, dispatch_buffers, static_buffers
+from .dispatch import _StaticDispatch
 from .p2p import _StaticRing
-from .buffers import StaticRows, static_buffers
 
-__all__ = ["StaticRows", "StaticStrategy", "STATIC_STRATEGIES", "get_static_strategy",
-           "static_buffers"]
+__all__ = ["DispatchRows", "StaticRows", "StaticStrategy", "STATIC_STRATEGIES",
+           "dispatch_buffers", "get_static_strategy", "static_buffers"]
 
 
 class StaticStrategy(Strategy):
@@ -69,17 +73,23 @@ class StaticStrategy(Strategy):
     def build_tables(self, plan: CPPlan, mask: AttnMask, res: Resolution,
                      device: torch.device) -> None:
         static_buffers(plan, res.capacity, device)
+        if res.send_capacity is not None:
+            dispatch_buffers(plan, mask, res.capacity, res.send_capacity, device)
 
     def function(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec
                  ) -> tuple[type[torch.autograd.Function], tuple]:
-        plan = spec.plan
-        rows = static_buffers(plan, spec.res.capacity, q.device)
-        return self._function, (rows, plan.cp_rank, plan.cp_size, spec.group,
-                                spec.attn.mask, spec.attn.scale, spec.need_max)
+        plan, res = spec.plan, spec.res
+        rows = static_buffers(plan, res.capacity, q.device)
+        args = (rows, plan.cp_rank, plan.cp_size, spec.group, spec.attn.mask,
+                spec.attn.scale, spec.need_max)
+        if res.send_capacity is not None:
+            args += (dispatch_buffers(plan, spec.attn.mask, res.capacity,
+                                      res.send_capacity, q.device),)
+        return self._function, args
 
 
 STATIC_STRATEGIES: dict[str, StaticStrategy] = {
-    f.strategy: StaticStrategy(f.strategy, f) for f in (_StaticRing, _StaticAllGather, _StaticUlysses)}
+    f.strategy: StaticStrategy(f.strategy, f) for f in (_StaticRing, _StaticAllGather, _StaticUlysses, _StaticDispatch)}
 assert tuple(STATIC_STRATEGIES) == GRAPH_SAFE_STRATEGIES, "the catalogue's graph_safe traits"
 
 

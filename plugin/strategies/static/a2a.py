@@ -39,6 +39,12 @@ def _to_rows(x: torch.Tensor, cp: int, group: Any) -> torch.Tensor:
     return recv.reshape(cp, n // cp, h, w).transpose(0, 1).reshape(n // cp, cp * h, w)
 
 
+def _bytes_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``x`` [n, m] as ``dtype`` elements (its bytes, to travel in one message with
+    tensors of that dtype; ``.view(torch.float32)`` gives it back)."""
+    return x.view(dtype)
+
+
 def _kv_repeat(hkv: int, cp: int) -> int:
     """How often each K/V head is repeated so that the heads split into cp slices."""
     return 1 if hkv % cp == 0 else cp // hkv
@@ -71,12 +77,13 @@ class _StaticUlysses(torch.autograd.Function):
         ctx.save_for_backward(qs, ks, vs, out, lse, seen)
         ctx.meta = (cp, group, scale, rep, q.dtype, k.dtype)
         ctx.set_materialize_grads(False)
-        # out | lse back to their rows, in fp32, one message per peer
-        back = torch.cat([out.reshape(cp * cap, -1), lse.t()], 1).unsqueeze(1)
+        # out (in q's dtype) | lse (fp32, its bytes) back to their rows, one message per peer
+        back = torch.cat([out.reshape(cp * cap, -1).to(q.dtype),
+                          _bytes_as(lse.t().contiguous(), q.dtype)], 1).unsqueeze(1)
         mine = _to_rows(back, cp, group).reshape(cap, cp, -1)
         o, l = pair(mine, hq // cp * dv)
-        out_rows = o.reshape(cap, hq, dv).to(q.dtype)
-        lse_rows = l.reshape(cap, hq).t().contiguous()
+        out_rows = o.reshape(cap, hq, dv)
+        lse_rows = l.contiguous().view(torch.float32).reshape(cap, hq).t().contiguous()
         part = no_max(q.device)
         if need_max:
             part = head_max(row_max, hq // cp, q.device)

@@ -12,7 +12,7 @@ import torch
 from ...kernels.host_copy import to_device
 from ...masks import AttnMask
 from ...plan import CPPlan
-from ...tables.static_rows import static_rows
+from ...tables.static_rows import dispatch_rows, static_rows
 
 
 class StaticRows:
@@ -58,13 +58,54 @@ def static_buffers(plan: CPPlan, capacity: int, device: torch.device) -> StaticR
 
 
 
+class DispatchRows:
+    """Graph-safe ``dispatch``'s device buffers for one layer type (mask): ``send`` (int64
+    [cp, K]: the local rows this rank sends each rank, ``capacity`` = a zero row in the
+    unused slots) and ``doc`` / ``pos`` (int32 [cp * K] of the keys it receives), allocated
+    once, refreshed in place per plan (:meth:`refresh`, as :class:`StaticRows`)."""
+
+    def __init__(self, device: torch.device, cp_size: int, capacity: int,
+                 send_capacity: int) -> None:
+        self.capacity, self.send_capacity = capacity, send_capacity
+        self.send = torch.full((cp_size, send_capacity), capacity, dtype=torch.int64,
+                               device=device)
+        self.recv = torch.full((2, cp_size * send_capacity), -1, dtype=torch.int32,
+                               device=device)
+        self.doc, self.pos = self.recv[0], self.recv[1]
+        self._plan: Any = None
+
+    def refresh(self, plan: CPPlan, mask: AttnMask) -> None:
+        if self._plan is not None and self._plan() is plan:
+            return
+        send, recv = dispatch_rows(plan, mask, plan.cp_rank, self.capacity,
+                                   self.send_capacity)
+        device = self.send.device
+        new_send, new_recv = to_device([torch.from_numpy(send), torch.from_numpy(recv)],
+                                       device)
+        self.send.copy_(new_send, non_blocking=True)
+        self.recv.copy_(new_recv, non_blocking=True)
+        self._plan = weakref.ref(plan)
+
+
+_DISPATCH: dict[tuple, DispatchRows] = {}
+
+
+def dispatch_buffers(plan: CPPlan, mask: AttnMask, capacity: int, send_capacity: int,
+                     device: torch.device) -> DispatchRows:
+    """The dispatch buffers of ``plan``'s (device, cp, rank, capacities) for ``mask``'s
+    layers, refreshed for ``plan``."""
+    key = (str(device), plan.cp_size, plan.cp_rank, capacity, send_capacity, mask)
+    rows = _DISPATCH.get(key)
+    if rows is None:
+        rows = _DISPATCH[key] = DispatchRows(device, plan.cp_size, capacity, send_capacity)
+    rows.refresh(plan, mask)
+    return rows
+
+
 def mask_args(mask: AttnMask) -> tuple[bool, int, int, int]:
+    """The kernels' mask arguments (causal, window left, window right, chunk or 0)."""
     causal, left, right, chunk = mask.params
     return causal, left, right, chunk
-
-
-def _pair(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return x[..., :width], x[..., width:]
 
 
 def pair(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
