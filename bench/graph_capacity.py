@@ -37,7 +37,7 @@ from varlen_cp.plan import Balanced  # noqa: E402
 from varlen_cp.shape import AttnShape  # noqa: E402
 from varlen_cp.tables import catalogue  # noqa: E402
 from varlen_cp.tables.selected import fetch_count_array  # noqa: E402
-from varlen_cp.tables.static_rows import default_capacity  # noqa: E402
+from varlen_cp.plan.capacity import default_capacity  # noqa: E402
 
 MASKS = [(AttnMask(chunk_size=8192), 3), (AttnMask(), 1)]
 SHAPE = AttnShape(n_heads=32, n_kv_heads=8, head_dim=128, dtype=torch.bfloat16)

@@ -110,6 +110,19 @@ def build_layer_tables(plan: CPPlan, mask: AttnMask, options: AttnOptions, shape
     return res.name
 
 
+def refresh_layer_buffers(plan: CPPlan, mask: AttnMask, options: AttnOptions,
+                          shape: AttnShape, device: torch.device) -> None:
+    """The graph-safe mode (``options.graph_safe``): rewrite the layer type's device buffers
+    in place for ``plan`` (one device copy each, on the current stream), before the step
+    that runs on it, outside any captured region (docs/graph-safe.md); nothing otherwise.
+    The tables come from :func:`build_layer_tables` (staged ahead) or are made here."""
+    if not options.graph_safe:
+        return
+    device = _check_device(device)
+    res = resolve(plan, mask, options, shape, device)
+    res.strategy.refresh(plan, mask, res, device)
+
+
 # ------------------------------------------------------------------------------ the op
 def cp_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan,
                    mask: AttnMask, group: Any = None, options: AttnOptions | None = None,

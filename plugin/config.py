@@ -56,6 +56,13 @@ class CPConfig:
                previous stage (None: the cost model's choice per plan and mask).
     validate:  check once per plan, with one small all-reduce, that every rank built the
                same plan; False skips it.
+    graph_safe: the same device work for every batch, for CUDA graphs (docs/graph-safe.md):
+               plans at ``graph_capacity`` rows per rank, the batch sharded to them,
+               strategies "p2p", "all_gather", "a2a", "dispatch"; CPU only so far.
+    graph_capacity: graph_safe only: rows per rank (None: 1.02 x the mean tokens per rank,
+               rounded up to 64).
+    graph_send_capacity: graph_safe "dispatch" only: the most keys one rank sends another
+               (None: graph_capacity).
 
     The layout (its spec, ``varlen_cp.plan.layout_spec``, checks its options):
 
@@ -95,6 +102,9 @@ class CPConfig:
     a2a_size: int | None = None
     overlap_stages: int | None = None
     validate: bool = True
+    graph_safe: bool = False
+    graph_capacity: int | None = None
+    graph_send_capacity: int | None = None
     min_chunk_tokens: int | None = None
     tile_tokens: int | None = None
     pad_multiple: int | None = None
@@ -128,7 +138,17 @@ class CPConfig:
         """The attention options of every layer (``varlen_cp.AttnOptions``)."""
         return AttnOptions(strategy=self.strategy, backend=self.backend,
                            validate=self.validate, a2a_size=self.a2a_size,
-                           overlap_stages=self.overlap_stages)
+                           overlap_stages=self.overlap_stages, graph_safe=self.graph_safe,
+                           graph_capacity=self.graph_capacity,
+                           graph_send_capacity=self.graph_send_capacity)
+
+    @property
+    def plan_capacity(self) -> int | str | None:
+        """``CPPlan.build``'s ``capacity``: ``graph_capacity`` ("auto" when unset) in the
+        graph-safe mode, else None."""
+        if not self.graph_safe:
+            return None
+        return "auto" if self.graph_capacity is None else self.graph_capacity
 
     def topology(self, global_ranks: Any) -> Topology:
         """The plan's topology for a CP group of ``global_ranks`` (its ranks in CP rank

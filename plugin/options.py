@@ -96,7 +96,7 @@ class AttnOptions:
                in place in device buffers, collectives have fixed sizes. Strategies
                ``GRAPH_SAFE_STRATEGIES``; CPU only so far.
     graph_capacity: graph_safe only: rows per rank (None: 1.02 x the mean tokens per rank,
-               rounded up to 64, ``tables.static_rows.default_capacity``); a batch in which
+               rounded up to 64, ``plan.capacity.default_capacity``); a batch in which
                a rank holds more is refused before any communication.
     graph_send_capacity: graph_safe "dispatch" only: the most keys one rank sends another
                (None: ``graph_capacity``, which any batch fits); sends are padded to it.

@@ -43,14 +43,17 @@ def build_plan(cu_seqlens: torch.Tensor, config: CPConfig, *, cp_size: int, cp_r
     """The batch's plan for ``config`` (host integer math, the same on every rank).
     ``layer_masks``: the model's masks with their layer counts, which the ``balanced``
     layout balances one by one (others ignore them). ``topology``: which CP ranks share a
-    node (``config.topology(global ranks of the CP group)``; None: one node)."""
+    node (``config.topology(global ranks of the CP group)``; None: one node). The
+    graph-safe mode (``config.graph_safe``) builds it at ``graph_capacity`` rows per
+    rank."""
     if not isinstance(config, CPConfig):
         raise ValueError(f"config must be a varlen_cp.CPConfig, got {type(config).__name__}")
     masks = None if layer_masks is None else list(layer_masks)
     if masks is not None and config.layout != "balanced":
         normalize_masks(masks)  # checked only: balanced's spec checks (and keeps) its own
     return CPPlan.build(cu_seqlens, cp_size=cp_size, cp_rank=cp_rank,
-                        layout=config.layout_spec(masks), topology=topology)
+                        layout=config.layout_spec(masks), topology=topology,
+                        capacity=config.plan_capacity)
 
 
 def build_tables(plan: CPPlan, config: CPConfig, layer_masks: LayerMasks, shape: AttnShape,
@@ -74,6 +77,18 @@ def build_tables(plan: CPPlan, config: CPConfig, layer_masks: LayerMasks, shape:
     for mask, opts in zip(masks, options):
         build_layer_tables(plan, mask, opts, shape, device)
     return plan
+
+
+def refresh_buffers(plan: CPPlan, config: CPConfig, layer_masks: LayerMasks,
+                    shape: AttnShape, device: torch.device | str) -> None:
+    """The graph-safe mode (``config.graph_safe``): every mask's device buffers rewritten in
+    place for ``plan`` (``attention.refresh_layer_buffers``), on the calling thread's
+    current stream: call it before the step, after the previous step was issued (its
+    tables were staged by :func:`build_tables` on the planner thread)."""
+    from .attention import refresh_layer_buffers
+
+    for mask, _ in normalize_masks(list(layer_masks)):
+        refresh_layer_buffers(plan, mask, config.attn_options, shape, device)
 
 
 _DONE = object()

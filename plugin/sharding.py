@@ -135,8 +135,10 @@ def cu_seqlens_from_positions(positions: torch.Tensor) -> torch.Tensor:
 def padded_input_rows(plan: CPPlan, device: torch.device | str) -> torch.Tensor:
     """int64 [T_local]: the row of each local token in the padded global sequence (the
     ``te`` layout's padded input, ``cu_seqlens_padded``), on ``device`` (cached)."""
+    # (a plan at a capacity: its padding rows read row 0, masked out as padding)
     return cached_table(plan, table_key("padded_input_rows", None, None, plan.cp_rank),
-                        lambda: plan.padded_token_indices_of(plan.cp_rank), device)
+                        lambda: plan.padded_token_indices_of(plan.cp_rank).clamp(min=0),
+                        device)
 
 
 def padding_mask(plan: CPPlan, device: torch.device | str) -> torch.Tensor:

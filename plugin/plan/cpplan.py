@@ -40,6 +40,7 @@ import torch.distributed as dist
 from ..kernels.host_copy import one_to_device
 from ..masks import AttnMask
 from ..checks import is_int
+from .capacity import check_capacity, check_capacity_value, default_capacity, pad_tables
 from .collective import check_group, gather_padded
 from .layout_spec import TE, Balanced, LayoutSpec, layout_spec
 from .layouts import Pieces, layout_pieces
@@ -155,7 +156,7 @@ class CPPlan:
 
     def __init__(self, cu_seqlens: np.ndarray, cp_size: int, cp_rank: int,
                  spec: LayoutSpec, padded_lengths: np.ndarray, tables: TokenTables,
-                 topology: Topology | None = None) -> None:
+                 topology: Topology | None = None, capacity: int | None = None) -> None:
         """From :meth:`build`'s checked values: ``cu_seqlens`` and ``padded_lengths`` int64
         numpy arrays, ``tables`` the layout's token tables (numpy)."""
         self.cp_size = cp_size
@@ -163,6 +164,8 @@ class CPPlan:
         self.layout_spec = spec  # the layout and its options (te: pad_multiple resolved)
         # Which CP ranks share a node (plan/nodes.py; None: not given, one node assumed).
         self.topology = topology
+        # Rows every rank holds (the graph-safe mode: plan/capacity.py); None: its tokens.
+        self.capacity = capacity
         self.layout = spec.name
         self.n_docs = cu_seqlens.size - 1
         self._cu = cu_seqlens
@@ -197,7 +200,8 @@ class CPPlan:
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int,
               layout: LayoutSpec | str = "balanced",
-              topology: Topology | None = None) -> "CPPlan":
+              topology: Topology | None = None,
+              capacity: int | str | None = None) -> "CPPlan":
         """Plan the layout of the global batch ``cu_seqlens`` (CPU int tensor [n_docs+1];
         checked, then converted once to int64 numpy for all of the planning).
 
@@ -213,6 +217,11 @@ class CPPlan:
         the nodes so that the K/V a rank fetches comes from its own node where it can
         (``plan/nodes.py``; every rank's share, so the balance, unchanged); the plan records
         it for the cost model and refuses a group on other nodes. None: one node.
+
+        capacity: every rank holds exactly this many rows, its tokens then padding rows
+        (``plan/capacity.py``; the graph-safe mode, docs/graph-safe.md); "auto": 1.02 x the
+        mean tokens per rank, rounded up to 64; a rank holding more is refused
+        (ValueError). None: each rank holds its tokens.
         """
         cu = _check_cu_seqlens(cu_seqlens)
         spec = layout_spec(layout)
@@ -227,14 +236,23 @@ class CPPlan:
                                   lengths, spec.masks, topology)
             pieces = Pieces(rank, pieces.doc, pieces.start, pieces.length,
                             pieces.padded_lengths)
+        check_capacity_value(capacity)
         tables = expand_pieces(pieces, lengths, cp_size)
-        return cls(cu, cp_size, cp_rank, spec, pieces.padded_lengths, tables, topology)
+        if capacity is not None:
+            total = int(tables.token_index.size)
+            if capacity == "auto":
+                capacity = default_capacity(total, cp_size)
+            check_capacity(np.diff(tables.rank_offsets), capacity, total, spec.name)
+            tables = pad_tables(tables, capacity)
+        return cls(cu, cp_size, cp_rank, spec, pieces.padded_lengths, tables, topology,
+                   capacity)
 
     def __repr__(self) -> str:
+        cap = "" if self.capacity is None else f", capacity={self.capacity}"
         return (f"CPPlan(layout={self.layout!r}, cp_size={self.cp_size}, "
                 f"cp_rank={self.cp_rank}, n_docs={self.n_docs}, "
                 f"total_tokens={self.total_tokens}, "
-                f"padded_total_tokens={self.padded_total_tokens})")
+                f"padded_total_tokens={self.padded_total_tokens}{cap})")
 
     # ---- per-rank tables -------------------------------------------------------------
     def _rows(self, rank: Any, what: str = "rank") -> slice:
@@ -361,7 +379,7 @@ class CPPlan:
         rows, all of them when this batch happens to need no padding here: whether a batch
         pads must not change a compiled model's code path (a second graph), and the row
         count, which changes with every batch, is marked dynamic for the same reason."""
-        if self.layout != "te":
+        if self.layout != "te" and self.capacity is None:
             return None
         index = self._t.token_index[self._rows(self.cp_rank)]
         rows = self._on("real_rows", torch.device(device),
@@ -503,6 +521,8 @@ class CPPlan:
         # A spec's repr is its class and fields (masks: AttnMask reprs), no addresses; so is
         # a topology's (its nodes and rates).
         h.update(repr((self.cp_size, self.layout_spec)).encode())
+        if self.capacity is not None:   # (None: the hash plans had before capacities)
+            h.update(repr(("capacity", self.capacity)).encode())
         if self.topology is not None:
             h.update(repr(self.topology).encode())
         h.update(self._cu.astype("<i8", copy=False).tobytes())  # little-endian int64s

@@ -167,7 +167,8 @@ def layer_report(plan: CPPlan, layer: LayerType, shape: AttnShape, *,
     mask = layer.mask
     name = resolve_strategy(plan, layer, shape) if plan.cp_size > 1 else LOCAL
     stages = None
-    if plan.cp_size > 1 and name in STAGED_STRATEGIES:
+    static = plan.capacity is not None   # graph-safe: no stages, our dense kernel only
+    if plan.cp_size > 1 and name in STAGED_STRATEGIES and not static:
         stages = resolve_stages(plan, mask, name, shape, overlap_stages)
     counts = fetch_count_array(plan, mask)
     floor = ((counts.sum(1) - counts.diagonal()) * shape.kv_row).tolist()
@@ -211,6 +212,8 @@ def plan_report(plan: CPPlan, layers: Sequence[LayerType], shape: AttnShape, *,
     if not isinstance(shape, AttnShape):
         raise ValueError(f"shape must be a varlen_cp.config.AttnShape, got "
                          f"{type(shape).__name__}")
+    if plan.capacity is not None:   # graph-safe: its dense kernel, no backend to cover
+        backends = None
     layers = list(layers)
     if not layers or not all(isinstance(t, LayerType) for t in layers):
         raise ValueError(f"layers must be a non-empty list of LayerType, got {layers!r}")

@@ -7,10 +7,12 @@ then unused slots (document and position -1: they see nothing and nothing sees t
 differs between batches is data only: each row's document and position, which the static
 strategies (``varlen_cp.strategies.static``) read from device buffers refreshed in place.
 
-The capacity is the most tokens one rank may hold. Derived from the batch's token count
-(fixed for a job: packed sequences of one length) and cp: ``TOKEN_SLACK`` x the mean,
-rounded up to ``CAPACITY_MULTIPLE`` (the ``balanced`` layout keeps every rank within 2% of
-the mean; the others within a token or their padding), unless given. A batch in which a
+The capacity is the most tokens one rank may hold: the plan's own when it was built at one
+(``CPPlan.build(capacity=...)``, ``plan/capacity.py``, what the integrations do: their
+sharding then gives every rank capacity rows), else derived from the batch's token count
+(fixed for a job: packed sequences of one length) and cp (``default_capacity``: 1.02 x the
+mean, rounded up to 64; the ``balanced`` layout keeps every rank within 2% of the mean, the
+others within a token or their padding), unless given. A batch in which a
 rank holds more is refused (:func:`check_capacity`) before anything is communicated; the
 plan is the same on every rank, so every rank raises the same error. Graph-safe
 ``dispatch`` also has a capacity per pair of ranks: the most keys one rank sends another
@@ -20,51 +22,37 @@ received keys padded to it (:func:`dispatch_rows`, :func:`check_send_capacity`).
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from ..masks import AttnMask
 from ..plan import CPPlan
+from ..plan.capacity import check_capacity as _check_counts, default_capacity
 from ..plan.runs import run_rows
 from .cache import host_table, table_key
 from .selected import fetch_count_array
 from .staged.routes import index_in_group
 from .staged.tables import given_runs, selection_runs
 
-TOKEN_SLACK = 1.02
-"""The derived capacity's slack over a rank's mean token count (the ``balanced`` layout's
-token target)."""
-
-CAPACITY_MULTIPLE = 64
-"""The derived capacity is rounded up to this (a kernel tile's rows)."""
-
-
-def default_capacity(total_tokens: int, cp_size: int) -> int:
-    """Rows per rank for ``total_tokens`` (padding included) split over ``cp_size`` ranks:
-    ``TOKEN_SLACK`` x the mean, rounded up to ``CAPACITY_MULTIPLE`` (at least one)."""
-    rows = math.ceil(TOKEN_SLACK * total_tokens / cp_size)
-    return max(1, -(-rows // CAPACITY_MULTIPLE)) * CAPACITY_MULTIPLE
-
-
 def capacity_of(plan: CPPlan, capacity: int | None) -> int:
-    """``capacity``, or the plan's default (:func:`default_capacity` of its tokens)."""
+    """The rows per rank of a graph-safe call on ``plan``: the plan's own capacity when it
+    was built at one (``CPPlan.build(capacity=...)``; ``capacity`` must then be None or
+    equal), else ``capacity``, else the default (``varlen_cp.plan.capacity.default_capacity`` of its
+    tokens)."""
+    if plan.capacity is not None:
+        if capacity is not None and capacity != plan.capacity:
+            raise ValueError(f"graph_capacity={capacity} differs from the capacity the plan "
+                             f"was built at ({plan.capacity})")
+        return plan.capacity
     if capacity is not None:
         return capacity
     return default_capacity(plan.padded_total_tokens, plan.cp_size)
 
 
 def check_capacity(plan: CPPlan, capacity: int) -> None:
-    """ValueError when a rank of ``plan`` holds more than ``capacity`` tokens (every rank
+    """ValueError when a rank of ``plan`` holds more than ``capacity`` rows (every rank
     raises it: the plan is the same everywhere)."""
-    counts = np.diff(plan.arrays.rank_offsets)
-    worst = int(np.argmax(counts))
-    if int(counts[worst]) > capacity:
-        raise ValueError(
-            f"graph_capacity={capacity} is below this batch's largest rank share: rank "
-            f"{worst} holds {int(counts[worst])} of {plan.padded_total_tokens} tokens "
-            f"(cp {plan.cp_size}, layout {plan.layout!r}); raise graph_capacity (the rows "
-            f"every rank holds in the graph-safe mode)")
+    _check_counts(np.diff(plan.arrays.rank_offsets), capacity, plan.padded_total_tokens,
+                  plan.layout)
 
 
 def static_rows(plan: CPPlan, capacity: int) -> np.ndarray:

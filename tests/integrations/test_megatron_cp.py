@@ -52,9 +52,17 @@ CASES = [
      "thd"),
     ("dual_chunk_swa_auto", {"window_size": (12, 0)},
      {"strategy": "auto", "layout": "dual_chunk", "min_chunk_tokens": 4}, "thd"),
+    # the graph-safe mode: plans at a capacity per rank, static strategies (the te layout:
+    # megatron's padded input with the capacity's padding rows too)
+    ("graph_safe_chunked_a2a", {"no_rope_freq": 2},
+     {"strategy": "a2a", "chunk_size": 16, "graph_safe": True}, "thd"),
+    ("graph_safe_te_dispatch", {},
+     {"strategy": "dispatch", "layout": "te", "graph_safe": True}, "thd"),
 ]
 SPEC_KWARGS = {"te_megatron_rope_p2p": {"rope_from_plan": False}}
 EXPECTED_MASKS = {  # per case: (causal, window, chunk) of layers 1 and 2
+    "graph_safe_chunked_a2a": [(True, (-1, -1), 16), (True, (-1, -1), None)],
+    "graph_safe_te_dispatch": [(True, (-1, -1), None)] * 2,
     "causal_p2p": [(True, (-1, -1), None)] * 2,
     "swa_all_gather": [(True, (12, 0), None), (True, (-1, -1), None)],
     "chunked_a2a": [(True, (-1, -1), 16), (True, (-1, -1), None)],

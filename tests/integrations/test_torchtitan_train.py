@@ -88,6 +88,9 @@ RUNS = {  # name: (processes, overrides)
     "cp2_compile_inductor": (2, ["--parallelism.context_parallel_degree", "2",
                                  "--varlen_cp.strategy", "p2p", "--varlen_cp.layout", "te",
                                  *COMPILE, "inductor"]),
+    # the graph-safe mode: every rank's rows at a fixed capacity, static strategies
+    "cp2_graph_safe": (2, ["--parallelism.context_parallel_degree", "2",
+                           "--varlen_cp.strategy", "p2p", "--varlen_cp.graph_safe"]),
     "cp1_sink": (1, SINK + ["--varlen_cp.report", "false"]),  # and no plan in the log
     "cp2_sink": (2, SINK + ["--parallelism.context_parallel_degree", "2",
                             "--varlen_cp.strategy", "p2p"]),
@@ -168,6 +171,12 @@ def test_compiled_cp2_matches_eager_cp1_without_breaks_or_new_graphs(results, ru
     assert all(r["graph_breaks"] == 0 for r in got), got
     assert got[0]["compiled_graphs"] > 0
     assert all(r["compiled_graphs"] == got[0]["compiled_graphs"] for r in got), got
+
+
+def test_graph_safe_cp2_matches_cp1(results):
+    """[varlen_cp] graph_safe = true: plans at a fixed capacity per rank, the batch sharded
+    to it, the static ring: the same losses and gradient norms as CP=1."""
+    assert_same(results["cp1"], results["cp2_graph_safe"], "cp2 graph-safe")
 
 
 def test_learnable_sink_cp2_matches_cp1(results):

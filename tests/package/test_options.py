@@ -85,7 +85,8 @@ def test_cpconfig_keys_and_composition() -> None:
     carry exactly its values; its rules are theirs."""
     assert [f.name for f in dataclasses.fields(CPConfig)] == [
         "strategy", "layout", "backend", "flash_impl", "a2a_size", "overlap_stages",
-        "validate", "min_chunk_tokens", "tile_tokens", "pad_multiple", "gpus_per_node",
+        "validate", "graph_safe", "graph_capacity", "graph_send_capacity",
+        "min_chunk_tokens", "tile_tokens", "pad_multiple", "gpus_per_node",
         "node_bandwidth", "cross_node_bandwidth", "prefetch", "report"]
     cfg = CPConfig(strategy="a2a+p2p", a2a_size=2, backend="torch", validate=False,
                    layout="dual_chunk", min_chunk_tokens=8)

@@ -19,7 +19,7 @@ PUBLIC = {
             'graph_send_capacity=None)'
         ),
         "CPPlan": ('class(cu_seqlens, cp_size, cp_rank, spec, padded_lengths, tables, '
-                   'topology=None)'),
+                   'topology=None, capacity=None)'),
         "ContextParallelVarlenAttention": (
             'class(mask, options=None, group=None, *, '
             "softmax_scale=None, softmax_type='vanilla', "

@@ -1,6 +1,8 @@
 """The graph-safe mode (``AttnOptions(graph_safe=True)``, ``varlen_cp.strategies.static``)
 on gloo, at cp 2 and 4, for every graph-safe strategy x mask x layout of the CP grid:
 
+- (plans as the CP grid builds them, the rows padded by the caller; for two masks, plans
+  built at the capacity, ``CPPlan.build(capacity=...)``, as the integrations build them)
 - a step (forward and backward, with LSE gradients) on batch A, recorded from the
   dispatcher (``tests.helpers.replay.DeviceWork``), equals the single-device op;
 - batch B (other documents) written IN PLACE into the same inputs and buffers, recorded
@@ -24,14 +26,15 @@ from tests.dist_utils import run_distributed
 from tests.helpers.cp_grid import (DV, HEADS, MASKS, D, compare_fp32, cu, global_inputs,
                                    small_plan)
 from tests.helpers.replay import DeviceWork
-from varlen_cp import AttnOptions, cp_varlen_attn
+from varlen_cp import AttnOptions, CPPlan, cp_varlen_attn
 from varlen_cp.attention import build_layer_tables
 from varlen_cp.kernels import varlen_attn
 from varlen_cp.options import GRAPH_SAFE_STRATEGIES
+from varlen_cp.plan import layout_spec
 from varlen_cp.plan.agreement import agree_on_plan
 from varlen_cp.shape import AttnShape
 from varlen_cp.tables.selected import fetch_count_array
-from varlen_cp.tables.static_rows import default_capacity
+from varlen_cp.plan.capacity import default_capacity
 
 BATCH_A = [1, 2, 37, 9, 0, 130, 5, 23]         # 207 tokens (the CP grid's batch)
 BATCH_B = [60, 3, 71, 1, 40, 32]               # 207 tokens, other documents
@@ -103,13 +106,15 @@ def _results(plan, res):
 
 
 def _unused_slots(plan, res, what):
-    """Unused slots: out 0, lse -inf, gradients 0."""
-    n = plan.num_tokens
+    """Unused slots (past the plan's rows, and its padding rows): out 0, lse -inf,
+    gradients 0."""
     out, lse, dq, dk, dv = (t.detach() for t in res)
+    pad = torch.ones(out.shape[0], dtype=torch.bool)
+    pad[:plan.num_tokens] = plan.token_indices < 0
     errors = []
-    if not (bool((out[n:] == 0).all()) and bool(torch.isneginf(lse[:, n:]).all())):
+    if not (bool((out[pad] == 0).all()) and bool(torch.isneginf(lse[:, pad]).all())):
         errors.append(f"{what}: unused slots' out / lse")
-    if not all(bool((g[n:] == 0).all()) for g in (dq, dk, dv)):
+    if not all(bool((g[pad] == 0).all()) for g in (dq, dk, dv)):
         errors.append(f"{what}: unused slots' gradients")
     return errors
 
@@ -122,6 +127,9 @@ def graph_safe_worker(rank, world):
         hq, hkv = HEADS[world][i % 2]
         plans = [small_plan(docs, world, rank, layout, mask) for docs in (BATCH_A, BATCH_B)]
         cap = max(default_capacity(p.padded_total_tokens, world) for p in plans)
+        if mname in AT_CAPACITY:   # plans built at the capacity: the integrations' way
+            plans = [_at_capacity(docs, world, rank, layout, mask, cap)
+                     for docs in (BATCH_A, BATCH_B)]
         extra = {}
         if name == "dispatch":   # the most keys one rank sends another, in either batch
             extra["graph_send_capacity"] = max(_most_sent(p, mask) for p in plans)
@@ -155,6 +163,16 @@ def graph_safe_worker(rank, world):
         n += 1
     assert not errors, "\n".join(errors[:20])
     return n
+
+
+AT_CAPACITY = ("swa", "chunk")   # masks whose cases run on plans built at the capacity
+
+
+def _at_capacity(docs, world, rank, layout, mask, cap):
+    spec = {"dual_chunk": {"min_chunk_tokens": 4},
+            "balanced": {"masks": mask, "tile_tokens": 8}}.get(layout, {})
+    return CPPlan.build(cu(docs), cp_size=world, cp_rank=rank,
+                        layout=layout_spec(layout, **spec), capacity=cap)
 
 
 def _most_sent(plan, mask):

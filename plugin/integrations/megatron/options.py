@@ -115,12 +115,15 @@ class VarlenCPOptions(CPConfig):
 
     def layer_options(self, strategy: str, a2a_size: int | None = None) -> AttnOptions:
         """The ``AttnOptions`` of a layer that runs ``strategy``: the shared options, plus
-        ``a2a_size`` (this layer's, see ``layer_a2a_size``) and ``overlap_stages`` where
-        ``strategy`` takes them."""
+        ``a2a_size`` (this layer's, see ``layer_a2a_size``), ``overlap_stages`` and
+        ``graph_send_capacity`` where ``strategy`` takes them."""
         return AttnOptions(strategy=strategy, backend=self.backend, validate=self.validate,
                            a2a_size=a2a_size if takes(strategy, "a2a_size") else None,
                            overlap_stages=(self.overlap_stages
-                                           if takes(strategy, "overlap_stages") else None))
+                                           if takes(strategy, "overlap_stages") else None),
+                           graph_safe=self.graph_safe, graph_capacity=self.graph_capacity,
+                           graph_send_capacity=(self.graph_send_capacity
+                                                if strategy == "dispatch" else None))
 
     def _check_chunk_layers(self) -> None:
         c = self.chunk_layers

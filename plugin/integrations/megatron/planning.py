@@ -159,6 +159,9 @@ def plan_batch(cu_seqlens: torch.Tensor, options: VarlenCPOptions, cp_size: int,
     configured one. ``group``: the CP group, whose ranks' nodes the plan's topology
     records (``options.gpus_per_node``; None: one node)."""
     config = _SINGLE_RANK if cp_size == 1 else options
+    if cp_size == 1 and options.graph_safe:   # rows at the capacity at cp 1 too
+        config = CPConfig(layout="contiguous", validate=False, prefetch=False,
+                          graph_safe=True, graph_capacity=options.graph_capacity)
     topology = None
     if group is not None and cp_size > 1:
         topology = options.topology(dist.get_process_group_ranks(group))

@@ -66,7 +66,7 @@ from ...kernels.host_copy import one_to_device
 from ...plan import CPPlan
 from ...plan.cpplan import mark_token_dim
 from ...kernels.flash import activate_flash_impl
-from ...prefetch import PlanPrefetcher, build_plan, build_tables
+from ...prefetch import PlanPrefetcher, build_plan, build_tables, refresh_buffers
 from ...report import TrainingReport, layer_types
 from ...sharding import cu_seqlens_from_positions, shard_packed_batch
 from . import cpu_mode
@@ -328,6 +328,9 @@ class VarlenCPTrainer(Trainer):
                                    validate=self.config.varlen_cp.validate and self.cp_size > 1,
                                    group=self.cp_group)
         inputs, labels = local["input"], local["labels"]
+        if self.config.varlen_cp.graph_safe:   # the step's device buffers, in place, here
+            refresh_buffers(plan, self.config.varlen_cp, self.layer_masks, self.attn_shape,
+                            inputs.device)
         # RoPE takes the plan's per-document positions (no placeholder to shard). It reads
         # a cache row per position: padding tokens (-1, te layout) read row 0, their
         # attention rows see nothing anyway.

@@ -42,7 +42,8 @@ from ...plan import CPPlan
 from ..base import CallSpec, Resolution, Strategy
 from .a2a import _StaticUlysses
 from .all_gather import _StaticAllGather
-from .buffers import DispatchRows, StaticRows, dispatch_buffers, static_buffers
+from .buffers import (DispatchRows, StaticRows, dispatch_buffers, staged_dispatch,
+                      staged_rows, static_buffers)
 from .dispatch import _StaticDispatch
 from .p2p import _StaticRing
 
@@ -72,6 +73,15 @@ class StaticStrategy(Strategy):
 
     def build_tables(self, plan: CPPlan, mask: AttnMask, res: Resolution,
                      device: torch.device) -> None:
+        """The plan's tables staged on ``device`` (the buffers are not touched: the
+        planner thread runs this while the previous step reads them)."""
+        staged_rows(plan, res.capacity, device)
+        if res.send_capacity is not None:
+            staged_dispatch(plan, mask, res.capacity, res.send_capacity, device)
+
+    def refresh(self, plan: CPPlan, mask: AttnMask, res: Resolution,
+                device: torch.device) -> None:
+        """The buffers rewritten in place for ``plan`` (before its step, on its stream)."""
         static_buffers(plan, res.capacity, device)
         if res.send_capacity is not None:
             dispatch_buffers(plan, mask, res.capacity, res.send_capacity, device)

@@ -1,6 +1,13 @@
-"""The graph-safe mode's device buffers: every rank's rows' documents and positions,
-allocated once per (device, cp, rank, capacity) and refreshed IN PLACE for each plan, so a
-captured step reads the new batch from the storages it recorded."""
+"""The graph-safe mode's device buffers: every rank's rows' documents and positions (and
+``dispatch``'s send lists and received keys, per layer type), allocated once per (device,
+cp, rank, capacities) and refreshed IN PLACE for each plan, so a captured step reads the
+new batch from the storages it recorded.
+
+Two steps, so that the planner thread never writes a buffer the running step reads:
+:func:`stage` (ahead of the step, on the planner thread: the host tables and their device
+copies, made from pinned staging buffers with non-blocking copies, cached in the plan) and
+``refresh`` (before the step, on the thread and stream that run it: one device copy into
+each buffer; the first call on a new plan does it if nobody did)."""
 
 from __future__ import annotations
 
@@ -9,10 +16,26 @@ from typing import Any
 
 import torch
 
-from ...kernels.host_copy import to_device
 from ...masks import AttnMask
 from ...plan import CPPlan
+from ...tables.cache import cached_table, table_key
 from ...tables.static_rows import dispatch_rows, static_rows
+
+
+def staged_rows(plan: CPPlan, capacity: int, device: torch.device) -> torch.Tensor:
+    """``static_rows`` of ``plan`` on ``device`` (its own copy, cached in the plan)."""
+    return cached_table(plan, table_key("static_rows_t", None, None, capacity),
+                        lambda: torch.from_numpy(static_rows(plan, capacity)), device)
+
+
+def staged_dispatch(plan: CPPlan, mask: AttnMask, capacity: int, send_capacity: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dispatch_rows`` of ``plan`` on ``device`` (its own copies, cached in the plan)."""
+    return cached_table(
+        plan, table_key("static_dispatch_t", mask, None, plan.cp_rank, capacity,
+                        send_capacity),
+        lambda: tuple(torch.from_numpy(x) for x in dispatch_rows(
+            plan, mask, plan.cp_rank, capacity, send_capacity)), device)
 
 
 class StaticRows:
@@ -27,13 +50,13 @@ class StaticRows:
         self._plan: Any = None
 
     def refresh(self, plan: CPPlan) -> None:
-        """Write ``plan``'s rows into the buffers (once per plan): a non-blocking copy from
-        a pinned staging buffer, then a copy into place, both on the current stream, so
-        every later kernel on it reads the new rows; the storage never changes."""
+        """Write ``plan``'s rows into the buffers (once per plan): one copy from the plan's
+        staged device copy, on the current stream, so every later kernel on it reads the
+        new rows; the storage never changes."""
         if self._plan is not None and self._plan() is plan:
             return
-        host = torch.from_numpy(static_rows(plan, self.capacity))
-        self.table.copy_(to_device([host], self.table.device)[0], non_blocking=True)
+        self.table.copy_(staged_rows(plan, self.capacity, self.table.device),
+                         non_blocking=True)
         self._plan = weakref.ref(plan)
 
     def rank_rows(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,11 +100,8 @@ class DispatchRows:
     def refresh(self, plan: CPPlan, mask: AttnMask) -> None:
         if self._plan is not None and self._plan() is plan:
             return
-        send, recv = dispatch_rows(plan, mask, plan.cp_rank, self.capacity,
-                                   self.send_capacity)
-        device = self.send.device
-        new_send, new_recv = to_device([torch.from_numpy(send), torch.from_numpy(recv)],
-                                       device)
+        new_send, new_recv = staged_dispatch(plan, mask, self.capacity, self.send_capacity,
+                                             self.send.device)
         self.send.copy_(new_send, non_blocking=True)
         self.recv.copy_(new_recv, non_blocking=True)
         self._plan = weakref.ref(plan)
