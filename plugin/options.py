@@ -94,7 +94,7 @@ class AttnOptions:
                docs/graph-safe.md): every rank's q, k, v hold ``graph_capacity`` rows (its
                tokens, then unused slots), the rows' documents and positions are refreshed
                in place in device buffers, collectives have fixed sizes. Strategies
-               ``GRAPH_SAFE_STRATEGIES``; CPU only so far.
+               ``GRAPH_SAFE_STRATEGIES`` (all but "auto"); CPU only so far.
     graph_capacity: graph_safe only: rows per rank (None: 1.02 x the mean tokens per rank,
                rounded up to 64, ``plan.capacity.default_capacity``); a batch in which
                a rank holds more is refused before any communication.
@@ -131,7 +131,7 @@ class AttnOptions:
         if self.graph_safe:
             if self.strategy not in GRAPH_SAFE_STRATEGIES:
                 raise ValueError(f"graph_safe=True runs strategy {GRAPH_SAFE_STRATEGIES} "
-                                 f"only (the others have no static form yet), got "
+                                 f"only ('auto' chooses per batch), got "
                                  f"strategy={self.strategy!r}")
             if self.overlap_stages is not None:
                 raise ValueError(f"overlap_stages does not apply with graph_safe=True (one "

@@ -121,13 +121,17 @@ def _resolve_graph_safe(plan: CPPlan, options: AttnOptions, shape: AttnShape,
         raise ValueError(f"graph_safe=True runs on CPU devices only so far (its GPU kernels "
                          f"are not built: docs/graph-safe.md), got device {device}")
     strategy = get_static_strategy(options.strategy)
-    strategy.check_heads(shape.n_heads, shape.n_kv_heads, plan.cp_size)
+    a2a_size = None
+    if options.strategy == "a2a+p2p":
+        a2a_size = options.a2a_size or default_a2a_size(shape.n_heads, shape.n_kv_heads,
+                                                        plan.cp_size)
+    strategy.check_heads(shape.n_heads, shape.n_kv_heads, plan.cp_size, a2a_size)
     capacity = capacity_of(plan, options.graph_capacity)
     send = None
     if options.strategy == "dispatch":
         send = options.graph_send_capacity or capacity
     return Resolution(options.strategy, strategy, "torch", (0, 0), None, shape,
-                      capacity=capacity, send_capacity=send)
+                      a2a_size=a2a_size, capacity=capacity, send_capacity=send)
 
 
 def resolve(plan: CPPlan, mask: AttnMask, options: AttnOptions, shape: AttnShape,

@@ -74,7 +74,7 @@ CATALOGUE: tuple[StrategyTraits, ...] = (
     StrategyTraits("a2a", "none", 1, _a2a_heads, traffic.a2a_traffic, cost.a2a_pairs,
                    cost.a2a_visited, cost.a2a_saved, True),
     StrategyTraits("a2a+p2p", "none", 3, _hybrid_heads, traffic.hybrid_traffic,
-                   cost.hybrid_pairs, cost.hybrid_visited, cost.hybrid_saved),
+                   cost.hybrid_pairs, cost.hybrid_visited, cost.hybrid_saved, True),
     StrategyTraits("dispatch", "stages", 2, _any_heads, traffic.dispatch_traffic,
                    cost.rank_pairs, cost.dispatch_visited, cost.selected_saved, True),
 )

@@ -21,18 +21,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
 from tests.helpers.cp_grid import (DV, HEADS, MASKS, D, compare_fp32, cu, global_inputs,
                                    small_plan)
 from tests.helpers.replay import DeviceWork
 from varlen_cp import AttnOptions, CPPlan, cp_varlen_attn
-from varlen_cp.attention import build_layer_tables
+from varlen_cp.attention import build_layer_tables, refresh_layer_buffers
 from varlen_cp.kernels import varlen_attn
 from varlen_cp.options import GRAPH_SAFE_STRATEGIES
 from varlen_cp.plan import layout_spec
 from varlen_cp.plan.agreement import agree_on_plan
 from varlen_cp.shape import AttnShape
+from varlen_cp.strategies.a2a_p2p import ulysses_subgroup
 from varlen_cp.tables.selected import fetch_count_array
 from varlen_cp.plan.capacity import default_capacity
 
@@ -90,11 +92,16 @@ class Step:
 
 
 def _prepare(plan, mask, options, step):
-    """What the step's planner and sharding do before the step: the tables (the device
-    buffers refreshed for the plan) and the plan agreement."""
+    """What the step's planner and sharding do before the step: the tables, the device
+    buffers refreshed for the plan and the plan agreement; and what a capture follows,
+    one eager step: here the Ulysses sub-groups' creation."""
     shape = AttnShape.of(step.q, step.k, step.v)
-    build_layer_tables(plan, mask, options, shape, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    build_layer_tables(plan, mask, options, shape, cpu)
+    refresh_layer_buffers(plan, mask, options, shape, cpu)
     agree_on_plan(plan, None)
+    if options.strategy == "a2a+p2p" and 1 < HYBRID_SIZE < plan.cp_size:
+        ulysses_subgroup(dist.group.WORLD, HYBRID_SIZE)
 
 
 def _results(plan, res):
@@ -131,6 +138,8 @@ def graph_safe_worker(rank, world):
             plans = [_at_capacity(docs, world, rank, layout, mask, cap)
                      for docs in (BATCH_A, BATCH_B)]
         extra = {}
+        if name == "a2a+p2p":    # groups of 2: Ulysses inside, the ring across (cp 4)
+            extra["a2a_size"] = HYBRID_SIZE
         if name == "dispatch":   # the most keys one rank sends another, in either batch
             extra["graph_send_capacity"] = max(_most_sent(p, mask) for p in plans)
         options = AttnOptions(strategy=name, graph_safe=True, graph_capacity=cap, **extra)
@@ -165,6 +174,7 @@ def graph_safe_worker(rank, world):
     return n
 
 
+HYBRID_SIZE = 2
 AT_CAPACITY = ("swa", "chunk")   # masks whose cases run on plans built at the capacity
 
 
@@ -284,7 +294,6 @@ def test_a_batch_over_the_send_capacity_is_refused_on_every_rank(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"strategy": "a2a+p2p", "graph_safe": True}, "graph_safe=True runs strategy"),
     ({"strategy": "p2p", "graph_safe": True, "graph_send_capacity": 8},
      "graph_send_capacity applies to strategy 'dispatch' only"),
     ({"strategy": "dispatch", "graph_send_capacity": 8}, "graph_send_capacity applies with"),

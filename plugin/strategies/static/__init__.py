@@ -21,13 +21,15 @@ at the batch. What changes between batches is the buffers' contents only.
 - ``dispatch``: each rank sends each other rank the keys its queries see, padded to
   ``graph_send_capacity`` rows per pair (one equal-split all-to-all), and their dK|dV
   come back the same way.
+- ``a2a+p2p``: Ulysses inside groups of ``a2a_size`` ranks (equal splits), the static ring
+  across the groups.
 - ``a2a`` (Ulysses): one ``all_to_all_single`` of q|k|v to heads (equal splits: capacity
   rows per rank), one call of every row against every row on this rank's heads, one back
   (out|lse); backward the same in reverse. K/V heads fewer than cp are repeated to cp
   (their gradients summed back), as the dynamic ``a2a`` does.
 
-The others (``a2a+p2p``, ``auto``) are refused in this mode with an
-error naming the supported ones (docs/graph-safe.md: what remains to do). The kernel is
+``auto`` (a choice per batch) is refused in this mode with an error naming the supported
+strategies (docs/graph-safe.md: what remains to do). The kernel is
 the CPU stand-in (quadratic in the capacity); CUDA devices are refused until the
 capacity-grid GPU kernels land.
 """
@@ -41,6 +43,7 @@ from ...options import GRAPH_SAFE_STRATEGIES
 from ...plan import CPPlan
 from ..base import CallSpec, Resolution, Strategy
 from .a2a import _StaticUlysses
+from .a2a_p2p import _StaticHybrid
 from .all_gather import _StaticAllGather
 from .buffers import (DispatchRows, StaticRows, dispatch_buffers, staged_dispatch,
                       staged_rows, static_buffers)
@@ -64,12 +67,16 @@ class StaticStrategy(Strategy):
 
     def check_heads(self, n_heads: int, n_kv_heads: int, cp_size: int,
                     a2a_size: int | None = None) -> None:
-        if self.name != "a2a":
+        if self._function not in (_StaticUlysses, _StaticHybrid):   # heads move
             return
-        if n_heads % cp_size or not (n_kv_heads % cp_size == 0 or cp_size % n_kv_heads == 0):
-            raise ValueError(f"graph_safe strategy 'a2a' needs n_heads ({n_heads}) divisible "
-                             f"by cp ({cp_size}) and n_kv_heads ({n_kv_heads}) a multiple "
-                             f"or a divisor of cp")
+        ulysses = self._function is _StaticUlysses
+        a = cp_size if ulysses else a2a_size
+        what = "cp" if ulysses else "a2a_size"
+        if n_heads % a or not (n_kv_heads % a == 0 or a % n_kv_heads == 0) or cp_size % a:
+            raise ValueError(f"graph_safe strategy {self.name!r} needs n_heads ({n_heads}) "
+                             f"divisible by {what} ({a}), n_kv_heads ({n_kv_heads}) a "
+                             f"multiple or a divisor of it, and it a divisor of cp "
+                             f"({cp_size})")
 
     def build_tables(self, plan: CPPlan, mask: AttnMask, res: Resolution,
                      device: torch.device) -> None:
@@ -95,11 +102,17 @@ class StaticStrategy(Strategy):
         if res.send_capacity is not None:
             args += (dispatch_buffers(plan, spec.attn.mask, res.capacity,
                                       res.send_capacity, q.device),)
+        if self._function is _StaticHybrid:   # its group size 1 or cp: plain p2p or a2a
+            a = res.a2a_size
+            if a in (1, plan.cp_size):
+                return (_StaticRing if a == 1 else _StaticUlysses), args
+            args += (a,)
         return self._function, args
 
 
 STATIC_STRATEGIES: dict[str, StaticStrategy] = {
-    f.strategy: StaticStrategy(f.strategy, f) for f in (_StaticRing, _StaticAllGather, _StaticUlysses, _StaticDispatch)}
+    f.strategy: StaticStrategy(f.strategy, f)
+    for f in (_StaticRing, _StaticAllGather, _StaticUlysses, _StaticHybrid, _StaticDispatch)}
 assert tuple(STATIC_STRATEGIES) == GRAPH_SAFE_STRATEGIES, "the catalogue's graph_safe traits"
 
 

@@ -23,15 +23,20 @@ from .buffers import StaticRows, mask_args, pair
 def _pass(send: list[torch.Tensor], rank: int, cp: int, group: Any) -> tuple[list, list]:
     """Post ``send`` to the next rank and receive as much from the previous one: (the
     receive buffers, the works to wait for)."""
+    return pass_to(send, global_rank(group, (rank + 1) % cp),
+                   global_rank(group, (rank - 1) % cp), group)
+
+
+def pass_to(send: list[torch.Tensor], nxt: int, prv: int, group: Any) -> tuple[list, list]:
+    """Post ``send`` to global rank ``nxt`` and receive as much from ``prv``: (the receive
+    buffers, the works to wait for)."""
     recv = [torch.empty_like(t) for t in send]
-    nxt = global_rank(group, (rank + 1) % cp)
-    prv = global_rank(group, (rank - 1) % cp)
     ops = [dist.P2POp(dist.isend, t, nxt, group) for t in send]
     ops += [dist.P2POp(dist.irecv, t, prv, group) for t in recv]
     return recv, dist.batch_isend_irecv(ops)
 
 
-def _wait(works: list) -> None:
+def wait_all(works: list) -> None:
     for w in works:
         w.wait()
 
@@ -60,7 +65,7 @@ class _StaticRing(torch.autograd.Function):
             else:
                 out, lse = merge_attn_partials_(out, lse, o, l)
                 row_max = torch.maximum(row_max, m) if need_max else None
-            _wait(works)
+            wait_all(works)
             if s + 1 < cp:
                 cur = nxt
         ctx.save_for_backward(q, kv, out, lse)
@@ -91,7 +96,7 @@ class _StaticRing(torch.autograd.Function):
             if cp > 1:   # the block's accumulator on to the next rank (the block too, but
                 # after the last step: the accumulator then reaches its owner)
                 recv, works = _pass([acc] if s + 1 == cp else [acc, cur], rank, cp, group)
-                _wait(works)
+                wait_all(works)
                 acc = recv[0]
                 if s + 1 < cp:
                     cur = recv[1]

@@ -1,0 +1,144 @@
+"""Graph-safe ``a2a+p2p``: Ulysses inside groups of ``a2a_size`` ranks, a ring across the
+groups. One equal-split ``all_to_all_single`` inside the group gives each member the
+group's capacity rows (a x capacity) for Hq / a heads (K/V heads repeated up to a, as in
+graph-safe ``a2a``); member i of every group then runs the static ring (``p2p``) with the
+members i of the other groups, each group's rows one block; out | lse go back through the
+group's all-to-all. Backward: dout | dlse to heads, the ring with fp32 dK|dV accumulators
+that end at their owner group, dq | dk | dv back. Every size is a constant of (cp, a,
+capacity); which group's block a ring step holds, of (rank, step). The Ulysses sub-groups
+are the dynamic strategy's (``strategies.a2a_p2p.ulysses_subgroup``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...kernels.dense import dense_bwd, dense_fwd, dense_visible
+from ...kernels.merge import merge_attn_partials_
+from ...masks import AttnMask
+from ..a2a_p2p import ulysses_subgroup
+from ..calls import global_rank, head_max, no_max
+from . import all_gather
+from .a2a import _bytes_as, _kv_repeat, _to_heads, _to_rows
+from .buffers import StaticRows, mask_args, pair
+from .p2p import pass_to, wait_all
+
+
+class _Ring:
+    """Member ``i`` of group ``g`` in a ring of ``n`` groups of ``a`` CP ranks."""
+
+    def __init__(self, rank: int, cp: int, a: int, group: Any) -> None:
+        self.g, self.i, self.n, self.a = rank // a, rank % a, cp // a, a
+        self.group = group
+        self.next = global_rank(group, (self.g + 1) % self.n * a + self.i)
+        self.prev = global_rank(group, (self.g - 1) % self.n * a + self.i)
+
+    def rows(self, rows: StaticRows, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(doc, pos) of every row of ``group`` (its members' rows, rank-major)."""
+        span = slice(group * self.a * rows.capacity, (group + 1) * self.a * rows.capacity)
+        return rows.doc[span], rows.pos[span]
+
+    def pass_on(self, send: list[torch.Tensor]) -> tuple[list, list]:
+        return pass_to(send, self.next, self.prev, self.group)
+
+
+class _StaticHybrid(torch.autograd.Function):
+    strategy = "a2a+p2p"
+
+    @staticmethod
+    def forward(ctx, q, k, v, rows: StaticRows, rank: int, cp: int, group: Any,
+                mask: AttnMask, scale: float, need_max: bool, a2a_size: int):
+        cap, hq, d = q.shape
+        dv, a = v.shape[2], a2a_size
+        sub, _ = ulysses_subgroup(group, a)
+        ring = _Ring(rank, cp, a, group)
+        rep = _kv_repeat(k.shape[1], a)
+        kr = k.repeat_interleave(rep, dim=1) if rep > 1 else k
+        vr = v.repeat_interleave(rep, dim=1) if rep > 1 else v
+        hs, hk = hq // a, kr.shape[1] // a
+        packed = torch.cat([q.reshape(cap, a, hs * d), kr.reshape(cap, a, hk * d),
+                            vr.reshape(cap, a, hk * dv)], 2)
+        mine = _to_heads(packed, a, sub).reshape(a * cap, -1)
+        qs, kv = pair(mine, hs * d)
+        qs, kv = qs.reshape(a * cap, hs, d), kv.contiguous()   # (kv: sent round the ring)
+        q_doc, q_pos = ring.rows(rows, ring.g)
+        cur, out, lse, row_max = kv, None, None, None
+        for s in range(ring.n):
+            works = []
+            if s + 1 < ring.n:
+                (nxt,), works = ring.pass_on([cur])
+            k_b, v_b = pair(cur, hk * d)
+            seen = dense_visible(q_doc, q_pos, *ring.rows(rows, (ring.g - s) % ring.n),
+                                 *mask_args(mask))
+            o, l, m = dense_fwd(qs, k_b.reshape(-1, hk, d), v_b.reshape(-1, hk, dv), seen,
+                                scale, need_max)
+            if out is None:
+                out, lse, row_max = o, l, m
+            else:
+                out, lse = merge_attn_partials_(out, lse, o, l)
+                row_max = torch.maximum(row_max, m) if need_max else None
+            wait_all(works)
+            if s + 1 < ring.n:
+                cur = nxt
+        ctx.save_for_backward(qs, kv, out, lse)
+        ctx.meta = (rows, ring, sub, mask, scale, rep, (hk, d, dv), q.dtype, k.dtype)
+        ctx.set_materialize_grads(False)
+        back = torch.cat([out.reshape(a * cap, -1).to(q.dtype),
+                          _bytes_as(lse.t().contiguous(), q.dtype)], 1).unsqueeze(1)
+        back = _to_rows(back, a, sub).reshape(cap, a, -1)
+        o, l = pair(back, hs * dv)
+        part = no_max(q.device)
+        if need_max:   # this group's rows on this slice's heads; the caller joins groups
+            part = head_max(row_max, hs, q.device)
+            if a > 1:
+                gathered = part.new_empty(a * hs)
+                all_gather._all_gather_single(gathered, part, group=sub)
+                part = gathered
+        return (o.reshape(cap, hq, dv),
+                l.contiguous().view(torch.float32).reshape(cap, hq).t().contiguous(), part)
+
+    @staticmethod
+    def backward(ctx, dout, dlse, _dmax):
+        qs, kv, out, lse = ctx.saved_tensors
+        rows, ring, sub, mask, scale, rep, (hk, d, dv), qdtype, kdtype = ctx.meta
+        n, hs, _ = out.shape
+        a = ring.a
+        cap = n // a
+        dout = out.new_zeros(cap, hs * a, dv) if dout is None else dout.float()
+        parts = [dout.reshape(cap, a, hs * dv)]
+        if dlse is not None:
+            parts.append(dlse.float().t().reshape(cap, a, hs))
+        grads = _to_heads(torch.cat(parts, 2), a, sub).reshape(n, -1)
+        dout_s, dlse_s = pair(grads, hs * dv)
+        dout_s = dout_s.reshape(n, hs, dv)
+        dlse_s = dlse_s.t() if dlse is not None else None
+        q_doc, q_pos = ring.rows(rows, ring.g)
+        dq = torch.zeros(qs.shape, dtype=torch.float32, device=qs.device)
+        cur, acc = kv, torch.zeros(n, hk * (d + dv), dtype=torch.float32, device=qs.device)
+        for s in range(ring.n):
+            k_b, v_b = pair(cur, hk * d)
+            seen = dense_visible(q_doc, q_pos, *ring.rows(rows, (ring.g - s) % ring.n),
+                                 *mask_args(mask))
+            dq_s, dk_s, dv_s = dense_bwd(dout_s, qs, k_b.reshape(-1, hk, d),
+                                         v_b.reshape(-1, hk, dv), out, lse, dlse_s, seen,
+                                         scale)
+            dq += dq_s
+            acc = acc + torch.cat([dk_s.reshape(n, -1), dv_s.reshape(n, -1)], 1)
+            if ring.n > 1:   # as the static ring: the accumulator ends at its owner group
+                recv, works = ring.pass_on([acc] if s + 1 == ring.n else [acc, cur])
+                wait_all(works)
+                acc = recv[0]
+                if s + 1 < ring.n:
+                    cur = recv[1]
+        back = torch.cat([dq.reshape(n, -1), acc], 1).unsqueeze(1)
+        mine = _to_rows(back, a, sub).reshape(cap, a, -1)
+        g_q, g_kv = pair(mine, hs * qs.shape[2])
+        g_k, g_v = pair(g_kv, hk * d)
+        dq_rows = g_q.reshape(cap, a * hs, qs.shape[2])
+        dk_rows = g_k.reshape(cap, a * hk, d)
+        dv_rows = g_v.reshape(cap, a * hk, dv)
+        if rep > 1:   # a repeated head's gradient is the sum over its copies
+            dk_rows = dk_rows.reshape(cap, -1, rep, d).sum(2)
+            dv_rows = dv_rows.reshape(cap, -1, rep, dv).sum(2)
+        return (dq_rows.to(qdtype), dk_rows.to(kdtype), dv_rows.to(kdtype)) + (None,) * 8
