@@ -248,13 +248,13 @@ def test_dynamic_strategies_issue_other_work_per_batch(tmp_path):
     assert run_distributed(dynamic_worker, 2, tmp_path) == [[], []]
 
 
-def over_capacity_worker(rank, world):
-    """A capacity below a rank's share: ValueError on every rank, nothing communicated."""
+def over_capacity_worker(rank, world, cap, extra):
+    """A capacity below what the batch needs: ValueError on every rank, nothing
+    communicated."""
     from tests.helpers.guards import no_communication
     mask = MASKS["causal"]
     plan = small_plan(BATCH_A, world, rank, "contiguous", mask)
-    cap = 64                           # every rank holds 103 or 104 tokens
-    options = AttnOptions(strategy="all_gather", graph_safe=True, graph_capacity=cap)
+    options = AttnOptions(graph_safe=True, graph_capacity=cap, **extra)
     step = Step(cap, 4, 2)
     with no_communication():
         try:
@@ -264,33 +264,15 @@ def over_capacity_worker(rank, world):
     return None
 
 
-def over_send_capacity_worker(rank, world):
-    """Graph-safe dispatch with a send capacity below what a rank needs from another."""
-    from tests.helpers.guards import no_communication
-    mask = MASKS["causal"]
-    plan = small_plan(BATCH_A, world, rank, "contiguous", mask)
-    options = AttnOptions(strategy="dispatch", graph_safe=True, graph_capacity=128,
-                          graph_send_capacity=8)
-    step = Step(128, 4, 2)
-    with no_communication():
-        try:
-            cp_varlen_attn(step.q, step.k, step.v, plan, mask, None, options)
-        except ValueError as e:
-            return str(e)
-    return None
-
-
-def test_a_batch_over_capacity_is_refused_on_every_rank(tmp_path):
-    errors = run_distributed(over_capacity_worker, 2, tmp_path)
-    for e in errors:
-        assert e is not None and "graph_capacity=64" in e and "rank 1 holds 104" in e, e
-
-
-def test_a_batch_over_the_send_capacity_is_refused_on_every_rank(tmp_path):
-    errors = run_distributed(over_send_capacity_worker, 2, tmp_path)
-    for e in errors:
-        assert e is not None and "graph_send_capacity=8" in e and \
-            "rank 1 needs 54 keys of rank 0" in e, e
+@pytest.mark.parametrize("cap, extra, message", [
+    (64, {"strategy": "all_gather"}, ("graph_capacity=64", "rank 1 holds 104")),
+    (128, {"strategy": "dispatch", "graph_send_capacity": 8},
+     ("graph_send_capacity=8", "rank 1 needs 54 keys of rank 0")),
+])
+def test_a_batch_over_capacity_is_refused_on_every_rank(tmp_path, cap, extra, message):
+    """Every rank holds 103 or 104 tokens; rank 1 needs 54 keys of rank 0."""
+    for e in run_distributed(over_capacity_worker, 2, tmp_path, cap, extra):
+        assert e is not None and all(m in e for m in message), e
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -39,6 +39,23 @@ def _to_rows(x: torch.Tensor, cp: int, group: Any) -> torch.Tensor:
     return recv.reshape(cp, n // cp, h, w).transpose(0, 1).reshape(n // cp, cp * h, w)
 
 
+def grads_to_heads(dout: torch.Tensor | None, dlse: torch.Tensor | None, out: torch.Tensor,
+                   a: int, group: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dout [cap, Hq, Dv] | dlse [Hq, cap] of this rank's rows to every row of the group of
+    ``a`` ranks on this rank's head slice, in fp32, in one message per peer: (dout
+    [a * cap, Hq / a, Dv], dlse [Hq / a, a * cap] or None). ``out``: the head-sharded
+    output (its shape; zeros stand in for a missing dout)."""
+    n, hs, dv = out.shape
+    cap = n // a
+    dout = out.new_zeros(cap, hs * a, dv) if dout is None else dout.float()
+    parts = [dout.reshape(cap, a, hs * dv)]
+    if dlse is not None:
+        parts.append(dlse.float().t().reshape(cap, a, hs))
+    grads = _to_heads(torch.cat(parts, 2), a, group).reshape(n, -1)
+    dout_s, dlse_s = pair(grads, hs * dv)
+    return dout_s.reshape(n, hs, dv), (dlse_s.t() if dlse is not None else None)
+
+
 def _bytes_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp32 ``x`` [n, m] as ``dtype`` elements (its bytes, to travel in one message with
     tensors of that dtype; ``.view(torch.float32)`` gives it back)."""
@@ -99,14 +116,8 @@ class _StaticUlysses(torch.autograd.Function):
         cp, group, scale, rep, qdtype, kdtype = ctx.meta
         n, hs, dv = out.shape
         cap = n // cp
-        dout = out.new_zeros(cap, hs * cp, dv) if dout is None else dout.float()
-        parts = [dout.reshape(cap, cp, hs * dv)]
-        if dlse is not None:
-            parts.append(dlse.float().t().reshape(cap, cp, hs))
-        grads = _to_heads(torch.cat(parts, 2), cp, group).reshape(n, -1)
-        dout_s, dlse_s = pair(grads, hs * dv)
-        dq, dk, dv_ = dense_bwd(dout_s.reshape(n, hs, dv), qs, ks, vs, out, lse,
-                                dlse_s.t() if dlse is not None else None, seen, scale)
+        dout_s, dlse_s = grads_to_heads(dout, dlse, out, cp, group)
+        dq, dk, dv_ = dense_bwd(dout_s, qs, ks, vs, out, lse, dlse_s, seen, scale)
         back = torch.cat([dq.reshape(n, -1), dk.reshape(n, -1), dv_.reshape(n, -1)], 1)
         mine = _to_rows(back.unsqueeze(1), cp, group).reshape(cap, cp, -1)
         g_q, rest = pair(mine, hs * qs.shape[2])

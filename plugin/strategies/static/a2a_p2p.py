@@ -15,14 +15,13 @@ from typing import Any
 import torch
 
 from ...kernels.dense import dense_bwd, dense_fwd, dense_visible
-from ...kernels.merge import merge_attn_partials_
 from ...masks import AttnMask
 from ..a2a_p2p import ulysses_subgroup
 from ..calls import global_rank, head_max, no_max
 from . import all_gather
-from .a2a import _bytes_as, _kv_repeat, _to_heads, _to_rows
+from .a2a import _bytes_as, _kv_repeat, _to_heads, _to_rows, grads_to_heads
 from .buffers import StaticRows, mask_args, pair
-from .p2p import pass_to, wait_all
+from .p2p import fold, pass_to, wait_all
 
 
 class _Ring:
@@ -73,11 +72,7 @@ class _StaticHybrid(torch.autograd.Function):
                                  *mask_args(mask))
             o, l, m = dense_fwd(qs, k_b.reshape(-1, hk, d), v_b.reshape(-1, hk, dv), seen,
                                 scale, need_max)
-            if out is None:
-                out, lse, row_max = o, l, m
-            else:
-                out, lse = merge_attn_partials_(out, lse, o, l)
-                row_max = torch.maximum(row_max, m) if need_max else None
+            out, lse, row_max = fold(out, lse, row_max, o, l, m)
             wait_all(works)
             if s + 1 < ring.n:
                 cur = nxt
@@ -105,14 +100,7 @@ class _StaticHybrid(torch.autograd.Function):
         n, hs, _ = out.shape
         a = ring.a
         cap = n // a
-        dout = out.new_zeros(cap, hs * a, dv) if dout is None else dout.float()
-        parts = [dout.reshape(cap, a, hs * dv)]
-        if dlse is not None:
-            parts.append(dlse.float().t().reshape(cap, a, hs))
-        grads = _to_heads(torch.cat(parts, 2), a, sub).reshape(n, -1)
-        dout_s, dlse_s = pair(grads, hs * dv)
-        dout_s = dout_s.reshape(n, hs, dv)
-        dlse_s = dlse_s.t() if dlse is not None else None
+        dout_s, dlse_s = grads_to_heads(dout, dlse, out, a, sub)
         q_doc, q_pos = ring.rows(rows, ring.g)
         dq = torch.zeros(qs.shape, dtype=torch.float32, device=qs.device)
         cur, acc = kv, torch.zeros(n, hk * (d + dv), dtype=torch.float32, device=qs.device)

@@ -36,6 +36,16 @@ def pass_to(send: list[torch.Tensor], nxt: int, prv: int, group: Any) -> tuple[l
     return recv, dist.batch_isend_irecv(ops)
 
 
+def fold(out: torch.Tensor | None, lse: torch.Tensor | None, row_max: torch.Tensor | None,
+         o: torch.Tensor, l: torch.Tensor, m: torch.Tensor | None) -> tuple:
+    """(out, lse, row max) with the partial (o, l, m) folded in by its LSE (the first
+    partial as it is; the row max where asked for: m not None)."""
+    if out is None:
+        return o, l, m
+    out, lse = merge_attn_partials_(out, lse, o, l)
+    return out, lse, (None if m is None else torch.maximum(row_max, m))
+
+
 def wait_all(works: list) -> None:
     for w in works:
         w.wait()
@@ -60,11 +70,7 @@ class _StaticRing(torch.autograd.Function):
                                  *mask_args(mask))
             o, l, m = dense_fwd(q, k_b.reshape(cap, hkv, d), v_b.reshape(cap, hkv, dv),
                                 seen, scale, need_max)
-            if out is None:
-                out, lse, row_max = o, l, m
-            else:
-                out, lse = merge_attn_partials_(out, lse, o, l)
-                row_max = torch.maximum(row_max, m) if need_max else None
+            out, lse, row_max = fold(out, lse, row_max, o, l, m)
             wait_all(works)
             if s + 1 < cp:
                 cur = nxt
