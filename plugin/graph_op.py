@@ -17,16 +17,17 @@ all-reduce runs inside too. The sink (``apply_softmax_sink``) is plain different
 tensor math outside the op, traced by dynamo.
 
 Backward state: the Function's ctx (e.g. the K/V a staged strategy fetched, Ulysses'
-head-sharded tensors) is kept in a registry under a token (a 1-element CPU tensor output
-of the forward op, saved for the backward op); a finalizer on the token drops the entry when
+head-sharded tensors) is kept in a registry under a token (a 1-element tensor output of
+the forward op, saved for the backward op: on the host, its value names the state; in the
+graph-safe mode it is on q's device and its address does, so no device value is read); a finalizer on the token drops the entry when
 autograd frees the token (after the backward, or with the graph when no backward runs), so
 nothing leaks and ``retain_graph`` works. Tensors the compiled graph owns (q, k, v, out,
 lse) are never kept in that registry: the forward op's autograd saves them, and the
 backward op receives them as inputs (inductor may reuse a buffer of its own once its last
 use in the graph has passed; the ctx gets the backward op's copies instead).
 
-Limits: a compiled call on a CUDA device keeps its token on the host (a CPU output), which
-CUDA graphs ("reduce-overhead") refuse; the per-call Python work inside the op is the eager
+Limits: a compiled call on a CUDA device outside the graph-safe mode keeps its token on
+the host (a CPU output), which CUDA graphs ("reduce-overhead") refuse; the per-call Python work inside the op is the eager
 call's (the strategy's host tables are cached in the plan either way).
 """
 
@@ -43,7 +44,7 @@ from .masks import AttnMask
 from .options import AttnOptions
 from .plan.cpplan import plan_of_handle
 
-# token -> the stand-in ctx of one forward, until autograd frees the token
+# token's key -> the stand-in ctx of one forward, until autograd frees the token
 _STATE: dict[int, "_SavedCall"] = {}
 _TOKENS = itertools.count(1)
 
@@ -127,12 +128,13 @@ def _cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: tor
     out = _own(out, [q, k, v])
     lse_out = _own(lse, [q, k, v, out]) if need_lse else q.new_empty(q.shape[1], 0,
                                                                       dtype=torch.float32)
-    token = torch.zeros(1, dtype=torch.int64)
+    token = _token(q, options)
     if save:
         _detach_graph_owned(ctx, [q, k, v, out] + ([lse_out] if need_lse else []))
         ctx.function = fn
-        key = next(_TOKENS)
-        token[0] = key
+        if token.is_cpu:   # a host token carries its key (its address may be copied)
+            token[0] = next(_TOKENS)
+        key = _key(token)
         _STATE[key] = ctx
         weakref.finalize(token, _STATE.pop, key, None)
     return out, lse_out, max_logit, token
@@ -144,7 +146,20 @@ def _(q, k, v, handle, options_key, causal, window_left, window_right, chunk_siz
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     lse = q.new_empty(q.shape[1], q.shape[0] if need_lse else 0, dtype=torch.float32)
     max_logit = q.new_empty(q.shape[1] if need_max else 0, dtype=torch.float32)
-    return out, lse, max_logit, torch.empty(1, dtype=torch.int64)
+    return out, lse, max_logit, _token(q, AttnOptions.of_key(options_key))
+
+
+def _token(q: torch.Tensor, options: AttnOptions) -> torch.Tensor:
+    """The forward's token: a 1-element int64 tensor on the host (the dynamic mode), or in
+    the graph-safe mode on q's device (a CUDA graph takes no host tensor)."""
+    device = q.device if options.graph_safe else torch.device("cpu")
+    return torch.zeros(1, dtype=torch.int64, device=device)
+
+
+def _key(token: torch.Tensor) -> int:
+    """The saved state's key: a host token's value; a device token's address (host
+    metadata: no device read; unique while the token lives, and the entry goes with it)."""
+    return int(token[0]) if token.is_cpu else token.data_ptr()
 
 
 @torch.library.custom_op("varlen_cp::cp_attention_bwd", mutates_args=())
@@ -152,7 +167,7 @@ def _cp_attention_bwd(dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch
                       k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                       token: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    ctx = _STATE.get(int(token[0]))
+    ctx = _STATE.get(_key(token))
     if ctx is None:
         raise RuntimeError("varlen_cp: backward of a compiled cp_varlen_attn call whose "
                            "forward ran without grad (or whose graph was freed)")

@@ -315,3 +315,38 @@ def test_buffers_are_refreshed_in_place():
         rows.append((buf.table.untyped_storage().data_ptr(), buf.table.clone()))
         assert torch.equal(buf.table, torch.from_numpy(static_rows(plan, 256)))
     assert rows[0][0] == rows[1][0] and not torch.equal(rows[0][1], rows[1][1])
+
+
+@pytest.mark.parametrize("name", GRAPH_SAFE_STRATEGIES)
+def test_compiled_graph_safe_call_equals_eager_without_recompiling(name):
+    """Under torch.compile (aot_eager, fullgraph) the graph-safe call is the custom op with
+    its token on q's device: two batches of other documents on plans at one capacity run
+    one compiled graph and give the eager results."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    mask = MASKS["chunk_causal"]
+    options = AttnOptions(strategy=name, graph_safe=True, graph_capacity=256)
+    torch._dynamo.reset()
+    counters.clear()
+
+    def step(q, k, v, plan):
+        out, lse = cp_varlen_attn(q, k, v, plan, mask, None, options, return_lse=True)
+        return out, lse
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for docs, seed in ((BATCH_A, 0), (BATCH_B, 1)):
+        plan = CPPlan.build(cu(docs), cp_size=1, cp_rank=0, layout="contiguous",
+                            capacity=256)
+        q, k, v, dout, dlse = (plan.shard(t) if t.dim() == 3 else t
+                               for t in batch_inputs(docs, 4, 2, seed))
+        dlse = plan.shard(dlse.t().contiguous()).t().contiguous()
+        results = []
+        for fn in (step, compiled):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out, lse = fn(*leaves, plan)
+            torch.autograd.backward((out, lse), (dout, dlse))
+            results.append([out.detach(), lse.detach()] + [t.grad for t in leaves])
+        for got, want in zip(results[1], results[0]):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
