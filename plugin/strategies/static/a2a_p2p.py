@@ -20,7 +20,7 @@ from ..a2a_p2p import ulysses_subgroup
 from ..calls import global_rank, head_max, no_max
 from . import all_gather
 from .a2a import _bytes_as, _kv_repeat, _to_heads, _to_rows, grads_to_heads
-from .buffers import StaticRows, mask_args, pair
+from .buffers import Rows, StaticRows, mask_args, pair
 from .p2p import fold, pass_to, wait_all
 
 
@@ -33,7 +33,7 @@ class _Ring:
         self.next = global_rank(group, (self.g + 1) % self.n * a + self.i)
         self.prev = global_rank(group, (self.g - 1) % self.n * a + self.i)
 
-    def rows(self, rows: StaticRows, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, rows: Rows, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(doc, pos) of every row of ``group`` (its members' rows, rank-major)."""
         span = slice(group * self.a * rows.capacity, (group + 1) * self.a * rows.capacity)
         return rows.doc[span], rows.pos[span]
@@ -52,6 +52,7 @@ class _StaticHybrid(torch.autograd.Function):
         dv, a = v.shape[2], a2a_size
         sub, _ = ulysses_subgroup(group, a)
         ring = _Ring(rank, cp, a, group)
+        rows = rows.snapshot()   # (the backward's, whatever plan the buffers hold then)
         rep = _kv_repeat(k.shape[1], a)
         kr = k.repeat_interleave(rep, dim=1) if rep > 1 else k
         vr = v.repeat_interleave(rep, dim=1) if rep > 1 else v

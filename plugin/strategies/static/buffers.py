@@ -38,15 +38,33 @@ def staged_dispatch(plan: CPPlan, mask: AttnMask, capacity: int, send_capacity: 
             plan, mask, plan.cp_rank, capacity, send_capacity)), device)
 
 
-class StaticRows:
+class Rows:
+    """Every rank's rows' documents and positions (``table`` int32 [2, cp * capacity])."""
+
+    def __init__(self, table: torch.Tensor, capacity: int) -> None:
+        self.capacity = capacity
+        self.table = table
+        self.doc, self.pos = table[0], table[1]
+
+    def rank_rows(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(doc, pos) views of ``rank``'s rows."""
+        rows = slice(rank * self.capacity, (rank + 1) * self.capacity)
+        return self.doc[rows], self.pos[rows]
+
+    def snapshot(self) -> "Rows":
+        """The rows as they are now, in a copy of their own (one device copy): what a
+        call's backward reads, whatever plan the buffers hold by then (micro-batches whose
+        forwards run before the first one's backward)."""
+        return Rows(self.table.clone(), self.capacity)
+
+
+class StaticRows(Rows):
     """Device buffers ``doc`` and ``pos`` (int32 [cp * capacity]) of every rank's rows,
     allocated once, refreshed in place for each plan (:meth:`refresh`)."""
 
     def __init__(self, device: torch.device, cp_size: int, capacity: int) -> None:
-        self.capacity = capacity
-        self.table = torch.full((2, cp_size * capacity), -1, dtype=torch.int32,
-                                device=device)
-        self.doc, self.pos = self.table[0], self.table[1]
+        super().__init__(torch.full((2, cp_size * capacity), -1, dtype=torch.int32,
+                                    device=device), capacity)
         self._plan: Any = None
 
     def refresh(self, plan: CPPlan) -> None:
@@ -58,11 +76,6 @@ class StaticRows:
         self.table.copy_(staged_rows(plan, self.capacity, self.table.device),
                          non_blocking=True)
         self._plan = weakref.ref(plan)
-
-    def rank_rows(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(doc, pos) views of ``rank``'s rows."""
-        rows = slice(rank * self.capacity, (rank + 1) * self.capacity)
-        return self.doc[rows], self.pos[rows]
 
 
 _ROWS: dict[tuple, StaticRows] = {}

@@ -49,7 +49,8 @@ class _StaticDispatch(torch.autograd.Function):
         v_all = v_all.reshape(-1, hkv, dv)
         out, lse, row_max = dense_fwd(q, k_all, v_all, seen, scale, need_max)
         ctx.save_for_backward(q, k_all, v_all, out, lse, seen)
-        ctx.meta = (cp, group, scale, k.dtype, sent)
+        # (the send lists as this plan's: the buffers may hold another plan's by then)
+        ctx.meta = (cp, group, scale, k.dtype, sent.send.clone())
         ctx.set_materialize_grads(False)
         part = head_max(row_max, q.shape[1], q.device) if need_max else no_max(q.device)
         return out.to(q.dtype), lse, part
@@ -57,7 +58,7 @@ class _StaticDispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse, _dmax):
         q, k_all, v_all, out, lse, seen = ctx.saved_tensors
-        cp, group, scale, dtype, sent = ctx.meta
+        cp, group, scale, dtype, send = ctx.meta
         cap = q.shape[0]
         dout = torch.zeros_like(out) if dout is None else dout
         dq, dk, dv = dense_bwd(dout, q, k_all, v_all, out, lse, dlse, seen, scale)
@@ -66,7 +67,7 @@ class _StaticDispatch(torch.autograd.Function):
         back = _exchange(grads[cap:].contiguous(), cp, group)     # [cp * K, w]
         mine = torch.cat([grads[:cap], grads.new_zeros(1, grads.shape[1])])
         for p, rows_p in enumerate(back.view(cp, -1, back.shape[1]).unbind(0)):
-            mine.index_add_(0, sent.send[p], rows_p)   # distinct rows; padding -> row cap
+            mine.index_add_(0, send[p], rows_p)   # distinct rows; padding -> row cap
         dk_own, dv_own = pair(mine[:cap], width)
         return (dq.to(q.dtype), dk_own.reshape(cap, *k_all.shape[1:]).to(dtype),
                 dv_own.reshape(cap, *v_all.shape[1:]).to(dtype)) + (None,) * 8

@@ -59,6 +59,7 @@ class _StaticRing(torch.autograd.Function):
                 mask: AttnMask, scale: float, need_max: bool):
         cap, hkv, d, dv = q.shape[0], k.shape[1], k.shape[2], v.shape[2]
         kv = torch.cat([k.reshape(cap, hkv * d), v.reshape(cap, hkv * dv)], 1)
+        rows = rows.snapshot()   # (the backward's, whatever plan the buffers hold then)
         q_doc, q_pos = rows.rank_rows(rank)
         cur, out, lse, row_max = kv, None, None, None
         for s in range(cp):
