@@ -8,13 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ...kernels.dense import dense_bwd, dense_fwd, dense_visible
 from ...masks import AttnMask
 from ..calls import head_max, no_max
 from . import all_gather
-from .buffers import StaticRows, mask_args, pair
+from .buffers import StaticRows
+from .common import exchange, pair
 
 
 def _to_heads(x: torch.Tensor, cp: int, group: Any) -> torch.Tensor:
@@ -22,20 +22,13 @@ def _to_heads(x: torch.Tensor, cp: int, group: Any) -> torch.Tensor:
     every rank's rows (rank-major) of this rank's slice (one equal-split all-to-all)."""
     cap, heads, w = x.shape
     send = x.reshape(cap, cp, heads // cp, w).transpose(0, 1).contiguous()
-    recv = send
-    if cp > 1:
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
-    return recv.reshape(cp * cap, heads // cp, w)
+    return exchange(send, cp, group).reshape(cp * cap, heads // cp, w)
 
 
 def _to_rows(x: torch.Tensor, cp: int, group: Any) -> torch.Tensor:
     """The inverse of :func:`_to_heads`: [cp * cap, h, w] -> [cap, cp * h, w]."""
     n, h, w = x.shape
-    recv = x.contiguous()
-    if cp > 1:
-        recv = torch.empty_like(recv)
-        dist.all_to_all_single(recv, x.contiguous(), group=group)
+    recv = exchange(x.contiguous(), cp, group)
     return recv.reshape(cp, n // cp, h, w).transpose(0, 1).reshape(n // cp, cp * h, w)
 
 
@@ -89,7 +82,7 @@ class _StaticUlysses(torch.autograd.Function):
         qs = qs.reshape(cp * cap, hq // cp, d)
         ks = ks.reshape(cp * cap, hk // cp, d)
         vs = vs.reshape(cp * cap, hk // cp, dv)
-        seen = dense_visible(rows.doc, rows.pos, rows.doc, rows.pos, *mask_args(mask))
+        seen = dense_visible(rows.doc, rows.pos, rows.doc, rows.pos, *mask.params)
         out, lse, row_max = dense_fwd(qs, ks, vs, seen, scale, need_max)
         ctx.save_for_backward(qs, ks, vs, out, lse, seen)
         ctx.meta = (cp, group, scale, rep, q.dtype, k.dtype)

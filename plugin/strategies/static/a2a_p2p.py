@@ -20,7 +20,8 @@ from ..a2a_p2p import ulysses_subgroup
 from ..calls import global_rank, head_max, no_max
 from . import all_gather
 from .a2a import _bytes_as, _kv_repeat, _to_heads, _to_rows, grads_to_heads
-from .buffers import Rows, StaticRows, mask_args, pair
+from .buffers import Rows, StaticRows
+from .common import pair
 from .p2p import fold, pass_to, wait_all
 
 
@@ -70,7 +71,7 @@ class _StaticHybrid(torch.autograd.Function):
                 (nxt,), works = ring.pass_on([cur])
             k_b, v_b = pair(cur, hk * d)
             seen = dense_visible(q_doc, q_pos, *ring.rows(rows, (ring.g - s) % ring.n),
-                                 *mask_args(mask))
+                                 *mask.params)
             o, l, m = dense_fwd(qs, k_b.reshape(-1, hk, d), v_b.reshape(-1, hk, dv), seen,
                                 scale, need_max)
             out, lse, row_max = fold(out, lse, row_max, o, l, m)
@@ -108,7 +109,7 @@ class _StaticHybrid(torch.autograd.Function):
         for s in range(ring.n):
             k_b, v_b = pair(cur, hk * d)
             seen = dense_visible(q_doc, q_pos, *ring.rows(rows, (ring.g - s) % ring.n),
-                                 *mask_args(mask))
+                                 *mask.params)
             dq_s, dk_s, dv_s = dense_bwd(dout_s, qs, k_b.reshape(-1, hk, d),
                                          v_b.reshape(-1, hk, dv), out, lse, dlse_s, seen,
                                          scale)

@@ -8,13 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ...kernels.dense import dense_bwd, dense_fwd, dense_visible
 from ...masks import AttnMask
 from ...plan.collective import all_gather_single
-from ..calls import head_max, no_max
-from .buffers import StaticRows, mask_args, pair
+from .buffers import StaticRows
+from .common import exchange, max_part, pack_kv, unpack_kv
 
 # The one shim (plan/collective.py); looked up here at call time, so tests can replace it.
 _all_gather_single = all_gather_single
@@ -27,22 +26,19 @@ class _StaticAllGather(torch.autograd.Function):
     def forward(ctx, q, k, v, rows: StaticRows, rank: int, cp: int, group: Any,
                 mask: AttnMask, scale: float, need_max: bool):
         cap, hkv, d, dv = q.shape[0], k.shape[1], k.shape[2], v.shape[2]
-        kv = torch.cat([k.reshape(cap, hkv * d), v.reshape(cap, hkv * dv)], 1)
+        kv = pack_kv(k, v)
         gathered = kv
         if cp > 1:
             gathered = kv.new_empty(cp * cap, kv.shape[1])
             _all_gather_single(gathered, kv, group=group)
-        k_all, v_all = pair(gathered, hkv * d)
-        k_all = k_all.reshape(cp * cap, hkv, d)
-        v_all = v_all.reshape(cp * cap, hkv, dv)
+        k_all, v_all = unpack_kv(gathered, hkv, d, dv)
         q_doc, q_pos = rows.rank_rows(rank)
-        seen = dense_visible(q_doc, q_pos, rows.doc, rows.pos, *mask_args(mask))
+        seen = dense_visible(q_doc, q_pos, rows.doc, rows.pos, *mask.params)
         out, lse, row_max = dense_fwd(q, k_all, v_all, seen, scale, need_max)
         ctx.save_for_backward(q, k_all, v_all, out, lse, seen)
         ctx.meta = (cp, group, scale, k.dtype)
         ctx.set_materialize_grads(False)
-        part = head_max(row_max, q.shape[1], q.device) if need_max else no_max(q.device)
-        return out.to(q.dtype), lse, part
+        return out.to(q.dtype), lse, max_part(row_max, q.shape[1], q.device, need_max)
 
     @staticmethod
     def backward(ctx, dout, dlse, _dmax):
@@ -51,13 +47,7 @@ class _StaticAllGather(torch.autograd.Function):
         cap = q.shape[0]
         dout = torch.zeros_like(out) if dout is None else dout
         dq, dk, dv = dense_bwd(dout, q, k_all, v_all, out, lse, dlse, seen, scale)
-        width = dk.shape[1] * dk.shape[2]
-        send = torch.cat([dk.reshape(cp * cap, width), dv.reshape(cp * cap, -1)], 1)
-        recv = send
-        if cp > 1:
-            recv = torch.empty_like(send)
-            dist.all_to_all_single(recv, send, group=group)
+        recv = exchange(pack_kv(dk, dv), cp, group)
         mine = recv.view(cp, cap, -1).sum(0)        # in rank order: deterministic
-        dk_own, dv_own = pair(mine, width)
-        return (dq.to(q.dtype), dk_own.reshape(cap, *k_all.shape[1:]).to(dtype),
-                dv_own.reshape(cap, *v_all.shape[1:]).to(dtype)) + (None,) * 7
+        dk_own, dv_own = unpack_kv(mine, *k_all.shape[1:], v_all.shape[2])
+        return (dq.to(q.dtype), dk_own.to(dtype), dv_own.to(dtype)) + (None,) * 7

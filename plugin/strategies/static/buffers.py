@@ -133,14 +133,3 @@ def dispatch_buffers(plan: CPPlan, mask: AttnMask, capacity: int, send_capacity:
         rows = _DISPATCH[key] = DispatchRows(device, plan.cp_size, capacity, send_capacity)
     rows.refresh(plan, mask)
     return rows
-
-
-def mask_args(mask: AttnMask) -> tuple[bool, int, int, int]:
-    """The kernels' mask arguments (causal, window left, window right, chunk or 0)."""
-    causal, left, right, chunk = mask.params
-    return causal, left, right, chunk
-
-
-def pair(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` split at ``width`` along its last dim (two views)."""
-    return x[..., :width], x[..., width:]

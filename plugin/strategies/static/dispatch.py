@@ -12,21 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ...kernels.dense import dense_bwd, dense_fwd, dense_visible
 from ...masks import AttnMask
-from ..calls import head_max, no_max
-from .buffers import DispatchRows, StaticRows, mask_args, pair
-
-
-def _exchange(x: torch.Tensor, cp: int, group: Any) -> torch.Tensor:
-    """Equal-split all-to-all of [cp * K, w] (block p to rank p)."""
-    if cp == 1:
-        return x
-    recv = torch.empty_like(x)
-    dist.all_to_all_single(recv, x, group=group)
-    return recv
+from .buffers import DispatchRows, StaticRows
+from .common import exchange, max_part, pack_kv, unpack_kv
 
 
 class _StaticDispatch(torch.autograd.Function):
@@ -35,25 +25,21 @@ class _StaticDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rows: StaticRows, rank: int, cp: int, group: Any,
                 mask: AttnMask, scale: float, need_max: bool, sent: DispatchRows):
-        cap, hkv, d, dv = q.shape[0], k.shape[1], k.shape[2], v.shape[2]
-        kv = torch.cat([k.reshape(cap, hkv * d), v.reshape(cap, hkv * dv),
-                        ], 1)
+        hkv, d, dv = k.shape[1], k.shape[2], v.shape[2]
+        kv = pack_kv(k, v)
         padded = torch.cat([kv, kv.new_zeros(1, kv.shape[1])])   # row ``cap``: zeros
-        got = _exchange(padded.index_select(0, sent.send.reshape(-1)), cp, group)
+        got = exchange(padded.index_select(0, sent.send.reshape(-1)), cp, group)
         keys = torch.cat([kv, got])
         own_doc, own_pos = rows.rank_rows(rank)
         seen = dense_visible(own_doc, own_pos, torch.cat([own_doc, sent.doc]),
-                             torch.cat([own_pos, sent.pos]), *mask_args(mask))
-        k_all, v_all = pair(keys, hkv * d)
-        k_all = k_all.reshape(-1, hkv, d)
-        v_all = v_all.reshape(-1, hkv, dv)
+                             torch.cat([own_pos, sent.pos]), *mask.params)
+        k_all, v_all = unpack_kv(keys, hkv, d, dv)
         out, lse, row_max = dense_fwd(q, k_all, v_all, seen, scale, need_max)
         ctx.save_for_backward(q, k_all, v_all, out, lse, seen)
         # (the send lists as this plan's: the buffers may hold another plan's by then)
         ctx.meta = (cp, group, scale, k.dtype, sent.send.clone())
         ctx.set_materialize_grads(False)
-        part = head_max(row_max, q.shape[1], q.device) if need_max else no_max(q.device)
-        return out.to(q.dtype), lse, part
+        return out.to(q.dtype), lse, max_part(row_max, q.shape[1], q.device, need_max)
 
     @staticmethod
     def backward(ctx, dout, dlse, _dmax):
@@ -62,12 +48,10 @@ class _StaticDispatch(torch.autograd.Function):
         cap = q.shape[0]
         dout = torch.zeros_like(out) if dout is None else dout
         dq, dk, dv = dense_bwd(dout, q, k_all, v_all, out, lse, dlse, seen, scale)
-        width = dk.shape[1] * dk.shape[2]
-        grads = torch.cat([dk.reshape(dk.shape[0], width), dv.reshape(dv.shape[0], -1)], 1)
-        back = _exchange(grads[cap:].contiguous(), cp, group)     # [cp * K, w]
+        grads = pack_kv(dk, dv)
+        back = exchange(grads[cap:].contiguous(), cp, group)     # [cp * K, w]
         mine = torch.cat([grads[:cap], grads.new_zeros(1, grads.shape[1])])
         for p, rows_p in enumerate(back.view(cp, -1, back.shape[1]).unbind(0)):
             mine.index_add_(0, send[p], rows_p)   # distinct rows; padding -> row cap
-        dk_own, dv_own = pair(mine[:cap], width)
-        return (dq.to(q.dtype), dk_own.reshape(cap, *k_all.shape[1:]).to(dtype),
-                dv_own.reshape(cap, *v_all.shape[1:]).to(dtype)) + (None,) * 8
+        dk_own, dv_own = unpack_kv(mine[:cap], *k_all.shape[1:], v_all.shape[2])
+        return (dq.to(q.dtype), dk_own.to(dtype), dv_own.to(dtype)) + (None,) * 8

@@ -11,13 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ...kernels.dense import dense_bwd, dense_fwd, dense_visible
 from ...kernels.merge import merge_attn_partials_
 from ...masks import AttnMask
-from ..calls import global_rank, head_max, no_max
-from .buffers import StaticRows, mask_args, pair
+from ..calls import global_rank
+from ..p2p import _post, _wait as wait_all
+from .buffers import StaticRows
+from .common import max_part, pack_kv, unpack_kv
 
 
 def _pass(send: list[torch.Tensor], rank: int, cp: int, group: Any) -> tuple[list, list]:
@@ -31,9 +32,7 @@ def pass_to(send: list[torch.Tensor], nxt: int, prv: int, group: Any) -> tuple[l
     """Post ``send`` to global rank ``nxt`` and receive as much from ``prv``: (the receive
     buffers, the works to wait for)."""
     recv = [torch.empty_like(t) for t in send]
-    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in send]
-    ops += [dist.P2POp(dist.irecv, t, prv, group) for t in recv]
-    return recv, dist.batch_isend_irecv(ops)
+    return recv, _post([(t, nxt) for t in send], [(t, prv) for t in recv], group, 0)
 
 
 def fold(out: torch.Tensor | None, lse: torch.Tensor | None, row_max: torch.Tensor | None,
@@ -46,19 +45,14 @@ def fold(out: torch.Tensor | None, lse: torch.Tensor | None, row_max: torch.Tens
     return out, lse, (None if m is None else torch.maximum(row_max, m))
 
 
-def wait_all(works: list) -> None:
-    for w in works:
-        w.wait()
-
-
 class _StaticRing(torch.autograd.Function):
     strategy = "p2p"
 
     @staticmethod
     def forward(ctx, q, k, v, rows: StaticRows, rank: int, cp: int, group: Any,
                 mask: AttnMask, scale: float, need_max: bool):
-        cap, hkv, d, dv = q.shape[0], k.shape[1], k.shape[2], v.shape[2]
-        kv = torch.cat([k.reshape(cap, hkv * d), v.reshape(cap, hkv * dv)], 1)
+        hkv, d, dv = k.shape[1], k.shape[2], v.shape[2]
+        kv = pack_kv(k, v)
         rows = rows.snapshot()   # (the backward's, whatever plan the buffers hold then)
         q_doc, q_pos = rows.rank_rows(rank)
         cur, out, lse, row_max = kv, None, None, None
@@ -66,11 +60,9 @@ class _StaticRing(torch.autograd.Function):
             works = []
             if s + 1 < cp:
                 (nxt,), works = _pass([cur], rank, cp, group)
-            k_b, v_b = pair(cur, hkv * d)
             seen = dense_visible(q_doc, q_pos, *rows.rank_rows((rank - s) % cp),
-                                 *mask_args(mask))
-            o, l, m = dense_fwd(q, k_b.reshape(cap, hkv, d), v_b.reshape(cap, hkv, dv),
-                                seen, scale, need_max)
+                                 *mask.params)
+            o, l, m = dense_fwd(q, *unpack_kv(cur, hkv, d, dv), seen, scale, need_max)
             out, lse, row_max = fold(out, lse, row_max, o, l, m)
             wait_all(works)
             if s + 1 < cp:
@@ -78,8 +70,7 @@ class _StaticRing(torch.autograd.Function):
         ctx.save_for_backward(q, kv, out, lse)
         ctx.meta = (rows, rank, cp, group, mask, scale, (hkv, d, dv), k.dtype)
         ctx.set_materialize_grads(False)
-        part = head_max(row_max, q.shape[1], q.device) if need_max else no_max(q.device)
-        return out.to(q.dtype), lse, part
+        return out.to(q.dtype), lse, max_part(row_max, q.shape[1], q.device, need_max)
 
     @staticmethod
     def backward(ctx, dout, dlse, _dmax):
@@ -92,14 +83,12 @@ class _StaticRing(torch.autograd.Function):
         cur = kv
         acc = torch.zeros(cap, hkv * (d + dv), dtype=torch.float32, device=q.device)
         for s in range(cp):
-            k_b, v_b = pair(cur, hkv * d)
             seen = dense_visible(q_doc, q_pos, *rows.rank_rows((rank - s) % cp),
-                                 *mask_args(mask))
-            dq_s, dk_s, dv_s = dense_bwd(dout, q, k_b.reshape(cap, hkv, d),
-                                         v_b.reshape(cap, hkv, dv), out, lse, dlse, seen,
-                                         scale)
+                                 *mask.params)
+            dq_s, dk_s, dv_s = dense_bwd(dout, q, *unpack_kv(cur, hkv, d, dv), out, lse,
+                                         dlse, seen, scale)
             dq += dq_s
-            acc = acc + torch.cat([dk_s.reshape(cap, -1), dv_s.reshape(cap, -1)], 1)
+            acc = acc + pack_kv(dk_s, dv_s)
             if cp > 1:   # the block's accumulator on to the next rank (the block too, but
                 # after the last step: the accumulator then reaches its owner)
                 recv, works = _pass([acc] if s + 1 == cp else [acc, cur], rank, cp, group)
@@ -107,6 +96,5 @@ class _StaticRing(torch.autograd.Function):
                 acc = recv[0]
                 if s + 1 < cp:
                     cur = recv[1]
-        dk, dv_ = pair(acc, hkv * d)
-        return (dq.to(q.dtype), dk.reshape(cap, hkv, d).to(dtype),
-                dv_.reshape(cap, hkv, dv).to(dtype)) + (None,) * 7
+        dk, dv_ = unpack_kv(acc, hkv, d, dv)
+        return dq.to(q.dtype), dk.to(dtype), dv_.to(dtype), *(None,) * 7
