@@ -32,9 +32,16 @@ def dense_visible(q_doc: torch.Tensor, q_pos: torch.Tensor, k_doc: torch.Tensor,
     return same & visible(q_pos, k_pos, causal, window_left, window_right, chunk_size)
 
 
+def _live(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` with the rows that take part in no visible pair set to 0: padding rows
+    may hold anything (NaN), and 0 x NaN in a product would reach the real rows."""
+    return torch.where(rows.view(-1, *(1,) * (x.dim() - 1)), x.float(), 0.0)
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, seen: torch.Tensor
             ) -> torch.Tensor:
     """fp32 [Hkv, g, Tq, Tk] scaled scores, -inf where not ``seen``."""
+    q, k = _live(q, seen.any(1)), _live(k, seen.any(0))
     tq, hq, d = q.shape
     hkv = k.shape[1]
     qg = q.float().reshape(tq, hkv, hq // hkv, d)
@@ -51,7 +58,7 @@ def dense_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Ten
     s = _scores(q, k, scale, seen)                          # [Hkv, g, Tq, Tk]
     lse = torch.logsumexp(s, dim=-1)                        # -inf where nothing is seen
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
-    out = torch.einsum("hgqk,khd->qhgd", p, v.float()).reshape(tq, hq, v.shape[2])
+    out = torch.einsum("hgqk,khd->qhgd", p, _live(v, seen.any(0))).reshape(tq, hq, v.shape[2])
     row_max = s.amax(-1).reshape(hq, tq) if need_max else None
     return out, lse.reshape(hq, tq), row_max
 
@@ -66,6 +73,9 @@ def dense_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     hkv = k.shape[1]
     g = hq // hkv
     s = _scores(q, k, scale, seen)
+    q_live, k_live = seen.any(1), seen.any(0)
+    q, k, v = _live(q, q_live), _live(k, k_live), _live(v, k_live)
+    dout, out = _live(dout, q_live), _live(out, q_live)
     lse_g = lse.float().reshape(hkv, g, tq, 1)
     p = torch.exp(s - torch.where(torch.isinf(lse_g), 0.0, lse_g))   # 0 where unseen
     do = dout.float().reshape(tq, hkv, g, -1)
@@ -74,6 +84,7 @@ def dense_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     delta = (do * out.float().reshape(tq, hkv, g, -1)).sum(-1).permute(1, 2, 0)
     if dlse is not None:
         delta = delta - dlse.float().reshape(hkv, g, tq)
+    delta = torch.where(q_live.view(1, 1, tq), delta, 0.0)   # (a padding row's dlse: NaN)
     ds = p * (dp - delta.unsqueeze(-1)) * scale
     dq = torch.einsum("hgqk,khd->qhgd", ds, k.float()).reshape(tq, hq, d)
     dk = torch.einsum("hgqk,qhgd->khd", ds, q.float().reshape(tq, hkv, g, d))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .checks import check_bool, check_choice, check_int
+from .kernels.flash import FLASH_IMPL_BACKENDS
 from .kernels.validation import BACKENDS
 from .tables import catalogue
 
@@ -35,6 +36,11 @@ STAGED_STRATEGIES: tuple[str, ...] = (*catalogue.STAGED, catalogue.AUTO)
 
 GRAPH_SAFE_STRATEGIES: tuple[str, ...] = catalogue.GRAPH_SAFE
 """The strategies with a graph-safe form (``varlen_cp.strategies.static``)."""
+
+GRAPH_SAFE_BACKENDS: tuple[str, ...] = tuple(b for b in BACKENDS
+                                            if b not in FLASH_IMPL_BACKENDS)
+"""The backends of the graph-safe mode ("auto", our Triton row kernels, the dense torch
+kernel: ``varlen_cp.kernels.rows``); FlashAttention's calls are per batch."""
 
 TAKES: dict[str, tuple[str, ...]] = {
     "a2a_size": ("a2a+p2p",),
@@ -94,7 +100,9 @@ class AttnOptions:
                docs/graph-safe.md): every rank's q, k, v hold ``graph_capacity`` rows (its
                tokens, then unused slots), the rows' documents and positions are refreshed
                in place in device buffers, collectives have fixed sizes. Strategies
-               ``GRAPH_SAFE_STRATEGIES`` (all but "auto"); CPU only so far.
+               ``GRAPH_SAFE_STRATEGIES`` (all but "auto"), backends
+               ``GRAPH_SAFE_BACKENDS`` ("auto": the Triton row kernels on GPUs, the dense
+               torch kernel on CPUs).
     graph_capacity: graph_safe only: rows per rank (None: 1.02 x the mean tokens per rank,
                rounded up to 64, ``plan.capacity.default_capacity``); a batch in which
                a rank holds more is refused before any communication.
@@ -133,6 +141,11 @@ class AttnOptions:
                 raise ValueError(f"graph_safe=True runs strategy {GRAPH_SAFE_STRATEGIES} "
                                  f"only ('auto' chooses per batch), got "
                                  f"strategy={self.strategy!r}")
+            if self.backend not in GRAPH_SAFE_BACKENDS:
+                raise ValueError(f"graph_safe=True runs backend {GRAPH_SAFE_BACKENDS} only "
+                                 f"(FlashAttention's varlen calls take one window per call "
+                                 f"over this batch's segments), got backend="
+                                 f"{self.backend!r}")
             if self.overlap_stages is not None:
                 raise ValueError(f"overlap_stages does not apply with graph_safe=True (one "
                                  f"transfer, no stages), got overlap_stages="

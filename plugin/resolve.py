@@ -116,10 +116,9 @@ def _resolve(plan: CPPlan, mask: AttnMask, options: AttnOptions, shape: AttnShap
 def _resolve_graph_safe(plan: CPPlan, options: AttnOptions, shape: AttnShape,
                         device: torch.device) -> Resolution:
     """The graph-safe mode: the strategy's static form at every cp (cp 1 too: the local op
-    reads tile schedules of the batch), its capacity; CPU devices only so far."""
-    if device.type != "cpu":
-        raise ValueError(f"graph_safe=True runs on CPU devices only so far (its GPU kernels "
-                         f"are not built: docs/graph-safe.md), got device {device}")
+    reads tile schedules of the batch), its capacity, the row kernels' backend ("auto":
+    Triton on CUDA, the dense torch kernel elsewhere; ``kernels.rows``)."""
+    backend = resolve_backend(options.backend, device)
     strategy = get_static_strategy(options.strategy)
     a2a_size = None
     if options.strategy == "a2a+p2p":
@@ -130,7 +129,7 @@ def _resolve_graph_safe(plan: CPPlan, options: AttnOptions, shape: AttnShape,
     send = None
     if options.strategy == "dispatch":
         send = options.graph_send_capacity or capacity
-    return Resolution(options.strategy, strategy, "torch", (0, 0), None, shape,
+    return Resolution(options.strategy, strategy, backend, (0, 0), None, shape,
                       a2a_size=a2a_size, capacity=capacity, send_capacity=send)
 
 

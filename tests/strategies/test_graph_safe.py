@@ -284,21 +284,28 @@ def test_a_batch_over_capacity_is_refused_on_every_rank(tmp_path, cap, extra, me
     ({"strategy": "all_gather", "graph_safe": True, "graph_capacity": 0}, "graph_capacity"),
     ({"strategy": "all_gather", "graph_safe": True, "overlap_stages": 2}, "overlap_stages"),
     ({"strategy": "a2a", "graph_safe": "yes"}, "graph_safe"),
+    ({"strategy": "p2p", "graph_safe": True, "backend": "flash"}, "graph_safe=True runs backend"),
+    ({"strategy": "p2p", "graph_safe": True, "backend": "fa4"}, "graph_safe=True runs backend"),
 ])
 def test_graph_safe_options_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         AttnOptions(**kwargs)
 
 
-def test_graph_safe_refuses_other_devices_and_wrong_row_counts():
+def test_graph_safe_backends_and_wrong_row_counts():
+    """"auto" runs the Triton row kernels on CUDA and the dense kernel elsewhere; "triton"
+    on a CPU needs the interpreter (on in the tests); a call of other rows than the
+    capacity is refused."""
     from varlen_cp.resolve import resolve
     mask = MASKS["causal"]
     plan = small_plan(BATCH_A, 1, 0, "contiguous", mask)
     options = AttnOptions(strategy="all_gather", graph_safe=True, graph_capacity=256)
     shape = AttnShape(n_heads=4, n_kv_heads=2, head_dim=D, head_dim_v=DV,
                       dtype=torch.float32)
-    with pytest.raises(ValueError, match="CPU devices only"):
-        resolve(plan, mask, options, shape, torch.device("meta"))
+    assert resolve(plan, mask, options, shape, torch.device("cuda", 0)).backend == "triton"
+    assert resolve(plan, mask, options, shape, torch.device("cpu")).backend == "torch"
+    triton_options = AttnOptions(strategy="all_gather", graph_safe=True, backend="triton")
+    assert resolve(plan, mask, triton_options, shape, torch.device("cpu")).backend == "triton"
     step = Step(plan.num_tokens, 4, 2)     # the batch's rows, not the capacity's
     with pytest.raises(ValueError, match="graph_capacity gives rank 0 256 tokens"):
         cp_varlen_attn(step.q, step.k, step.v, plan, mask, None, options)

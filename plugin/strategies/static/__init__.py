@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels.rows import RowsKernel
 from ...masks import AttnMask
 from ...options import GRAPH_SAFE_STRATEGIES
 from ...plan import CPPlan
@@ -97,8 +98,9 @@ class StaticStrategy(Strategy):
                  ) -> tuple[type[torch.autograd.Function], tuple]:
         plan, res = spec.plan, spec.res
         rows = static_buffers(plan, res.capacity, q.device)
-        args = (rows, plan.cp_rank, plan.cp_size, spec.group, spec.attn.mask,
-                spec.attn.scale, spec.need_max)
+        kernel = RowsKernel(spec.attn.mask.params, res.backend)
+        args = (rows, plan.cp_rank, plan.cp_size, spec.group, kernel, spec.attn.scale,
+                spec.need_max)
         if res.send_capacity is not None:
             args += (dispatch_buffers(plan, spec.attn.mask, res.capacity,
                                       res.send_capacity, q.device),)

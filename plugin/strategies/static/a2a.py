@@ -9,8 +9,7 @@ from typing import Any
 
 import torch
 
-from ...kernels.dense import dense_bwd, dense_fwd, dense_visible
-from ...masks import AttnMask
+from ...kernels.rows import RowsKernel
 from ..calls import head_max, no_max
 from . import all_gather
 from .buffers import StaticRows
@@ -65,7 +64,7 @@ class _StaticUlysses(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, rows: StaticRows, rank: int, cp: int, group: Any,
-                mask: AttnMask, scale: float, need_max: bool):
+                kernel: RowsKernel, scale: float, need_max: bool):
         cap, hq, d = q.shape
         dv = v.shape[2]
         rep = _kv_repeat(k.shape[1], cp)
@@ -82,10 +81,11 @@ class _StaticUlysses(torch.autograd.Function):
         qs = qs.reshape(cp * cap, hq // cp, d)
         ks = ks.reshape(cp * cap, hk // cp, d)
         vs = vs.reshape(cp * cap, hk // cp, dv)
-        seen = dense_visible(rows.doc, rows.pos, rows.doc, rows.pos, *mask.params)
-        out, lse, row_max = dense_fwd(qs, ks, vs, seen, scale, need_max)
-        ctx.save_for_backward(qs, ks, vs, out, lse, seen)
-        ctx.meta = (cp, group, scale, rep, q.dtype, k.dtype)
+        whole = (rows.doc, rows.pos)   # every rank's rows: sorted per rank only
+        call = kernel.call(qs, vs, whole, whole, q_sorted=cp == 1, k_sorted=cp == 1)
+        out, lse, row_max = call.fwd(qs, ks, vs, scale, need_max)
+        ctx.save_for_backward(qs, ks, vs, out, lse)
+        ctx.meta = (cp, group, scale, rep, q.dtype, k.dtype, call)
         ctx.set_materialize_grads(False)
         # out (in q's dtype) | lse (fp32, its bytes) back to their rows, one message per peer
         back = torch.cat([out.reshape(cp * cap, -1).to(q.dtype),
@@ -105,12 +105,12 @@ class _StaticUlysses(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse, _dmax):
-        qs, ks, vs, out, lse, seen = ctx.saved_tensors
-        cp, group, scale, rep, qdtype, kdtype = ctx.meta
+        qs, ks, vs, out, lse = ctx.saved_tensors
+        cp, group, scale, rep, qdtype, kdtype, call = ctx.meta
         n, hs, dv = out.shape
         cap = n // cp
         dout_s, dlse_s = grads_to_heads(dout, dlse, out, cp, group)
-        dq, dk, dv_ = dense_bwd(dout_s, qs, ks, vs, out, lse, dlse_s, seen, scale)
+        dq, dk, dv_ = call.bwd(dout_s, qs, ks, vs, out, lse, dlse_s, scale)
         back = torch.cat([dq.reshape(n, -1), dk.reshape(n, -1), dv_.reshape(n, -1)], 1)
         mine = _to_rows(back.unsqueeze(1), cp, group).reshape(cap, cp, -1)
         g_q, rest = pair(mine, hs * qs.shape[2])

@@ -9,8 +9,7 @@ from typing import Any
 
 import torch
 
-from ...kernels.dense import dense_bwd, dense_fwd, dense_visible
-from ...masks import AttnMask
+from ...kernels.rows import RowsKernel
 from ...plan.collective import all_gather_single
 from .buffers import StaticRows
 from .common import exchange, max_part, pack_kv, unpack_kv
@@ -24,7 +23,7 @@ class _StaticAllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, rows: StaticRows, rank: int, cp: int, group: Any,
-                mask: AttnMask, scale: float, need_max: bool):
+                kernel: RowsKernel, scale: float, need_max: bool):
         cap, hkv, d, dv = q.shape[0], k.shape[1], k.shape[2], v.shape[2]
         kv = pack_kv(k, v)
         gathered = kv
@@ -33,20 +32,21 @@ class _StaticAllGather(torch.autograd.Function):
             _all_gather_single(gathered, kv, group=group)
         k_all, v_all = unpack_kv(gathered, hkv, d, dv)
         q_doc, q_pos = rows.rank_rows(rank)
-        seen = dense_visible(q_doc, q_pos, rows.doc, rows.pos, *mask.params)
-        out, lse, row_max = dense_fwd(q, k_all, v_all, seen, scale, need_max)
-        ctx.save_for_backward(q, k_all, v_all, out, lse, seen)
-        ctx.meta = (cp, group, scale, k.dtype)
+        call = kernel.call(q, v_all, (q_doc, q_pos), (rows.doc, rows.pos), q_sorted=True,
+                           k_sorted=cp == 1)
+        out, lse, row_max = call.fwd(q, k_all, v_all, scale, need_max)
+        ctx.save_for_backward(q, k_all, v_all, out, lse)
+        ctx.meta = (cp, group, scale, k.dtype, call)
         ctx.set_materialize_grads(False)
         return out.to(q.dtype), lse, max_part(row_max, q.shape[1], q.device, need_max)
 
     @staticmethod
     def backward(ctx, dout, dlse, _dmax):
-        q, k_all, v_all, out, lse, seen = ctx.saved_tensors
-        cp, group, scale, dtype = ctx.meta
+        q, k_all, v_all, out, lse = ctx.saved_tensors
+        cp, group, scale, dtype, call = ctx.meta
         cap = q.shape[0]
         dout = torch.zeros_like(out) if dout is None else dout
-        dq, dk, dv = dense_bwd(dout, q, k_all, v_all, out, lse, dlse, seen, scale)
+        dq, dk, dv = call.bwd(dout, q, k_all, v_all, out, lse, dlse, scale)
         recv = exchange(pack_kv(dk, dv), cp, group)
         mine = recv.view(cp, cap, -1).sum(0)        # in rank order: deterministic
         dk_own, dv_own = unpack_kv(mine, *k_all.shape[1:], v_all.shape[2])

@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from ...kernels.dense import dense_bwd, dense_fwd, dense_visible
-from ...masks import AttnMask
+from ...kernels.rows import RowsKernel
 from .buffers import DispatchRows, StaticRows
 from .common import exchange, max_part, pack_kv, unpack_kv
 
@@ -24,30 +23,31 @@ class _StaticDispatch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, rows: StaticRows, rank: int, cp: int, group: Any,
-                mask: AttnMask, scale: float, need_max: bool, sent: DispatchRows):
+                kernel: RowsKernel, scale: float, need_max: bool, sent: DispatchRows):
         hkv, d, dv = k.shape[1], k.shape[2], v.shape[2]
         kv = pack_kv(k, v)
         padded = torch.cat([kv, kv.new_zeros(1, kv.shape[1])])   # row ``cap``: zeros
         got = exchange(padded.index_select(0, sent.send.reshape(-1)), cp, group)
         keys = torch.cat([kv, got])
         own_doc, own_pos = rows.rank_rows(rank)
-        seen = dense_visible(own_doc, own_pos, torch.cat([own_doc, sent.doc]),
-                             torch.cat([own_pos, sent.pos]), *mask.params)
         k_all, v_all = unpack_kv(keys, hkv, d, dv)
-        out, lse, row_max = dense_fwd(q, k_all, v_all, seen, scale, need_max)
-        ctx.save_for_backward(q, k_all, v_all, out, lse, seen)
+        call = kernel.call(q, v_all, (own_doc, own_pos), (torch.cat([own_doc, sent.doc]),
+                                                         torch.cat([own_pos, sent.pos])),
+                           q_sorted=True, k_sorted=False)
+        out, lse, row_max = call.fwd(q, k_all, v_all, scale, need_max)
+        ctx.save_for_backward(q, k_all, v_all, out, lse)
         # (the send lists as this plan's: the buffers may hold another plan's by then)
-        ctx.meta = (cp, group, scale, k.dtype, sent.send.clone())
+        ctx.meta = (cp, group, scale, k.dtype, sent.send.clone(), call)
         ctx.set_materialize_grads(False)
         return out.to(q.dtype), lse, max_part(row_max, q.shape[1], q.device, need_max)
 
     @staticmethod
     def backward(ctx, dout, dlse, _dmax):
-        q, k_all, v_all, out, lse, seen = ctx.saved_tensors
-        cp, group, scale, dtype, send = ctx.meta
+        q, k_all, v_all, out, lse = ctx.saved_tensors
+        cp, group, scale, dtype, send, call = ctx.meta
         cap = q.shape[0]
         dout = torch.zeros_like(out) if dout is None else dout
-        dq, dk, dv = dense_bwd(dout, q, k_all, v_all, out, lse, dlse, seen, scale)
+        dq, dk, dv = call.bwd(dout, q, k_all, v_all, out, lse, dlse, scale)
         grads = pack_kv(dk, dv)
         back = exchange(grads[cap:].contiguous(), cp, group)     # [cp * K, w]
         mine = torch.cat([grads[:cap], grads.new_zeros(1, grads.shape[1])])

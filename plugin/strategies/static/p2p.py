@@ -12,9 +12,8 @@ from typing import Any
 
 import torch
 
-from ...kernels.dense import dense_bwd, dense_fwd, dense_visible
+from ...kernels.rows import RowsKernel
 from ...kernels.merge import merge_attn_partials_
-from ...masks import AttnMask
 from ..calls import global_rank
 from ..p2p import _post, _wait as wait_all
 from .buffers import StaticRows
@@ -50,7 +49,7 @@ class _StaticRing(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, rows: StaticRows, rank: int, cp: int, group: Any,
-                mask: AttnMask, scale: float, need_max: bool):
+                kernel: RowsKernel, scale: float, need_max: bool):
         hkv, d, dv = k.shape[1], k.shape[2], v.shape[2]
         kv = pack_kv(k, v)
         rows = rows.snapshot()   # (the backward's, whatever plan the buffers hold then)
@@ -60,22 +59,23 @@ class _StaticRing(torch.autograd.Function):
             works = []
             if s + 1 < cp:
                 (nxt,), works = _pass([cur], rank, cp, group)
-            seen = dense_visible(q_doc, q_pos, *rows.rank_rows((rank - s) % cp),
-                                 *mask.params)
-            o, l, m = dense_fwd(q, *unpack_kv(cur, hkv, d, dv), seen, scale, need_max)
+            k_b, v_b = unpack_kv(cur, hkv, d, dv)
+            call = kernel.call(q, v_b, (q_doc, q_pos), rows.rank_rows((rank - s) % cp),
+                               q_sorted=True, k_sorted=True)
+            o, l, m = call.fwd(q, k_b, v_b, scale, need_max)
             out, lse, row_max = fold(out, lse, row_max, o, l, m)
             wait_all(works)
             if s + 1 < cp:
                 cur = nxt
         ctx.save_for_backward(q, kv, out, lse)
-        ctx.meta = (rows, rank, cp, group, mask, scale, (hkv, d, dv), k.dtype)
+        ctx.meta = (rows, rank, cp, group, kernel, scale, (hkv, d, dv), k.dtype)
         ctx.set_materialize_grads(False)
         return out.to(q.dtype), lse, max_part(row_max, q.shape[1], q.device, need_max)
 
     @staticmethod
     def backward(ctx, dout, dlse, _dmax):
         q, kv, out, lse = ctx.saved_tensors
-        rows, rank, cp, group, mask, scale, (hkv, d, dv), dtype = ctx.meta
+        rows, rank, cp, group, kernel, scale, (hkv, d, dv), dtype = ctx.meta
         cap = q.shape[0]
         dout = torch.zeros_like(out) if dout is None else dout
         q_doc, q_pos = rows.rank_rows(rank)
@@ -83,10 +83,10 @@ class _StaticRing(torch.autograd.Function):
         cur = kv
         acc = torch.zeros(cap, hkv * (d + dv), dtype=torch.float32, device=q.device)
         for s in range(cp):
-            seen = dense_visible(q_doc, q_pos, *rows.rank_rows((rank - s) % cp),
-                                 *mask.params)
-            dq_s, dk_s, dv_s = dense_bwd(dout, q, *unpack_kv(cur, hkv, d, dv), out, lse,
-                                         dlse, seen, scale)
+            k_b, v_b = unpack_kv(cur, hkv, d, dv)
+            call = kernel.call(q, v_b, (q_doc, q_pos), rows.rank_rows((rank - s) % cp),
+                               q_sorted=True, k_sorted=True)
+            dq_s, dk_s, dv_s = call.bwd(dout, q, k_b, v_b, out, lse, dlse, scale)
             dq += dq_s
             acc = acc + pack_kv(dk_s, dv_s)
             if cp > 1:   # the block's accumulator on to the next rank (the block too, but
