@@ -17,7 +17,8 @@ per kernel what decides its speed before any timing:
 
 Modes: ``implicit`` (flash-attn positions, no schedule), ``cp`` (explicit positions and a
 host schedule with full ranges: what every CP strategy runs), ``scan`` (explicit positions
-on the device, no schedule). Masks: causal. ``--tutorial PATH`` also compiles the forward of
+on the device, no schedule), ``rows`` (the graph-safe mode's row kernels,
+``kernels/triton_rows.py``). Masks: causal. ``--tutorial PATH`` also compiles the forward of
 Triton's fused-attention tutorial (python/tutorials/06-fused-attention.py of a triton
 checkout; its ``_attn_fwd`` with block pointers) the same way, for comparison.
 
@@ -54,7 +55,7 @@ RESULTS = ROOT / "bench" / "results" / "kernel_report.json"
 # 351 / 298 instructions per 64x64 tile at d 128 / 64.
 TARGET_PER_TILE = {128: 440, 64: 375}
 KINDS = ("fwd", "dq", "dkdv")
-MODES = ("implicit", "cp", "scan")
+MODES = ("implicit", "cp", "scan", "rows")
 DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 DTYPES = ("bf16", "fp16")
 ARCHS = (90, 80)
@@ -124,6 +125,14 @@ def _spec(kind: str, dtype: str, d: int, dv: int, arch: int, mode: str):
     schedule = (SimpleNamespace(kv_full=True, q_full=True, padded=False) if mode == "cp"
                 else None)
     mask = (True, -1, -1, 0)
+    if mode == "rows":   # the graph-safe mode's row kernels: one masked loop each
+        from varlen_cp.kernels import triton_rows as R
+        consts, options = R.rows_specialization(kind, dt, d, dv, bm, bn, *mask, arch)
+        if kind == "fwd":
+            consts["STORE_MAX"] = False
+        fn = {"fwd": R._rows_fwd_kernel, "dq": R._rows_dq_kernel,
+              "dkdv": R._rows_dkdv_kernel}[kind]
+        return fn, consts, options, {"boundary": (consts["BLOCK_M"], consts["BLOCK_N"])}
     if kind == "fwd":
         consts, options = F.fwd_specialization(dt, d, dv, bm, bn, *mask, explicit, explicit,
                                                schedule, False, arch)
@@ -307,8 +316,9 @@ def check_targets(rows: list[dict]) -> list[str]:
             bad.append(f"{name}: {r['hmma']} mma.sync, {r['hgmma']} wgmma (wgmma only)")
         if max(d, dv) <= 128 and (r["spill_stores"] or r["spill_loads"]):
             bad.append(f"{name}: spills {r['spill_stores']} / {r['spill_loads']} bytes")
-        if mode == "scan":
-            continue  # device positions: kept working, not a target (a branch per tile)
+        if mode in ("scan", "rows"):
+            continue  # device positions / row tables: kept working, not a target (masked
+            # loops with bounds read on the device)
         for lp in r["loops"]:
             if lp["min_wait"] is None or lp["min_wait"] < 1 or lp["sync_loads"]:
                 bad.append(f"{name}: the {lp['loop']} loop does not keep copies in flight "

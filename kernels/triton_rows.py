@@ -210,10 +210,17 @@ def rows_specialization(kernel: str, dtype: torch.dtype, head_dim: int, head_dim
                         window_right: int, chunk_size: int, arch: int | None
                         ) -> tuple[dict, dict]:
     """(constexpr keyword arguments, launch options) of one launch of ``kernel`` ("fwd",
-    "dq", "dkdv"); the block sizes are the tables' (ranges are per block), so they are
-    taken as given."""
-    _, _, options = kernel_tiles(kernel, dtype, head_dim, head_dim_v, block_m, block_n, arch)
-    every = kernel_constants(dtype, head_dim, head_dim_v, block_m, block_n, causal,
+    "dq", "dkdv"). The tables' block (ranges are per block: the query block of fwd / dQ,
+    the key block of dK/dV) is kept; the other side's step is the varlen kernels' choice
+    for the GPU (``kernel_tiles``: e.g. 32 query rows per step of dK/dV at d 128, where 64
+    spill), which any step may be, since the loops take any range."""
+    bm, bn, options = kernel_tiles(kernel, dtype, head_dim, head_dim_v, block_m, block_n,
+                                   arch)
+    if kernel == "dkdv" and arch is not None and max(head_dim, head_dim_v) > 64:
+        # (its key rows' tables and indices stay live across the loop: at 4 warps and
+        # d 128 that spilled)
+        options = {**options, "num_warps": 8}
+    every = kernel_constants(dtype, head_dim, head_dim_v, bm, bn, causal,
                              window_left, window_right, chunk_size, True, True, False)
     keep = ("window_left", "window_right", "chunk_size", "HEAD_DIM", "HEAD_DIM_V",
             "BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV", "CAUSAL", "HAS_WL", "HAS_WR",

@@ -39,6 +39,7 @@ TESTS=(
   tests/kernels/test_flash_resolve.py
   tests/tables/test_flash_form.py
   tests/strategies/test_cp_flash.py
+  tests/kernels/test_rows_kernels.py
 )
 # triton 3.6's interpreter converts one-element arrays with int(), which numpy 1.25+ flags
 # once per kernel step (~2800 lines of the same DeprecationWarning; an error from numpy 2.4,

@@ -10,9 +10,11 @@ without the interpreter), once per test session; each test then reads the figure
 - every main loop (full and boundary tiles, dK/dV's query loop included) keeps cp.async
   copies in flight: no ``DEPBAR.LE SB0, 0`` and no synchronous global load in it;
 - no spills at head dim <= 128, and wgmma (no mma.sync) in every kernel at every head dim;
-- shared memory within sm80's and sm90's limits, fp32 inputs included.
+- shared memory within sm80's and sm90's limits, fp32 inputs included;
+- the graph-safe mode's row kernels (``kernels/triton_rows.py``) at d 64 and 128: no
+  spills, wgmma, shared memory within sm90's limit.
 
-23 compiles, two at a time: ~30 s on 2 idle cores, up to ~4 min on a busy shared host.
+29 compiles, two at a time: ~30 s on 2 idle cores, up to ~4 min on a busy shared host.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ SM90 = ([(k, "bf16", d, d, 90, m) for d in (64, 128) for k in ("fwd", "dq", "dkd
          for m in ("implicit", "cp")]
         + [(k, "bf16", d, dv, 90, "cp") for d, dv in ((192, 128), (256, 256))
            for k in ("fwd", "dq", "dkdv")])
+# The graph-safe mode's row kernels (one masked loop each): no spills, wgmma, shared memory.
+ROWS = [(k, "bf16", d, d, 90, "rows") for d in (64, 128) for k in ("fwd", "dq", "dkdv")]
 # Shared memory: sm80 and fp32 variants (fp32 at padded d 256 fits an A100 only with
 # its 32x32 tiles), one of each kernel.
 SMEM = [("fwd", "fp16", 192, 128, 80, "scan"), ("dkdv", "bf16", 256, 256, 80, "implicit"),
@@ -64,7 +68,7 @@ def report() -> dict:
         pytest.skip("the CUDA tests run the kernels")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(SM90 + SMEM)],
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(SM90 + SMEM + ROWS)],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -126,10 +126,17 @@ def _unused_slots(plan, res, what):
     return errors
 
 
-def graph_safe_worker(rank, world):
+ALL_CASES = [(s, lay, m) for s in GRAPH_SAFE_STRATEGIES for lay in LAYOUTS for m in MASKS]
+# The Triton row kernels run by the interpreter (slow per tile): every strategy on the two
+# layouts whose rows differ most (te: padding rows inside a rank's rows), a mask without
+# and one with the tiles of one block reaching into several documents' chunks.
+TRITON_CASES = [(s, lay, m) for s in GRAPH_SAFE_STRATEGIES for lay in ("balanced", "te")
+                for m in ("chunk_causal", "swa2")]
+
+
+def graph_safe_worker(rank, world, backend="torch", cases=None):
     errors, n = [], 0
-    for i, (name, layout, mname) in enumerate(
-            (s, lay, m) for s in GRAPH_SAFE_STRATEGIES for lay in LAYOUTS for m in MASKS):
+    for i, (name, layout, mname) in enumerate(ALL_CASES if cases is None else cases):
         mask = MASKS[mname]
         hq, hkv = HEADS[world][i % 2]
         plans = [small_plan(docs, world, rank, layout, mask) for docs in (BATCH_A, BATCH_B)]
@@ -142,7 +149,8 @@ def graph_safe_worker(rank, world):
             extra["a2a_size"] = HYBRID_SIZE
         if name == "dispatch":   # the most keys one rank sends another, in either batch
             extra["graph_send_capacity"] = max(_most_sent(p, mask) for p in plans)
-        options = AttnOptions(strategy=name, graph_safe=True, graph_capacity=cap, **extra)
+        options = AttnOptions(strategy=name, graph_safe=True, graph_capacity=cap,
+                              backend=backend, **extra)
         step = Step(cap, hq, hkv)
         what = f"[{name} {layout} {mname} cp {world}]"
         recordings, results = [], []
@@ -215,7 +223,15 @@ def _first_difference(a, b) -> str:
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_graph_safe_steps_replay_with_other_documents(tmp_path, world):
     results = run_distributed(graph_safe_worker, world, tmp_path)
-    assert results == [len(GRAPH_SAFE_STRATEGIES) * len(LAYOUTS) * len(MASKS)] * world
+    assert results == [len(ALL_CASES)] * world
+
+
+@pytest.mark.slow
+def test_graph_safe_triton_steps_replay_with_other_documents(tmp_path):
+    """The same checks on the Triton row kernels (their launches are custom ops: the
+    recording holds them with every host argument, the replay re-runs them)."""
+    results = run_distributed(graph_safe_worker, 2, tmp_path, "triton", TRITON_CASES)
+    assert results == [len(TRITON_CASES)] * 2
 
 
 def dynamic_worker(rank, world):
