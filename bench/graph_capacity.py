@@ -12,8 +12,11 @@ matrix, ``catalogue.traffic_of``; the graph-safe ones' fixed sizes: p2p and all_
 (cp - 1) x capacity K|V rows, a2a (cp - 1) / cp of capacity rows of q|k|v out and
 out (bf16) | lse (fp32) back, dispatch (cp - 1) x the send capacity, here the batch's own largest pair,
 the least any send capacity could be, and that largest pair over the capacity, which is
-static dispatch's bytes over static all_gather's). Shape: bf16, 32 query / 8 K/V heads, d 128. Host
-only: no process, no GPU.
+static dispatch's bytes over static all_gather's). Shape: bf16, 32 query / 8 K/V heads, d 128. And
+the idle programs of the row kernels (``kernels/triton_rows.py``: one program per block of
+64 rows of the buffer and head; a block without a real row exits after its first loads):
+per rank 1 - ceil(tokens / 64) / ceil(capacity / 64), the largest and the mean over ranks.
+Host only: no process, no GPU.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from varlen_cp.plan.capacity import default_capacity  # noqa: E402
 MASKS = [(AttnMask(chunk_size=8192), 3), (AttnMask(), 1)]
 SHAPE = AttnShape(n_heads=32, n_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 TOKENS_PER_RANK = 8192
+ROW_BLOCK = 64      # the row kernels' block on GPUs (triton_common.triton_block_sizes)
 
 
 def static_bytes(name: str, cp: int, cap: int, send: int) -> int:
@@ -67,6 +71,8 @@ def row(mix: str, cp: int) -> dict:
     out = {"mix": mix, "cp": cp, "tokens": int(plan.padded_total_tokens), "capacity": cap,
            "max_rank_tokens": int(counts.max()),
            "padded_rows": cp * cap / plan.padded_total_tokens - 1, "bytes": {}}
+    blocks = -(-counts // ROW_BLOCK) / -(-cap // ROW_BLOCK)
+    out["idle_programs"] = {"max": float(1 - blocks.min()), "mean": float(1 - blocks.mean())}
     for mask, _ in MASKS:
         fetch = fetch_count_array(plan, mask).copy()
         np.fill_diagonal(fetch, 0)
@@ -88,7 +94,8 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "graph_capacity.json"))
     args = p.parse_args()
     rows = []
-    print(f"{'mix':15} {'cp':>3} {'cap':>6} {'max':>6} {'pad':>6}  static / dynamic bytes "
+    print(f"{'mix':15} {'cp':>3} {'cap':>6} {'max':>6} {'pad':>6} {'idle':>5}  "
+          f"static / dynamic bytes "
           f"(busiest rank, forward; causal layers); dispatch's largest pair / capacity "
           f"(chunked, causal)")
     for mix in MIXES:
@@ -99,7 +106,8 @@ def main() -> None:
                               for k, v in r["bytes"].items() if "chunk_size=None" in k)
             pairs = "/".join(f"{x:.2f}" for x in r["send_over_capacity"].values())
             print(f"{mix:15} {cp:>3} {r['capacity']:>6} {r['max_rank_tokens']:>6} "
-                  f"{r['padded_rows']:6.3f}  {ratios}  {pairs}", flush=True)
+                  f"{r['padded_rows']:6.3f} {r['idle_programs']['max']:5.3f}  {ratios}  "
+                  f"{pairs}", flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"rows": rows, "shape": "bf16, 32 / 8 heads, d 128",

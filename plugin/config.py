@@ -58,7 +58,7 @@ class CPConfig:
                same plan; False skips it.
     graph_safe: the same device work for every batch, for CUDA graphs (docs/graph-safe.md):
                plans at ``graph_capacity`` rows per rank, the batch sharded to them,
-               every strategy but "auto"; CPU only so far.
+               every strategy but "auto", backends "auto" / "triton" / "torch".
     graph_capacity: graph_safe only: rows per rank (None: 1.02 x the mean tokens per rank,
                rounded up to 64).
     graph_send_capacity: graph_safe "dispatch" only: the most keys one rank sends another

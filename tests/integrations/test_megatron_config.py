@@ -279,6 +279,8 @@ def test_layer_strategy_resolution() -> None:
     ({}, {"options": VarlenCPOptions(strategy=("p2p", "a2a"))}, "num_layers=4"),
     ({"context_parallel_size": 2}, {}, "context_parallel_size=2"),
     ({"context_parallel_size": 2}, {"rope_from_plan": False}, "megatron's own THD RoPE"),
+    ({"cuda_graph_impl": "local"}, {}, "cuda_graph_impl='local'"),
+    ({"cuda_graph_impl": "transformer_engine"}, {}, "cuda_graph_impl='transformer_engine'"),
 ])
 def test_module_build_errors(cfg_extra, kwargs, match) -> None:
     cfg = _config(**cfg_extra)
@@ -531,6 +533,22 @@ def test_launcher_refuses_token_dropping_with_cp(tmp_path, capsys) -> None:
     err = capsys.readouterr().err.strip()
     assert err.startswith("config error: MoE model (num_moe_experts=4)") and "\n" not in err
     assert "moe_expert_capacity_factor=1.5" in err and "layout 'te'" in err
+    assert not torch.distributed.is_initialized()
+
+
+def test_launcher_refuses_cuda_graphs(tmp_path, capsys) -> None:
+    """megatron's CUDA graphs cannot capture the layer (its packed_seq_params carry the
+    plan): exit 2 with one line, before any process group exists."""
+    from varlen_cp.integrations.megatron.train import main
+
+    toml = tmp_path / "graphs.toml"
+    toml.write_text("[model]\nnum_layers = 2\nhidden_size = 64\nnum_attention_heads = 4\n"
+                    "cuda_graph_impl = \"local\"\n"
+                    "[gpt]\nvocab_size = 128\nmax_sequence_length = 64\n"
+                    "[varlen_cp]\ngraph_safe = true\nstrategy = \"p2p\"\n")
+    assert main(["--config", str(toml)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("config error: config.cuda_graph_impl='local'") and "\n" not in err
     assert not torch.distributed.is_initialized()
 
 

@@ -69,6 +69,26 @@ def _check_config(config: Any, attention_type: str) -> None:
                          f"dropout is not supported by varlen_cp; set it to 0.0")
     check_choice("config.softmax_type", getattr(config, "softmax_type", "vanilla"),
                  SOFTMAX_TYPES)
+    check_cuda_graphs(config)
+
+
+def check_cuda_graphs(config: Any) -> None:
+    """megatron's CUDA graphs (``cuda_graph_impl`` "local" / "transformer_engine", or the
+    deprecated ``enable_cuda_graph`` / ``external_cuda_graph``) are refused with varlen_cp's
+    attention, graph-safe mode included: the local path compares each call's
+    ``packed_seq_params`` with the captured one field by field and accepts only tensors,
+    scalars and dataclasses of them (the step's plan is neither), and the RoPE of the
+    batch's positions is built inside the layer from the plan on the host (docs/megatron.md);
+    TE's path refuses ``packed_seq_params`` itself."""
+    impl = getattr(config, "cuda_graph_impl", "none")
+    if impl == "none" and (getattr(config, "enable_cuda_graph", False)
+                           or getattr(config, "external_cuda_graph", False)):
+        impl = "local" if getattr(config, "enable_cuda_graph", False) else "transformer_engine"
+    if impl != "none":
+        raise ValueError(f"config.cuda_graph_impl={impl!r}: megatron's CUDA graphs cannot "
+                         f"capture varlen_cp's attention yet (its packed_seq_params carry the "
+                         f"batch's plan, and the layer builds the batch's RoPE on the host); "
+                         f"set cuda_graph_impl='none' (docs/megatron.md)")
 
 
 def _local_heads(config: Any) -> int:

@@ -58,6 +58,7 @@ from ...resolve import check_launch
 from ...report.training import stdout_handler
 from .config import MegatronJob, load_config
 from .cpu_compat import init_cpu_rng, is_cpu_only, megatron_on_cpu
+from .core_attention import check_cuda_graphs
 from .data import synthetic_batch
 from .moe import check_exact_under_cp, update_expert_bias
 from .options import VarlenCPOptions
@@ -258,6 +259,7 @@ def check_before_build(job: MegatronJob) -> None:
         warnings.simplefilter("ignore")   # refused config stays one line
         config = job.transformer_config(use_cpu_initialization=True)
     check_exact_under_cp(SimpleNamespace(**job.model), cp, job.options.layout)
+    check_cuda_graphs(config)
     shape = attn_shape(config)
     device = "cpu" if is_cpu_only() else "cuda"
     for layer in report_layers(config, job.options):

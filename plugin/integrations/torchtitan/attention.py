@@ -62,11 +62,35 @@ from ...options import AttnOptions
 from ...plan import CPPlan
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PackedBatch:
-    """What every attention layer needs about the current batch (passed as attention_masks)."""
+    """What every attention layer needs about the current batch (passed as attention_masks).
+
+    ``graph_key`` (the graph-safe mode: ``graph_key_of(plan)``) makes two batches' values
+    equal when a captured step replays right for both (same capacity, cp and rank):
+    torchtitan's step CUDA graph (``training.disable_cuda_graphs = false``) requires its
+    non-tensor inputs to stay equal across steps, and in that mode the step reads nothing of
+    the plan after its buffers were refreshed. Without it, two values are equal only for
+    one plan."""
 
     plan: CPPlan
+    graph_key: tuple | None = None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PackedBatch):
+            return NotImplemented
+        if self.graph_key is not None or other.graph_key is not None:
+            return self.graph_key == other.graph_key
+        return self.plan is other.plan
+
+    def __hash__(self) -> int:
+        return hash(self.graph_key) if self.graph_key is not None else id(self.plan)
+
+
+def graph_key_of(plan: CPPlan) -> tuple:
+    """What a graph-safe step's device work depends on besides buffer contents: the rows per
+    rank, cp and the rank (the buffers' sizes, the collectives' peers)."""
+    return ("graph_safe", plan.capacity, plan.cp_size, plan.cp_rank)
 
 
 class VarlenCPInnerAttention(Module, ContextParallelVarlenAttention):

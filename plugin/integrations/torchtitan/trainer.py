@@ -60,6 +60,7 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.config.override import OverrideConfig, apply_overrides
 from torchtitan.distributed.spmd_types import annotate_input_spmd_types
 from torchtitan.models.common.attention import BaseAttention, VarlenAttention
+from torchtitan.models.common.moe import MoE
 from torchtitan.trainer import Trainer
 
 from ...kernels.host_copy import one_to_device
@@ -71,7 +72,7 @@ from ...report import TrainingReport, layer_types
 from ...sharding import cu_seqlens_from_positions, shard_packed_batch
 from . import cpu_mode
 from .attention import (OVERRIDE_TARGET, PackedBatch, VarlenCPInnerAttention, bind_cp_group,
-                        layer_max_logits)
+                        graph_key_of, layer_max_logits)
 from .moe import feed_real_rows, padding_free_moe_for
 from .options import ModelSection, VarlenCPSection
 from .stock import (attention_layers, attention_shape, check_supported,
@@ -184,6 +185,25 @@ class VarlenCPMetrics(MetricsProcessor):
         return {f"max_logit/layer_{i}": float(v) for i, v in zip(layers, values.tolist())}
 
 
+def check_step_graph(disable_cuda_graphs: bool, graph_safe: bool, has_moe: bool) -> None:
+    """ValueError unless torchtitan's step CUDA graph (``training.disable_cuda_graphs =
+    false``, on CUDA: the forward and backward captured once, then replayed) can replay a
+    model with varlen-cp's attention: only in the graph-safe mode (every other mode reads
+    each batch's plan on the host; replayed, the first batch's would stay) and without MoE
+    layers (they route the batch's real rows, a number that changes per batch)."""
+    if disable_cuda_graphs:
+        return
+    if not graph_safe:
+        raise ValueError("varlen_cp: torchtitan's step CUDA graph (training.disable_cuda_graphs "
+                         "= false) would replay the first batch's plan for every batch: set "
+                         "[varlen_cp] graph_safe = true (docs/graph-safe.md) or "
+                         "training.disable_cuda_graphs = true")
+    if has_moe:
+        raise ValueError("varlen_cp: torchtitan's step CUDA graph with MoE layers: they route "
+                         "the batch's real rows, a number that changes per batch; set "
+                         "training.disable_cuda_graphs = true")
+
+
 def install_varlen_cp(config: Any) -> None:
     """Swap every ``VarlenAttention`` inner attention of ``config.model_spec`` for
     varlen-cp's (torchtitan's ``apply_overrides`` with ``varlen_cp_attention``); in fp32
@@ -235,6 +255,8 @@ class VarlenCPTrainer(Trainer):
         self.layer_masks = layer_masks(self.attn_layers)
         self.attn_shape = None
         if self.attn_layers:
+            check_step_graph(config.training.disable_cuda_graphs, vc.graph_safe,
+                             any(True for _ in config.model_spec.model.traverse(MoE.Config)))
             padding_free_moe_for(config)  # the plan's padding is never routed (moe.py)
             self.attn_shape = attention_shape(self.attn_layers, tp=par.tensor_parallel_degree,
                                               dtype=config.training.mixed_precision_param)
@@ -328,7 +350,9 @@ class VarlenCPTrainer(Trainer):
                                    validate=self.config.varlen_cp.validate and self.cp_size > 1,
                                    group=self.cp_group)
         inputs, labels = local["input"], local["labels"]
+        graph_key = None
         if self.config.varlen_cp.graph_safe:   # the step's device buffers, in place, here
+            graph_key = graph_key_of(plan)
             refresh_buffers(plan, self.config.varlen_cp, self.layer_masks, self.attn_shape,
                             inputs.device)
         # RoPE takes the plan's per-document positions (no placeholder to shard). It reads
@@ -339,7 +363,7 @@ class VarlenCPTrainer(Trainer):
         # Real tokens only: the te layout's padding differs between CP=1 and CP=N.
         self.ntokens_seen += plan.num_real_tokens
         extra_kwargs: dict[str, Any] = {"positions": positions,
-                                        "attention_masks": PackedBatch(plan)}
+                                        "attention_masks": PackedBatch(plan, graph_key)}
         if self.config.parallelism.spmd_backend == "spmd_types":
             inputs, labels, extra_kwargs = annotate_input_spmd_types(
                 self.parallel_dims, inputs, labels, extra_kwargs)

@@ -7,8 +7,8 @@ each row's document and position live in device buffers allocated once per (devi
 rank, capacity) and refreshed IN PLACE for each plan (:class:`StaticRows`: a non-blocking
 copy from a pinned staging buffer, on the current stream, before the call reads them). A
 call then reads nothing of the batch on the host: its collectives have fixed sizes
-(capacity rows per rank), its kernel the buffers' shapes (``kernels.dense``: every row
-against every key row, visibility from (document, position)), and no Python branch looks
+(capacity rows per rank), its kernels the buffers' shapes (``kernels.rows``: grids and
+host arguments from the capacity, visibility from (document, position)), and no Python branch looks
 at the batch. What changes between batches is the buffers' contents only.
 
 - ``p2p`` (ring): cp steps, each block of capacity rows posted to the next rank while the
@@ -29,9 +29,9 @@ at the batch. What changes between batches is the buffers' contents only.
   (their gradients summed back), as the dynamic ``a2a`` does.
 
 ``auto`` (a choice per batch) is refused in this mode with an error naming the supported
-strategies (docs/graph-safe.md: what remains to do). The kernel is
-the CPU stand-in (quadratic in the capacity); CUDA devices are refused until the
-capacity-grid GPU kernels land.
+strategies. Every call runs ``kernels.rows`` (``RowsKernel``, from the resolution's
+backend): the Triton row kernels on GPUs (fixed grids over the buffers, the rows each block
+visits searched on the device), the dense torch kernel on CPUs.
 """
 
 from __future__ import annotations
