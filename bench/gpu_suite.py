@@ -9,7 +9,9 @@ still leaves its results):
    runs it beside the other parts);
 2. ``kernels``: ``gpu_kernels``: our kernels vs torch's ``varlen_attn`` and
    ``flex_attention`` on the issue's cases, forward and backward, TFLOP/s of the mask area;
-3. ``replay``: ``cp_replay``: the kernel calls of the busiest rank of cp 8 / 64 plans.
+3. ``replay``: ``cp_replay``: the kernel calls of the busiest rank of cp 8 / 64 plans;
+4. ``graph``: ``graph_replay``: a graph-safe rank's layer captured in a CUDA graph on one
+   batch and replayed on another (its buffers refreshed in place) against the eager step.
 
 Writes ``<out>/<device>.json`` (default ``bench/results/``) and, when matplotlib is there,
 ``<device>_kernels.png`` and ``<device>_replay.png``. Exits 1 (after writing everything)
@@ -40,8 +42,8 @@ BENCH = ROOT / "bench"
 # Budgets in seconds on a GPU. A case starts only while its part has time left, so a part
 # can overrun by its last case (a flex_attention compile is the longest, ~30-60 s): the
 # total leaves that and a minute of startup and plots inside the 10 minutes.
-BUDGETS = {"total": 540.0, "tests": 200.0, "kernels": 180.0, "replay": 150.0}
-PARTS = ("tests", "kernels", "replay")
+BUDGETS = {"total": 540.0, "tests": 200.0, "kernels": 170.0, "replay": 120.0, "graph": 60.0}
+PARTS = ("tests", "kernels", "replay", "graph")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -136,6 +138,17 @@ def main(argv: list[str] | None = None) -> dict:
                                                    args.dry_run, _replay_calls(args.dry_run))}
         result["part_seconds"]["replay"] = time.monotonic() - t0
         save()
+    if "graph" in args.parts:
+        from graph_replay import run_graph_replays
+        t0 = time.monotonic()
+        shape = gpu_cases.replay_shape(args.dry_run)
+        print(f"== graph-safe replay under a CUDA graph: {gpu_cases.describe(shape)}",
+              flush=True)
+        result["graph"] = {"shape": gpu_cases.describe(shape),
+                           "results": run_graph_replays(shape, device, budget("graph"),
+                                                        args.dry_run)}
+        result["part_seconds"]["graph"] = time.monotonic() - t0
+        save()
     if tests is not None and args.dry_run:
         result["tests"] = tests.result()
         result["part_seconds"]["tests"] = result["tests"].get("seconds", 0.0)
@@ -165,6 +178,8 @@ def failures(result: dict) -> list[str]:
             out.append(f"kernels {r['case']} {r['backend']}: "
                        f"{r.get('fwd_error') or r.get('bwd_error') or r['status']}")
     from cp_replay import DIFF_LIMIT
+    from graph_replay import failures as graph_failures
+    out += graph_failures(result.get("graph", {}).get("results", []))
     for r in result.get("replay", {}).get("results", []):
         if r["status"] == "error":
             out.append(f"replay {r['case']} {r.get('backend')}: {r['error']}")

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [p for p in (str(ROOT / "bench"),) if p not in sys.path]
 
 import cp_replay  # noqa: E402  (bench/)
+import graph_replay  # noqa: E402  (bench/)
 import gpu_cases  # noqa: E402
 from gpu_timing import Budget  # noqa: E402
 from varlen_cp.kernels import varlen_attn  # noqa: E402
@@ -248,7 +249,7 @@ def test_replay_passes_layer_stats_once(one_thread, monkeypatch):
 
 
 # ------------------------------------------------------------------------------ dry run
-@pytest.mark.slow  # the whole suite on the CPU (~30 s on 2 cores)
+@pytest.mark.slow  # the whole suite on the CPU (~45 s on 2 cores)
 def test_dry_run(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable)
     env.pop("TRITON_INTERPRET", None)   # the suite sets it itself
@@ -311,10 +312,27 @@ def test_dry_run(tmp_path):
             assert ran["fwd_ms"] > 0 and ran["bwd_ms"] > 0 and ran["visible_pairs"] > 0
     assert {r["stages"] for r in results if r["case"].endswith("_S4")} == {4}
     assert {r["strategy"] for r in results} == {"p2p", "dispatch", "all_gather"}
+
+    # graph: every case ran (eagerly twice on the CPU) with the other batch's rows
+    graph = report["graph"]["results"]
+    assert [r["case"] for r in graph] == [c["name"] for c in graph_replay.graph_cases(True)]
+    for r in graph:
+        assert r["status"] == "ok" and r["eager_ms"] > 0 and r["tokens"][0] != 0, r
     if report["environment"]["matplotlib"]:
         assert sorted(report["plots"]["files"]) == ["dry-run-cpu_kernels.png",
                                                     "dry-run-cpu_replay.png"]
         assert all((tmp_path / f).stat().st_size > 0 for f in report["plots"]["files"])
+
+
+def test_graph_replay_failures_name_the_case():
+    """A replay that differs from the eager step on its batch, or that raised, fails the
+    suite; one within rounding does not."""
+    ok = {"case": "a", "status": "ok", "max_rel_diff": {"out": 1e-3, "dq": 2e-3}}
+    off = {"case": "b", "status": "ok", "max_rel_diff": {"out": 1e-3, "dq": 0.5}}
+    err = {"case": "c", "status": "error", "error": "RuntimeError: x"}
+    import gpu_suite
+    got = gpu_suite.failures({"graph": {"results": [ok, off, err]}})
+    assert got == ["graph replay b: {'out': 0.001, 'dq': 0.5}", "graph replay c: RuntimeError: x"]
 
 
 def test_gpu_sh_without_an_install(tmp_path):
