@@ -167,7 +167,7 @@ def layer_report(plan: CPPlan, layer: LayerType, shape: AttnShape, *,
     mask = layer.mask
     name = resolve_strategy(plan, layer, shape) if plan.cp_size > 1 else LOCAL
     stages = None
-    static = plan.capacity is not None   # graph-safe: no stages, our dense kernel only
+    static = plan.capacity is not None   # graph-safe: no stages, the row kernels only
     if plan.cp_size > 1 and name in STAGED_STRATEGIES and not static:
         stages = resolve_stages(plan, mask, name, shape, overlap_stages)
     counts = fetch_count_array(plan, mask)
@@ -212,7 +212,7 @@ def plan_report(plan: CPPlan, layers: Sequence[LayerType], shape: AttnShape, *,
     if not isinstance(shape, AttnShape):
         raise ValueError(f"shape must be a varlen_cp.config.AttnShape, got "
                          f"{type(shape).__name__}")
-    if plan.capacity is not None:   # graph-safe: its dense kernel, no backend to cover
+    if plan.capacity is not None:   # graph-safe: its row kernels, no backend to cover
         backends = None
     layers = list(layers)
     if not layers or not all(isinstance(t, LayerType) for t in layers):
