@@ -61,6 +61,34 @@ def _seen(q_doc, q_pos, q_ok, k_doc, k_pos, k_ok, window_left, window_right, chu
 
 
 @triton.jit
+def _query_block(Q, QDOC, QPOS, QIDX, stride_qt, stride_qh, n_q, n_heads, group,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's (block, head, kv head) and its query block: (rows, documents,
+    positions, real, q tile)."""
+    pid = tl.program_id(0)
+    blk = pid // n_heads
+    head = pid - blk * n_heads
+    rows, q_doc, q_pos, q_ok = _side(QDOC, QPOS, QIDX, blk * BLOCK_M + tl.arange(0, BLOCK_M),
+                                     n_q)
+    q = load_rows(Q, rows, q_ok, head, stride_qt, stride_qh, tl.arange(0, BLOCK_D), HEAD_DIM)
+    return blk, head, head // group, rows, q_doc, q_pos, q_ok, q
+
+
+@triton.jit
+def _key_tile(K, V, KDOC, KPOS, KIDX, offs_n, hi, kv_head, stride_kt, stride_kh, stride_vt,
+              stride_vh, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Sorted key rows ``offs_n`` (those at or past ``hi`` absent): (buffer rows, documents,
+    positions, real, k tile, v tile)."""
+    cols, k_doc, k_pos, k_ok = _side(KDOC, KPOS, KIDX, offs_n, hi)
+    k = load_rows(K, cols, k_ok, kv_head, stride_kt, stride_kh, tl.arange(0, BLOCK_D),
+                  HEAD_DIM)
+    v = load_rows(V, cols, k_ok, kv_head, stride_vt, stride_vh, tl.arange(0, BLOCK_DV),
+                  HEAD_DIM_V)
+    return cols, k_doc, k_pos, k_ok, k, v
+
+
+@triton.jit
 def _rows_fwd_kernel(
     Q, K, V, O, LSE, RMAX, QDOC, QPOS, QIDX, KDOC, KPOS, KIDX, LO, HI,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -70,26 +98,21 @@ def _rows_fwd_kernel(
     CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CHUNK: tl.constexpr,
     DOT_PREC: tl.constexpr, STORE_MAX: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    blk = pid // n_heads
-    head = pid - blk * n_heads
-    kv_head = head // group
-    offs_d = tl.arange(0, BLOCK_D)
+    blk, head, kv_head, rows, q_doc, q_pos, q_ok, q = _query_block(
+        Q, QDOC, QPOS, QIDX, stride_qt, stride_qh, n_q, n_heads, group, HEAD_DIM, BLOCK_M,
+        BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_n0 = tl.arange(0, BLOCK_N)
-    rows, q_doc, q_pos, q_ok = _side(QDOC, QPOS, QIDX, blk * BLOCK_M + tl.arange(0, BLOCK_M),
-                                     n_q)
-    q = load_rows(Q, rows, q_ok, head, stride_qt, stride_qh, offs_d, HEAD_DIM)
     lo = tl.load(LO + blk)
     hi = tl.load(HI + blk)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        offs_n = start + offs_n0
-        cols, k_doc, k_pos, k_ok = _side(KDOC, KPOS, KIDX, offs_n, hi)
-        k = load_rows(K, cols, k_ok, kv_head, stride_kt, stride_kh, offs_d, HEAD_DIM)
-        v = load_rows(V, cols, k_ok, kv_head, stride_vt, stride_vh, offs_dv, HEAD_DIM_V)
+        _, k_doc, k_pos, k_ok, k, v = _key_tile(K, V, KDOC, KPOS, KIDX, start + offs_n0, hi,
+                                             kv_head, stride_kt, stride_kh, stride_vt,
+                                             stride_vh, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                                             BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         vis = _seen(q_doc, q_pos, q_ok, k_doc, k_pos, k_ok, window_left, window_right,
                     chunk_size, CAUSAL, HAS_WL, HAS_WR, HAS_CHUNK)
@@ -124,16 +147,12 @@ def _rows_dq_kernel(
     CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CHUNK: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    blk = pid // n_heads
-    head = pid - blk * n_heads
-    kv_head = head // group
+    blk, head, kv_head, rows, q_doc, q_pos, q_ok, q = _query_block(
+        Q, QDOC, QPOS, QIDX, stride_qt, stride_qh, n_q, n_heads, group, HEAD_DIM, BLOCK_M,
+        BLOCK_D)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_n0 = tl.arange(0, BLOCK_N)
-    rows, q_doc, q_pos, q_ok = _side(QDOC, QPOS, QIDX, blk * BLOCK_M + tl.arange(0, BLOCK_M),
-                                     n_q)
-    q = load_rows(Q, rows, q_ok, head, stride_qt, stride_qh, offs_d, HEAD_DIM)
     do = load_rows(DO, rows, q_ok, head, stride_dot, stride_doh, offs_dv, HEAD_DIM_V)
     at = head.to(tl.int64) * total_q + rows
     delta = tl.load(STATS + at, mask=q_ok, other=0.0)
@@ -142,9 +161,10 @@ def _rows_dq_kernel(
     hi = tl.load(HI + blk)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        cols, k_doc, k_pos, k_ok = _side(KDOC, KPOS, KIDX, start + offs_n0, hi)
-        k = load_rows(K, cols, k_ok, kv_head, stride_kt, stride_kh, offs_d, HEAD_DIM)
-        v = load_rows(V, cols, k_ok, kv_head, stride_vt, stride_vh, offs_dv, HEAD_DIM_V)
+        _, k_doc, k_pos, k_ok, k, v = _key_tile(K, V, KDOC, KPOS, KIDX, start + offs_n0, hi,
+                                             kv_head, stride_kt, stride_kh, stride_vt,
+                                             stride_vh, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                                             BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         vis = _seen(q_doc, q_pos, q_ok, k_doc, k_pos, k_ok, window_left, window_right,
                     chunk_size, CAUSAL, HAS_WL, HAS_WR, HAS_CHUNK)
@@ -173,10 +193,9 @@ def _rows_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_m0 = tl.arange(0, BLOCK_M)
-    cols, k_doc, k_pos, k_ok = _side(KDOC, KPOS, KIDX, blk * BLOCK_N + tl.arange(0, BLOCK_N),
-                                     n_k)
-    k = load_rows(K, cols, k_ok, kv_head, stride_kt, stride_kh, offs_d, HEAD_DIM)
-    v = load_rows(V, cols, k_ok, kv_head, stride_vt, stride_vh, offs_dv, HEAD_DIM_V)
+    cols, k_doc, k_pos, k_ok, k, v = _key_tile(
+        K, V, KDOC, KPOS, KIDX, blk * BLOCK_N + tl.arange(0, BLOCK_N), n_k, kv_head,
+        stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
     lo = tl.load(LO + blk)
     hi = tl.load(HI + blk)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
