@@ -89,6 +89,22 @@ def _key_tile(K, V, KDOC, KPOS, KIDX, offs_n, hi, kv_head, stride_kt, stride_kh,
 
 
 @triton.jit
+def _scores(q, q_doc, q_pos, q_ok, K, V, KDOC, KPOS, KIDX, offs_n, hi, kv_head, stride_kt,
+            stride_kh, stride_vt, stride_vh, window_left, window_right, chunk_size,
+            HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+            BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
+            HAS_WR: tl.constexpr, HAS_CHUNK: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One key tile of a query block's loop: (k, v, raw scores q k^T, visibility)."""
+    _, k_doc, k_pos, k_ok, k, v = _key_tile(K, V, KDOC, KPOS, KIDX, offs_n, hi, kv_head,
+                                            stride_kt, stride_kh, stride_vt, stride_vh,
+                                            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    vis = _seen(q_doc, q_pos, q_ok, k_doc, k_pos, k_ok, window_left, window_right, chunk_size,
+                CAUSAL, HAS_WL, HAS_WR, HAS_CHUNK)
+    return k, v, s, vis
+
+
+@triton.jit
 def _rows_fwd_kernel(
     Q, K, V, O, LSE, RMAX, QDOC, QPOS, QIDX, KDOC, KPOS, KIDX, LO, HI,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -109,13 +125,11 @@ def _rows_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        _, k_doc, k_pos, k_ok, k, v = _key_tile(K, V, KDOC, KPOS, KIDX, start + offs_n0, hi,
-                                             kv_head, stride_kt, stride_kh, stride_vt,
-                                             stride_vh, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                                             BLOCK_DV)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        vis = _seen(q_doc, q_pos, q_ok, k_doc, k_pos, k_ok, window_left, window_right,
-                    chunk_size, CAUSAL, HAS_WL, HAS_WR, HAS_CHUNK)
+        k, v, s, vis = _scores(q, q_doc, q_pos, q_ok, K, V, KDOC, KPOS, KIDX,
+                               start + offs_n0, hi, kv_head, stride_kt, stride_kh,
+                               stride_vt, stride_vh, window_left, window_right, chunk_size,
+                               HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, CAUSAL, HAS_WL,
+                               HAS_WR, HAS_CHUNK, DOT_PREC)
         s = tl.where(vis, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # no -inf - -inf = NaN
@@ -161,13 +175,11 @@ def _rows_dq_kernel(
     hi = tl.load(HI + blk)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        _, k_doc, k_pos, k_ok, k, v = _key_tile(K, V, KDOC, KPOS, KIDX, start + offs_n0, hi,
-                                             kv_head, stride_kt, stride_kh, stride_vt,
-                                             stride_vh, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                                             BLOCK_DV)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        vis = _seen(q_doc, q_pos, q_ok, k_doc, k_pos, k_ok, window_left, window_right,
-                    chunk_size, CAUSAL, HAS_WL, HAS_WR, HAS_CHUNK)
+        k, v, s, vis = _scores(q, q_doc, q_pos, q_ok, K, V, KDOC, KPOS, KIDX,
+                               start + offs_n0, hi, kv_head, stride_kt, stride_kh,
+                               stride_vt, stride_vh, window_left, window_right, chunk_size,
+                               HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, CAUSAL, HAS_WL,
+                               HAS_WR, HAS_CHUNK, DOT_PREC)
         p = tl.where(vis, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
