@@ -255,7 +255,9 @@ class VarlenCPTrainer(Trainer):
         self.layer_masks = layer_masks(self.attn_layers)
         self.attn_shape = None
         if self.attn_layers:
-            check_step_graph(config.training.disable_cuda_graphs, vc.graph_safe,
+            # (torchtitan captures on CUDA only: a CPU run's step is never a graph)
+            check_step_graph(config.training.disable_cuda_graphs or cpu_mode.is_cpu_mode(),
+                             vc.graph_safe,
                              any(True for _ in config.model_spec.model.traverse(MoE.Config)))
             padding_free_moe_for(config)  # the plan's padding is never routed (moe.py)
             self.attn_shape = attention_shape(self.attn_layers, tp=par.tensor_parallel_degree,
