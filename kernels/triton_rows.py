@@ -345,6 +345,9 @@ def rows_bwd(dout, q, k, v, out, lse, dlse, q_side, k_side, q_ranges, k_ranges,
     """fp32 (dq, dk, dv) of :func:`rows_fwd` given the FINAL out and lse of the query rows
     (a partial call's keys get their share of the merged softmax). ``q_ranges``: per query
     block, in k's sorted order (the forward's); ``k_ranges``: per key block, in q's."""
+    # dO in the inputs' dtype (tl.dot takes one dtype): the strategies hand fp32 dO where it
+    # only travelled in fp32 (Ulysses' exchange) or was made as zeros like the fp32 out
+    dout = dout.to(v.dtype)
     q, k, v, dout = (unit_last_stride(t) for t in (q, k, v, dout))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)

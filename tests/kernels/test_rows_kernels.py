@@ -133,9 +133,13 @@ def test_rows_kernels_match_the_reference(backend, mask_name, k_shuffled):
     assert (row_max.double()[finite] - want_max[finite]).abs().max() < 1e-4
 
 
-def test_triton_rows_fp16_and_equal_heads():
+@pytest.mark.parametrize("dout_dtype", [torch.float16, torch.float32])
+def test_triton_rows_fp16_and_equal_heads(dout_dtype):
+    """fp16 inputs; dO in fp16 or fp32 (what Ulysses' exchange and a missing dout hand the
+    backward)."""
     q, k, v, dout, dlse, q_rows, k_rows, mask = _case("causal", True, hq=2, hkv=2,
                                                       dtype=torch.float16, seed=3)
+    dout = dout.to(dout_dtype)
     got, _ = _run("triton", q, k, v, dout, dlse, q_rows, k_rows, mask, 0.25, False)
     want = reference(q, k, v, dout, dlse, q_rows, k_rows, mask, 0.25)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
