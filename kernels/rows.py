@@ -75,7 +75,9 @@ class RowsCall:
         self.blocks = rows_blocks(q.dtype, q.shape[2], v.shape[2], q.device,
                                   kernel.block_sizes)
         self.q_side = sorted_side(*q_rows, q_sorted)
-        self.k_side = sorted_side(*k_rows, k_sorted)
+        # (Ulysses: both sides are every rank's rows, sorted once)
+        self.k_side = self.q_side if k_rows is q_rows and k_sorted == q_sorted else \
+            sorted_side(*k_rows, k_sorted)
         self.q_ranges = block_ranges(self.q_side, self.k_side, kernel.mask_args,
                                      self.blocks[0], queries=True)
         self._k_ranges: tuple | None = None
