@@ -5,6 +5,7 @@ and the module's cp=1 output against the dense reference."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,8 @@ from varlen_cp.integrations.megatron import (VarlenCPCoreAttention,  # noqa: E40
                                              VarlenCPOptions, VarlenCPSelfAttention,
                                              get_thd_batch_on_this_cp_rank,
                                              get_varlen_cp_layer_spec, layer_mask,
-                                             layer_strategy, swap_core_attention)
+                                             layer_strategy, packed_seq_params_for,
+                                             swap_core_attention)
 from varlen_cp.integrations.megatron.config import job_from_dict, load_config  # noqa: E402
 from varlen_cp.integrations.megatron.cpu_compat import megatron_on_cpu  # noqa: E402
 
@@ -279,8 +281,10 @@ def test_layer_strategy_resolution() -> None:
     ({}, {"options": VarlenCPOptions(strategy=("p2p", "a2a"))}, "num_layers=4"),
     ({"context_parallel_size": 2}, {}, "context_parallel_size=2"),
     ({"context_parallel_size": 2}, {"rope_from_plan": False}, "megatron's own THD RoPE"),
-    ({"cuda_graph_impl": "local"}, {}, "cuda_graph_impl='local'"),
+    ({"cuda_graph_impl": "local"}, {}, r"cuda_graph_impl='local' needs \[varlen_cp\] graph_safe"),
     ({"cuda_graph_impl": "transformer_engine"}, {}, "cuda_graph_impl='transformer_engine'"),
+    ({"cuda_graph_impl": "local"}, {"options": VarlenCPOptions(graph_safe=True),
+                                    "rope_from_plan": False}, "megatron's own THD RoPE"),
 ])
 def test_module_build_errors(cfg_extra, kwargs, match) -> None:
     cfg = _config(**cfg_extra)
@@ -305,6 +309,42 @@ def _qkv(total: int, seed: int = 0):
     k = torch.randn(total, 2, 16, generator=g, requires_grad=True)
     v = torch.randn(total, 2, 16, generator=g, requires_grad=True)
     return q, k, v
+
+
+def test_graph_safe_packed_params_name_the_plan_by_key() -> None:
+    """The graph-safe packed params: equal for two batches of other documents (megatron's
+    replay compares them field by field), the plan found under its key, the RoPE positions
+    those of the plan; refused without the model (the buffers are refreshed there), for a
+    plan without a capacity, and for a key nobody sharded."""
+    from varlen_cp.integrations.megatron.sharding import GraphPlanKey, plan_of
+
+    cfg = _config(num_layers=2)
+    opts = VarlenCPOptions(graph_safe=True, strategy="p2p", graph_capacity=64)
+    params = []
+    for cu in ([0, 20, 27, 50], [0, 3, 50]):
+        cu = torch.tensor(cu, dtype=torch.int32)
+        batch = {"tokens": torch.arange(50)[None], "position_ids": torch.zeros(1, 50)}
+        local, packed = get_thd_batch_on_this_cp_rank(batch, cu, options=opts, config=cfg)
+        plan = plan_of(packed.varlen_cp_plan)
+        assert plan.capacity == 64 and torch.equal(plan.cu_seqlens, cu.long())
+        assert torch.equal(packed.varlen_cp_positions, plan.positions.clamp(min=0).long())
+        assert local["tokens"].shape == (1, 64)
+        params.append(packed)
+    a, b = params
+    assert a.varlen_cp_plan == b.varlen_cp_plan == GraphPlanKey(64, 1, 0)
+    assert (a.max_seqlen_q, a.max_seqlen_kv, a.cu_seqlens_q, a.cp_group) == (64, 64, None,
+                                                                            None)
+    assert [f for f in dataclasses.fields(a) if not isinstance(getattr(a, f.name),
+                                                                torch.Tensor)
+            and getattr(a, f.name) != getattr(b, f.name)] == []
+    batch = {"tokens": torch.arange(50)[None]}
+    with pytest.raises(ValueError, match="config is required in the graph-safe mode"):
+        get_thd_batch_on_this_cp_rank(batch, torch.tensor([0, 50]), options=opts)
+    with pytest.raises(ValueError, match="needs a plan built at a capacity"):
+        packed_seq_params_for(CPPlan.build(torch.tensor([0, 50]), cp_size=1, cp_rank=0),
+                              "cpu", graph_safe=True)
+    with pytest.raises(ValueError, match="no plan was sharded for GraphPlanKey"):
+        plan_of(GraphPlanKey(128, 4, 3))
 
 
 def test_module_forward_errors() -> None:
@@ -536,19 +576,65 @@ def test_launcher_refuses_token_dropping_with_cp(tmp_path, capsys) -> None:
     assert not torch.distributed.is_initialized()
 
 
-def test_launcher_refuses_cuda_graphs(tmp_path, capsys) -> None:
-    """megatron's CUDA graphs cannot capture the layer (its packed_seq_params carry the
-    plan): exit 2 with one line, before any process group exists."""
+def test_graph_safe_layer_accepts_local_cuda_graphs() -> None:
+    """megatron's per-layer CUDA graphs with the graph-safe mode build (the capture itself
+    needs CUDA: tests/integrations/test_megatron_graph_replay.py checks the replay)."""
+    module = VarlenCPCoreAttention(
+        config=_config(cuda_graph_impl="local"), layer_number=1,
+        attn_mask_type=AttnMaskType.causal, attention_type="self", cp_comm_type=None,
+        softmax_scale=None, pg_collection=None,
+        options=VarlenCPOptions(graph_safe=True, strategy="p2p"))
+    assert module.options.graph_safe
+
+
+@pytest.mark.parametrize("fields, graph_safe, match", [
+    ({}, True, None),
+    ({"cuda_graph_impl": "local"}, True, None),
+    ({"cuda_graph_impl": "local", "cuda_graph_scope": []}, True, None),
+    ({"enable_cuda_graph": True}, True, None),            # deprecated spelling of "local"
+    ({"enable_cuda_graph": True}, False, r"'local' needs \[varlen_cp\] graph_safe"),
+    ({"cuda_graph_impl": "local"}, False, r"'local' needs \[varlen_cp\] graph_safe"),
+    ({"external_cuda_graph": True}, True, "TransformerEngine's CUDA graphs refuse"),
+    ({"cuda_graph_impl": "transformer_engine"}, True, "refuse packed_seq_params"),
+    ({"cuda_graph_impl": "local", "cuda_graph_scope": ["full_iteration"]}, True,
+     "full_iteration"),
+    ({"cuda_graph_impl": "local", "num_moe_experts": 4}, True, "num_moe_experts=4"),
+    ({"cuda_graph_impl": "local", "qk_clip": True}, True, "qk_clip"),
+    ({"cuda_graph_impl": "local", "log_max_attention_logit": True}, True, "max logit"),
+])
+def test_cuda_graph_settings(fields, graph_safe, match) -> None:
+    from types import SimpleNamespace
+
+    from varlen_cp.integrations.megatron.core_attention import check_cuda_graphs
+
+    config = SimpleNamespace(**fields)
+    options = VarlenCPOptions(graph_safe=graph_safe, strategy="p2p")
+    if match is None:
+        check_cuda_graphs(config, options)
+    else:
+        with pytest.raises(ValueError, match=match):
+            check_cuda_graphs(config, options)
+
+
+@pytest.mark.parametrize("graph_safe, match", [
+    (True, "needs CUDA devices"),
+    (False, r"needs \[varlen_cp\] graph_safe = true"),
+])
+def test_launcher_checks_cuda_graphs(tmp_path, capsys, graph_safe, match) -> None:
+    """megatron's CUDA graphs need the graph-safe mode, and CUDA: exit 2 with one line,
+    before any process group exists."""
     from varlen_cp.integrations.megatron.train import main
 
     toml = tmp_path / "graphs.toml"
     toml.write_text("[model]\nnum_layers = 2\nhidden_size = 64\nnum_attention_heads = 4\n"
                     "cuda_graph_impl = \"local\"\n"
                     "[gpt]\nvocab_size = 128\nmax_sequence_length = 64\n"
-                    "[varlen_cp]\ngraph_safe = true\nstrategy = \"p2p\"\n")
+                    f"[varlen_cp]\ngraph_safe = {str(graph_safe).lower()}\n"
+                    "strategy = \"p2p\"\n")
     assert main(["--config", str(toml)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("config error: config.cuda_graph_impl='local'") and "\n" not in err
+    assert re.search(match, err), err
     assert not torch.distributed.is_initialized()
 
 

@@ -8,7 +8,9 @@
   position from the plan, so every layout (default "balanced") is correct.
 - ``swap_core_attention(spec, options)`` / ``get_varlen_cp_layer_spec(options, ...)``: both.
 - ``get_thd_batch_on_this_cp_rank(batch, cu_seqlens, ...)``: TE-free THD sharding that
-  returns megatron's packed params with the step's plan attached (layers never plan).
+  returns megatron's packed params with the step's plan attached (layers never plan); in
+  the graph-safe mode they are equal for every batch, so megatron's per-layer CUDA graphs
+  (``cuda_graph_impl="local"``) replay them.
 - ``PrefetchedTHDBatches(source, config=..., options=...)``: the data iterator that builds
   the next batch's plan and tables on a background thread.
 - ``VarlenCPOptions``: ``varlen_cp.CPConfig`` plus megatron's extras (chunked attention,

@@ -24,6 +24,9 @@ checkpoints interchange; it is kept in fp32), and ``qk_clip`` / ``log_max_attent
 each forward's max logit per head (global over the CP group) is kept in ``max_logit`` and
 max-accumulated over micro-batches in ``current_max_attn_logits``, which is what megatron's
 ``Attention.clip_qk`` / ``megatron.core.optimizer.qk_clip.clip_qk`` read and reset.
+CUDA graphs: megatron's ``cuda_graph_impl="local"`` (one graph per TransformerLayer) in
+the graph-safe mode, whose packed params are equal for every batch (``sharding``);
+``check_cuda_graphs`` refuses the rest at build time.
 Limits: self-attention only; no attention dropout, attention bias or mask tensors (a
 ValueError at build or call time says which).
 """
@@ -69,26 +72,56 @@ def _check_config(config: Any, attention_type: str) -> None:
                          f"dropout is not supported by varlen_cp; set it to 0.0")
     check_choice("config.softmax_type", getattr(config, "softmax_type", "vanilla"),
                  SOFTMAX_TYPES)
-    check_cuda_graphs(config)
 
 
-def check_cuda_graphs(config: Any) -> None:
-    """megatron's CUDA graphs (``cuda_graph_impl`` "local" / "transformer_engine", or the
-    deprecated ``enable_cuda_graph`` / ``external_cuda_graph``) are refused with varlen_cp's
-    attention, graph-safe mode included: the local path compares each call's
-    ``packed_seq_params`` with the captured one field by field and accepts only tensors,
-    scalars and dataclasses of them (the step's plan is neither), and the RoPE of the
-    batch's positions is built inside the layer from the plan on the host (docs/megatron.md);
-    TE's path refuses ``packed_seq_params`` itself."""
-    impl = getattr(config, "cuda_graph_impl", "none")
-    if impl == "none" and (getattr(config, "enable_cuda_graph", False)
-                           or getattr(config, "external_cuda_graph", False)):
-        impl = "local" if getattr(config, "enable_cuda_graph", False) else "transformer_engine"
-    if impl != "none":
-        raise ValueError(f"config.cuda_graph_impl={impl!r}: megatron's CUDA graphs cannot "
-                         f"capture varlen_cp's attention yet (its packed_seq_params carry the "
-                         f"batch's plan, and the layer builds the batch's RoPE on the host); "
-                         f"set cuda_graph_impl='none' (docs/megatron.md)")
+def cuda_graph_impl(config: Any) -> str:
+    """megatron's CUDA-graph implementation of ``config``: "none", "local" or
+    "transformer_engine" (the deprecated ``enable_cuda_graph`` / ``external_cuda_graph``
+    mapped as megatron maps them)."""
+    impl = getattr(config, "cuda_graph_impl", "none") or "none"
+    if impl == "none" and getattr(config, "enable_cuda_graph", False):
+        return "local"
+    if impl == "none" and getattr(config, "external_cuda_graph", False):
+        return "transformer_engine"
+    return impl
+
+
+def check_cuda_graphs(config: Any, options: VarlenCPOptions,
+                      rope_from_plan: bool = True) -> None:
+    """megatron's CUDA graphs with varlen_cp's attention: ``cuda_graph_impl="local"`` (one
+    graph per TransformerLayer, replayed when a call's arguments equal the captured ones
+    field by field) in the graph-safe mode, whose packed params are equal for every batch
+    and whose layers issue the same device work (docs/megatron.md); refused otherwise, and
+    with what a replay would freeze (ValueError naming the setting)."""
+    impl = cuda_graph_impl(config)
+    if impl == "none":
+        return
+    where = f"config.cuda_graph_impl={impl!r}"
+    if impl != "local":
+        raise ValueError(f"{where}: TransformerEngine's CUDA graphs refuse packed_seq_params "
+                         f"(megatron-core 0.16.1); use cuda_graph_impl='local' with "
+                         f"[varlen_cp] graph_safe = true (docs/megatron.md)")
+    if not options.graph_safe:
+        raise ValueError(f"{where} needs [varlen_cp] graph_safe = true "
+                         f"(VarlenCPOptions(graph_safe=True)): otherwise every batch issues "
+                         f"its own attention work and a replay would run the first batch's")
+    scopes = getattr(config, "cuda_graph_scope", None) or []
+    if any(getattr(s, "name", s) == "full_iteration" for s in scopes):
+        raise ValueError(f"{where} with cuda_graph_scope full_iteration: the iteration "
+                         f"includes the batch's sharding and buffer refresh, which must run "
+                         f"before each step; use the per-layer scopes")
+    if getattr(config, "num_moe_experts", None):
+        raise ValueError(f"{where} with config.num_moe_experts={config.num_moe_experts}: "
+                         f"the MoE layers route a per-batch number of real rows "
+                         f"(padding-free routing); set cuda_graph_impl='none'")
+    if tracks_max_logit(config):
+        raise ValueError(f"{where} with qk_clip / log_max_attention_logit: each layer "
+                         f"records its max logit in Python after its forward, which a "
+                         f"replay skips; set cuda_graph_impl='none'")
+    if not rope_from_plan:
+        raise ValueError(f"{where}: this layer's self-attention applies megatron's own THD "
+                         f"RoPE, which reads the batch's cu_seqlens on the host; build the "
+                         f"model with rope_from_plan=True (VarlenCPSelfAttention)")
 
 
 def _local_heads(config: Any) -> int:
@@ -112,6 +145,7 @@ class VarlenCPCoreAttention(MegatronModule, ContextParallelVarlenAttention):
             raise ValueError(f"options must be a VarlenCPOptions, got "
                              f"{type(options).__name__}")
         _check_config(config, attention_type)
+        check_cuda_graphs(config, options, rope_from_plan)
         if not rope_from_plan and config.context_parallel_size > 1 and options.layout != "te":
             raise ValueError(
                 f"VarlenCPOptions.layout={options.layout!r}: this layer's self-attention "

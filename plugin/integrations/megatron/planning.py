@@ -8,11 +8,14 @@ build time.
 ``plan_batch`` builds the batch's plan with those masks (the ``balanced`` layout balances each
 of them) through ``varlen_cp.prefetch.build_plan`` and, given a device, every host table and
 device copy the layers' attention calls and the RoPE lookup will need
-(``varlen_cp.prefetch.build_tables``), so the model's forward never plans. ``report_layers``
-groups the layers by (mask, strategy) with their counts for ``varlen_cp.report``.
+(``varlen_cp.prefetch.build_tables``), so the model's forward never plans;
+``refresh_model_buffers`` rewrites the graph-safe buffers for a plan before its step.
+``report_layers`` groups the layers by (mask, strategy) with their counts for
+``varlen_cp.report``.
 
 Limits: GPT-style self-attention (one ``attn_mask_type`` for every layer, causal by default);
-host work only (no collectives), so it may run on a background thread.
+planning is host work only (no collectives), so it may run on a background thread; the
+refresh runs on the step's thread.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch.distributed as dist
 from megatron.core.transformer.enums import AttnMaskType
 
 from ... import prefetch
+from ...attention import refresh_layer_buffers
 from ...config import CPConfig
 from ...masks import AttnMask
 from ...options import AttnOptions
@@ -148,6 +152,16 @@ def prepare_model_plan(plan: CPPlan, options: VarlenCPOptions, model: ModelAtten
     rope_index(plan, device)
     padding_mask(plan, device)  # for the MoE routers (moe.py)
     return plan
+
+
+def refresh_model_buffers(plan: CPPlan, options: VarlenCPOptions, model: ModelAttention,
+                          device: Any) -> None:
+    """The graph-safe mode: every layer type's device buffers rewritten in place for
+    ``plan`` (``varlen_cp.attention.refresh_layer_buffers``), on the calling thread's
+    current stream: before the step, so that no layer (captured or not) copies a table."""
+    device = resolve_device(device)
+    for mask, layer in model.calls:
+        refresh_layer_buffers(plan, mask, layer, model.shape, device)
 
 
 def plan_batch(cu_seqlens: torch.Tensor, options: VarlenCPOptions, cp_size: int, cp_rank: int,

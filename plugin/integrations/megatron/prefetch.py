@@ -7,7 +7,8 @@ schedules (``next(data_iterator)`` in ``forward_step``). A background thread
 (``varlen_cp.prefetch.PlanPrefetcher``) builds the NEXT batch's plan with the model's layer
 masks and every table its attention layers and RoPE lookup need (``planning.plan_batch``)
 while the current step runs; the step itself only cuts its tokens out with the ready plan
-(``get_thd_batch_on_this_cp_rank(..., plan=...)``) and copies them to the device.
+(``get_thd_batch_on_this_cp_rank(..., plan=...)``; in the graph-safe mode it also rewrites
+the layers' buffers for the batch) and copies them to the device.
 
 Limits: ``depth`` batches are planned ahead (one is enough when a micro-batch's compute
 outlasts its planning); the thread shares the GIL with the training loop, so host planning
@@ -83,7 +84,7 @@ class PrefetchedTHDBatches:
         self.last_plan, self.last_timing = plan, self._prefetcher.last_timing
         local, packed = get_thd_batch_on_this_cp_rank(
             batch, cu_seqlens, cp_group=self.cp_group, options=self.options, plan=plan,
-            device=self.device)
+            config=self.model, device=self.device)
         local = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                  for k, v in local.items()}
         return local, packed

@@ -6,8 +6,9 @@ the host in every layer). varlen_cp's plan already knows each local token's posi
 document, whatever the layout, so ``VarlenCPSelfAttention`` (megatron's ``SelfAttention``,
 put in the layer spec by ``swap_core_attention``) takes the RoPE table that megatron's model
 computed (``RotaryEmbedding`` / YaRN: row p is position p), hands megatron ``rotary_pos_emb=None``
-and passes the table's rows at the plan's positions to the core attention on its own copy of
-the packed params; the core attention applies them with megatron's ``apply_rotary_pos_emb``
+and passes the table's rows at the tokens' positions (the packed params'
+``varlen_cp_positions``: a tensor, so megatron's CUDA graphs refresh it at each replay) to
+the core attention on its own copy of the packed params; the core attention applies them with megatron's ``apply_rotary_pos_emb``
 (its non-packed path: per token, same kernel, same interleaving, YaRN mscale and fusion
 setting). Recomputation (``recompute_granularity="selective"``) sees the same packed params,
 so it reapplies the same rotation. NoPE layers (``no_rope_freq``) get none, as in megatron.
@@ -32,6 +33,7 @@ from megatron.core.transformer.attention import SelfAttention
 from ...plan import CPPlan
 from .options import uses_rope
 from .planning import rope_index
+from .sharding import plan_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +45,9 @@ class PlanRope:
     k: torch.Tensor | None = None
 
 
-def _rows(plan: CPPlan, table: torch.Tensor) -> torch.Tensor:
-    """The table's rows at the plan's local positions (padding tokens: row 0)."""
+def _rows(plan: CPPlan, table: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """The table's rows at the tokens' positions (``positions``, else the plan's; padding
+    tokens: row 0)."""
     if not isinstance(table, torch.Tensor) or table.dim() != 4 or table.shape[1:3] != (1, 1):
         shape = tuple(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__
         raise ValueError(f"rotary_pos_emb must be megatron's RoPE table [max_seqlen, 1, 1, d] "
@@ -53,17 +56,23 @@ def _rows(plan: CPPlan, table: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"rotary_pos_emb has {table.shape[0]} rows but the batch has a "
                          f"document of {plan.max_document_length} tokens: max_seqlen_q of the "
                          f"packed params must cover the longest document")
-    return table.index_select(0, rope_index(plan, table.device))
+    index = rope_index(plan, table.device) if positions is None else positions
+    return table.index_select(0, index)
 
 
-def plan_rope(plan: CPPlan, rotary_pos_emb: Any) -> PlanRope:
-    """Per-token frequencies of ``rotary_pos_emb`` (a table, or megatron's (q, k) pair)."""
+def plan_rope(plan: CPPlan, rotary_pos_emb: Any,
+              positions: torch.Tensor | None = None) -> PlanRope:
+    """Per-token frequencies of ``rotary_pos_emb`` (a table, or megatron's (q, k) pair) at
+    ``positions`` (the packed params' ``varlen_cp_positions``; None: the plan's, cached in
+    it). A graph replays the lookup on the positions tensor it was captured with, which
+    megatron refreshes at each replay since it is a tensor field of the packed params."""
     if rotary_pos_emb is None:
         return PlanRope()
     q_table, k_table = (rotary_pos_emb if isinstance(rotary_pos_emb, tuple)
                         else (rotary_pos_emb, rotary_pos_emb))
-    q = None if q_table is None else _rows(plan, q_table)
-    k = q if k_table is q_table else (None if k_table is None else _rows(plan, k_table))
+    q = None if q_table is None else _rows(plan, q_table, positions)
+    k = q if k_table is q_table else (None if k_table is None
+                                      else _rows(plan, k_table, positions))
     return PlanRope(q, k)
 
 
@@ -102,6 +111,6 @@ class VarlenCPSelfAttention(SelfAttention):
         if not uses_rope(self.config, self.layer_number):
             table = None
         a["rotary_pos_emb"] = None  # megatron's THD RoPE must not run
-        a["packed_seq_params"] = dataclasses.replace(params,
-                                                     varlen_cp_rope=plan_rope(plan, table))
+        rope = plan_rope(plan_of(plan), table, getattr(params, "varlen_cp_positions", None))
+        a["packed_seq_params"] = dataclasses.replace(params, varlen_cp_rope=rope)
         return super().forward(*bound.args[1:], **bound.kwargs)

@@ -13,6 +13,16 @@ The layer spec of this plugin routes megatron's RoPE table through the plan inst
 token takes the row of its position, ``rope.VarlenCPSelfAttention``), so every layout is
 correct; for specs without it the core attention refuses layouts other than ``te`` at CP > 1.
 
+The graph-safe mode (``VarlenCPOptions(graph_safe=True)``) makes the packed params equal
+for every batch of one job, field by field, as megatron's CUDA graphs (``cuda_graph_impl =
+"local"``) require of a replayed layer's arguments: the plan is replaced by its
+``GraphPlanKey`` (capacity, cp, rank; the layers find the batch's plan under it), the RoPE
+positions are a tensor of ``graph_capacity`` rows (megatron copies it into the graph's input
+at each replay), ``max_seqlen_*`` is the constant ``cp * graph_capacity`` (the longest
+document any batch can hold, so megatron's RoPE table keeps one shape), and the cu_seqlens
+fields and ``cp_group`` are left unset (no layer reads them: the attention's tables are in
+the graph-safe buffers, refreshed here for the batch before its step).
+
 Limits: batch size 1 (THD packs everything into one row); the plan is host integer math on
 CPU tensors, so ``cu_seqlens`` must be given on the host.
 """
@@ -33,22 +43,57 @@ from ...plan.agreement import agree_on_plan
 from ...sharding import padded_input_rows
 from .moe import padding_mask
 from .options import VarlenCPOptions
-from .planning import ModelAttention, model_attention, plan_batch
+from .planning import (ModelAttention, model_attention, plan_batch, refresh_model_buffers,
+                       rope_index)
 
 # Keys megatron's data pipeline puts in a batch that are not per-token tensors.
 _META_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "cu_seqlens_argmin")
 _PACKED_FIELDS = {f.name for f in dataclasses.fields(PackedSeqParams)}
 
 
+@dataclasses.dataclass(frozen=True)
+class GraphPlanKey:
+    """What a graph-safe step's device work depends on besides the buffers' contents (the
+    rows per rank, cp and the rank): the packed params carry it in place of the plan, so
+    that they compare equal for every batch; the layers look the batch's plan up under it
+    (``plan_of``), where ``packed_seq_params_for`` registered it."""
+
+    capacity: int
+    cp_size: int
+    cp_rank: int
+
+
+# The plan of the batch being run, per key (the latest one sharded: a micro-batch's forward
+# follows its sharding; its backward reads what its forward saw).
+_CURRENT: dict[GraphPlanKey, CPPlan] = {}
+
+
+def plan_of(value: Any) -> CPPlan | None:
+    """The plan that packed params' ``varlen_cp_plan`` names: the plan itself, or for a
+    ``GraphPlanKey`` the latest plan registered under it (ValueError when none was)."""
+    if not isinstance(value, GraphPlanKey):
+        return value
+    plan = _CURRENT.get(value)
+    if plan is None:
+        raise ValueError(f"packed_seq_params: no plan was sharded for {value}; build the "
+                         f"batch with get_thd_batch_on_this_cp_rank (or "
+                         f"PrefetchedTHDBatches) in the graph-safe mode")
+    return plan
+
+
 @dataclasses.dataclass
 class VarlenCPPackedSeqParams(PackedSeqParams):
-    """``PackedSeqParams`` that also carry the step's ``CPPlan`` to every core attention.
+    """``PackedSeqParams`` that also carry the step's ``CPPlan`` to every core attention
+    (in the graph-safe mode its ``GraphPlanKey``, see the module doc).
 
-    ``varlen_cp_rope`` is set per layer by ``VarlenCPSelfAttention`` (on its own copy): the
-    layer's RoPE frequencies per local token, which the core attention applies; None when
-    megatron's own RoPE ran (or the model has none)."""
+    ``varlen_cp_positions``: int64 [T_local] on the model's device, each local token's
+    position in its document (padding: 0), the rows of megatron's RoPE table the tokens
+    take. ``varlen_cp_rope`` is set per layer by ``VarlenCPSelfAttention`` (on its own
+    copy): the layer's RoPE frequencies per local token, which the core attention applies;
+    None when megatron's own RoPE ran (or the model has none)."""
 
-    varlen_cp_plan: CPPlan | None = None
+    varlen_cp_plan: CPPlan | GraphPlanKey | None = None
+    varlen_cp_positions: torch.Tensor | None = None
     varlen_cp_rope: Any = None
 
 
@@ -78,9 +123,24 @@ def _check_padded(plan: CPPlan, cu_seqlens_padded: torch.Tensor) -> None:
                          f"each document to a multiple of 2*cp (or set pad_multiple)")
 
 
-def packed_seq_params_for(plan: CPPlan, device: torch.device | str,
-                          cp_group: Any = None) -> VarlenCPPackedSeqParams:
-    """Megatron's THD parameters for ``plan`` (cu_seqlens on ``device``) plus the plan."""
+def packed_seq_params_for(plan: CPPlan, device: torch.device | str, cp_group: Any = None,
+                          *, graph_safe: bool = False) -> VarlenCPPackedSeqParams:
+    """Megatron's THD parameters for ``plan`` (cu_seqlens on ``device``) plus the plan and
+    its tokens' RoPE positions. ``graph_safe``: the form that is equal for every batch
+    (module doc); ``plan`` must be built at a capacity, and becomes the current plan of its
+    ``GraphPlanKey``."""
+    positions = rope_index(plan, device)
+    if graph_safe:
+        if plan.capacity is None:
+            raise ValueError("packed_seq_params_for(graph_safe=True) needs a plan built at a "
+                             "capacity (CPPlan.build(..., capacity=...), the graph-safe "
+                             "plan_batch)")
+        key = GraphPlanKey(plan.capacity, plan.cp_size, plan.cp_rank)
+        _CURRENT[key] = plan
+        longest = plan.cp_size * plan.capacity
+        return VarlenCPPackedSeqParams(qkv_format="thd", max_seqlen_q=longest,
+                                       max_seqlen_kv=longest, varlen_cp_plan=key,
+                                       varlen_cp_positions=positions)
     cu = plan.cu_seqlens.to(torch.int32)
     padded = plan.cu_seqlens_padded.to(torch.int32)
     lengths = padded[1:] - padded[:-1]
@@ -90,7 +150,8 @@ def packed_seq_params_for(plan: CPPlan, device: torch.device | str,
     kwargs: dict[str, Any] = dict(
         qkv_format="thd", cu_seqlens_q=cu.to(device), cu_seqlens_kv=cu.to(device),
         cu_seqlens_q_padded=padded.to(device), cu_seqlens_kv_padded=padded.to(device),
-        max_seqlen_q=max_len, max_seqlen_kv=max_len, varlen_cp_plan=plan)
+        max_seqlen_q=max_len, max_seqlen_kv=max_len, varlen_cp_plan=plan,
+        varlen_cp_positions=positions)
     if "cp_group" in _PACKED_FIELDS and cp_group is not None:
         kwargs["cp_group"] = cp_group
     return VarlenCPPackedSeqParams(**kwargs)
@@ -135,7 +196,9 @@ def get_thd_batch_on_this_cp_rank(
     None builds it here, with ``config`` (megatron's ``TransformerConfig`` or a
     ``ModelAttention``) for the model's layer masks and every table the layers will need;
     without ``config`` the layout balances causal attention and the tables are built by the
-    first layer of each mask. device: where the model runs (tables, packed params'
+    first layer of each mask. In the graph-safe mode ``config`` is required: the layers'
+    device buffers are rewritten in place for this batch here, and the packed params take
+    their graph-safe form (module doc). device: where the model runs (tables, packed params'
     cu_seqlens; default: the batch's device).
     Returns a new dict: tokens/labels of padding tokens are 0, their loss_mask 0,
     position_ids the position within the document (0 for padding), attention_mask None
@@ -156,9 +219,14 @@ def get_thd_batch_on_this_cp_rank(
     if device is None:   # the batch's device
         device = next((x.device for x in batch.values()
                        if isinstance(x, torch.Tensor) and x.dim() >= 2), None)
+    model = _model(config, options)
+    if options.graph_safe and model is None:
+        raise ValueError("config is required in the graph-safe mode (megatron's "
+                         "TransformerConfig or a ModelAttention): the layers' buffers are "
+                         "rewritten for this batch here, before its step")
     if plan is None:
-        plan = plan_batch(cu_seqlens.flatten(), options, cp_size, cp_rank,
-                          model=_model(config, options), device=device, group=group)
+        plan = plan_batch(cu_seqlens.flatten(), options, cp_size, cp_rank, model=model,
+                          device=device, group=group)
     else:
         _check_plan(plan, cu_seqlens, cp_size, cp_rank)
     _check_batch(batch, plan, cu_seqlens_padded)
@@ -172,8 +240,10 @@ def get_thd_batch_on_this_cp_rank(
     if isinstance(given, torch.Tensor):
         pad = given.to(pad.device, non_blocking=True).bool() | pad
     out["padding_mask"] = pad
-    params = packed_seq_params_for(plan, device if device is not None else "cpu", group)
-    return out, params
+    device = device if device is not None else "cpu"
+    if options.graph_safe:   # on the step's thread and stream, outside any captured layer
+        refresh_model_buffers(plan, options, model, device)
+    return out, packed_seq_params_for(plan, device, group, graph_safe=options.graph_safe)
 
 
 def _check_batch(batch: dict[str, Any], plan: CPPlan,
@@ -226,7 +296,7 @@ def plan_from_packed_seq_params(params: PackedSeqParams, cp_size: int,
                                 cp_rank: int) -> CPPlan:
     """The plan of a THD step, attached by the sharding hook. A layer never builds one:
     without it this is a ValueError naming the hook."""
-    plan = getattr(params, "varlen_cp_plan", None)
+    plan = plan_of(getattr(params, "varlen_cp_plan", None))
     if plan is None:
         cu, cu_kv = params.cu_seqlens_q, params.cu_seqlens_kv
         if (isinstance(cu, torch.Tensor) and isinstance(cu_kv, torch.Tensor)

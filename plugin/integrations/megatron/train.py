@@ -58,7 +58,7 @@ from ...resolve import check_launch
 from ...report.training import stdout_handler
 from .config import MegatronJob, load_config
 from .cpu_compat import init_cpu_rng, is_cpu_only, megatron_on_cpu
-from .core_attention import check_cuda_graphs
+from .core_attention import check_cuda_graphs, cuda_graph_impl
 from .data import synthetic_batch
 from .moe import check_exact_under_cp, update_expert_bias
 from .options import VarlenCPOptions
@@ -197,7 +197,10 @@ def init_distributed(job: MegatronJob) -> torch.device:
     else:
         from megatron.core import tensor_parallel
         torch.manual_seed(job.training.seed)
-        tensor_parallel.model_parallel_cuda_manual_seed(job.training.seed)
+        # megatron's CudaGraphManager needs an RNG tracker whose states a graph can capture
+        graphs = cuda_graph_impl(SimpleNamespace(**job.model)) == "local"
+        tensor_parallel.model_parallel_cuda_manual_seed(job.training.seed,
+                                                        use_cudagraphable_rng=graphs)
     return device
 
 
@@ -259,7 +262,10 @@ def check_before_build(job: MegatronJob) -> None:
         warnings.simplefilter("ignore")   # refused config stays one line
         config = job.transformer_config(use_cpu_initialization=True)
     check_exact_under_cp(SimpleNamespace(**job.model), cp, job.options.layout)
-    check_cuda_graphs(config)
+    check_cuda_graphs(config, job.options, job.spec_kwargs.get("rope_from_plan", True))
+    if cuda_graph_impl(config) != "none" and is_cpu_only():
+        raise ValueError(f"config.cuda_graph_impl={cuda_graph_impl(config)!r} needs CUDA "
+                         f"devices (megatron's CudaGraphManager); this run is on the CPU")
     shape = attn_shape(config)
     device = "cpu" if is_cpu_only() else "cuda"
     for layer in report_layers(config, job.options):
