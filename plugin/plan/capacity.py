@@ -12,6 +12,7 @@ batch in which a rank holds more than the capacity is refused before anything is
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,6 +25,19 @@ token target)."""
 
 CAPACITY_MULTIPLE = 64
 """The derived capacity is rounded up to this (a kernel tile's rows)."""
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """What a graph-safe step's device work depends on besides its buffers' contents: the
+    rows per rank, cp and the rank (the buffers' sizes, the collectives' peers). Two
+    batches with equal keys replay one captured step; the integrations hand it to the
+    capturing framework in place of the plan (torchtitan's ``PackedBatch.graph_key``,
+    megatron's packed params), which compares it by value."""
+
+    capacity: int
+    cp_size: int
+    cp_rank: int
 
 
 def default_capacity(total_tokens: int, cp_size: int) -> int:

@@ -316,7 +316,7 @@ def test_graph_safe_packed_params_name_the_plan_by_key() -> None:
     replay compares them field by field), the plan found under its key, the RoPE positions
     those of the plan; refused without the model (the buffers are refreshed there), for a
     plan without a capacity, and for a key nobody sharded."""
-    from varlen_cp.integrations.megatron.sharding import GraphPlanKey, plan_of
+    from varlen_cp.integrations.megatron.sharding import GraphKey, plan_of
 
     cfg = _config(num_layers=2)
     opts = VarlenCPOptions(graph_safe=True, strategy="p2p", graph_capacity=64)
@@ -331,7 +331,7 @@ def test_graph_safe_packed_params_name_the_plan_by_key() -> None:
         assert local["tokens"].shape == (1, 64)
         params.append(packed)
     a, b = params
-    assert a.varlen_cp_plan == b.varlen_cp_plan == GraphPlanKey(64, 1, 0)
+    assert a.varlen_cp_plan == b.varlen_cp_plan == GraphKey(64, 1, 0)
     assert (a.max_seqlen_q, a.max_seqlen_kv, a.cu_seqlens_q, a.cp_group) == (64, 64, None,
                                                                             None)
     assert [f for f in dataclasses.fields(a) if not isinstance(getattr(a, f.name),
@@ -343,8 +343,8 @@ def test_graph_safe_packed_params_name_the_plan_by_key() -> None:
     with pytest.raises(ValueError, match="needs a plan built at a capacity"):
         packed_seq_params_for(CPPlan.build(torch.tensor([0, 50]), cp_size=1, cp_rank=0),
                               "cpu", graph_safe=True)
-    with pytest.raises(ValueError, match="no plan was sharded for GraphPlanKey"):
-        plan_of(GraphPlanKey(128, 4, 3))
+    with pytest.raises(ValueError, match="no plan was sharded for GraphKey"):
+        plan_of(GraphKey(128, 4, 3))
 
 
 def test_module_forward_errors() -> None:

@@ -16,7 +16,7 @@ correct; for specs without it the core attention refuses layouts other than ``te
 The graph-safe mode (``VarlenCPOptions(graph_safe=True)``) makes the packed params equal
 for every batch of one job, field by field, as megatron's CUDA graphs (``cuda_graph_impl =
 "local"``) require of a replayed layer's arguments: the plan is replaced by its
-``GraphPlanKey`` (capacity, cp, rank; the layers find the batch's plan under it), the RoPE
+``GraphKey`` (capacity, cp, rank; the layers find the batch's plan under it), the RoPE
 positions are a tensor of ``graph_capacity`` rows (megatron copies it into the graph's input
 at each replay), ``max_seqlen_*`` is the constant ``cp * graph_capacity`` (the longest
 document any batch can hold, so megatron's RoPE table keeps one shape), and the cu_seqlens
@@ -39,6 +39,7 @@ from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from ...plan import CPPlan, Topology
+from ...plan.capacity import GraphKey
 from ...plan.agreement import agree_on_plan
 from ...sharding import padded_input_rows
 from .moe import padding_mask
@@ -51,27 +52,15 @@ _META_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "cu_seqlens_argmi
 _PACKED_FIELDS = {f.name for f in dataclasses.fields(PackedSeqParams)}
 
 
-@dataclasses.dataclass(frozen=True)
-class GraphPlanKey:
-    """What a graph-safe step's device work depends on besides the buffers' contents (the
-    rows per rank, cp and the rank): the packed params carry it in place of the plan, so
-    that they compare equal for every batch; the layers look the batch's plan up under it
-    (``plan_of``), where ``packed_seq_params_for`` registered it."""
-
-    capacity: int
-    cp_size: int
-    cp_rank: int
-
-
 # The plan of the batch being run, per key (the latest one sharded: a micro-batch's forward
 # follows its sharding; its backward reads what its forward saw).
-_CURRENT: dict[GraphPlanKey, CPPlan] = {}
+_CURRENT: dict[GraphKey, CPPlan] = {}
 
 
 def plan_of(value: Any) -> CPPlan | None:
     """The plan that packed params' ``varlen_cp_plan`` names: the plan itself, or for a
-    ``GraphPlanKey`` the latest plan registered under it (ValueError when none was)."""
-    if not isinstance(value, GraphPlanKey):
+    ``GraphKey`` the latest plan registered under it (ValueError when none was)."""
+    if not isinstance(value, GraphKey):
         return value
     plan = _CURRENT.get(value)
     if plan is None:
@@ -84,7 +73,7 @@ def plan_of(value: Any) -> CPPlan | None:
 @dataclasses.dataclass
 class VarlenCPPackedSeqParams(PackedSeqParams):
     """``PackedSeqParams`` that also carry the step's ``CPPlan`` to every core attention
-    (in the graph-safe mode its ``GraphPlanKey``, see the module doc).
+    (in the graph-safe mode its ``GraphKey``, see the module doc).
 
     ``varlen_cp_positions``: int64 [T_local] on the model's device, each local token's
     position in its document (padding: 0), the rows of megatron's RoPE table the tokens
@@ -92,7 +81,7 @@ class VarlenCPPackedSeqParams(PackedSeqParams):
     copy): the layer's RoPE frequencies per local token, which the core attention applies;
     None when megatron's own RoPE ran (or the model has none)."""
 
-    varlen_cp_plan: CPPlan | GraphPlanKey | None = None
+    varlen_cp_plan: CPPlan | GraphKey | None = None
     varlen_cp_positions: torch.Tensor | None = None
     varlen_cp_rope: Any = None
 
@@ -128,14 +117,14 @@ def packed_seq_params_for(plan: CPPlan, device: torch.device | str, cp_group: An
     """Megatron's THD parameters for ``plan`` (cu_seqlens on ``device``) plus the plan and
     its tokens' RoPE positions. ``graph_safe``: the form that is equal for every batch
     (module doc); ``plan`` must be built at a capacity, and becomes the current plan of its
-    ``GraphPlanKey``."""
+    ``GraphKey``."""
     positions = rope_index(plan, device)
     if graph_safe:
         if plan.capacity is None:
             raise ValueError("packed_seq_params_for(graph_safe=True) needs a plan built at a "
                              "capacity (CPPlan.build(..., capacity=...), the graph-safe "
                              "plan_batch)")
-        key = GraphPlanKey(plan.capacity, plan.cp_size, plan.cp_rank)
+        key = GraphKey(plan.capacity, plan.cp_size, plan.cp_rank)
         _CURRENT[key] = plan
         longest = plan.cp_size * plan.capacity
         return VarlenCPPackedSeqParams(qkv_format="thd", max_seqlen_q=longest,

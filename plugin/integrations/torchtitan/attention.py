@@ -60,6 +60,8 @@ from ...attention import ContextParallelVarlenAttention
 from ...masks import AttnMask
 from ...options import AttnOptions
 from ...plan import CPPlan
+from ...plan.capacity import GraphKey
+from ...tables.static_rows import capacity_of
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,7 +76,7 @@ class PackedBatch:
     one plan."""
 
     plan: CPPlan
-    graph_key: tuple | None = None
+    graph_key: GraphKey | None = None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, PackedBatch):
@@ -87,10 +89,11 @@ class PackedBatch:
         return hash(self.graph_key) if self.graph_key is not None else id(self.plan)
 
 
-def graph_key_of(plan: CPPlan) -> tuple:
+def graph_key_of(plan: CPPlan, capacity: int | None = None) -> GraphKey:
     """What a graph-safe step's device work depends on besides buffer contents: the rows per
-    rank, cp and the rank (the buffers' sizes, the collectives' peers)."""
-    return ("graph_safe", plan.capacity, plan.cp_size, plan.cp_rank)
+    rank (the plan's capacity, else ``capacity``, as the graph-safe call derives it), cp and
+    the rank (the buffers' sizes, the collectives' peers)."""
+    return GraphKey(capacity_of(plan, capacity), plan.cp_size, plan.cp_rank)
 
 
 class VarlenCPInnerAttention(Module, ContextParallelVarlenAttention):
