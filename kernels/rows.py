@@ -3,7 +3,8 @@ calls, on either backend.
 
 The graph-safe strategies (``varlen_cp.strategies.static``) hand every call whole buffers
 (capacity rows per rank) and each row's document and position as device tensors; a row with
-document -1 (padding, an unused slot) sees nothing and is seen by nothing. What a call does
+a negative document or position (padding, an unused slot) sees nothing and is seen by
+nothing. What a call does
 on the device must not depend on the batch, so both backends take only these tables:
 
 - "torch" (``kernels.dense``): every query row against every key row, quadratic in the
@@ -68,6 +69,9 @@ class RowsCall:
     def __init__(self, kernel: RowsKernel, q: torch.Tensor, v: torch.Tensor,
                  q_rows: tuple, k_rows: tuple, q_sorted: bool, k_sorted: bool) -> None:
         self.kernel = kernel
+        same = k_rows is q_rows
+        q_rows = real_rows(*q_rows)
+        k_rows = q_rows if same else real_rows(*k_rows)
         if kernel.backend == "torch":
             self.seen = dense_visible(*q_rows, *k_rows, *kernel.mask_args)
             return
@@ -76,7 +80,7 @@ class RowsCall:
                                   kernel.block_sizes)
         self.q_side = sorted_side(*q_rows, q_sorted)
         # (Ulysses: both sides are every rank's rows, sorted once)
-        self.k_side = self.q_side if k_rows is q_rows and k_sorted == q_sorted else \
+        self.k_side = self.q_side if same and k_sorted == q_sorted else \
             sorted_side(*k_rows, k_sorted)
         self.q_ranges = block_ranges(self.q_side, self.k_side, kernel.mask_args,
                                      self.blocks[0], queries=True)
@@ -113,14 +117,21 @@ def _keys(doc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return torch.where(doc >= 0, key, -1)
 
 
+def real_rows(doc: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(doc, pos) with every row of a negative document or position marked padding
+    (document -1), so that both backends agree on which rows are real (a new tensor: the
+    call never keeps a view of buffers that are refreshed in place)."""
+    return torch.where(pos >= 0, doc, -1).to(torch.int32), pos
+
+
 def sorted_side(doc: torch.Tensor, pos: torch.Tensor, in_order: bool) -> tuple:
     """int32 (doc, pos, idx) of a side's rows in (document, position) order: ``idx[j]`` is
     the buffer row of sorted row j. ``in_order``: the rows are sorted already (padding rows
     may lie anywhere; they stay where they are), else a stable ``argsort`` puts them in
-    order, padding last."""
+    order, padding last. ``doc``: a tensor of the call's own (:func:`real_rows`)."""
     if in_order:   # (copies: the backward must not read buffers refreshed meanwhile)
         idx = torch.arange(doc.numel(), dtype=torch.int32, device=doc.device)
-        return doc.to(torch.int32, copy=True), pos.to(torch.int32, copy=True), idx
+        return doc.to(torch.int32), pos.to(torch.int32, copy=True), idx
     key = _keys(doc, pos)
     order = torch.argsort(torch.where(key >= 0, key, _LAST), stable=True)
     return doc[order].to(torch.int32), pos[order].to(torch.int32), order.to(torch.int32)

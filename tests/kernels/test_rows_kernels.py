@@ -104,6 +104,32 @@ def _run(backend, q, k, v, dout, dlse, q_rows, k_rows, mask, scale, k_sorted):
     return (out, lse) + tuple(grads), row_max
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_negative_positions_are_padding_on_both_backends(backend):
+    """A row of a real document but a negative position is padding on both backends (it
+    sees nothing, nothing sees it, NaN in it reaches no real row): the reference gets the
+    same rows with document -1."""
+    q, k, v, dout, dlse, q_rows, k_rows, mask = _case("swa", True, seed=3)
+    q_rows = (q_rows[0], q_rows[1].clone())
+    k_rows = (k_rows[0], k_rows[1].clone())
+    for rows, picks, tensors in ((q_rows, (3, 20, 41), (q, dout)), (k_rows, (0, 7, 55), (k, v))):
+        real = torch.nonzero(rows[0] >= 0).flatten()
+        for i in real[list(picks)]:
+            rows[1][i] = -5
+            for t in tensors:
+                t[i] = float("nan")
+    for i in torch.nonzero(q_rows[1] < 0).flatten():
+        dlse[:, i] = float("nan")
+    got, _ = _run(backend, q, k, v, dout, dlse, q_rows, k_rows, mask, 0.25, False)
+    as_padding = [(torch.where(p >= 0, d, -1), p) for d, p in (q_rows, k_rows)]
+    want = reference(q, k, v, dout, dlse, *as_padding, mask, 0.25)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        assert not torch.isnan(a).any(), name
+        finite = torch.isfinite(b)
+        assert torch.equal(torch.isfinite(a), finite), name
+        assert (a.double()[finite] - b[finite]).abs().max().item() < 1e-4, name
+
+
 @pytest.mark.parametrize("k_shuffled", [False, True], ids=["k_sorted", "k_shuffled"])
 @pytest.mark.parametrize("mask_name", list(MASKS))
 @pytest.mark.parametrize("backend", ["torch", "triton"])
