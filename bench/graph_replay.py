@@ -70,11 +70,11 @@ def rank_step(q, blocks, dout, rows, cp: int, kernel: RowsKernel, scale: float
               ) -> Callable[[], tuple]:
     """Rank 0's graph-safe p2p layer (forward and backward) as one callable."""
     def step() -> tuple:
-        q_rows = rows.rank_rows(0)
+        q_side = kernel.side(rows.rank_rows(0), in_order=True)   # shared by the cp calls
         calls, out, lse = [], None, None
         for s in range(cp):
             k, v = blocks[s]
-            call = kernel.call(q, v, q_rows, rows.rank_rows(s), q_sorted=True, k_sorted=True)
+            call = kernel.call(q, v, q_side, rows.rank_rows(s), q_sorted=True, k_sorted=True)
             o, l, _ = call.fwd(q, k, v, scale, False)
             out, lse = (o, l) if out is None else merge_attn_partials_(out, lse, o, l)
             calls.append(call)

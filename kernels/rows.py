@@ -54,43 +54,89 @@ class RowsKernel:
         if self.backend not in ROWS_BACKENDS:
             raise ValueError(f"backend must be one of {ROWS_BACKENDS}, got {self.backend!r}")
 
-    def call(self, q: torch.Tensor, v: torch.Tensor, q_rows: tuple, k_rows: tuple, *,
-             q_sorted: bool, k_sorted: bool) -> "RowsCall":
-        """The geometry of one call of ``q``'s rows (documents and positions ``q_rows``)
-        against keys ``k_rows``; ``*_sorted``: that side's rows are in (document, position)
-        order already (padding rows anywhere), else it is sorted on the device."""
-        return RowsCall(self, q, v, q_rows, k_rows, q_sorted, k_sorted)
+    def side(self, rows: "tuple | RowsSide", *, in_order: bool) -> "RowsSide":
+        """``rows`` (documents, positions) prepared as one side of calls: a layer whose
+        calls share a side (a ring's queries) prepares it once."""
+        return rows if isinstance(rows, RowsSide) else RowsSide(rows, in_order)
+
+    def call(self, q: torch.Tensor, v: torch.Tensor, q_rows: "tuple | RowsSide",
+             k_rows: "tuple | RowsSide", *, q_sorted: bool, k_sorted: bool) -> "RowsCall":
+        """The geometry of one call of ``q``'s rows (documents and positions ``q_rows``, or
+        a prepared :meth:`side`) against keys ``k_rows``; ``*_sorted``: that side's rows are
+        in (document, position) order already (padding rows anywhere), else it is sorted on
+        the device. The same rows for both sides (Ulysses) are prepared once."""
+        q_side = self.side(q_rows, in_order=q_sorted)
+        k_side = q_side if k_rows is q_rows and k_sorted == q_sorted else \
+            self.side(k_rows, in_order=k_sorted)
+        return RowsCall(self, q, v, q_side, k_side)
+
+
+class RowsSide:
+    """One side of calls (its rows' documents and positions, padding marked by
+    :func:`real_rows`), with what the Triton calls derive from it made once and kept: the
+    rows in (document, position) order, their search keys, and per (mask, block, role) the
+    blocks' key bounds. Only the search against the other side is per call."""
+
+    def __init__(self, rows: tuple, in_order: bool) -> None:
+        self.rows = real_rows(*rows)
+        self.in_order = in_order
+        self._sorted: tuple | None = None
+        self._keys: torch.Tensor | None = None
+        self._bounds: dict = {}
+
+    @property
+    def sorted(self) -> tuple:
+        """int32 (doc, pos, idx) in (document, position) order (:func:`sorted_side`)."""
+        if self._sorted is None:
+            self._sorted = sorted_side(*self.rows, self.in_order)
+        return self._sorted
+
+    @property
+    def search_keys(self) -> torch.Tensor:
+        """Non-decreasing int64 keys of the sorted rows (:func:`_searchable`)."""
+        if self._keys is None:
+            self._keys = _searchable(self.sorted)
+        return self._keys
+
+    def bounds(self, mask_args: tuple, block: int, queries: bool) -> tuple:
+        """(lo_key, hi_key, empty) per block of the sorted rows (:func:`_block_bounds`)."""
+        key = (mask_args, block, queries)
+        if key not in self._bounds:
+            self._bounds[key] = _block_bounds(self.sorted, mask_args, block, queries)
+        return self._bounds[key]
 
 
 class RowsCall:
-    """One call's tables: the visibility matrix ("torch"), or each side sorted and the
-    per-block ranges ("triton", the key blocks' ranges made at the first backward)."""
+    """One call's tables: the visibility matrix ("torch", made at each use: a call kept
+    for the backward holds no Tq x Tk matrix), or the two sides and the per-block ranges
+    ("triton", the key blocks' ranges made at the first backward)."""
 
     def __init__(self, kernel: RowsKernel, q: torch.Tensor, v: torch.Tensor,
-                 q_rows: tuple, k_rows: tuple, q_sorted: bool, k_sorted: bool) -> None:
+                 q_side: RowsSide, k_side: RowsSide) -> None:
         self.kernel = kernel
-        same = k_rows is q_rows
-        q_rows = real_rows(*q_rows)
-        k_rows = q_rows if same else real_rows(*k_rows)
+        self.sides = (q_side, k_side)
         if kernel.backend == "torch":
-            self.seen = dense_visible(*q_rows, *k_rows, *kernel.mask_args)
             return
         from .triton_rows import rows_blocks
         self.blocks = rows_blocks(q.dtype, q.shape[2], v.shape[2], q.device,
                                   kernel.block_sizes)
-        self.q_side = sorted_side(*q_rows, q_sorted)
-        # (Ulysses: both sides are every rank's rows, sorted once)
-        self.k_side = self.q_side if same and k_sorted == q_sorted else \
-            sorted_side(*k_rows, k_sorted)
-        self.q_ranges = block_ranges(self.q_side, self.k_side, kernel.mask_args,
-                                     self.blocks[0], queries=True)
+        self.q_side, self.k_side = q_side.sorted, k_side.sorted
+        self.q_ranges = block_ranges(q_side, k_side, kernel.mask_args, self.blocks[0],
+                                     queries=True)
         self._k_ranges: tuple | None = None
+
+    @property
+    def seen(self) -> torch.Tensor:
+        """bool [Tq, Tk] ("torch"): which pairs are visible."""
+        (q_doc, q_pos), (k_doc, k_pos) = self.sides[0].rows, self.sides[1].rows
+        return dense_visible(q_doc, q_pos, k_doc, k_pos, *self.kernel.mask_args)
 
     @property
     def k_ranges(self) -> tuple:
         if self._k_ranges is None:
-            self._k_ranges = block_ranges(self.k_side, self.q_side, self.kernel.mask_args,
-                                          self.blocks[1], queries=False)
+            self._k_ranges = block_ranges(self.sides[1], self.sides[0],
+                                          self.kernel.mask_args, self.blocks[1],
+                                          queries=False)
         return self._k_ranges
 
     def fwd(self, q, k, v, scale: float, need_max: bool):
@@ -119,19 +165,19 @@ def _keys(doc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 
 def real_rows(doc: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(doc, pos) with every row of a negative document or position marked padding
-    (document -1), so that both backends agree on which rows are real (a new tensor: the
-    call never keeps a view of buffers that are refreshed in place)."""
-    return torch.where(pos >= 0, doc, -1).to(torch.int32), pos
+    (document -1), so that both backends agree on which rows are real; both are new
+    tensors, so a call (kept for its backward) never reads buffers refreshed in place."""
+    return torch.where(pos >= 0, doc, -1).to(torch.int32), pos.to(torch.int32, copy=True)
 
 
 def sorted_side(doc: torch.Tensor, pos: torch.Tensor, in_order: bool) -> tuple:
     """int32 (doc, pos, idx) of a side's rows in (document, position) order: ``idx[j]`` is
     the buffer row of sorted row j. ``in_order``: the rows are sorted already (padding rows
     may lie anywhere; they stay where they are), else a stable ``argsort`` puts them in
-    order, padding last. ``doc``: a tensor of the call's own (:func:`real_rows`)."""
-    if in_order:   # (copies: the backward must not read buffers refreshed meanwhile)
+    order, padding last. ``doc``, ``pos``: tensors of the call's own (:func:`real_rows`)."""
+    if in_order:
         idx = torch.arange(doc.numel(), dtype=torch.int32, device=doc.device)
-        return doc.to(torch.int32), pos.to(torch.int32, copy=True), idx
+        return doc.to(torch.int32), pos.to(torch.int32), idx
     key = _keys(doc, pos)
     order = torch.argsort(torch.where(key >= 0, key, _LAST), stable=True)
     return doc[order].to(torch.int32), pos[order].to(torch.int32), order.to(torch.int32)
@@ -147,14 +193,10 @@ def _searchable(side: tuple) -> torch.Tensor:
     return torch.where(at > last, _LAST, key)
 
 
-def block_ranges(side: tuple, other: tuple, mask_args: tuple, block: int, *,
-                 queries: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """int32 (lo, hi) [cdiv(rows, block)]: the rows of ``other`` (in its sorted order) that
-    the rows of each block of ``side`` can meet. ``queries``: ``side`` holds the queries
-    (``other`` the keys), else the keys. From the block's first real row's low end to its
-    last one's high end in (document, position) order: both ends never decrease along a
-    document (``mask_math``), and every document in between lies wholly inside. A block
-    without a real row gets (0, 0)."""
+def _block_bounds(side: tuple, mask_args: tuple, block: int, queries: bool) -> tuple:
+    """(lo_key, hi_key, empty) per block of the sorted ``side``: the (document, position)
+    keys from the block's first real row's low end to its last one's high end (both ends
+    never decrease along a document, ``mask_math``); ``empty``: no real row."""
     doc, pos = side[0], side[1]
     n = doc.numel()
     nb = -(-n // block)
@@ -171,10 +213,20 @@ def block_ranges(side: tuple, other: tuple, mask_args: tuple, block: int, *,
     hi_pos = interval(last & low, *mask_args)[1].clamp(0, low)
     lo_key = ((first >> _LOW) << _LOW) | lo_pos
     hi_key = ((last >> _LOW) << _LOW) | hi_pos
-    keys = _searchable(other)
+    return lo_key, hi_key, ~real.any(1)
+
+
+def block_ranges(side: RowsSide, other: RowsSide, mask_args: tuple, block: int, *,
+                 queries: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 (lo, hi) [cdiv(rows, block)]: the rows of ``other`` (in its sorted order) that
+    the rows of each block of ``side`` can meet. ``queries``: ``side`` holds the queries
+    (``other`` the keys), else the keys. From the block's first real row's low end to its
+    last one's high end in (document, position) order: every document in between lies
+    wholly inside. A block without a real row gets (0, 0)."""
+    lo_key, hi_key, empty = side.bounds(mask_args, block, queries)
+    keys = other.search_keys
     lo = torch.searchsorted(keys, lo_key)
     hi = torch.maximum(torch.searchsorted(keys, hi_key, right=True), lo)
-    empty = ~real.any(1)
     lo = torch.where(empty, 0, lo)
     hi = torch.where(empty, 0, hi)
     return lo.to(torch.int32), hi.to(torch.int32)

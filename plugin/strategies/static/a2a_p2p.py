@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ...kernels.rows import RowsKernel
+from ...kernels.rows import RowsKernel, RowsSide
 from ..a2a_p2p import ulysses_subgroup
 from ..calls import global_rank, head_max, no_max
 from . import all_gather
@@ -39,13 +39,13 @@ class _Ring:
         return rows.doc[span], rows.pos[span]
 
     def call(self, kernel: RowsKernel, qs: torch.Tensor, v_b: torch.Tensor, rows: Rows,
-             step: int):
-        """The kernel call of this group's rows against the block held at ring ``step``
-        (each side several ranks' rows: sorted on the device unless the group is one
-        rank)."""
-        return kernel.call(qs, v_b, self.rows(rows, self.g),
-                           self.rows(rows, (self.g - step) % self.n),
-                           q_sorted=self.a == 1, k_sorted=self.a == 1)
+             q_side: RowsSide, step: int):
+        """The kernel call of this group's rows (``q_side``, prepared once per layer)
+        against the block held at ring ``step`` (each side several ranks' rows: sorted on
+        the device unless the group is one rank; at step 0 both sides are the group's)."""
+        k_rows = q_side if step == 0 else self.rows(rows, (self.g - step) % self.n)
+        return kernel.call(qs, v_b, q_side, k_rows, q_sorted=self.a == 1,
+                           k_sorted=self.a == 1)
 
     def pass_on(self, send: list[torch.Tensor]) -> tuple[list, list]:
         return pass_to(send, self.next, self.prev, self.group)
@@ -71,21 +71,23 @@ class _StaticHybrid(torch.autograd.Function):
         mine = _to_heads(packed, a, sub).reshape(a * cap, -1)
         qs, kv = pair(mine, hs * d)
         qs, kv = qs.reshape(a * cap, hs, d), kv.contiguous()   # (kv: sent round the ring)
-        cur, out, lse, row_max = kv, None, None, None
+        q_side = kernel.side(ring.rows(rows, ring.g), in_order=a == 1)
+        cur, out, lse, row_max, calls = kv, None, None, None, []
         for s in range(ring.n):
             works = []
             if s + 1 < ring.n:
                 (nxt,), works = ring.pass_on([cur])
             k_b, v_b = pair(cur, hk * d)
             k_b, v_b = k_b.reshape(-1, hk, d), v_b.reshape(-1, hk, dv)
-            call = ring.call(kernel, qs, v_b, rows, s)
+            call = ring.call(kernel, qs, v_b, rows, q_side, s)
             o, l, m = call.fwd(qs, k_b, v_b, scale, need_max)
             out, lse, row_max = fold(out, lse, row_max, o, l, m)
+            calls.append(call)   # (the backward's)
             wait_all(works)
             if s + 1 < ring.n:
                 cur = nxt
         ctx.save_for_backward(qs, kv, out, lse)
-        ctx.meta = (rows, ring, sub, kernel, scale, rep, (hk, d, dv), q.dtype, k.dtype)
+        ctx.meta = (calls, ring, sub, scale, rep, (hk, d, dv), q.dtype, k.dtype)
         ctx.set_materialize_grads(False)
         back = torch.cat([out.reshape(a * cap, -1).to(q.dtype),
                           _bytes_as(lse.t().contiguous(), q.dtype)], 1).unsqueeze(1)
@@ -104,17 +106,16 @@ class _StaticHybrid(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse, _dmax):
         qs, kv, out, lse = ctx.saved_tensors
-        rows, ring, sub, kernel, scale, rep, (hk, d, dv), qdtype, kdtype = ctx.meta
+        calls, ring, sub, scale, rep, (hk, d, dv), qdtype, kdtype = ctx.meta
         n, hs, _ = out.shape
         a = ring.a
         cap = n // a
         dout_s, dlse_s = grads_to_heads(dout, dlse, out, a, sub)
         dq = torch.zeros(qs.shape, dtype=torch.float32, device=qs.device)
         cur, acc = kv, torch.zeros(n, hk * (d + dv), dtype=torch.float32, device=qs.device)
-        for s in range(ring.n):
+        for s, call in enumerate(calls):
             k_b, v_b = pair(cur, hk * d)
             k_b, v_b = k_b.reshape(-1, hk, d), v_b.reshape(-1, hk, dv)
-            call = ring.call(kernel, qs, v_b, rows, s)
             dq_s, dk_s, dv_s = call.bwd(dout_s, qs, k_b, v_b, out, lse, dlse_s, scale)
             dq += dq_s
             acc = acc + torch.cat([dk_s.reshape(n, -1), dv_s.reshape(n, -1)], 1)

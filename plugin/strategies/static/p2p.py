@@ -52,40 +52,41 @@ class _StaticRing(torch.autograd.Function):
                 kernel: RowsKernel, scale: float, need_max: bool):
         hkv, d, dv = k.shape[1], k.shape[2], v.shape[2]
         kv = pack_kv(k, v)
-        rows = rows.snapshot()   # (the backward's, whatever plan the buffers hold then)
-        q_doc, q_pos = rows.rank_rows(rank)
-        cur, out, lse, row_max = kv, None, None, None
+        # The calls' tables from the rows as they are now (one copy: the backward reuses
+        # the calls, whatever plan the buffers hold by then); the queries' side is shared
+        # by the cp calls.
+        rows = rows.snapshot()
+        q_side = kernel.side(rows.rank_rows(rank), in_order=True)
+        cur, out, lse, row_max, calls = kv, None, None, None, []
         for s in range(cp):
             works = []
             if s + 1 < cp:
                 (nxt,), works = _pass([cur], rank, cp, group)
             k_b, v_b = unpack_kv(cur, hkv, d, dv)
-            call = kernel.call(q, v_b, (q_doc, q_pos), rows.rank_rows((rank - s) % cp),
+            call = kernel.call(q, v_b, q_side, rows.rank_rows((rank - s) % cp),
                                q_sorted=True, k_sorted=True)
             o, l, m = call.fwd(q, k_b, v_b, scale, need_max)
             out, lse, row_max = fold(out, lse, row_max, o, l, m)
+            calls.append(call)
             wait_all(works)
             if s + 1 < cp:
                 cur = nxt
         ctx.save_for_backward(q, kv, out, lse)
-        ctx.meta = (rows, rank, cp, group, kernel, scale, (hkv, d, dv), k.dtype)
+        ctx.meta = (calls, rank, cp, group, scale, (hkv, d, dv), k.dtype)
         ctx.set_materialize_grads(False)
         return out.to(q.dtype), lse, max_part(row_max, q.shape[1], q.device, need_max)
 
     @staticmethod
     def backward(ctx, dout, dlse, _dmax):
         q, kv, out, lse = ctx.saved_tensors
-        rows, rank, cp, group, kernel, scale, (hkv, d, dv), dtype = ctx.meta
+        calls, rank, cp, group, scale, (hkv, d, dv), dtype = ctx.meta
         cap = q.shape[0]
         dout = torch.zeros_like(out) if dout is None else dout
-        q_doc, q_pos = rows.rank_rows(rank)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         cur = kv
         acc = torch.zeros(cap, hkv * (d + dv), dtype=torch.float32, device=q.device)
-        for s in range(cp):
+        for s, call in enumerate(calls):
             k_b, v_b = unpack_kv(cur, hkv, d, dv)
-            call = kernel.call(q, v_b, (q_doc, q_pos), rows.rank_rows((rank - s) % cp),
-                               q_sorted=True, k_sorted=True)
             dq_s, dk_s, dv_s = call.bwd(dout, q, k_b, v_b, out, lse, dlse, scale)
             dq += dq_s
             acc = acc + pack_kv(dk_s, dv_s)
