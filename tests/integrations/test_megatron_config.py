@@ -347,6 +347,27 @@ def test_graph_safe_packed_params_name_the_plan_by_key() -> None:
         plan_of(GraphKey(128, 4, 3))
 
 
+def test_rope_positions_on_another_device() -> None:
+    """The packed params' positions on another device than megatron's RoPE table: the
+    dynamic mode looks the plan's positions up on the table's device (same rows as the
+    positions tensor gives), the graph-safe mode refuses (a replay reads that tensor)."""
+    from varlen_cp.integrations.megatron.rope import check_positions, plan_rope
+    from varlen_cp.plan.capacity import GraphKey
+
+    plan = CPPlan.build(torch.tensor([0, 7, 20]), cp_size=1, cp_rank=0)
+    table = torch.randn(32, 1, 1, 8)
+    on_meta = plan.positions.long().to("meta")
+    want = table.index_select(0, plan.positions.clamp(min=0).long())
+    assert torch.equal(plan_rope(plan, table, on_meta).q, want)
+    assert torch.equal(plan_rope(plan, table, plan.positions.long()).q, want)
+    check_positions(plan, table, on_meta)
+    check_positions(GraphKey(64, 1, 0), None, None)          # a NoPE layer: no lookup
+    check_positions(GraphKey(64, 1, 0), table, plan.positions.long())
+    for positions in (on_meta, None):
+        with pytest.raises(ValueError, match="varlen_cp_positions must be on the model's"):
+            check_positions(GraphKey(64, 1, 0), (table, table), positions)
+
+
 def test_module_forward_errors() -> None:
     core = _module()
     q, k, v = _qkv(10)

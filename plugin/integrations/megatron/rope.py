@@ -31,6 +31,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 from megatron.core.transformer.attention import SelfAttention
 
 from ...plan import CPPlan
+from ...plan.capacity import GraphKey
 from .options import uses_rope
 from .planning import rope_index
 from .sharding import plan_of
@@ -56,6 +57,8 @@ def _rows(plan: CPPlan, table: torch.Tensor, positions: torch.Tensor | None) -> 
         raise ValueError(f"rotary_pos_emb has {table.shape[0]} rows but the batch has a "
                          f"document of {plan.max_document_length} tokens: max_seqlen_q of the "
                          f"packed params must cover the longest document")
+    if positions is not None and positions.device != table.device:
+        positions = None   # sharded for another device: the plan's copy on the table's
     index = rope_index(plan, table.device) if positions is None else positions
     return table.index_select(0, index)
 
@@ -91,6 +94,25 @@ def apply_plan_rope(query: torch.Tensor, key: torch.Tensor, rope: PlanRope, conf
     return rotate(query, rope.q), rotate(key, rope.k)
 
 
+def check_positions(plan: Any, table: Any, positions: torch.Tensor | None) -> None:
+    """In the graph-safe mode (``plan`` a ``GraphKey``) the RoPE lookup must read the packed
+    params' positions tensor, the step's input that a replay refreshes: it must be on the
+    table's device (ValueError otherwise; the dynamic mode falls back to the plan's)."""
+    device = _device(table)
+    if isinstance(plan, GraphKey) and device is not None and (
+            positions is None or positions.device != device):
+        raise ValueError(f"packed_seq_params.varlen_cp_positions must be on the model's "
+                         f"device {device} in the graph-safe mode, got "
+                         f"{None if positions is None else positions.device}: pass "
+                         f"device= to get_thd_batch_on_this_cp_rank")
+
+
+def _device(table: Any) -> torch.device | None:
+    """The device of a RoPE table or of megatron's (q, k) pair of tables (None: none)."""
+    tables = table if isinstance(table, tuple) else (table,)
+    return next((t.device for t in tables if isinstance(t, torch.Tensor)), None)
+
+
 _FORWARD = inspect.signature(SelfAttention.forward)
 
 
@@ -111,6 +133,8 @@ class VarlenCPSelfAttention(SelfAttention):
         if not uses_rope(self.config, self.layer_number):
             table = None
         a["rotary_pos_emb"] = None  # megatron's THD RoPE must not run
-        rope = plan_rope(plan_of(plan), table, getattr(params, "varlen_cp_positions", None))
+        positions = getattr(params, "varlen_cp_positions", None)
+        check_positions(plan, table, positions)
+        rope = plan_rope(plan_of(plan), table, positions)
         a["packed_seq_params"] = dataclasses.replace(params, varlen_cp_rope=rope)
         return super().forward(*bound.args[1:], **bound.kwargs)
