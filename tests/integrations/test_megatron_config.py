@@ -283,8 +283,13 @@ def test_layer_strategy_resolution() -> None:
     ({"context_parallel_size": 2}, {"rope_from_plan": False}, "megatron's own THD RoPE"),
     ({"cuda_graph_impl": "local"}, {}, r"cuda_graph_impl='local' needs \[varlen_cp\] graph_safe"),
     ({"cuda_graph_impl": "transformer_engine"}, {}, "cuda_graph_impl='transformer_engine'"),
-    ({"cuda_graph_impl": "local"}, {"options": VarlenCPOptions(graph_safe=True),
+    ({"cuda_graph_impl": "local"}, {"options": VarlenCPOptions(graph_safe=True,
+                                                               graph_capacity=64),
                                     "rope_from_plan": False}, "megatron's own THD RoPE"),
+    ({}, {"options": VarlenCPOptions(graph_safe=True), "rope_from_plan": False},
+     r"graph_safe=True: this layer's self-attention applies megatron's own THD RoPE"),
+    ({"mrope_section": [2, 2, 4]}, {"options": VarlenCPOptions(graph_safe=True)},
+     "mrope_section"),
 ])
 def test_module_build_errors(cfg_extra, kwargs, match) -> None:
     cfg = _config(**cfg_extra)
@@ -345,6 +350,11 @@ def test_graph_safe_packed_params_name_the_plan_by_key() -> None:
                               "cpu", graph_safe=True)
     with pytest.raises(ValueError, match="no plan was sharded for GraphKey"):
         plan_of(GraphKey(128, 4, 3))
+    # a forward recomputed after the next batch was sharded finds its own plan through
+    # its positions tensor; megatron's copy of that tensor (a capture) finds the latest
+    first, latest = (plan_of(x.varlen_cp_plan, x.varlen_cp_positions) for x in (a, b))
+    assert first.cu_seqlens.tolist() == [0, 20, 27, 50] and latest.cu_seqlens[1] == 3
+    assert plan_of(a.varlen_cp_plan, a.varlen_cp_positions.clone()) is latest
 
 
 def test_rope_positions_on_another_device() -> None:
@@ -604,7 +614,7 @@ def test_graph_safe_layer_accepts_local_cuda_graphs() -> None:
         config=_config(cuda_graph_impl="local"), layer_number=1,
         attn_mask_type=AttnMaskType.causal, attention_type="self", cp_comm_type=None,
         softmax_scale=None, pg_collection=None,
-        options=VarlenCPOptions(graph_safe=True, strategy="p2p"))
+        options=VarlenCPOptions(graph_safe=True, strategy="p2p", graph_capacity=64))
     assert module.options.graph_safe
 
 
@@ -613,6 +623,11 @@ def test_graph_safe_layer_accepts_local_cuda_graphs() -> None:
     ({"cuda_graph_impl": "local"}, True, None),
     ({"cuda_graph_impl": "local", "cuda_graph_scope": []}, True, None),
     ({"enable_cuda_graph": True}, True, None),            # deprecated spelling of "local"
+    ({"cuda_graph_impl": "local"}, "no capacity", r"needs \[varlen_cp\] graph_capacity"),
+    ({"cuda_graph_impl": "local", "recompute_granularity": "full"}, True, None),
+    ({"cuda_graph_impl": "local", "recompute_granularity": "selective",
+      "pipeline_model_parallel_size": 2}, True, "recompute_granularity='selective'"),
+    ({"cuda_graph_impl": "local", "pipeline_model_parallel_size": 2}, True, None),
     ({"enable_cuda_graph": True}, False, r"'local' needs \[varlen_cp\] graph_safe"),
     ({"cuda_graph_impl": "local"}, False, r"'local' needs \[varlen_cp\] graph_safe"),
     ({"external_cuda_graph": True}, True, "TransformerEngine's CUDA graphs refuse"),
@@ -629,7 +644,8 @@ def test_cuda_graph_settings(fields, graph_safe, match) -> None:
     from varlen_cp.integrations.megatron.core_attention import check_cuda_graphs
 
     config = SimpleNamespace(**fields)
-    options = VarlenCPOptions(graph_safe=graph_safe, strategy="p2p")
+    options = VarlenCPOptions(graph_safe=bool(graph_safe), strategy="p2p",
+                              graph_capacity=64 if graph_safe is True else None)
     if match is None:
         check_cuda_graphs(config, options)
     else:
@@ -651,7 +667,8 @@ def test_launcher_checks_cuda_graphs(tmp_path, capsys, graph_safe, match) -> Non
                     "cuda_graph_impl = \"local\"\n"
                     "[gpt]\nvocab_size = 128\nmax_sequence_length = 64\n"
                     f"[varlen_cp]\ngraph_safe = {str(graph_safe).lower()}\n"
-                    "strategy = \"p2p\"\n")
+                    + ("graph_capacity = 64\n" if graph_safe else "")
+                    + "strategy = \"p2p\"\n")
     assert main(["--config", str(toml)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("config error: config.cuda_graph_impl='local'") and "\n" not in err

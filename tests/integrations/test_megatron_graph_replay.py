@@ -10,11 +10,12 @@ batches of other documents, at one ``graph_capacity``:
 - every TransformerLayer call of the graph-safe model passes megatron's own check against
   the other batch's call (the dynamic model's calls fail it: their packed params carry the
   batch's plan);
-- the first layer's forward and backward, with its tensor arguments in fixed input buffers
-  refreshed in place as megatron's replay does, issue the identical device work on the
-  identical storages with no tensor from outside (``tests.helpers.replay.DeviceWork``, the
-  CPU stand-in of a graph), and re-running batch A's recording after batch B was written in
-  gives batch B's output and gradients exactly (``p2p``; ``dispatch``, whose send lists and
+- the first layer's forward and backward, recorded for each batch right after its
+  sharding (which rewrites the graph-safe buffers in place), with its tensor arguments in
+  fixed input buffers refreshed in place as megatron's replay does, issue the identical
+  device work on the identical storages with no tensor from outside
+  (``tests.helpers.replay.DeviceWork``, the CPU stand-in of a graph), and re-running batch
+  A's recording after batch B was written in gives batch B's output and gradients exactly (``p2p``; ``dispatch``, whose send lists and
   received keys are buffers of their own, in the full run);
 - the graph-safe model's logits equal the dynamic model's on every real token.
 """
@@ -108,59 +109,74 @@ def _by_token(plan, logits):
     return {t: logits[0, i] for i, t in enumerate(idx) if t >= 0}
 
 
-def _layer_replay(model, steps) -> dict:
-    """Layer 1's forward and backward for each (packed, kwargs) in ``steps``, its tensor
-    arguments in fixed buffers written in place (megatron's replay copies them so)."""
-    import dataclasses
+class _LayerSteps:
+    """Layer 1's forward and backward, recorded for each batch right after its sharding,
+    with its tensor arguments in fixed buffers written in place (megatron's replay copies
+    them so) and the graph-safe buffers as the sharding left them."""
 
-    import torch
+    def __init__(self, model, first_packed, first_kwargs) -> None:
+        import torch
 
-    from tests.helpers.replay import DeviceWork
-    from varlen_cp.integrations.megatron.sharding import plan_of
-    from varlen_cp.strategies.static import static_buffers
-    from varlen_cp.strategies.static.buffers import dispatch_buffers
+        from varlen_cp.integrations.megatron.sharding import plan_of
+        from varlen_cp.strategies.static import static_buffers
+        from varlen_cp.strategies.static.buffers import dispatch_buffers
 
-    layer = model.decoder.layers[0]
-    hidden_in = torch.zeros(CAPACITY, 1, BASE["hidden_size"], requires_grad=True)
-    positions_in = torch.zeros(CAPACITY, dtype=torch.int64)
-    table_in = steps[0][1]["rotary_pos_emb"].clone()
-    weight = torch.randn(CAPACITY, 1, BASE["hidden_size"],
-                         generator=torch.Generator().manual_seed(5))
-    params = list(layer.parameters())
-    plan, cpu = plan_of(steps[0][0].varlen_cp_plan), torch.device("cpu")
-    buffers = [static_buffers(plan, CAPACITY, cpu).table]
-    if layer.self_attention.core_attention.strategy == "dispatch":
-        mask = layer.self_attention.core_attention.mask
-        sent = dispatch_buffers(plan, mask, CAPACITY, CAPACITY, cpu)
-        buffers += [sent.send, sent.recv]
-    static = [hidden_in, positions_in, table_in, weight] + buffers + params
-    recordings, results = [], []
-    for packed, kwargs in steps:
+        self.layer = model.decoder.layers[0]
+        self.hidden_in = torch.zeros(CAPACITY, 1, BASE["hidden_size"], requires_grad=True)
+        self.positions_in = torch.zeros(CAPACITY, dtype=torch.int64)
+        self.table_in = first_kwargs["rotary_pos_emb"].clone()
+        self.weight = torch.randn(CAPACITY, 1, BASE["hidden_size"],
+                                  generator=torch.Generator().manual_seed(5))
+        self.params = list(self.layer.parameters())
+        plan, cpu = plan_of(first_packed.varlen_cp_plan), torch.device("cpu")
+        self.rows = static_buffers(plan, CAPACITY, cpu).table
+        buffers = [self.rows]
+        core = self.layer.self_attention.core_attention
+        if core.strategy == "dispatch":
+            sent = dispatch_buffers(plan, core.mask, CAPACITY, CAPACITY, cpu)
+            buffers += [sent.send, sent.recv]
+        self.static = ([self.hidden_in, self.positions_in, self.table_in, self.weight]
+                       + buffers + self.params)
+        self.recordings, self.results, self.rows_seen = [], [], []
+
+    def record(self, packed, kwargs) -> None:
+        import dataclasses
+
+        import torch
+
+        from tests.helpers.replay import DeviceWork
+
         with torch.no_grad():
-            hidden_in.copy_(torch.randn(hidden_in.shape, generator=torch.Generator()
-                                        .manual_seed(len(recordings))))
-            positions_in.copy_(packed.varlen_cp_positions)
-            table_in.copy_(kwargs["rotary_pos_emb"])
-        kw = dict(kwargs, rotary_pos_emb=table_in, packed_seq_params=dataclasses.replace(
-            packed, varlen_cp_positions=positions_in))
+            self.hidden_in.copy_(torch.randn(self.hidden_in.shape, generator=torch.Generator()
+                                             .manual_seed(len(self.recordings))))
+            self.positions_in.copy_(packed.varlen_cp_positions)
+            self.table_in.copy_(kwargs["rotary_pos_emb"])
+        kw = dict(kwargs, rotary_pos_emb=self.table_in, packed_seq_params=dataclasses.replace(
+            packed, varlen_cp_positions=self.positions_in))
         kw.pop("hidden_states", None)
-        hidden_in.grad = None
-        for p in params:
+        self.hidden_in.grad = None
+        for p in self.params:
             p.grad = None
-        with DeviceWork(static) as rec:
-            out = layer(hidden_in, **kw)[0]
-            (out * weight).sum().backward()
-        recordings.append(rec)
-        results.append([out, hidden_in.grad] + [p.grad for p in params])
-    first, second = recordings
-    outs = first.replay()
-    replayed = [first.replayed(outs, t) for t in results[0]]
-    return {"same_work": first.signature() == second.signature(),
-            "externs": [str(e) for e in first.externs()[:3]],
-            "replay_equal": all(torch.equal(got, want.detach())
-                                for got, want in zip(replayed, results[1])),
-            "batches_differ": not torch.equal(results[0][0].detach(),
-                                              results[1][0].detach())}
+        self.rows_seen.append(self.rows.clone())
+        with DeviceWork(self.static) as rec:
+            out = self.layer(self.hidden_in, **kw)[0]
+            (out * self.weight).sum().backward()
+        self.recordings.append(rec)
+        self.results.append([out, self.hidden_in.grad] + [p.grad for p in self.params])
+
+    def summary(self) -> dict:
+        import torch
+
+        first, second = self.recordings
+        outs = first.replay()   # on the buffers as batch B left them
+        replayed = [first.replayed(outs, t) for t in self.results[0]]
+        return {"same_work": first.signature() == second.signature(),
+                "externs": [str(e) for e in first.externs()[:3]],
+                "replay_equal": all(torch.equal(got, want.detach())
+                                    for got, want in zip(replayed, self.results[1])),
+                "rows_refreshed": not torch.equal(*self.rows_seen),
+                "batches_differ": not torch.equal(self.results[0][0].detach(),
+                                                  self.results[1][0].detach())}
 
 
 def _worker(rank: int, world: int, strategy: str) -> dict:
@@ -182,7 +198,7 @@ def _worker(rank: int, world: int, strategy: str) -> dict:
     graph_safe = _model(graph_opts)
     dynamic = _model(dyn_opts, graph_safe.state_dict())
     out: dict = {"graph": [], "dynamic": [], "logit_err": [], "tokens": [], "refreshed": []}
-    steps, rows = [], None
+    steps, rows = None, None
     for seed, lengths in enumerate(BATCHES):
         batch, cu = _batch(lengths, seed)
         local, packed = get_thd_batch_on_this_cp_rank(batch, cu, options=graph_opts,
@@ -195,7 +211,9 @@ def _worker(rank: int, world: int, strategy: str) -> dict:
             rows, torch.from_numpy(static_rows(plan, CAPACITY))))
         logits, calls = _layer_calls(graph_safe, local, packed)
         out["graph"].append(calls)
-        steps.append((packed, calls[0][1]))
+        if steps is None:
+            steps = _LayerSteps(graph_safe, packed, calls[0][1])
+        steps.record(packed, calls[0][1])
         got = _by_token(plan, logits)
         d_local, d_packed = get_thd_batch_on_this_cp_rank(batch, cu, options=dyn_opts,
                                                           config=dynamic.config)
@@ -210,7 +228,7 @@ def _worker(rank: int, world: int, strategy: str) -> dict:
         "layers": len(out["graph"][0]),
         "logit_err": out["logit_err"], "tokens": out["tokens"],
         "refreshed": out["refreshed"],
-        "replay": _layer_replay(graph_safe, steps),
+        "replay": steps.summary(),
     }
     parallel_state.destroy_model_parallel()
     return result
@@ -235,7 +253,7 @@ def test_layer_replays_another_batch(graphs) -> None:
         assert res["refreshed"] == [True] * len(BATCHES)
         r = res["replay"]
         assert r["same_work"] and not r["externs"], r
-        assert r["replay_equal"] and r["batches_differ"], r
+        assert r["replay_equal"] and r["batches_differ"] and r["rows_refreshed"], r
 
 
 def test_graph_safe_logits_equal_dynamic(graphs) -> None:

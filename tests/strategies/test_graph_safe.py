@@ -340,6 +340,27 @@ def test_buffers_are_refreshed_in_place():
     assert rows[0][0] == rows[1][0] and not torch.equal(rows[0][1], rows[1][1])
 
 
+def test_no_buffer_refresh_inside_a_capture(monkeypatch):
+    """A refresh for a new plan during a CUDA graph capture would be baked into the graph
+    (every replay rewriting the capture's rows): refused; outside a capture, or on the
+    CPU, or for the plan the buffers hold, nothing is refused."""
+    from varlen_cp.strategies.static import buffers
+    mask = MASKS["causal"]
+    plan_a = small_plan(BATCH_A, 1, 0, "contiguous", mask)
+    plan_b = small_plan(BATCH_B, 1, 0, "contiguous", mask)
+    held = buffers.StaticRows(torch.device("cpu"), 1, 256)   # (not the shared buffers)
+    held.refresh(plan_a)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    buffers.check_not_capturing(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+        buffers.check_not_capturing(torch.device("cuda", 0))
+    monkeypatch.setattr(buffers, "check_not_capturing", lambda device: (_ for _ in ()).throw(
+        RuntimeError(f"refresh during capture on {device}")))
+    held.refresh(plan_a)                              # the plan it holds: no copy, no check
+    with pytest.raises(RuntimeError, match="refresh during capture"):
+        held.refresh(plan_b)
+
+
 @pytest.mark.parametrize("name", GRAPH_SAFE_STRATEGIES)
 def test_compiled_graph_safe_call_equals_eager_without_recompiling(name):
     """Under torch.compile (aot_eager, fullgraph) the graph-safe call is the custom op with

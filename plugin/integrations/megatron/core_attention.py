@@ -105,6 +105,17 @@ def check_cuda_graphs(config: Any, options: VarlenCPOptions,
         raise ValueError(f"{where} needs [varlen_cp] graph_safe = true "
                          f"(VarlenCPOptions(graph_safe=True)): otherwise every batch issues "
                          f"its own attention work and a replay would run the first batch's")
+    if options.graph_capacity is None:
+        raise ValueError(f"{where} needs [varlen_cp] graph_capacity (rows per rank) set: "
+                         f"derived from each batch's tokens it changes with them, and so "
+                         f"would the layers' argument shapes, which megatron's replay "
+                         f"refuses")
+    pp = getattr(config, "pipeline_model_parallel_size", 1) or 1
+    if getattr(config, "recompute_granularity", None) and pp > 1:
+        raise ValueError(f"{where} with recompute_granularity="
+                         f"{config.recompute_granularity!r} and pipeline_model_parallel_size="
+                         f"{pp}: a recomputed layer replays on the buffers of the micro-batch "
+                         f"sharded last, not its own")
     scopes = getattr(config, "cuda_graph_scope", None) or []
     if any(getattr(s, "name", s) == "full_iteration" for s in scopes):
         raise ValueError(f"{where} with cuda_graph_scope full_iteration: the iteration "
@@ -122,6 +133,24 @@ def check_cuda_graphs(config: Any, options: VarlenCPOptions,
         raise ValueError(f"{where}: this layer's self-attention applies megatron's own THD "
                          f"RoPE, which reads the batch's cu_seqlens on the host; build the "
                          f"model with rope_from_plan=True (VarlenCPSelfAttention)")
+
+
+def check_graph_safe_rope(config: Any, options: VarlenCPOptions,
+                          rope_from_plan: bool = True) -> None:
+    """The graph-safe packed params carry no cu_seqlens (``sharding``), so megatron's own
+    THD RoPE (``rope_from_plan=False``, mRoPE) cannot run with them: refused at build."""
+    if not options.graph_safe:
+        return
+    if not rope_from_plan:
+        raise ValueError("VarlenCPOptions.graph_safe=True: this layer's self-attention "
+                         "applies megatron's own THD RoPE, which reads the batch's "
+                         "cu_seqlens (the graph-safe packed params have none); build the "
+                         "model with rope_from_plan=True (VarlenCPSelfAttention)")
+    if getattr(config, "mrope_section", None) is not None:
+        raise ValueError(f"config.mrope_section={config.mrope_section!r} with "
+                         f"VarlenCPOptions.graph_safe=True: mRoPE keeps megatron's own THD "
+                         f"RoPE, which reads the batch's cu_seqlens (the graph-safe packed "
+                         f"params have none)")
 
 
 def _local_heads(config: Any) -> int:
@@ -146,6 +175,7 @@ class VarlenCPCoreAttention(MegatronModule, ContextParallelVarlenAttention):
                              f"{type(options).__name__}")
         _check_config(config, attention_type)
         check_cuda_graphs(config, options, rope_from_plan)
+        check_graph_safe_rope(config, options, rope_from_plan)
         if not rope_from_plan and config.context_parallel_size > 1 and options.layout != "te":
             raise ValueError(
                 f"VarlenCPOptions.layout={options.layout!r}: this layer's self-attention "

@@ -135,6 +135,6 @@ class VarlenCPSelfAttention(SelfAttention):
         a["rotary_pos_emb"] = None  # megatron's THD RoPE must not run
         positions = getattr(params, "varlen_cp_positions", None)
         check_positions(plan, table, positions)
-        rope = plan_rope(plan_of(plan), table, positions)
+        rope = plan_rope(plan_of(plan, positions), table, positions)
         a["packed_seq_params"] = dataclasses.replace(params, varlen_cp_rope=rope)
         return super().forward(*bound.args[1:], **bound.kwargs)

@@ -57,11 +57,17 @@ _PACKED_FIELDS = {f.name for f in dataclasses.fields(PackedSeqParams)}
 _CURRENT: dict[GraphKey, CPPlan] = {}
 
 
-def plan_of(value: Any) -> CPPlan | None:
+def plan_of(value: Any, positions: torch.Tensor | None = None) -> CPPlan | None:
     """The plan that packed params' ``varlen_cp_plan`` names: the plan itself, or for a
-    ``GraphKey`` the latest plan registered under it (ValueError when none was)."""
+    ``GraphKey`` the plan their ``positions`` (``varlen_cp_positions``) were sharded for
+    (a forward recomputed in the backward, after later micro-batches were sharded, gets
+    its own), else the latest plan registered under the key (what a capture, whose
+    inputs are megatron's copies, gets); ValueError when none was."""
     if not isinstance(value, GraphKey):
         return value
+    plan = getattr(positions, "_varlen_cp_plan", None)
+    if plan is not None and GraphKey(plan.capacity, plan.cp_size, plan.cp_rank) == value:
+        return plan
     plan = _CURRENT.get(value)
     if plan is None:
         raise ValueError(f"packed_seq_params: no plan was sharded for {value}; build the "
@@ -126,6 +132,10 @@ def packed_seq_params_for(plan: CPPlan, device: torch.device | str, cp_group: An
                              "plan_batch)")
         key = GraphKey(plan.capacity, plan.cp_size, plan.cp_rank)
         _CURRENT[key] = plan
+        # a tensor of these params' own, which holds their plan (not the plan's cached
+        # copy: no reference cycle), for a forward recomputed after the next sharding
+        positions = positions.clone()
+        positions._varlen_cp_plan = plan
         longest = plan.cp_size * plan.capacity
         return VarlenCPPackedSeqParams(qkv_format="thd", max_seqlen_q=longest,
                                        max_seqlen_kv=longest, varlen_cp_plan=key,
@@ -285,7 +295,8 @@ def plan_from_packed_seq_params(params: PackedSeqParams, cp_size: int,
                                 cp_rank: int) -> CPPlan:
     """The plan of a THD step, attached by the sharding hook. A layer never builds one:
     without it this is a ValueError naming the hook."""
-    plan = plan_of(getattr(params, "varlen_cp_plan", None))
+    plan = plan_of(getattr(params, "varlen_cp_plan", None),
+                   getattr(params, "varlen_cp_positions", None))
     if plan is None:
         cu, cu_kv = params.cu_seqlens_q, params.cu_seqlens_kv
         if (isinstance(cu, torch.Tensor) and isinstance(cu_kv, torch.Tensor)

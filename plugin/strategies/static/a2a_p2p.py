@@ -61,7 +61,6 @@ class _StaticHybrid(torch.autograd.Function):
         dv, a = v.shape[2], a2a_size
         sub, _ = ulysses_subgroup(group, a)
         ring = _Ring(rank, cp, a, group)
-        rows = rows.snapshot()   # (the backward's, whatever plan the buffers hold then)
         rep = _kv_repeat(k.shape[1], a)
         kr = k.repeat_interleave(rep, dim=1) if rep > 1 else k
         vr = v.repeat_interleave(rep, dim=1) if rep > 1 else v

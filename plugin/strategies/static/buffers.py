@@ -38,6 +38,17 @@ def staged_dispatch(plan: CPPlan, mask: AttnMask, capacity: int, send_capacity: 
             plan, mask, plan.cp_rank, capacity, send_capacity)), device)
 
 
+def check_not_capturing(device: torch.device) -> None:
+    """A buffer rewritten inside a CUDA graph capture would be rewritten with the capture's
+    plan at every replay (silently the wrong rows): the refresh belongs before the step
+    (``varlen_cp.prefetch.refresh_buffers``, the integrations' sharding)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("varlen_cp: a graph-safe buffer would be rewritten for a new plan "
+                           "inside a CUDA graph capture; refresh the buffers before the "
+                           "step (varlen_cp.prefetch.refresh_buffers, or the integrations' "
+                           "sharding), on the step's stream")
+
+
 class Rows:
     """Every rank's rows' documents and positions (``table`` int32 [2, cp * capacity])."""
 
@@ -50,12 +61,6 @@ class Rows:
         """(doc, pos) views of ``rank``'s rows."""
         rows = slice(rank * self.capacity, (rank + 1) * self.capacity)
         return self.doc[rows], self.pos[rows]
-
-    def snapshot(self) -> "Rows":
-        """The rows as they are now, in a copy of their own (one device copy): what a
-        call's backward reads, whatever plan the buffers hold by then (micro-batches whose
-        forwards run before the first one's backward)."""
-        return Rows(self.table.clone(), self.capacity)
 
 
 class StaticRows(Rows):
@@ -73,6 +78,7 @@ class StaticRows(Rows):
         new rows; the storage never changes."""
         if self._plan is not None and self._plan() is plan:
             return
+        check_not_capturing(self.table.device)
         self.table.copy_(staged_rows(plan, self.capacity, self.table.device),
                          non_blocking=True)
         self._plan = weakref.ref(plan)
@@ -113,6 +119,7 @@ class DispatchRows:
     def refresh(self, plan: CPPlan, mask: AttnMask) -> None:
         if self._plan is not None and self._plan() is plan:
             return
+        check_not_capturing(self.send.device)
         new_send, new_recv = staged_dispatch(plan, mask, self.capacity, self.send_capacity,
                                              self.send.device)
         self.send.copy_(new_send, non_blocking=True)

@@ -52,10 +52,9 @@ class _StaticRing(torch.autograd.Function):
                 kernel: RowsKernel, scale: float, need_max: bool):
         hkv, d, dv = k.shape[1], k.shape[2], v.shape[2]
         kv = pack_kv(k, v)
-        # The calls' tables from the rows as they are now (one copy: the backward reuses
+        # The calls' tables are copies of the rows as they are now (the backward reuses
         # the calls, whatever plan the buffers hold by then); the queries' side is shared
-        # by the cp calls.
-        rows = rows.snapshot()
+        # by the cp calls (step 0's keys are the same rows).
         q_side = kernel.side(rows.rank_rows(rank), in_order=True)
         cur, out, lse, row_max, calls = kv, None, None, None, []
         for s in range(cp):
@@ -63,8 +62,8 @@ class _StaticRing(torch.autograd.Function):
             if s + 1 < cp:
                 (nxt,), works = _pass([cur], rank, cp, group)
             k_b, v_b = unpack_kv(cur, hkv, d, dv)
-            call = kernel.call(q, v_b, q_side, rows.rank_rows((rank - s) % cp),
-                               q_sorted=True, k_sorted=True)
+            k_rows = q_side if s == 0 else rows.rank_rows((rank - s) % cp)
+            call = kernel.call(q, v_b, q_side, k_rows, q_sorted=True, k_sorted=True)
             o, l, m = call.fwd(q, k_b, v_b, scale, need_max)
             out, lse, row_max = fold(out, lse, row_max, o, l, m)
             calls.append(call)
