@@ -74,7 +74,8 @@ def rank_step(q, blocks, dout, rows, cp: int, kernel: RowsKernel, scale: float
         calls, out, lse = [], None, None
         for s in range(cp):
             k, v = blocks[s]
-            call = kernel.call(q, v, q_side, rows.rank_rows(s), q_sorted=True, k_sorted=True)
+            k_rows = q_side if s == 0 else rows.rank_rows(s)   # (as the strategy: its own)
+            call = kernel.call(q, v, q_side, k_rows, q_sorted=True, k_sorted=True)
             o, l, _ = call.fwd(q, k, v, scale, False)
             out, lse = (o, l) if out is None else merge_attn_partials_(out, lse, o, l)
             calls.append(call)

@@ -107,14 +107,15 @@ class RowsSide:
 
 
 class RowsCall:
-    """One call's tables: the visibility matrix ("torch", made at each use: a call kept
-    for the backward holds no Tq x Tk matrix), or the two sides and the per-block ranges
-    ("triton", the key blocks' ranges made at the first backward)."""
+    """One call's tables: the visibility matrix ("torch", made at the first use and kept
+    for the backward), or the two sides and the per-block ranges ("triton", the key
+    blocks' ranges made at the first backward)."""
 
     def __init__(self, kernel: RowsKernel, q: torch.Tensor, v: torch.Tensor,
                  q_side: RowsSide, k_side: RowsSide) -> None:
         self.kernel = kernel
         self.sides = (q_side, k_side)
+        self._seen: torch.Tensor | None = None
         if kernel.backend == "torch":
             return
         from .triton_rows import rows_blocks
@@ -128,8 +129,10 @@ class RowsCall:
     @property
     def seen(self) -> torch.Tensor:
         """bool [Tq, Tk] ("torch"): which pairs are visible."""
-        (q_doc, q_pos), (k_doc, k_pos) = self.sides[0].rows, self.sides[1].rows
-        return dense_visible(q_doc, q_pos, k_doc, k_pos, *self.kernel.mask_args)
+        if self._seen is None:
+            (q_doc, q_pos), (k_doc, k_pos) = self.sides[0].rows, self.sides[1].rows
+            self._seen = dense_visible(q_doc, q_pos, k_doc, k_pos, *self.kernel.mask_args)
+        return self._seen
 
     @property
     def k_ranges(self) -> tuple:

@@ -39,6 +39,11 @@ class GraphKey:
     cp_size: int
     cp_rank: int
 
+    @classmethod
+    def of(cls, plan) -> "GraphKey":
+        """The key of a plan built at a capacity (``CPPlan.build(..., capacity=...)``)."""
+        return cls(plan.capacity, plan.cp_size, plan.cp_rank)
+
 
 def default_capacity(total_tokens: int, cp_size: int) -> int:
     """Rows per rank for ``total_tokens`` (padding included) split over ``cp_size`` ranks:

@@ -86,13 +86,13 @@ def cuda_graph_impl(config: Any) -> str:
     return impl
 
 
-def check_cuda_graphs(config: Any, options: VarlenCPOptions,
-                      rope_from_plan: bool = True) -> None:
+def check_cuda_graphs(config: Any, options: VarlenCPOptions) -> None:
     """megatron's CUDA graphs with varlen_cp's attention: ``cuda_graph_impl="local"`` (one
     graph per TransformerLayer, replayed when a call's arguments equal the captured ones
     field by field) in the graph-safe mode, whose packed params are equal for every batch
     and whose layers issue the same device work (docs/megatron.md); refused otherwise, and
-    with what a replay would freeze (ValueError naming the setting)."""
+    with what a replay would freeze (ValueError naming the setting). megatron's own THD
+    RoPE is refused with the graph-safe mode itself (``check_graph_safe_rope``)."""
     impl = cuda_graph_impl(config)
     if impl == "none":
         return
@@ -129,10 +129,6 @@ def check_cuda_graphs(config: Any, options: VarlenCPOptions,
         raise ValueError(f"{where} with qk_clip / log_max_attention_logit: each layer "
                          f"records its max logit in Python after its forward, which a "
                          f"replay skips; set cuda_graph_impl='none'")
-    if not rope_from_plan:
-        raise ValueError(f"{where}: this layer's self-attention applies megatron's own THD "
-                         f"RoPE, which reads the batch's cu_seqlens on the host; build the "
-                         f"model with rope_from_plan=True (VarlenCPSelfAttention)")
 
 
 def check_graph_safe_rope(config: Any, options: VarlenCPOptions,
@@ -174,7 +170,7 @@ class VarlenCPCoreAttention(MegatronModule, ContextParallelVarlenAttention):
             raise ValueError(f"options must be a VarlenCPOptions, got "
                              f"{type(options).__name__}")
         _check_config(config, attention_type)
-        check_cuda_graphs(config, options, rope_from_plan)
+        check_cuda_graphs(config, options)
         check_graph_safe_rope(config, options, rope_from_plan)
         if not rope_from_plan and config.context_parallel_size > 1 and options.layout != "te":
             raise ValueError(

@@ -66,7 +66,7 @@ def plan_of(value: Any, positions: torch.Tensor | None = None) -> CPPlan | None:
     if not isinstance(value, GraphKey):
         return value
     plan = getattr(positions, "_varlen_cp_plan", None)
-    if plan is not None and GraphKey(plan.capacity, plan.cp_size, plan.cp_rank) == value:
+    if plan is not None and GraphKey.of(plan) == value:
         return plan
     plan = _CURRENT.get(value)
     if plan is None:
@@ -130,7 +130,7 @@ def packed_seq_params_for(plan: CPPlan, device: torch.device | str, cp_group: An
             raise ValueError("packed_seq_params_for(graph_safe=True) needs a plan built at a "
                              "capacity (CPPlan.build(..., capacity=...), the graph-safe "
                              "plan_batch)")
-        key = GraphKey(plan.capacity, plan.cp_size, plan.cp_rank)
+        key = GraphKey.of(plan)
         _CURRENT[key] = plan
         # a tensor of these params' own, which holds their plan (not the plan's cached
         # copy: no reference cycle), for a forward recomputed after the next sharding

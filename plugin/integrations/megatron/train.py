@@ -262,7 +262,7 @@ def check_before_build(job: MegatronJob) -> None:
         warnings.simplefilter("ignore")   # refused config stays one line
         config = job.transformer_config(use_cpu_initialization=True)
     check_exact_under_cp(SimpleNamespace(**job.model), cp, job.options.layout)
-    check_cuda_graphs(config, job.options, job.spec_kwargs.get("rope_from_plan", True))
+    check_cuda_graphs(config, job.options)
     if cuda_graph_impl(config) != "none" and is_cpu_only():
         raise ValueError(f"config.cuda_graph_impl={cuda_graph_impl(config)!r} needs CUDA "
                          f"devices (megatron's CudaGraphManager); this run is on the CPU")
