@@ -1,10 +1,13 @@
 """Host planning time: what the integrations run for each batch, per strategy.
 
 Usage: ``python bench/host_tables.py [--quick] [--layouts balanced,dual_chunk]
-[--backend triton|flash] [--repeats N] [--out FILE]``.
+[--backend triton|flash] [--gpus-per-node N] [--repeats N] [--out FILE]``.
 
 Timed, for one rank: ``varlen_cp.prefetch.build_plan`` + ``build_tables`` exactly as the
-integrations call them (``CPConfig(strategy=..., layout=..., backend="triton")``, Llama 4's
+integrations call them, on the topology a CP group of global ranks 0..cp-1 has with
+``--gpus-per-node`` GPUs per node (default 8: cp 64 spans 8 nodes, so ``balanced`` places
+its ranks on the nodes and ``dispatch`` relays through them, as a run builds its plans;
+0: one node, what this bench timed before issue 30) (``CPConfig(strategy=..., layout=..., backend="triton")``, Llama 4's
 two masks ``[(chunked 8192, 3), (causal, 1)]``, ``AttnShape(32, 8, 128, bf16)``): the layout,
 the token tables, ``auto``'s choice, the stage count of the staged strategies and every host
 table each mask's attention will read. ``backend="triton"`` gives the GPU's tile sizes
@@ -40,6 +43,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -55,6 +59,7 @@ from varlen_cp import AttnMask  # noqa: E402
 from varlen_cp.config import STRATEGY_CHOICES, AttnShape, CPConfig  # noqa: E402
 from varlen_cp.host_memory import keep_freed_host_memory  # noqa: E402
 from varlen_cp.mixes import MIXES, TOTAL  # noqa: E402
+from varlen_cp.plan import Topology  # noqa: E402
 from varlen_cp.prefetch import build_plan, build_tables  # noqa: E402
 from varlen_cp.strategies import get_strategy  # noqa: E402
 
@@ -64,6 +69,7 @@ BUDGET_MS = {8: 15.0, 64: 50.0}
 BUDGET_LAYOUT = "balanced"
 QUICK_MIXES = ("lognormal_1k", "te_buckets", "one_128k")
 BACKEND = "triton"   # --backend
+GPUS_PER_NODE = 8    # --gpus-per-node (0: one node)
 
 
 def ranks_of(cp: int) -> tuple[int, ...]:
@@ -71,9 +77,17 @@ def ranks_of(cp: int) -> tuple[int, ...]:
     return tuple(sorted({0, cp // 2 - 1, cp - 1}))
 
 
+def topology_of(config: CPConfig, cp: int) -> Topology | None:
+    """The topology of a CP group of global ranks 0..cp-1 (None: one node)."""
+    if not GPUS_PER_NODE:
+        return None
+    return replace(config, gpus_per_node=GPUS_PER_NODE).topology(range(cp))
+
+
 def plan_and_tables(cu: torch.Tensor, config: CPConfig, cp: int, rank: int) -> None:
     """What an integration's planner runs for one batch on ``rank``."""
-    plan = build_plan(cu, config, cp_size=cp, cp_rank=rank, layer_masks=LLAMA4)
+    plan = build_plan(cu, config, cp_size=cp, cp_rank=rank, layer_masks=LLAMA4,
+                      topology=topology_of(config, cp))
     build_tables(plan, config, LLAMA4, SHAPE, torch.device("cpu"))
 
 
@@ -106,7 +120,8 @@ def measure(layout: str, mix: str, cp: int, repeats: int) -> dict:
            "ranks": list(ranks_of(cp)), "plan_ms": 0.0, "total_ms": {}, "slowest_rank": {}}
     base = CPConfig(layout=layout, backend=BACKEND)
     row["plan_ms"] = max(min_ms(lambda: build_plan(cu, base, cp_size=cp, cp_rank=r,
-                                                   layer_masks=LLAMA4), repeats)
+                                                   layer_masks=LLAMA4,
+                                                   topology=topology_of(base, cp)), repeats)
                          for r in ranks_of(cp))
     for name in STRATEGY_CHOICES:
         config = CPConfig(strategy=name, layout=layout, backend=BACKEND)
@@ -169,10 +184,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=None, help="runs per cell (default 7)")
     p.add_argument("--backend", choices=("triton", "flash"), default="triton",
                    help="flash: FlashAttention's forms where exact (see the docstring)")
+    p.add_argument("--gpus-per-node", type=int, default=8,
+                   help="GPUs per node of the CP group's ranks 0..cp-1 (0: one node)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "host_tables.json"))
     args = p.parse_args()
-    global BACKEND
+    global BACKEND, GPUS_PER_NODE
     BACKEND = args.backend
+    GPUS_PER_NODE = args.gpus_per_node
     if BACKEND == "flash":   # resolves on a CPU only with a registered kernel (none runs)
         from tests import flash_emulator
         flash_emulator.register()
@@ -191,6 +209,7 @@ def main() -> None:
               "masks": "Llama 4: chunked 8192 x3, causal x1",
               "shape": "bf16, 32 / 8 heads, d 128 (Triton tiles 64 x 64)", "backend": BACKEND,
               "timed": "build_plan + build_tables, thread CPU time",
+              "gpus_per_node": GPUS_PER_NODE or None,
               "malloc_tuned": malloc_tuned}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

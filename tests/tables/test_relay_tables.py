@@ -19,7 +19,7 @@ from varlen_cp import AttnMask, CPPlan
 from varlen_cp.plan import Topology
 from varlen_cp.tables import staged
 from varlen_cp.tables.staged.relay import (relay_active, relay_counts, relay_link_counts,
-                                           relay_routes)
+                                           relay_link_counts_of, relay_routes)
 
 MASKS = (AttnMask(), AttnMask(causal=False), AttnMask(window_size=(7, 0)),
          AttnMask(chunk_size=16), AttnMask(chunk_size=12, window_size=(4, 0)))
@@ -219,3 +219,29 @@ def test_link_counts_of_the_time_model(seed):
     assert np.array_equal(keys.sum(0), exact_keys.sum(0))
     for c in (hop2, keys):
         assert (c.max(0) - c.min(0) <= 1).all() or c.shape[0] < parts
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_link_counts_computed_together(seed):
+    """The time model's counts of several transfer counts computed in one pass
+    (``relay_link_counts_of``, what the stage-count search asks for) equal each one
+    computed alone on a fresh plan, bit for bit; one already cached keeps its entry."""
+    rng = random.Random(400 + seed)
+    nodes = NODES[seed % len(NODES)]
+    plan, mask = _plan(rng, nodes), MASKS[seed % len(MASKS)]
+    wanted = (1, 2, 3, 5, 7, 2)
+
+    def fresh() -> CPPlan:
+        return CPPlan.build(plan.cu_seqlens, cp_size=plan.cp_size, cp_rank=0,
+                            layout=plan.layout_spec, topology=plan.topology)
+    together = fresh()
+    early = relay_link_counts(together, mask, 3)        # cached before the batch
+    batch = relay_link_counts_of(together, mask, wanted)
+    assert sorted(batch) == [1, 2, 3, 5, 7]
+    assert all(a is b for a, b in zip(batch[3], early))
+    for parts, counts in batch.items():
+        alone = relay_link_counts(fresh(), mask, parts)
+        assert len(counts) == len(alone) == 3
+        for got, want in zip(counts, alone):
+            assert got.dtype == want.dtype and np.array_equal(got, want)
+        assert all(a is b for a, b in zip(relay_link_counts(together, mask, parts), counts))

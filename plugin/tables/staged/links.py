@@ -9,7 +9,7 @@ import torch
 
 from ...masks import AttnMask
 from ...plan import CPPlan
-from .relay import relay_active, relay_link_counts
+from .relay import relay_active, relay_link_counts, relay_link_counts_of
 from .routes import dispatch_stage_array, gather_stage_array, transfers
 
 
@@ -32,6 +32,15 @@ def stage_links(name: str, plan: CPPlan, mask: AttnMask, stages: int
     else:
         counts = gather_stage_array(plan, mask, transfers(stages))
     return counts, counts
+
+
+def stage_links_of(name: str, plan: CPPlan, mask: AttnMask, stage_list: tuple[int, ...]
+                   ) -> list[tuple[np.ndarray, ...]]:
+    """:func:`stage_links` of every S in ``stage_list`` (relayed dispatch: the counts of
+    all S computed together, ``relay_link_counts_of``)."""
+    if name == "dispatch" and relay_active(plan):
+        relay_link_counts_of(plan, mask, tuple(transfers(s) for s in stage_list))
+    return [stage_links(name, plan, mask, s) for s in stage_list]
 
 
 def stage_counts(name: str, plan: CPPlan, mask: AttnMask, stages: int) -> torch.Tensor:

@@ -176,10 +176,11 @@ def _base(plan: CPPlan, mask: AttnMask) -> _Base:
         g = nodes[dest] * cp + owner
         at = np.searchsorted(key, g * rows + row, side="right") - 1
         u = coord[at] + row - key[at] % rows
-        # ... cut at the relays' chunks (equal, one per rank of the node)
+        # ... cut at the relays' chunks (equal, one per rank of the node; each group's
+        # edges made once, then gathered per run)
         j = np.arange(widest + 1, dtype=np.int64)
-        edges = total[g][:, None] * np.minimum(j[None, :], size[g][:, None]) \
-            // size[g][:, None]
+        sized = np.maximum(size, 1)[:, None]
+        edges = (total[:, None] * np.minimum(j[None, :], sized) // sized)[g]
         piece, relay, offset, n = cut_runs(u, length, edges[:, :-1], edges[:, 1:])
         d = dest[piece]
         via = members[nodes[d], relay]
@@ -201,6 +202,16 @@ def _hop1(plan: CPPlan, b: _Base, parts: int) -> tuple[np.ndarray, np.ndarray]:
     n = P x the node's ranks, ``[T k // n, T (k + 1) // n)`` of the union's T keys. From an
     owner of its own node, piece p of P of the keys it needs (``b.direct``). The two have
     disjoint support, so both are one gather of equal-cut edges, not a sum over chunks."""
+    p = np.arange(parts + 1).reshape(-1, 1, 1)
+    edges, cross = _hop1_edges(plan, b, np.full_like(p, parts), p)   # [P + 1, r, o]
+    direct = np.where(cross, 0, edges)
+    return np.diff(edges, axis=0), direct
+
+
+def _hop1_edges(plan: CPPlan, b: _Base, per: np.ndarray, p: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(edge p of P = ``per`` of every (r, o) list of hop 1 (:func:`_hop1`), [R, cp, cp]
+    for rows (``per``, ``p``) shaped [R, 1, 1]; cross-node pairs [cp, cp])."""
     cp = plan.cp_size
     nodes, members = node_members(plan)
     index = np.empty(cp, dtype=np.int64)             # each rank's place in its node
@@ -208,12 +219,9 @@ def _hop1(plan: CPPlan, b: _Base, parts: int) -> tuple[np.ndarray, np.ndarray]:
     index[members[on]] = np.nonzero(on)[1]
     cross = nodes[:, None] != nodes[None, :]
     keys = b.total.reshape(-1, cp)[nodes] + b.direct      # [r, o]: T (cross) or direct
-    first = np.where(cross, index[:, None] * parts, 0)    # r's first chunk of the list
-    n = np.where(cross, parts * np.bincount(nodes)[nodes][:, None], parts)
-    p = np.arange(parts + 1).reshape(-1, 1, 1)
-    edges = _equal_edges(keys, first + p, n)               # [P + 1, r, o]
-    direct = np.where(cross, 0, edges)
-    return np.diff(edges, axis=0), direct
+    first = np.where(cross, index[:, None] * per, 0)      # r's first chunk of the list
+    n = np.where(cross, per * np.bincount(nodes)[nodes][:, None], per)
+    return _equal_edges(keys, first + p, n), cross
 
 
 def _equal_edges(total: np.ndarray, k: np.ndarray, n: np.ndarray | int) -> np.ndarray:
@@ -240,17 +248,46 @@ def relay_link_counts(plan: CPPlan, mask: AttnMask, parts: int) -> tuple[np.ndar
     keys a rank's calls use, each (rank, peer) total cut into P equal parts (the tables'
     exact split, ``relay_routes``, differs by the keys' places in the relays' chunks; the
     totals over the transfers are exact: what the traffic matrices read) (cached)."""
-    def build() -> tuple[np.ndarray, ...]:
-        b = _base(plan, mask)
-        hop1, _ = _hop1(plan, b, parts)
-        split = np.arange(parts + 1).reshape(-1, 1, 1)
-        keys = fetch_count_array(plan, mask).copy()
-        np.fill_diagonal(keys, 0)
-        hop2 = np.diff(_equal_edges(b.hop2, split, parts), axis=0)
-        fetch = np.diff(_equal_edges(keys, split, parts), axis=0)
-        keep = hop1.reshape(parts, -1).sum(1) > 0      # (as ``relay_routes`` drops them)
-        return hop1[keep], hop2[keep], fetch[keep]
-    return host_table(plan, table_key("relay_link_counts", mask, None, parts), build)
+    return relay_link_counts_of(plan, mask, (parts,))[parts]
+
+
+def relay_link_counts_of(plan: CPPlan, mask: AttnMask, parts_list: tuple[int, ...]
+                         ) -> dict[int, tuple[np.ndarray, ...]]:
+    """:func:`relay_link_counts` of every P of ``parts_list``, each cached on its own;
+    when any is not cached yet, all are computed together, as one set of [sum (P + 1), cp,
+    cp] operations (the time model asks for five P per mask: one pass instead of five)."""
+    wanted = tuple(sorted(set(parts_list)))
+    batch: dict[int, tuple[np.ndarray, ...]] = {}
+
+    def one(parts: int) -> tuple[np.ndarray, ...]:
+        if not batch:
+            batch.update(_link_counts(plan, mask, wanted))
+        return batch[parts]
+    return {p: host_table(plan, table_key("relay_link_counts", mask, None, p),
+                          lambda p=p: one(p)) for p in wanted}
+
+
+def _link_counts(plan: CPPlan, mask: AttnMask, parts_list: tuple[int, ...]
+                 ) -> dict[int, tuple[np.ndarray, ...]]:
+    """:func:`relay_link_counts_of`'s computation for ``parts_list`` (distinct P >= 1):
+    every P's edges stacked (rows (P, p), p = 0..P), the equal cuts of :func:`_hop1` and of
+    hop 2's and the keys' totals taken at once, then split per P."""
+    b = _base(plan, mask)
+    sizes = np.asarray(parts_list, dtype=np.int64)
+    per = np.repeat(sizes, sizes + 1).reshape(-1, 1, 1)   # each row's P
+    starts = np.cumsum(sizes + 1) - (sizes + 1)
+    p = (np.arange(per.size) - np.repeat(starts, sizes + 1)).reshape(-1, 1, 1)
+    keys = fetch_count_array(plan, mask).copy()
+    np.fill_diagonal(keys, 0)
+    hop1 = np.diff(_hop1_edges(plan, b, per, p)[0], axis=0)
+    hop2 = np.diff(_equal_edges(b.hop2, p, per), axis=0)
+    fetch = np.diff(_equal_edges(keys, p, per), axis=0)
+    out = {}
+    for parts, at in zip(sizes.tolist(), starts.tolist()):
+        rows = slice(at, at + parts)                       # the diffs inside P's block
+        keep = hop1[rows].reshape(parts, -1).sum(1) > 0    # (as ``relay_routes`` drops them)
+        out[parts] = (hop1[rows][keep], hop2[rows][keep], fetch[rows][keep])
+    return out
 
 
 def relay_routes(plan: CPPlan, mask: AttnMask, parts: int) -> RelayRoutes:

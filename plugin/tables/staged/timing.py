@@ -45,7 +45,7 @@ from ..selected import fetch_count_array, pair_count_array
 from ..traffic import cross_node
 from ...shape import AttnShape
 from .memory import staged_memory
-from .links import stage_links
+from .links import stage_links_of
 from .routes import gather_stage_rows, transfers
 
 MAX_STAGES = 8          # the default search range; a user may ask for more
@@ -114,7 +114,7 @@ def _simulate(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape, model: 
     cp = plan.cp_size
     f_fwd, f_bwd = _flops_per_pair(shape)
     rate, row = model.flops_per_s, shape.kv_row
-    links = [stage_links(name, plan, mask, s) for s in stage_list]   # per S: hops, keys
+    links = stage_links_of(name, plan, mask, stage_list)             # per S: hops, keys
     sizes = [lk[-1].shape[0] for lk in links]
     first = np.cumsum([0] + sizes)
     counts = np.concatenate([lk[-1] for lk in links])                 # [sum P, d, o]
