@@ -174,14 +174,10 @@ def _base(plan: CPPlan, mask: AttnMask) -> _Base:
         dest, owner, length = dest[away], owner[away], length[away]
         row = (part.row[run] + pos - part.start[run])[away]
         g = nodes[dest] * cp + owner
-        at = np.searchsorted(key, g * rows + row, side="right") - 1
-        u = coord[at] + row - key[at] % rows
-        # ... cut at the relays' chunks (equal, one per rank of the node; each group's
-        # edges made once, then gathered per run)
-        j = np.arange(widest + 1, dtype=np.int64)
-        sized = np.maximum(size, 1)[:, None]
-        edges = (total[:, None] * np.minimum(j[None, :], sized) // sized)[g]
-        piece, relay, offset, n = cut_runs(u, length, edges[:, :-1], edges[:, 1:])
+        u = _union_coord(key, coord, rows, g, row)
+        # ... cut at the relays' chunks (equal, one per rank of the node)
+        piece, relay, _, offset, n = _chunk_cut(_chunk_bounds(total, size, 1, widest), g, u,
+                                                length)
         d = dest[piece]
         via = members[nodes[d], relay]
         far = via != d
@@ -232,13 +228,34 @@ def _equal_edges(total: np.ndarray, k: np.ndarray, n: np.ndarray | int) -> np.nd
     return np.floor(total * k.astype(np.float64) / n).astype(np.int64)
 
 
-def _bounds(b: _Base, parts: int, widest: int) -> np.ndarray:
-    """The chunks' bounds [groups, K + 1] (K = P x the largest node): relay j of a group's
-    node gets transfer p's chunk k = j * P + p."""
-    n_chunks = parts * b.size
+def _chunk_bounds(total: np.ndarray, size: np.ndarray, parts: int, widest: int
+                  ) -> np.ndarray:
+    """The chunks' bounds [groups, K + 1] (K = P x the largest node) of unions of
+    ``total`` keys on nodes of ``size`` ranks: relay j of a group's node gets transfer p's
+    chunk k = j * P + p, ``[T k // n, T (k + 1) // n)`` for n = P x the node's ranks (k
+    beyond n: empty). Made per group, then gathered per run."""
+    n_chunks = parts * size
     k = np.arange(parts * widest + 1, dtype=np.int64)
-    return b.total[:, None] * np.minimum(k[None, :], n_chunks[:, None]) \
+    return total[:, None] * np.minimum(k[None, :], n_chunks[:, None]) \
         // np.maximum(n_chunks, 1)[:, None]
+
+
+def _union_coord(key: np.ndarray, coord: np.ndarray, rows: int, group: np.ndarray,
+                 row: np.ndarray) -> np.ndarray:
+    """Place of the owner's row ``row`` in its group's union (``key`` sorted: group x
+    ``rows`` + the owner's first row of each union piece, ``coord`` its place)."""
+    at = np.searchsorted(key, group * rows + row, side="right") - 1
+    return coord[at] + row - key[at] % rows
+
+
+def _chunk_cut(bounds: np.ndarray, group: np.ndarray, coord: np.ndarray,
+               length: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Runs ``[coord, coord + length)`` of their group's union cut at its chunks
+    (``bounds`` [groups, K + 1]): (run index, chunk, place in the chunk, offset in the run,
+    length) of every piece (``routes.cut_runs``)."""
+    edges = bounds[group]
+    run, k, offset, n = cut_runs(coord, length, edges[:, :-1], edges[:, 1:])
+    return run, k, coord[run] + offset - bounds[group[run], k], offset, n
 
 
 def relay_link_counts(plan: CPPlan, mask: AttnMask, parts: int) -> tuple[np.ndarray, ...]:
@@ -299,7 +316,7 @@ def relay_routes(plan: CPPlan, mask: AttnMask, parts: int) -> RelayRoutes:
         _, members = node_members(plan)
         b = _base(plan, mask)
         hop1, direct = _hop1(plan, b, parts)
-        bounds = _bounds(b, parts, members.shape[1])
+        bounds = _chunk_bounds(b.total, b.size, parts, members.shape[1])
         keep = hop1.reshape(parts, -1).sum(1) > 0
         stage_of = np.where(keep, np.cumsum(keep) - 1, -1)
         return RelayRoutes(hop1[keep], b.key, b.coord, b.length, bounds, b.rows, parts,
@@ -355,13 +372,10 @@ def relay_cut(routes: RelayRoutes, nodes: np.ndarray, dest: np.ndarray, owner: n
     transfers after the drop (before it with ``raw``)."""
     cp = nodes.size
     group = nodes[dest] * cp + owner
-    at = np.searchsorted(routes.key, group * routes.rows + row, side="right") - 1
-    coord = routes.coord[at] + row - routes.key[at] % routes.rows
-    bounds = routes.bounds[group]
-    run, k, offset, n = cut_runs(coord, length, bounds[:, :-1], bounds[:, 1:])
+    coord = _union_coord(routes.key, routes.coord, routes.rows, group, row)
+    run, k, place, offset, n = _chunk_cut(routes.bounds, group, coord, length)
     j, stage = np.divmod(k, routes.parts)
     relay = members[nodes[dest[run]], j]
-    place = coord[run] + offset - routes.bounds[group[run], k]
     if not raw:
         stage = routes.stage_of[stage]
     return run, stage, relay, place, offset, n
@@ -376,11 +390,9 @@ def union_cut(routes: RelayRoutes, nodes: np.ndarray, owner: int, members: np.nd
     group = routes.key // routes.rows
     mine = np.flatnonzero(group % cp == owner)
     group = group[mine]
-    coord = routes.coord[mine]
-    bounds = routes.bounds[group]
-    run, k, offset, n = cut_runs(coord, routes.length[mine], bounds[:, :-1], bounds[:, 1:])
+    run, k, place, offset, n = _chunk_cut(routes.bounds, group, routes.coord[mine],
+                                          routes.length[mine])
     node = group[run] // cp
     j, stage = np.divmod(k, routes.parts)
-    place = coord[run] + offset - routes.bounds[group[run], k]
     row = routes.key[mine][run] % routes.rows + offset
     return routes.stage_of[stage], members[node, j], place, row, n
