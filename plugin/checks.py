@@ -6,6 +6,7 @@ communicated (docs/design.md). No torch and no package imports, so any module ma
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable
 
 
@@ -24,6 +25,15 @@ def check_int(name: str, value: Any, minimum: int | None = None, *,
         none = "None or " if optional else ""
         raise ValueError(f"{name} must be {none}an int{bound}, got {value!r}")
     return value
+
+
+def check_positive(name: str, value: Any, unit: str = "") -> float:
+    """``value`` as a float if it is a finite number > 0 (an int or a float, not a bool);
+    ``unit`` is named in the message, e.g. ``" (bytes per second)"``."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or not value > 0):
+        raise ValueError(f"{name} must be a finite number > 0{unit}, got {value!r}")
+    return float(value)
 
 
 def check_bool(name: str, value: Any) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .checks import check_bool, check_choice, check_int
+from .checks import check_bool, check_choice, check_int, check_positive
 from .kernels.flash import FLASH_IMPLS
 from .kernels.sink import SOFTMAX_TYPES
 from .kernels.validation import BACKENDS
@@ -121,11 +121,7 @@ class CPConfig:
         self.layout_spec()
         check_int("gpus_per_node", self.gpus_per_node, 1, optional=True)
         for name in ("node_bandwidth", "cross_node_bandwidth"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not 0 < value < float("inf"):
-                raise ValueError(f"{name} must be a finite number > 0 (bytes per second), "
-                                 f"got {value!r}")
+            check_positive(name, getattr(self, name), " (bytes per second)")
         check_bool("prefetch", self.prefetch)
         check_bool("report", self.report)
 

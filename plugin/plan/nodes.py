@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..checks import is_int
+from ..checks import check_positive, is_int
 from .balanced import MaskWeights
 from .spans import key_spans, merge_spans, span_pieces
 from .runs import STRIDE
@@ -75,11 +75,7 @@ class Topology:
         object.__setattr__(self, "nodes",
                            tuple(first.setdefault(int(n), len(first)) for n in nodes))
         for name in ("node_bytes_per_s", "cross_node_bytes_per_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not value > 0 or value == float("inf"):
-                raise ValueError(f"Topology.{name} must be a finite number > 0, got "
-                                 f"{value!r}")
+            check_positive(f"Topology.{name}", getattr(self, name))
         g = self.gpus_per_node
         if g is not None and (not _whole(g) or g < 1):
             raise ValueError(f"Topology.gpus_per_node must be None or an int >= 1, got {g!r}")

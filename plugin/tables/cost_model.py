@@ -13,12 +13,7 @@ from typing import Any
 
 import numpy as np
 
-
-def _positive(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or not value > 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-    return float(value)
+from ..checks import check_positive
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,10 +45,10 @@ class CostModel:
     memory_bytes_per_s: float = 3e12
 
     def __post_init__(self) -> None:
-        _positive("CostModel.flops_per_s", self.flops_per_s)
-        _positive("CostModel.bytes_per_s", self.bytes_per_s)
-        _positive("CostModel.memory_bytes_per_s", self.memory_bytes_per_s)
-        _positive("CostModel.cross_node_bytes_per_s", self.cross_node_bytes_per_s)
+        check_positive("CostModel.flops_per_s", self.flops_per_s)
+        check_positive("CostModel.bytes_per_s", self.bytes_per_s)
+        check_positive("CostModel.memory_bytes_per_s", self.memory_bytes_per_s)
+        check_positive("CostModel.cross_node_bytes_per_s", self.cross_node_bytes_per_s)
         r = self.ranks_per_node
         if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
             raise ValueError(f"CostModel.ranks_per_node must be None or an int >= 1, got "

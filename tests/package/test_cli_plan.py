@@ -244,9 +244,9 @@ def test_stock_torchtitan_model():
      "--sweep values must be at most 4096"),
     # every error names the flag, and cp 1 is checked as the launchers check it (issue 29)
     (["--mix", "short_4k", "--cp", "2", "--heads", "4", "--flops", "0"],
-     "--flops: CostModel.flops_per_s must be a positive number, got 0.0"),
+     "--flops: CostModel.flops_per_s must be a finite number > 0, got 0.0"),
     (["--mix", "short_4k", "--cp", "2", "--heads", "4", "--bandwidth", "nan"],
-     "--bandwidth: CostModel.bytes_per_s must be a positive number, got nan"),
+     "--bandwidth: CostModel.bytes_per_s must be a finite number > 0, got nan"),
     (["--mix", "short_4k", "--cp", "2", "--heads", "8", "--kv-heads", "3"],
      "--heads 8 --kv-heads 3: AttnShape: n_heads=8 must be a multiple of n_kv_heads=3"),
     (["--mix", "short_4k", "--cp", "2", "--heads", "0"], "--heads 0: AttnShape.n_heads"),
@@ -257,7 +257,7 @@ def test_stock_torchtitan_model():
     (["--mix", "short_4k", "--cp", "2", "--heads", "4", "--gpus-per-node", "0"],
      "--gpus-per-node must be an int >= 1, got 0"),
     (["--mix", "short_4k", "--cp", "2", "--heads", "4", "--cross-node-bandwidth", "0"],
-     "--cross-node-bandwidth: CostModel.cross_node_bytes_per_s must be a positive number"),
+     "--cross-node-bandwidth: CostModel.cross_node_bytes_per_s must be a finite number > 0"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, args, message):
     rc, out, err = run_cli(capsys, *args)

@@ -9,11 +9,11 @@ package take these values as given.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
+from ...checks import check_positive
 from ...masks import AttnMask
 from ..runs import prefix_pairs
 
@@ -46,10 +46,7 @@ def normalize_masks(masks: Any) -> MaskWeights:
         if not isinstance(mask, AttnMask):
             raise ValueError(f"masks[{i}] must be an AttnMask or an (AttnMask, weight) pair, "
                              f"got {entry!r}")
-        if (isinstance(weight, bool) or not isinstance(weight, (int, float))
-                or not math.isfinite(weight) or weight <= 0):
-            raise ValueError(f"masks[{i}] weight must be a finite number > 0, got {weight!r}")
-        out.append((mask, float(weight)))
+        out.append((mask, check_positive(f"masks[{i}] weight", weight)))
     return tuple(out)
 
 
