@@ -84,10 +84,12 @@ def topology_of(config: CPConfig, cp: int) -> Topology | None:
     return replace(config, gpus_per_node=GPUS_PER_NODE).topology(range(cp))
 
 
-def plan_and_tables(cu: torch.Tensor, config: CPConfig, cp: int, rank: int) -> None:
-    """What an integration's planner runs for one batch on ``rank``."""
+def plan_and_tables(cu: torch.Tensor, config: CPConfig, cp: int, rank: int,
+                    topology: Topology | None) -> None:
+    """What an integration's planner runs for one batch on ``rank`` (the topology: made
+    once per run, as the integrations make it from the CP group)."""
     plan = build_plan(cu, config, cp_size=cp, cp_rank=rank, layer_masks=LLAMA4,
-                      topology=topology_of(config, cp))
+                      topology=topology)
     build_tables(plan, config, LLAMA4, SHAPE, torch.device("cpu"))
 
 
@@ -119,16 +121,17 @@ def measure(layout: str, mix: str, cp: int, repeats: int) -> dict:
     row = {"layout": layout, "mix": mix, "docs": int(cu.numel() - 1), "cp": cp,
            "ranks": list(ranks_of(cp)), "plan_ms": 0.0, "total_ms": {}, "slowest_rank": {}}
     base = CPConfig(layout=layout, backend=BACKEND)
+    topology = topology_of(base, cp)
     row["plan_ms"] = max(min_ms(lambda: build_plan(cu, base, cp_size=cp, cp_rank=r,
-                                                   layer_masks=LLAMA4,
-                                                   topology=topology_of(base, cp)), repeats)
+                                                   layer_masks=LLAMA4, topology=topology),
+                                repeats)
                          for r in ranks_of(cp))
     for name in STRATEGY_CHOICES:
         config = CPConfig(strategy=name, layout=layout, backend=BACKEND)
         if not applies(name, cp):
             row["total_ms"][name] = row["slowest_rank"][name] = None
             continue
-        per_rank = {r: min_ms(lambda: plan_and_tables(cu, config, cp, r), repeats)
+        per_rank = {r: min_ms(lambda: plan_and_tables(cu, config, cp, r, topology), repeats)
                     for r in ranks_of(cp)}
         worst = max(per_rank, key=per_rank.get)
         row["total_ms"][name] = per_rank[worst]
@@ -190,6 +193,8 @@ def main() -> None:
     args = p.parse_args()
     global BACKEND, GPUS_PER_NODE
     BACKEND = args.backend
+    if args.gpus_per_node < 0:
+        p.error(f"--gpus-per-node must be >= 0 (0: one node), got {args.gpus_per_node}")
     GPUS_PER_NODE = args.gpus_per_node
     if BACKEND == "flash":   # resolves on a CPU only with a registered kernel (none runs)
         from tests import flash_emulator

@@ -30,8 +30,12 @@ def check_int(name: str, value: Any, minimum: int | None = None, *,
 def check_positive(name: str, value: Any, unit: str = "") -> float:
     """``value`` as a float if it is a finite number > 0 (an int or a float, not a bool);
     ``unit`` is named in the message, e.g. ``" (bytes per second)"``."""
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not math.isfinite(value) or not value > 0):
+    try:   # (an int too large for a float is not finite either)
+        ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+              and math.isfinite(value) and value > 0)
+    except OverflowError:
+        ok = False
+    if not ok:
         raise ValueError(f"{name} must be a finite number > 0{unit}, got {value!r}")
     return float(value)
 

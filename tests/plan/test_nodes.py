@@ -188,6 +188,8 @@ def test_topology_from_ranks_and_config(monkeypatch):
     (lambda: CPConfig(gpus_per_node=0), "gpus_per_node"),
     (lambda: CPConfig(node_bandwidth=-1.0), "node_bandwidth"),
     (lambda: CPConfig(cross_node_bandwidth="fast"), "cross_node_bandwidth"),
+    (lambda: CPConfig(node_bandwidth=10 ** 400), "node_bandwidth must be a finite number"),
+    (lambda: Topology((0, 1), node_bytes_per_s=float("nan")), "Topology.node_bytes_per_s"),
     (lambda: _plan([5, 9], 2, [(CAUSAL, 1)], Topology((0, 0, 1))), "topology: nodes has 3"),
     (lambda: _plan([5, 9], 2, [(CAUSAL, 1)], (0, 1)), "topology must be"),
 ])
