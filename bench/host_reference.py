@@ -165,10 +165,10 @@ def main() -> None:
               "variants": merged, "table": lines,
               "timed": "host_tables.py of each variant, balanced layout, min per cell over "
                        "the rounds (variants in alternation)"}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
