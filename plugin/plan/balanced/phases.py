@@ -126,8 +126,9 @@ def solve_attempt(units: Units, prof: Profile, cp: int, var: Variant, items: Ite
 
 def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
                 lengths: np.ndarray) -> tuple[list, list, np.ndarray]:
-    """Phase 1: bodies, cut so that every rank gets 1/cp of the excess work: (lists, cuts,
-    the cumulative vector [cp+1, 1+M] they give the rank boundaries)."""
+    """Phase 1: bodies, cut so that every rank gets 1/cp of the excess work (``split``
+    with ``var.holders``: the first that many ranks get equal shares, the rest none):
+    (lists, cuts, the cumulative vector [cp+1, 1+M] they give the rank boundaries)."""
     is_body, k, tok_budget = st.is_body, st.k, st.tok_budget
     phi = st.phi
     others = [m for m in range(st.n_masks) if 1 + m != st.col] or list(range(st.n_masks))
@@ -140,8 +141,10 @@ def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
         dense = new_list(units, unit_order(units, late, st.doc_order), tok_budget)
         sparse = new_list(units, unit_order(units, is_body & ~late, st.doc_order), tok_budget)
         t_b = dense.total + sparse.total
-        b_tok = k * t_b // cp
-        b_phi = k.astype(np.float64) * float(dense.column(phi)[-1] + sparse.column(phi)[-1]) / cp
+        n = var.holders or cp
+        kk = np.minimum(k, n)
+        b_tok = kk * t_b // n
+        b_phi = kk.astype(np.float64) * float(dense.column(phi)[-1] + sparse.column(phi)[-1]) / n
         xd, xs = rank_cut([dense], [sparse], b_tok, b_phi, phi)
         return [dense, sparse], [xd, xs], dense.at(xd) + sparse.at(xs)
     body_items = np.zeros(st.n_items, dtype=bool)
@@ -171,6 +174,32 @@ def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
     x = cut_excess(body, phi, target, budget)
     x[0], x[-1] = 0, body.total
     return [body], [x], body.at(x)
+
+
+# Of a mask's mean work per rank: what a rank holding window bodies may carry above the
+# mean (the target is 3%; the filler's snap takes up to 0.6%, the solvers' tolerance less).
+_FEW_SLACK = 0.015
+
+
+def holder_counts(units: Units, prof: Profile, cp: int, cache: dict) -> list[int]:
+    """Holder counts worth trying for the ``split`` bodies (``Variant.holders``): every
+    rank holding 1/cp of a window body (a piece of a few tokens) fetches a whole window of
+    keys for it, so where the bodies' excess is small (Gemma-style SWA 5:1 on documents
+    little longer than the window), fewer ranks hold them, each a larger share: n0, the
+    fewest for which every mask's work over the filler column's stays within
+    ``_FEW_SLACK`` of its mean, and n0 + 1 (the filler cut then differs: which count
+    fetches least is measured, not predicted). Empty where n0 is more than half the ranks
+    (the pieces would stay small). The bodies, and so the counts, are those of any
+    ``split`` items (the filler's walk does not change them)."""
+    if "setup" not in cache:
+        cache["setup"] = _setup(units, prof, cp)
+    st = cache["setup"]
+    body = units.vec[st.is_body].sum(0)
+    extra = body[1:] - body[st.col]  # each mask's body work over the filler column's
+    share = np.asarray(st.share[1:])
+    need = extra / np.maximum(_FEW_SLACK * share + extra / cp, 1e-300)
+    n0 = max(1, math.ceil(float(need.max())))
+    return [n0, n0 + 1] if 2 * n0 <= cp else []
 
 
 def _block_order(units: Units, st: _Setup, lengths: np.ndarray) -> np.ndarray:
@@ -259,7 +288,9 @@ def _cut_filler(units: Units, prof: Profile, var: Variant, items: Items,
         return st.fail
     # Filler items in an order that spreads their densities evenly (any stretch of the
     # list holds about its mean density), so per-rank targets stay reachable.
-    spread = spread_key(item_w / np.maximum(st.item_t, 1), st.item_t * fill_items)
+    if "spread" not in cache:  # the same for every attempt on these units
+        cache["spread"] = spread_key(item_w / np.maximum(st.item_t, 1), st.item_t * fill_items)
+    spread = cache["spread"]
     if var.solver == "classes":
         dens = item_w / np.maximum(st.item_t, 1)
         dl = density_classes(units, fill & is_dense, dens, st.item_t, spread, 2, tok_budget)
@@ -268,8 +299,14 @@ def _cut_filler(units: Units, prof: Profile, var: Variant, items: Items,
         lists = lists + dl + sl
         cuts = cuts + rank_cut(dl, sl, f_tok, f_target, col)
         return Layout(lists, cuts, rank_vectors(lists, cuts))
-    dense = new_list(units, unit_order(units, fill & is_dense, spread), tok_budget)
-    sparse = new_list(units, unit_order(units, fill & ~is_dense, spread), tok_budget)
+    # The pair depends on what phase 1 left in all (not on how it was cut): the ``few``
+    # attempts, one per holder count, share it.
+    pair_key = ("filler pair", f_t, f_w)
+    if pair_key not in cache:
+        cache[pair_key] = (
+            new_list(units, unit_order(units, fill & is_dense, spread), tok_budget),
+            new_list(units, unit_order(units, fill & ~is_dense, spread), tok_budget))
+    dense, sparse = cache[pair_key]
     prio = [w / max(prof.weights) for w in prof.weights]
     limits = [(0, tok_budget, 1.0)] + [(1 + m, _FILL_BUDGET * st.share[1 + m],
                                         float(prio[m])) for m in range(st.n_masks)]

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from .args import TOKEN_TOL, WORK_TOL, MaskWeights
 from .items import Items, cut_items
-from .phases import Layout, solve_attempt
+from .phases import Layout, holder_counts, solve_attempt
 from .profile import profile_of
 from .segments import has_bodies, prefixes_dense_enough
 from .units import Units, unit_runs, units_of
@@ -58,14 +59,32 @@ def _solve(lengths: np.ndarray, cp_size: int, prof: Any) -> tuple[np.ndarray, ..
     unreachable = set()
     bodies = has_bodies(lengths, prof, cp_size, memo)
     prefix_ok = bodies or prefixes_dense_enough(lengths, prof, cp_size, memo)
-    for var in choose_variants(prof, bodies, prefix_ok):
+
+    def built(var: Any) -> tuple[Items, Units, dict]:
         key = (var.body, var.keep_small, var.fill, var.big)
-        if key in unreachable and var.solver != "vector":
-            continue  # the same items and precheck: the other rank-by-rank solver fails too
         if key not in items_of:
             items = cut_items(lengths, prof, cp_size, var, memo)
             items_of[key] = (items, units_of(items, lengths, prof), {})
-        items, units, cache = items_of[key]
+        return items_of[key]
+
+    variants = choose_variants(prof, bodies, prefix_ok)
+    for i, var in enumerate(variants):
+        key = (var.body, var.keep_small, var.fill, var.big)
+        if key in unreachable and var.solver != "vector":
+            continue  # the same items and precheck: the other rank-by-rank solver fails too
+        if var.few:
+            # The counts from the next variant's items (the same bodies; built for it
+            # anyway), so that none are built for this one where it has nothing to try.
+            _, next_units, next_cache = built(variants[i + 1])
+            counts = holder_counts(next_units, prof, cp_size, next_cache)
+            if not counts:
+                continue
+            items, units, cache = built(var)
+            runs = _fewest_holders(units, prof, cp_size, var, items, lengths, cache, counts)
+            if runs is not None:
+                return runs
+            continue
+        items, units, cache = built(var)
         lay = solve_attempt(units, prof, cp_size, var, items, lengths, cache)
         if lay.unreachable:
             unreachable.add(key)
@@ -75,6 +94,39 @@ def _solve(lengths: np.ndarray, cp_size: int, prof: Any) -> tuple[np.ndarray, ..
         if best_score <= 1.0:
             break
     return _merge_runs(*_layout_runs(best[1], best[0]))
+
+
+def _fewest_holders(units: Units, prof: Any, cp: int, var: Any, items: Items,
+                    lengths: np.ndarray, cache: dict, counts: list[int]
+                    ) -> tuple[np.ndarray, ...] | None:
+    """The merged runs of the ``few`` variant: one attempt per holder count of
+    ``counts`` (:func:`~.phases.holder_counts`); of those that meet the targets, the one whose rank
+    with most keys to fetch fetches least (ties: the better balance). None where none
+    meets them (the next variants are tried)."""
+    best, best_key = None, None
+    for n in counts:
+        lay = solve_attempt(units, prof, cp, replace(var, holders=n), items, lengths, cache)
+        score = _score(lay.per_rank)
+        if score > 1.0:
+            continue
+        runs = _merge_runs(*_layout_runs(units, lay))
+        key = (_fetch_max(runs[0], runs[1], runs[2], runs[3], cp), score)
+        if best_key is None or key < best_key:
+            best, best_key = runs, key
+    return best
+
+
+def _fetch_max(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, length: np.ndarray,
+               cp: int) -> int:
+    """The most keys any rank fetches under a causal mask (the widest reach of the masks
+    the ``few`` variant serves): per (rank, document), the positions before its last
+    one that it does not hold; runs merged and sorted by (rank, document, start)."""
+    new = np.ones(rank.size, dtype=bool)
+    new[1:] = (rank[1:] != rank[:-1]) | (doc[1:] != doc[:-1])
+    group = np.cumsum(new) - 1
+    end = (start + length)[np.append(np.flatnonzero(new)[1:], rank.size) - 1]
+    lacks = end - np.bincount(group, weights=length).astype(np.int64)
+    return int(np.bincount(rank[new], weights=lacks, minlength=cp).max())
 
 
 def _score(per_rank: np.ndarray) -> float:

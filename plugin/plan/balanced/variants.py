@@ -32,6 +32,10 @@ class Variant:
             ``big`` ranks' work stay mirrored).
     solver: "vector" (the k-ary search over the whole pair), "seq" (rank by rank, one dense
             and one sparse list) or "classes" (rank by rank, two density classes per side).
+    few:    ``split`` bodies on fewer ranks than cp, each a larger share: solve.py tries
+            the counts of :func:`~.phases.holder_counts` and keeps the one whose layout
+            fetches least (of those that meet the targets).
+    holders: the count of one such attempt (0: every rank).
     """
 
     body: str = "fold"
@@ -40,6 +44,8 @@ class Variant:
     fill: str = "mirror"
     big: float = math.inf
     solver: str = "vector"
+    few: bool = False
+    holders: int = 0
 
 
 FOLD_VARIANTS = (Variant(), Variant(pair=True), Variant(pair=True, keep_small=False))
@@ -63,6 +69,7 @@ def choose_variants(prof: Profile, bodies: bool, prefix_ok: bool = True) -> list
     if prof.head == "chunk":
         local.append(Variant(body="blocks", fill="prefix", big=2.0, solver="classes"))
     elif prof.head == "prefix":
+        local.append(Variant(body="split", fill="prefix", solver="seq", few=True))
         local.append(Variant(body="split", fill="prefix", big=2.0, solver="seq"))
         local.append(Variant(body="split", fill="prefix", big=2.0, solver="classes"))
     return local + list(FOLD_VARIANTS)
