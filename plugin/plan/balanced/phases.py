@@ -17,9 +17,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..runs import prefix_pairs
 from .items import REMAINDER, TAIL_BLOCK, Items
 from .profile import Profile, excess_functional
 from .rank_cut import rank_cut, rank_reachable
+from .segments import doc_work
 from .unit_list import (UnitList, density_classes, item_sums, new_list, spread_key,
                         unit_order)
 from .units import Units
@@ -181,7 +183,8 @@ def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
 _FEW_SLACK = 0.015
 
 
-def holder_counts(units: Units, prof: Profile, cp: int, cache: dict) -> list[int]:
+def holder_counts(items: Items, lengths: np.ndarray, prof: Profile, cp: int,
+                  memo: dict) -> list[int]:
     """Holder counts worth trying for the ``split`` bodies (``Variant.holders``): every
     rank holding 1/cp of a window body (a piece of a few tokens) fetches a whole window of
     keys for it, so where the bodies' excess is small (Gemma-style SWA 5:1 on documents
@@ -189,15 +192,17 @@ def holder_counts(units: Units, prof: Profile, cp: int, cache: dict) -> list[int
     fewest for which every mask's work over the filler column's stays within
     ``_FEW_SLACK`` of its mean, and n0 + 1 (the filler cut then differs: which count
     fetches least is measured, not predicted). Empty where n0 is more than half the ranks
-    (the pieces would stay small). The bodies, and so the counts, are those of any
-    ``split`` items (the filler's walk does not change them)."""
-    if "setup" not in cache:
-        cache["setup"] = _setup(units, prof, cp)
-    st = cache["setup"]
-    body = units.vec[st.is_body].sum(0)
-    extra = body[1:] - body[st.col]  # each mask's body work over the filler column's
-    share = np.asarray(st.share[1:])
-    need = extra / np.maximum(_FEW_SLACK * share + extra / cp, 1e-300)
+    (the pieces would stay small). From per-item sums, before any units are built: the
+    bodies, and so the counts, are those of any ``split`` items (the filler's walk does
+    not change them)."""
+    b = np.flatnonzero(items.body)
+    dl, a, e = lengths[items.doc[b]], items.start[b], items.end[b]
+    body = np.array([float((prefix_pairs(dl, e, m) - prefix_pairs(dl, a, m)).sum())
+                     for m in prof.masks])
+    total = doc_work(lengths, prof, memo).sum(0)
+    col = int(np.argmin(total))  # the filler column (as _setup picks it)
+    extra = body - body[col]  # each mask's body work over the filler column's
+    need = extra / np.maximum(_FEW_SLACK * total / cp + extra / cp, 1e-300)
     n0 = max(1, math.ceil(float(need.max())))
     return [n0, n0 + 1] if 2 * n0 <= cp else []
 

@@ -55,15 +55,22 @@ def _solve(lengths: np.ndarray, cp_size: int, prof: Any) -> tuple[np.ndarray, ..
     """:func:`balanced_runs` for cp > 1 and a non-empty batch."""
     best, best_score = None, math.inf
     items_of: dict[tuple, tuple[Items, Units, dict]] = {}
+    cut: dict[tuple, Items] = {}
     memo: dict = {}
     unreachable = set()
     bodies = has_bodies(lengths, prof, cp_size, memo)
     prefix_ok = bodies or prefixes_dense_enough(lengths, prof, cp_size, memo)
 
+    def items_for(var: Any) -> Items:
+        key = (var.body, var.keep_small, var.fill, var.big)
+        if key not in cut:
+            cut[key] = cut_items(lengths, prof, cp_size, var, memo)
+        return cut[key]
+
     def built(var: Any) -> tuple[Items, Units, dict]:
         key = (var.body, var.keep_small, var.fill, var.big)
         if key not in items_of:
-            items = cut_items(lengths, prof, cp_size, var, memo)
+            items = items_for(var)
             items_of[key] = (items, units_of(items, lengths, prof), {})
         return items_of[key]
 
@@ -73,10 +80,9 @@ def _solve(lengths: np.ndarray, cp_size: int, prof: Any) -> tuple[np.ndarray, ..
         if key in unreachable and var.solver != "vector":
             continue  # the same items and precheck: the other rank-by-rank solver fails too
         if var.few:
-            # The counts from the next variant's items (the same bodies; built for it
-            # anyway), so that none are built for this one where it has nothing to try.
-            _, next_units, next_cache = built(variants[i + 1])
-            counts = holder_counts(next_units, prof, cp_size, next_cache)
+            # The counts from the next variant's items (the same bodies; cut for it
+            # anyway), so that none are cut for this one where it has nothing to try.
+            counts = holder_counts(items_for(variants[i + 1]), lengths, prof, cp_size, memo)
             if not counts:
                 continue
             items, units, cache = built(var)
