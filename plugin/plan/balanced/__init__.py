@@ -78,6 +78,11 @@ Glossary:
   (``blocks``, ``split``, filler in position order, solved rank by rank) first, the
   **fold variants** (mirrored and chunk-pair items, solved for all boundaries at once and
   snapped) last: they are always feasible when anything is.
+- **holders** (``few``, window + causal masks): where the window bodies carry little
+  excess (documents little longer than the window), ``split`` gives them to the fewest
+  ranks that keep every mask in balance (n0, and n0 + 1), not 1/cp of them to every rank
+  (each such sliver costs its rank a window of keys to fetch); of the two, the layout
+  whose most-fetching rank fetches least is taken.
 - **run**: (rank, document, start, length), maximal: what the plan's tables are built from.
 
 Worked example (a test runs it): a Llama 4-like model with chunks of 16 (chunked x3 :

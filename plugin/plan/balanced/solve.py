@@ -1,6 +1,8 @@
 """The entry point: :func:`balanced_runs` tries the attempts of variants.py in order on
 items and units built once per (body, keep_small, fill, big), keeps the best, and turns its
-cuts into maximal runs (rank, document, start, length).
+cuts into maximal runs (rank, document, start, length). The ``few`` variant is one attempt
+per holder count; of those that meet the targets, the one whose most-fetching rank fetches
+least is taken (:func:`_fetch_max`, causal keys from the runs).
 """
 
 from __future__ import annotations

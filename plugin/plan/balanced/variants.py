@@ -4,7 +4,8 @@ targets is taken).
 
 Locality variants come first: they keep what a rank holds of a document in few contiguous
 stretches (filler in position order, chunked bodies in tail blocks of whole rank shares,
-window bodies split into late and early parts) and run only where every mask looks left (a
+window bodies split into late and early parts, on a few ranks first where their excess is
+small) and run only where every mask looks left (a
 filler prefix is then causal-like under all of them) or there is one mask. The fold
 variants (mirrored tiles, chunk pairs) come last: they are always feasible when anything is.
 """
