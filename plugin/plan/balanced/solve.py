@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ..runs import prefix_pairs
 from .args import TOKEN_TOL, WORK_TOL, MaskWeights
 from .items import Items, cut_items
 from .phases import Layout, holder_counts, solve_attempt
@@ -64,21 +65,19 @@ def _solve(lengths: np.ndarray, cp_size: int, prof: Any) -> tuple[np.ndarray, ..
     prefix_ok = bodies or prefixes_dense_enough(lengths, prof, cp_size, memo)
 
     def items_for(var: Any) -> Items:
-        key = (var.body, var.keep_small, var.fill, var.big)
-        if key not in cut:
-            cut[key] = cut_items(lengths, prof, cp_size, var, memo)
-        return cut[key]
+        if _key(var) not in cut:
+            cut[_key(var)] = cut_items(lengths, prof, cp_size, var, memo)
+        return cut[_key(var)]
 
     def built(var: Any) -> tuple[Items, Units, dict]:
-        key = (var.body, var.keep_small, var.fill, var.big)
-        if key not in items_of:
+        if _key(var) not in items_of:
             items = items_for(var)
-            items_of[key] = (items, units_of(items, lengths, prof), {})
-        return items_of[key]
+            items_of[_key(var)] = (items, units_of(items, lengths, prof), {})
+        return items_of[_key(var)]
 
     variants = choose_variants(prof, bodies, prefix_ok)
     for i, var in enumerate(variants):
-        key = (var.body, var.keep_small, var.fill, var.big)
+        key = _key(var)
         if key in unreachable and var.solver != "vector":
             continue  # the same items and precheck: the other rank-by-rank solver fails too
         if var.few:
@@ -104,21 +103,32 @@ def _solve(lengths: np.ndarray, cp_size: int, prof: Any) -> tuple[np.ndarray, ..
     return _merge_runs(*_layout_runs(best[1], best[0]))
 
 
+def _key(var: Any) -> tuple:
+    """What a variant's items and units depend on (attempts with the same key share them)."""
+    return (var.body, var.keep_small, var.fill, var.big)
+
+
 def _fewest_holders(units: Units, prof: Any, cp: int, var: Any, items: Items,
                     lengths: np.ndarray, cache: dict, counts: list[int]
                     ) -> tuple[np.ndarray, ...] | None:
     """The merged runs of the ``few`` variant: one attempt per holder count of
-    ``counts`` (:func:`~.phases.holder_counts`); of those that meet the targets, the one whose rank
-    with most keys to fetch fetches least (ties: the better balance). None where none
-    meets them (the next variants are tried)."""
+    ``counts`` (:func:`~.phases.holder_counts`); of those that meet the targets, counted
+    exactly on their runs, the one whose rank with most keys to fetch fetches least (ties:
+    the better balance). None where none meets them (the next variants are tried).
+
+    Exactly, not on the attempt's estimate (interpolated inside cut tiles, ~4e-4 off):
+    these layouts sit nearer the targets than the others, where that error can cross
+    them."""
     best, best_key = None, None
     for n in counts:
         lay = solve_attempt(units, prof, cp, replace(var, holders=n), items, lengths, cache)
-        score = _score(lay.per_rank)
-        if score > 1.0:
+        if _score(lay.per_rank) > 1.0:
             continue
         runs = _merge_runs(*_layout_runs(units, lay))
-        key = (_fetch_max(runs[0], runs[1], runs[2], runs[3], cp), score)
+        score = _score(_exact_per_rank(*runs, lengths, prof, cp))
+        if score > 1.0:
+            continue
+        key = (_fetch_max(*runs, cp), score)
         if best_key is None or key < best_key:
             best, best_key = runs, key
     return best
@@ -135,6 +145,18 @@ def _fetch_max(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, length: np.
     end = (start + length)[np.append(np.flatnonzero(new)[1:], rank.size) - 1]
     lacks = end - np.bincount(group, weights=length).astype(np.int64)
     return int(np.bincount(rank[new], weights=lacks, minlength=cp).max())
+
+
+def _exact_per_rank(rank: np.ndarray, doc: np.ndarray, start: np.ndarray,
+                    length: np.ndarray, lengths: np.ndarray, prof: Any, cp: int
+                    ) -> np.ndarray:
+    """[cp, 1+M]: each rank's tokens and work per mask, counted from its runs (the closed
+    forms of ``runs.prefix_pairs``), in the layout of ``Layout.per_rank``."""
+    dl = lengths[doc]
+    cols = [length] + [prefix_pairs(dl, start + length, m) - prefix_pairs(dl, start, m)
+                       for m in prof.masks]
+    return np.stack([np.bincount(rank, weights=c.astype(np.float64), minlength=cp)
+                     for c in cols], 1)
 
 
 def _score(per_rank: np.ndarray) -> float:

@@ -5,9 +5,11 @@ targets is taken).
 Locality variants come first: they keep what a rank holds of a document in few contiguous
 stretches (filler in position order, chunked bodies in tail blocks of whole rank shares,
 window bodies split into late and early parts, on a few ranks first where their excess is
-small) and run only where every mask looks left (a
-filler prefix is then causal-like under all of them) or there is one mask. The fold
-variants (mirrored tiles, chunk pairs) come last: they are always feasible when anything is.
+small) and run only where every mask looks left (a filler prefix is then causal-like under
+all of them) or there is one mask. The fold variants (mirrored tiles, chunk pairs) come
+last: they are always feasible when anything is. The ``few`` variant keeps big filler items
+in position order (``big`` unbounded, its own items and units): on the batches it serves
+its most-fetching rank then fetches less (1000 documents, cp 32: 4268 against 4905 keys).
 """
 
 from __future__ import annotations
