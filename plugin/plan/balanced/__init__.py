@@ -32,6 +32,7 @@ How, in the order of the package's modules (each imports only those above it):
 - ``body_split``: where a body in position order is split (tail blocks, late parts).
 - ``items``: segments cut into filler and bodies, each walked mirrored, by chunk pairs or
   in position order.
+- ``nested``: long causal-like documents cut into nested pieces, one a rank (``nest``).
 - ``units``: tile pairs of each item's fold, with exact work and a break point.
 - ``unit_list``: units in an order with cumulative values; orders that spread densities.
 - ``rank_cut``: the rank-by-rank solver (exact, monotone; the locality variants).
@@ -83,6 +84,10 @@ Glossary:
   ranks that keep every mask in balance (n0, and n0 + 1), not 1/cp of them to every rank
   (each such sliver costs its rank a window of keys to fetch); of the two, the layout
   whose most-fetching rank fetches least is taken.
+- **nested pieces** (``nest``, masks that all look left, no bodies): a whole short
+  segment of two or more ranks' work is cut into pieces of whole ranks, each a late
+  stretch of it with an early one (in position order, the rank holding its end would
+  fetch nearly all of it); their ranks take the sparsest filler.
 - **run**: (rank, document, start, length), maximal: what the plan's tables are built from.
 
 Worked example (a test runs it): a Llama 4-like model with chunks of 16 (chunked x3 :

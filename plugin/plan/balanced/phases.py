@@ -4,7 +4,8 @@ Phase 1 cuts the bodies so that every rank gets 1/cp of the excess work: one lis
 by excess per token and cut by excess alone, a dense / sparse pair cut to equal tokens and
 excess, the ``blocks`` list (remainders, then tail blocks of whole rank shares), or the
 ``split`` pair (late and early parts) cut rank by rank (with ``Variant.holders``: onto the
-first that many ranks only, :func:`holder_counts`). Phase 2 cuts the filler, as a dense
+first that many ranks only, :func:`holder_counts`); with ``Variant.nest``, nested.py's
+pieces go on ranks of their own instead. Phase 2 cuts the filler, as a dense
 and a sparse list in the filler column (the mask with least work), to what phase 1 left of
 every rank's targets (tokens and that column): by the vector solver, rank by rank, or rank
 by rank over two density classes a side. Tokens and one work column then balance every mask
@@ -20,6 +21,7 @@ import numpy as np
 
 from ..runs import prefix_pairs
 from .items import REMAINDER, TAIL_BLOCK, Items
+from .nested import Nested, filler_keys, place_nested
 from .profile import Profile, excess_functional
 from .rank_cut import rank_cut, rank_reachable
 from .segments import doc_work
@@ -45,6 +47,8 @@ class Layout:
     cuts: list[np.ndarray]  # [cp+1] int64 token offsets per list
     per_rank: np.ndarray  # [cp, 1+M] float64 estimate (interpolated inside cut tiles)
     unreachable: bool = False  # the rank-by-rank solver's precheck failed (see solve_attempt)
+    fixed: tuple | None = None  # (rank, doc, start, length) runs placed outside the lists
+    labels: np.ndarray | None = None  # [cp] the rank label of each solver rank (None: same)
 
 
 def rank_vectors(lists: list[UnitList], cuts: list[np.ndarray]) -> np.ndarray:
@@ -124,7 +128,21 @@ def solve_attempt(units: Units, prof: Profile, cp: int, var: Variant, items: Ite
     b_val = np.zeros((cp + 1, st.total.size), dtype=np.float64)
     if prof.excess.shape[0] and bool(st.is_body.any()):
         lists, cuts, b_val = _cut_bodies(units, prof, cp, var, st, lengths)
-    return _cut_filler(units, prof, var, items, lengths, st, lists, cuts, b_val, cache)
+    nested = None
+    if var.nest:
+        if "item_w" not in cache:  # the same for every attempt on these units
+            cache["item_w"] = item_sums(units, st.n_items, st.col)
+        nested = place_nested(items, lengths, prof, cp, cache["item_w"], st.item_t,
+                              st.total, st.col)
+        if nested is None:
+            return st.fail
+        b_val = b_val + nested.cum
+    lay = _cut_filler(units, prof, var, items, lengths, st, lists, cuts, b_val, cache,
+                      nested)
+    if nested is not None and lay.lists:
+        lay.fixed, lay.labels = nested.runs, nested.labels
+        lay.per_rank = lay.per_rank + np.diff(nested.cum, axis=0)
+    return lay
 
 
 def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
@@ -266,11 +284,15 @@ def _sums(units: Units, sel: np.ndarray, sel_items: np.ndarray, st: _Setup,
 
 def _cut_filler(units: Units, prof: Profile, var: Variant, items: Items,
                 lengths: np.ndarray, st: _Setup, lists: list, cuts: list,
-                b_val: np.ndarray, cache: dict) -> Layout:
+                b_val: np.ndarray, cache: dict, nest: Nested | None = None
+                ) -> Layout:
     """Phase 2: filler (short documents and heads), dense / sparse in the filler column,
-    cut to what phase 1 left of every rank's targets."""
+    cut to what phase 1 (and the nested pieces, items ``placed``) left of every rank's
+    targets."""
     col, k, tok_budget, total = st.col, st.k, st.tok_budget, st.total
     fill = ~st.is_body
+    if nest is not None:
+        fill = fill & ~nest.placed[st.u_item]
     f_tok = np.maximum.accumulate(np.maximum(
         st.n_tok - b_val[:, 0].round().astype(np.int64), 0))
     f_target = k.astype(np.float64) * st.share[col] - b_val[:, col]
@@ -294,9 +316,11 @@ def _cut_filler(units: Units, prof: Profile, var: Variant, items: Items,
         return st.fail
     # Filler items in an order that spreads their densities evenly (any stretch of the
     # list holds about its mean density), so per-rank targets stay reachable.
-    if "spread" not in cache:  # the same for every attempt on these units
-        cache["spread"] = spread_key(item_w / np.maximum(st.item_t, 1), st.item_t * fill_items)
-    spread = cache["spread"]
+    spread_id = ("spread", nest is not None)  # the same for every such attempt
+    if spread_id not in cache:
+        cache[spread_id] = spread_key(item_w / np.maximum(st.item_t, 1),
+                                      st.item_t * fill_items)
+    spread = cache[spread_id]
     if var.solver == "classes":
         dens = item_w / np.maximum(st.item_t, 1)
         dl = density_classes(units, fill & is_dense, dens, st.item_t, spread, 2, tok_budget)
@@ -309,9 +333,13 @@ def _cut_filler(units: Units, prof: Profile, var: Variant, items: Items,
     # attempts, one per holder count, share it.
     pair_key = ("filler pair", f_t, f_w)
     if pair_key not in cache:
+        d_key = s_key = spread
+        if nest is not None:  # its ranks, cut first, take the cheapest filler first
+            d_key, s_key = filler_keys(spread, nest, fill_items, item_dense, st.item_t,
+                                       float(total[0]) / (k.size - 1))
         cache[pair_key] = (
-            new_list(units, unit_order(units, fill & is_dense, spread), tok_budget),
-            new_list(units, unit_order(units, fill & ~is_dense, spread), tok_budget))
+            new_list(units, unit_order(units, fill & is_dense, d_key), tok_budget),
+            new_list(units, unit_order(units, fill & ~is_dense, s_key), tok_budget))
     dense, sparse = cache[pair_key]
     prio = [w / max(prof.weights) for w in prof.weights]
     limits = [(0, tok_budget, 1.0)] + [(1 + m, _FILL_BUDGET * st.share[1 + m],

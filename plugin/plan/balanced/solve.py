@@ -1,8 +1,10 @@
 """The entry point: :func:`balanced_runs` tries the attempts of variants.py in order on
 items and units built once per (body, keep_small, fill, big), keeps the best, and turns its
-cuts into maximal runs (rank, document, start, length). The ``few`` variant is one attempt
-per holder count; of those that meet the targets, the one whose most-fetching rank fetches
-least is taken (:func:`_fetch_max`, causal keys from the runs).
+cuts (and any nested pieces, relabelled) into maximal runs (rank, document, start, length).
+The ``few`` variant is one attempt per holder count; of those that meet the targets, the
+one whose most-fetching rank fetches least is taken (:func:`_fetch_max`, causal keys from
+the runs). ``few`` and ``nest`` attempts are taken only where they meet the targets
+counted exactly on their runs, never as the best of failed attempts.
 """
 
 from __future__ import annotations
@@ -93,6 +95,11 @@ def _solve(lengths: np.ndarray, cp_size: int, prof: Any) -> tuple[np.ndarray, ..
             continue
         items, units, cache = built(var)
         lay = solve_attempt(units, prof, cp_size, var, items, lengths, cache)
+        if var.nest:  # taken where it meets the targets exactly, else never the best
+            runs = _exact_runs(units, lay, lengths, prof, cp_size)
+            if runs is not None:
+                return runs
+            continue
         if lay.unreachable:
             unreachable.add(key)
         score = _score(lay.per_rank)
@@ -114,24 +121,28 @@ def _fewest_holders(units: Units, prof: Any, cp: int, var: Any, items: Items,
     """The merged runs of the ``few`` variant: one attempt per holder count of
     ``counts`` (:func:`~.phases.holder_counts`); of those that meet the targets, counted
     exactly on their runs, the one whose rank with most keys to fetch fetches least (ties:
-    the better balance). None where none meets them (the next variants are tried).
-
-    Exactly, not on the attempt's estimate (interpolated inside cut tiles, ~4e-4 off):
-    these layouts sit nearer the targets than the others, where that error can cross
-    them."""
+    the better balance). None where none meets them (the next variants are tried)."""
     best, best_key = None, None
     for n in counts:
         lay = solve_attempt(units, prof, cp, replace(var, holders=n), items, lengths, cache)
-        if _score(lay.per_rank) > 1.0:
+        runs = _exact_runs(units, lay, lengths, prof, cp)
+        if runs is None:
             continue
-        runs = _merge_runs(*_layout_runs(units, lay))
-        score = _score(_exact_per_rank(*runs, lengths, prof, cp))
-        if score > 1.0:
-            continue
-        key = (_fetch_max(*runs, cp), score)
+        key = (_fetch_max(*runs, cp), _score(_exact_per_rank(*runs, lengths, prof, cp)))
         if best_key is None or key < best_key:
             best, best_key = runs, key
     return best
+
+
+def _exact_runs(units: Units, lay: Layout, lengths: np.ndarray, prof: Any, cp: int
+                ) -> tuple[np.ndarray, ...] | None:
+    """The merged runs of an attempt that meets the targets counted exactly on them
+    (not only on its estimate, interpolated inside cut tiles, ~4e-4 off: the ``few``
+    layouts sit nearer the targets than the others), else None."""
+    if _score(lay.per_rank) > 1.0:
+        return None
+    runs = _merge_runs(*_layout_runs(units, lay))
+    return runs if _score(_exact_per_rank(*runs, lengths, prof, cp)) <= 1.0 else None
 
 
 def _fetch_max(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, length: np.ndarray,
@@ -206,7 +217,11 @@ def _layout_runs(units: Units, lay: Layout) -> tuple[np.ndarray, ...]:
         d = u_doc[u]
         parts.append((np.tile(rank, 4), np.tile(d, 4), np.concatenate([x for x, _ in runs]),
                       np.concatenate([n for _, n in runs])))
+    if lay.fixed is not None:
+        parts.append(lay.fixed)
     rank, doc, start, length = (np.concatenate(x) for x in zip(*parts))
+    if lay.labels is not None:  # a relabelling: every rank's share unchanged
+        rank = lay.labels[rank]
     keep = length > 0
     return rank[keep], doc[keep], start[keep], length[keep]
 

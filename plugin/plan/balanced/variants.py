@@ -3,9 +3,10 @@ the order in which :func:`~.solve.balanced_runs` tries them (the first that meet
 targets is taken).
 
 Locality variants come first: they keep what a rank holds of a document in few contiguous
-stretches (filler in position order, chunked bodies in tail blocks of whole rank shares,
-window bodies split into late and early parts, on a few ranks first where their excess is
-small) and run only where every mask looks left (a filler prefix is then causal-like under
+stretches (filler in position order, long documents in nested pieces first where there are
+no bodies, chunked bodies in tail blocks of whole rank shares, window bodies split into
+late and early parts, on a few ranks first where their excess is small) and run only where
+every mask looks left (a filler prefix is then causal-like under
 all of them) or there is one mask. The fold variants (mirrored tiles, chunk pairs) come
 last: they are always feasible when anything is. The ``few`` variant keeps big filler items
 in position order (``big`` unbounded, its own items and units): on the batches it serves
@@ -39,6 +40,10 @@ class Variant:
             the counts of :func:`~.phases.holder_counts` and keeps the one whose layout
             fetches least (of those that meet the targets).
     holders: the count of one such attempt (0: every rank).
+    nest:   whole short segments of at least two ranks' work are cut into nested pieces
+            (nested.py: a rank holding a late stretch also holds an early one), each on a
+            rank of its own, before the filler (masks that all look left, no bodies);
+            shares the items and units of the same variant without it.
     """
 
     body: str = "fold"
@@ -49,6 +54,7 @@ class Variant:
     solver: str = "vector"
     few: bool = False
     holders: int = 0
+    nest: bool = False
 
 
 FOLD_VARIANTS = (Variant(), Variant(pair=True), Variant(pair=True, keep_small=False))
@@ -65,6 +71,8 @@ def choose_variants(prof: Profile, bodies: bool, prefix_ok: bool = True) -> list
     left = all(locality(m)[1] for m in prof.masks)
     if not bodies and (len(prof.masks) == 1 or left):
         local = [Variant(fill="prefix", solver="seq"), Variant(fill="prefix", solver="classes")]
+        if left:
+            local.insert(0, Variant(fill="prefix", solver="seq", nest=True))
         return (local if prefix_ok else []) + list(FOLD_VARIANTS[:1])
     if not left:
         return list(FOLD_VARIANTS)
