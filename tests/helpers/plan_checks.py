@@ -1,8 +1,10 @@
 """Plan invariants (every token held once, positions, order, padding last) and the
-balanced layout's token counts, plus the fixed document mixes the plan tests run."""
+balanced layout's token counts, plus the fixed document mixes the plan tests run, and a
+dense count of the keys each rank fetches."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from varlen_cp import CPPlan
@@ -72,3 +74,21 @@ def check_balanced(plans: list[CPPlan], lengths: list[int]) -> None:
     counts = [p0.num_tokens_of(r) for r in range(p0.cp_size)]
     mean = total / p0.cp_size
     assert all(abs(c - mean) <= 0.02 * mean + 1 for c in counts), (counts, mean)
+
+
+def causal_fetch(rank, doc, start, length, lengths, cp: int) -> np.ndarray:
+    """Per rank: the keys its queries see under a causal mask that it does not hold (dense
+    boolean masks, one per rank), for runs (rank, doc, start, length) of documents of
+    ``lengths`` tokens."""
+    offs = np.concatenate([[0], np.cumsum(lengths)])
+    out = np.zeros(cp, dtype=np.int64)
+    for r in range(cp):
+        sel = rank == r
+        held = np.zeros(int(offs[-1]), dtype=bool)
+        for d, a, n in zip(doc[sel], start[sel], length[sel]):
+            held[offs[d] + a: offs[d] + a + n] = True
+        for d in np.unique(doc[sel]):
+            seg = held[offs[d]: offs[d + 1]]
+            last = int(np.flatnonzero(seg).max())
+            out[r] += last + 1 - int(seg[: last + 1].sum())
+    return out

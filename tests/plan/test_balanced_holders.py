@@ -19,26 +19,10 @@ from varlen_cp.plan import Balanced
 from varlen_cp.plan.balanced import (DEFAULT_TILE_TOKENS, balanced_runs, normalize_masks,
                                      prefix_work)
 from varlen_cp.plan.balanced import solve as S
+from tests.helpers.plan_checks import causal_fetch
 
 SWA = AttnMask(window_size=(4096, 0))
 GEMMA = [(SWA, 5), (AttnMask(), 1)]
-
-
-def _causal_fetch(rank, doc, start, length, lengths, cp: int) -> np.ndarray:
-    """Per rank: the keys its queries see under a causal mask that it does not hold (dense
-    boolean masks, one per rank)."""
-    offs = np.concatenate([[0], np.cumsum(lengths)])
-    out = np.zeros(cp, dtype=np.int64)
-    for r in range(cp):
-        sel = rank == r
-        held = np.zeros(int(offs[-1]), dtype=bool)
-        for d, a, n in zip(doc[sel], start[sel], length[sel]):
-            held[offs[d] + a: offs[d] + a + n] = True
-        for d in np.unique(doc[sel]):
-            seg = held[offs[d]: offs[d + 1]]
-            last = int(np.flatnonzero(seg).max())
-            out[r] += last + 1 - int(seg[: last + 1].sum())
-    return out
 
 
 def _without_few(monkeypatch) -> None:
@@ -76,8 +60,8 @@ def test_window_bodies_on_few_ranks(monkeypatch) -> None:
     old = balanced_runs(lengths, cp, masks, DEFAULT_TILE_TOKENS)
     assert body_holders(old) == cp
     assert body_holders(new) <= 3, body_holders(new)
-    f_new = _causal_fetch(*new, lengths, cp).max()
-    f_old = _causal_fetch(*old, lengths, cp).max()
+    f_new = causal_fetch(*new, lengths, cp).max()
+    f_old = causal_fetch(*old, lengths, cp).max()
     assert f_new <= 0.9 * f_old, (f_new, f_old)
 
 
@@ -128,5 +112,5 @@ def test_fetch_max_matches_dense_count(seed: int) -> None:
     pos = np.concatenate([np.arange(n) for n in lengths])
     owner = g.integers(0, cp, size=doc.size)
     runs = S._merge_runs(owner, doc, pos, np.ones_like(pos))
-    expect = _causal_fetch(*runs, lengths, cp)
+    expect = causal_fetch(*runs, lengths, cp)
     assert S._fetch_max(*runs, cp) == int(expect.max())
