@@ -56,8 +56,20 @@ def test_pieces_partition_the_document_and_fetch_less(length: int, work: float,
     assert fetch.max() <= 0.93 * (length - end - 1), (fetch.max(), length - end - 1)
 
 
+@pytest.mark.parametrize("length, work", [(489, 23889.62226667435), (2, 0.5), (21, 231 / 35)])
+def test_pieces_partition_when_the_last_is_under_a_token(length: int, work: float) -> None:
+    """Pieces are rounded end by end: where the walk's remainder is under a token it still
+    makes a piece of it (a review found position 313 of 489 in no piece)."""
+    seg, idx, hs, hl, ts, tl = nested_pieces(np.array([length]), work, 0.0)
+    count = np.zeros(length, dtype=np.int64)
+    for a, b, c, d in zip(hs, hl, ts, tl):
+        count[a:a + b] += 1
+        count[c:c + d] += 1
+    assert (count == 1).all(), np.flatnonzero(count != 1)
+
+
 def test_pieces_of_several_documents_at_once() -> None:
-    """A batch of segments walks as each alone (bisection and steps per segment)."""
+    """A batch of segments walks as each alone (the grid of F and the steps per segment)."""
     lengths = np.array([4713, 700, 3970])
     works = np.array([1.2e6, 5e4, 1.0e6])
     together = nested_pieces(lengths, works, 30.0)

@@ -84,7 +84,9 @@ def _walk(length: np.ndarray, work: np.ndarray, rho: float, fetch: np.ndarray,
     ok = np.ones(e.shape, dtype=bool)
     steps = []
     for _ in range(2 * int(np.ceil(float((e * e / (2 * work)).max()))) + 8):
-        live = (e > g + 0.5) & ok  # (an infeasible walk stops: F is too small)
+        # Live while the rounded ends differ (pieces are rounded end by end: a remainder
+        # under a token can still hold one); an infeasible walk stops (F is too small).
+        live = (np.rint(e) > np.rint(g)) & ok
         if not bool(live.any()):
             break
         w = work + rho * np.maximum(e - fetch, 0.0)
@@ -117,6 +119,8 @@ def nested_pieces(length: np.ndarray, work: np.ndarray, rho: float = 0.0
     segment's last piece may carry less): (segment, piece index, head start, head length,
     tail start, tail length), int64 arrays, segment-relative positions. Pieces partition
     each segment; piece i of a segment is meant for one rank."""
+    if length.size == 0:
+        return tuple(np.zeros(0, dtype=np.int64) for _ in range(6))
     work = np.broadcast_to(np.asarray(work, dtype=np.float64), length.shape)
     # F by one walk over a grid of ``_F_GRID`` candidates a segment (a walk costs about
     # the same on [n, K] arrays as on [n]): the least feasible; the largest, F = L (no
@@ -187,6 +191,8 @@ def place_nested(items: Items, lengths: np.ndarray, prof: Profile, cp: int,
     first = np.zeros(it.size + 1, dtype=np.int64)
     np.add.at(first, seg + 1, 1)
     first = np.cumsum(first)
+    if 2 * int(first[-1]) > cp:  # (the walk may end with one more piece than estimated)
+        return None
     rank = first[seg] + idx  # a segment's pieces on consecutive ranks
     base = items.start[it[seg]]
     rank, doc = np.concatenate([rank, rank]), np.tile(items.doc[it[seg]], 2)
@@ -206,8 +212,9 @@ def place_nested(items: Items, lengths: np.ndarray, prof: Profile, cp: int,
 def group_labels(first: np.ndarray, cp: int, block: int = _BLOCK) -> np.ndarray:
     """[cp] labels of the solver's ranks: segment s's pieces (ranks first[s] ..
     first[s+1] - 1) on consecutive labels in the first aligned block of ``block`` labels
-    with room (first fit; a segment of more pieces than a block: the first free labels),
-    the other ranks on the free labels in order. (A loop over the nested segments: at most
+    with room (first fit; a segment of more pieces than a block, or one that fits no
+    block: the lowest free labels, not always consecutive), the other ranks on the free
+    labels in order. (A loop over the nested segments: at most
     cp / 4, each has two or more pieces on at most half the ranks.)"""
     n_blocks = -(-cp // block)
     cap = np.minimum(block, cp - block * np.arange(n_blocks))

@@ -4,8 +4,9 @@ Phase 1 cuts the bodies so that every rank gets 1/cp of the excess work: one lis
 by excess per token and cut by excess alone, a dense / sparse pair cut to equal tokens and
 excess, the ``blocks`` list (remainders, then tail blocks of whole rank shares), or the
 ``split`` pair (late and early parts) cut rank by rank (with ``Variant.holders``: onto the
-first that many ranks only, :func:`holder_counts`); with ``Variant.nest``, nested.py's
-pieces go on ranks of their own instead. Phase 2 cuts the filler, as a dense
+first that many ranks only, :func:`holder_counts`). With ``Variant.nest`` (no bodies),
+nested.py's pieces of long documents go on ranks of their own first. Phase 2 cuts the
+filler, as a dense
 and a sparse list in the filler column (the mask with least work), to what phase 1 left of
 every rank's targets (tokens and that column): by the vector solver, rank by rank, or rank
 by rank over two density classes a side. Tokens and one work column then balance every mask

@@ -136,12 +136,14 @@ def _fewest_holders(units: Units, prof: Any, cp: int, var: Any, items: Items,
 
 def _exact_runs(units: Units, lay: Layout, lengths: np.ndarray, prof: Any, cp: int
                 ) -> tuple[np.ndarray, ...] | None:
-    """The merged runs of an attempt that meets the targets counted exactly on them
-    (not only on its estimate, interpolated inside cut tiles, ~4e-4 off: the ``few``
-    layouts sit nearer the targets than the others), else None."""
+    """The merged runs of an attempt that holds every token and meets the targets
+    counted exactly on its runs (not only on its estimate, interpolated inside cut tiles,
+    ~4e-4 off: the ``few`` layouts sit nearer the targets than the others), else None."""
     if _score(lay.per_rank) > 1.0:
         return None
     runs = _merge_runs(*_layout_runs(units, lay))
+    if int(runs[3].sum()) != int(lengths.sum()):  # (pieces rounded apart: never taken)
+        return None
     return runs if _score(_exact_per_rank(*runs, lengths, prof, cp)) <= 1.0 else None
 
 
