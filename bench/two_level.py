@@ -14,16 +14,25 @@ the bound of a node-level K/V exchange (``node_fetch_keys``: each node fetches t
 the keys its ranks need from other nodes once, spread over its GPUs' NICs, then shares
 them on NVLink, both links at once), and that exchange as the library builds it
 (``dispatch`` relayed through nodes, ``varlen_cp.tables.staged.relay``, on plans with a
-topology across nodes): per rank its first hop's rows (cross-node at 45, in-node at 150
-GB/s, at once), then its second hop's (in-node) in turn, as its collectives run.
+topology across nodes), over the transfers of its default stage count: per rank and
+transfer, each part on its own group after its previous one, its first hop's cross-node
+rows (45 GB/s) and in-node rows (150 GB/s), and its second hop (150 GB/s) once the ranks
+of its node (its relays) hold their cross-node rows; at least all its in-node rows on
+NVLink.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+import torch
+
+from varlen_cp.shape import AttnShape
+from varlen_cp.tables.cost_model import CostModel
 from varlen_cp.tables.selected import fetch_count_array
 from varlen_cp.tables.staged.relay import node_unions, relay_active, relay_link_counts
+from varlen_cp.tables.staged.routes import transfers
+from varlen_cp.tables.staged.timing import default_stages
 
 GPUS_PER_NODE = 8
 RATES = {"fa2": 3e14, "fa3": 5e14}
@@ -37,6 +46,17 @@ def node_fetch_keys(plan, mask, nodes: np.ndarray) -> np.ndarray:
     nodes (the relay's unions, ``relay.node_unions``, for any grouping ``nodes``)."""
     u_node, _, _, length = node_unions(plan, mask, np.asarray(nodes))
     return np.bincount(u_node, weights=length, minlength=int(nodes.max()) + 1)
+
+
+def relay_transfers(plan, mask, *, hq: int, head_dim: int, kv_bytes: int, bw_node: float,
+                    bw_net: float) -> int:
+    """The transfers relayed dispatch runs in: its default stage count (the library's
+    time model at the FA3-class rate and these links, bf16) less the local stage."""
+    hkv = kv_bytes // (2 * 2 * head_dim)
+    shape = AttnShape(n_heads=hq, n_kv_heads=hkv, head_dim=head_dim, dtype=torch.bfloat16)
+    model = CostModel(flops_per_s=RATES["fa3"], bytes_per_s=bw_node,
+                      cross_node_bytes_per_s=bw_net)
+    return transfers(default_stages(plan, mask, "dispatch", shape, model))
 
 
 def layer_figures(plan, mask, work: list[int], *, hq: int, head_dim: int, kv_bytes: int,
@@ -62,13 +82,28 @@ def layer_figures(plan, mask, work: list[int], *, hq: int, head_dim: int, kv_byt
     node_x = per_node[nodes]
     node_fetch = np.maximum((in_bytes + x_bytes) / bw_node, node_x / bw_net)
     out["node_fetch_cross_bytes_max"] = int(node_x.max())
-    # The relayed dispatch as built (on a plan across nodes; plain dispatch otherwise).
+    # The relayed dispatch as built (on a plan across nodes; plain dispatch otherwise): per
+    # rank and transfer of the library's stage count, each part on its own group after
+    # its previous one: its first hop's cross-node rows, its in-node rows, its second hop
+    # once every rank of its node (its relays) holds its cross-node rows; at least all its
+    # in-node rows on NVLink.
     if relay_active(plan):
-        hop1, hop2 = (h.sum(0) for h in relay_link_counts(plan, mask, 1)[:2])  # [recv, send]
-        x1 = 2 * (hop1 * cross).sum(1) * kv_bytes
-        in1 = 2 * (hop1 * ~cross).sum(1) * kv_bytes
-        relay = np.maximum(in1 / bw_node, x1 / bw_net) + 2 * hop2.sum(1) * kv_bytes / bw_node
-        out["relay_cross_bytes_max"] = int(x1.max())
+        parts = relay_transfers(plan, mask, hq=hq, head_dim=head_dim, kv_bytes=kv_bytes,
+                                bw_node=bw_node, bw_net=bw_net)
+        hop1, hop2 = relay_link_counts(plan, mask, parts)[:2]          # [P, recv, send]
+        x1 = 2 * (hop1 * cross).sum(2) * kv_bytes                       # [P, cp]
+        in1 = 2 * (hop1 * ~cross).sum(2) * kv_bytes
+        in2 = 2 * hop2.sum(2) * kv_bytes
+        far, near, two = np.zeros(cp), np.zeros(cp), np.zeros(cp)
+        for p in range(parts):
+            far = far + x1[p] / bw_net
+            near = near + in1[p] / bw_node
+            ready = np.zeros(int(nodes.max()) + 1)
+            np.maximum.at(ready, nodes, far)
+            two = np.maximum(two, ready[nodes]) + in2[p] / bw_node
+        relay = np.maximum(np.maximum(near, two), (in1.sum(0) + in2.sum(0)) / bw_node)
+        out["relay_cross_bytes_max"] = int(x1.sum(0).max())
+        out["relay_transfers"] = parts
     else:
         relay, out["relay_cross_bytes_max"] = traffic, int(x_bytes.max())
     for name, flops in RATES.items():

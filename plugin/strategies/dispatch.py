@@ -34,8 +34,10 @@ the node's ranks in equal chunks (each key crosses the network once per node), t
 those relays to the node mates that need them; backward, the reverse, the relay summing its
 mates' dK/dV in fp32 before the cross-node return (:class:`RelayPending`,
 :class:`RelayReturns`). Each transfer's second hop is posted right after its first (from a
-side stream on CUDA, which waits for the first hop), so transfer s + 1's two hops travel
-while s computes.
+side stream on CUDA, which waits for the first hop's cross-node rows), each part on a
+communicator of its own (``relay_group``: cross-node rows on the CP group, rows between
+node mates and the second hop on two groups of the node's CP ranks): transfer s + 1's
+cross-node rows travel while s's second hop runs on NVLink, and both while s computes.
 
 Limits: the fetched K/V are kept for the backward pass (memory: the remote keys this
 rank's queries see; with S = 1 the local ones too). Every rank plans every rank's needs as
@@ -54,6 +56,7 @@ import torch.distributed as dist
 
 from ..tables.staged import Stage
 from ..tables.staged.relay_tables import RelayStage
+from .relay_group import node_groups
 from .selected_keys import Pending, SelectedKeysStrategy, post_returns
 
 _SIDE: dict[torch.device, Any] = {}
@@ -84,30 +87,37 @@ def _a2a(out: torch.Tensor, send: torch.Tensor, out_splits, in_splits, group: An
 
 
 class RelayPending(Pending):
-    """A relayed transfer's K/V: hop 1 posted, then (on the side stream, so the host and
-    the compute stream go on) the wait for it and hop 2, the rows node mates need, into
-    the tail of the same buffer. Both hops go on the CP group's communicator in turn, so
-    the compute of transfer s waits only for s's second hop, never for s + 1's first."""
+    """A relayed transfer's K/V, each part on its own group (``relay_group``): hop 1's
+    cross-node rows on the CP group and its rows from node mates on the node's direct
+    group, posted; then (on the side stream, so the host and the compute stream go on)
+    the wait for the cross-node rows and hop 2, the rows node mates need, into the tail of
+    the same buffer, on the node's relay group. So transfer s + 1's cross-node rows travel
+    beside s's second hop, a relay forwards as soon as its cross-node rows have landed,
+    and the compute of transfer s waits only for s's own collectives."""
 
     def __init__(self, kf: torch.Tensor, vf: torch.Tensor, stage: RelayStage, group: Any
                  ) -> None:
         send = torch.cat([kf.index_select(0, stage.in_rows),
                           vf.index_select(0, stage.in_rows)], dim=1)
-        n1 = stage.n_hop1
+        nx, n1, cut = stage.n_cross, stage.n_hop1, sum(stage.in_splits)
+        direct, relay = node_groups(group, stage.mates)
         recv = kf.new_empty(n1 + sum(stage.hop2_splits), kf.shape[1] + vf.shape[1])
-        super().__init__(recv, _a2a(recv[:n1], send, stage.back_splits, stage.in_splits,
-                                    group), send)
-        self.second = self._forward(stage, group)
+        super().__init__(recv, _a2a(recv[:nx], send[:cut], stage.back_splits,
+                                    stage.in_splits, group), send)
+        self.direct = _a2a(recv[nx:n1], send[cut:], stage.direct_back_splits,
+                           stage.direct_in_splits, direct)
+        self.second = self._forward(stage, relay)
 
-    def _forward(self, st: RelayStage, group: Any) -> tuple:
-        n1 = st.n_hop1
+    def _forward(self, st: RelayStage, relay: Any) -> tuple:
         with _side(self.recv.device):
             self.work.wait()
-            send = self.recv[:n1].index_select(0, st.relay_rows)
-            return _a2a(self.recv[n1:], send, st.hop2_splits, st.relay_splits, group), send
+            send = self.recv[:st.n_cross].index_select(0, st.relay_rows)
+            return _a2a(self.recv[st.n_hop1:], send, st.hop2_splits, st.relay_splits,
+                        relay), send
 
     def result(self) -> torch.Tensor:
         work, send = self.second
+        self.direct.wait()
         work.wait()
         if send.device.type == "cuda":   # (made on the side stream, read by the collective)
             send.record_stream(torch.cuda.current_stream(send.device))
@@ -115,15 +125,18 @@ class RelayPending(Pending):
 
 
 class RelayReturns(Pending):
-    """A relayed transfer's dK/dV going home: hop 2 reversed posted (the relayed keys' rows
-    to their relays), then (side stream) what the node mates returned summed with our own
-    rows onto the hop-1 buffer, in fp32 and fixed rounds, and hop 1 reversed posted."""
+    """A relayed transfer's dK/dV going home: hop 2 reversed posted on the node's relay
+    group (the relayed keys' rows to their relays), then (side stream) what the node mates
+    returned summed with our own rows onto the hop-1 buffer, in fp32 and fixed rounds,
+    and hop 1 reversed posted: its cross-node part on the CP group, its in-node part on
+    the node's direct group."""
 
     def __init__(self, grads: torch.Tensor, stage: RelayStage, group: Any) -> None:
+        node, relay = node_groups(group, stage.mates)
         send = grads.index_select(0, stage.hop2_order)
         recv = grads.new_empty(sum(stage.relay_splits), grads.shape[1])
-        super().__init__(recv, _a2a(recv, send, stage.relay_splits, stage.hop2_splits, group),
-                         send)
+        super().__init__(recv, _a2a(recv, send, stage.relay_splits, stage.hop2_splits,
+                                    relay), send)
         own = grads.index_select(0, stage.own_slots)
         ready = _ready(grads.device)
         with _side(grads.device):
@@ -134,17 +147,22 @@ class RelayReturns(Pending):
             rows.index_copy_(0, stage.own_rows, own.float())
             stage.relay_rounds.add_(rows, recv.float())
             send = rows.to(own.dtype)
-            out = send.new_empty(sum(stage.in_splits), send.shape[1])
-            self.second = (_a2a(out, send, stage.in_splits, stage.back_splits, group), out,
-                           send)
+            out = send.new_empty(sum(stage.in_splits) + sum(stage.direct_in_splits),
+                                 send.shape[1])
+            nx, cut = stage.n_cross, sum(stage.in_splits)
+            self.second = (_a2a(out[:cut], send[:nx], stage.in_splits, stage.back_splits,
+                                group),
+                           _a2a(out[cut:], send[nx:], stage.direct_in_splits,
+                                stage.direct_back_splits, node), out, send)
             if send.device.type == "cuda":   # made on the compute stream, read here
                 own.record_stream(torch.cuda.current_stream(send.device))
                 recv.record_stream(torch.cuda.current_stream(send.device))
         self.recv = None
 
     def result(self) -> torch.Tensor:
-        work, out, send = self.second
-        work.wait()
+        far, near, out, send = self.second
+        far.wait()
+        near.wait()
         if out.device.type == "cuda":    # (made on the side stream, read here)
             stream = torch.cuda.current_stream(out.device)
             out.record_stream(stream)

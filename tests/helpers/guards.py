@@ -39,12 +39,14 @@ def forbid_host_reads():
 
 class ByteCounter:
     """Counts the bytes this rank sends through the collectives the strategies call:
-    ``total``, and ``by_peer`` (global rank of the receiver -> bytes)."""
+    ``total``, and ``by_peer`` (global rank of the receiver -> bytes); ``a2a_sizes``: the
+    size of the group of each all-to-all, in call order."""
 
     def __init__(self):
         from varlen_cp.strategies import all_gather
         self.total = 0
         self.by_peer: dict[int, int] = {}
+        self.a2a_sizes: list[int] = []
         self._ag = all_gather
         self._saved = (dist.batch_isend_irecv, dist.all_to_all_single,
                        all_gather._all_gather_single)
@@ -69,6 +71,7 @@ class ByteCounter:
                 **kw):
             row = input[0].numel() * input.element_size() if input.shape[0] else 0
             me = dist.get_rank(group)
+            self.a2a_sizes.append(dist.get_world_size(group))
             for j, rows in enumerate(input_split_sizes):
                 if j != me:
                     add(global_of(group, j), row * rows)

@@ -1,7 +1,9 @@
 """``dispatch`` relayed through nodes (``tables.staged.relay``) on gloo: 4 ranks on 2 nodes
 (2 + 2 and 3 + 1), every layout x mask of the CP grid and S = 1, 2, 3, 5: out, lse, dq, dk, dv
 equal the single-device op (fp32), and in fp16 the bytes each rank posts to each peer equal
-the traffic matrix (both hops, forward and backward). Some cases must relay keys from one
+the traffic matrix (both hops, forward and backward), each transfer's cross-node rows on
+the CP group and its in-node rows (the first hop's and the second hop) on the node's own
+group. Some cases must relay keys from one
 rank to another inside a node (else the second hop went untested)."""
 
 from __future__ import annotations
@@ -60,11 +62,19 @@ def relay_worker(rank, world):
             shape = AttnShape(n_heads=hq, n_kv_heads=hkv, head_dim=D, head_dim_v=DV,
                               dtype=torch.float16)
             matrix = catalogue.traffic_of("dispatch", plan, mask, shape, None)
+            mates = nodes.count(nodes[rank])
             for phase, counter in (("fwd", fwd), ("bwd", bwd)):
                 row = {d: int(b) for d, b in enumerate(matrix[phase][rank]) if b}
                 sent = {d: b for d, b in counter.by_peer.items() if b}
                 if sent != row:
                     errors.append(f"{what} {phase}: sent {sent}, traffic matrix {row}")
+                # each transfer: hop 1's cross-node rows on the CP group, its in-node rows
+                # and hop 2 on the node's own group
+                sizes = counter.a2a_sizes
+                if not sizes or sizes.count(mates) != 2 * sizes.count(world) \
+                        or len(sizes) != 3 * sizes.count(world):
+                    errors.append(f"{what} {phase}: all-to-all group sizes {sizes}, "
+                                  f"node of {mates}")
             n += 1
     assert not errors, "\n".join(errors)
     return n, relayed

@@ -1,5 +1,7 @@
 """Relayed dispatch tables (``tables.staged.relay``) run through on the host for every rank
-at once: the two hops and their reverse simulated with the tables' splits and rows, against
+at once: the two hops (the first's rows from other nodes on the CP group, its rows from
+node mates and the second hop inside each node, on the node's own group) and their reverse
+simulated with the tables' splits and rows, against
 the per-key reference (``tests/staged_reference.select_keys``): every rank's calls get
 exactly the keys its queries see, in selection order, and every owner gets each key's
 gradient summed over exactly the ranks that see it. Also the routes' counts: the first
@@ -57,6 +59,23 @@ def _alltoall(sends: list[torch.Tensor], send_splits: list, recv_splits: list
     return out
 
 
+def _in_nodes(sends: list[torch.Tensor], send_splits: list, recv_splits: list, st: list
+              ) -> list[torch.Tensor]:
+    """Hop 2 (or its reverse) on each node's own group: splits indexed by ``mates``, the
+    node's CP ranks in CP order, the same list on every rank of the node."""
+    cp = len(sends)
+    for s in st:
+        assert all(st[m].mates == s.mates for m in s.mates)
+
+    def full(splits, mates):
+        out = [0] * cp
+        for m, n in zip(mates, splits):
+            out[m] = n
+        return out
+    return _alltoall(sends, [full(sp, s.mates) for sp, s in zip(send_splits, st)],
+                     [full(sp, s.mates) for sp, s in zip(recv_splits, st)])
+
+
 @pytest.mark.parametrize("seed", range(24))
 def test_relay_moves_every_key_once_each_way(seed):
     rng = random.Random(seed)
@@ -75,10 +94,20 @@ def test_relay_moves_every_key_once_each_way(seed):
     acc = [torch.zeros(k.shape[0], dtype=torch.float64) for k in keys]
     for p in range(n_stages.pop()):
         st = [t.stages[p] for t in tabs]
-        recv1 = _alltoall([keys[r][s.in_rows] for r, s in enumerate(st)],
-                          [s.in_splits for s in st], [s.back_splits for s in st])
-        recv2 = _alltoall([recv1[r][s.relay_rows] for r, s in enumerate(st)],
-                          [s.relay_splits for s in st], [s.hop2_splits for s in st])
+        # hop 1: rows from other nodes on the CP group, then from node mates on the node's
+        sends = [keys[r][s.in_rows] for r, s in enumerate(st)]
+        cut = [sum(s.in_splits) for s in st]
+        far = _alltoall([x[:c] for x, c in zip(sends, cut)], [s.in_splits for s in st],
+                        [s.back_splits for s in st])
+        near = _in_nodes([x[c:] for x, c in zip(sends, cut)],
+                         [s.direct_in_splits for s in st], [s.direct_back_splits for s in st],
+                         st)
+        recv1 = [torch.cat([a, b]) for a, b in zip(far, near)]
+        for r, s in enumerate(st):
+            assert not any(s.in_splits[m] or s.back_splits[m] for m in s.mates)
+            assert recv1[r].shape[0] == s.n_hop1 and far[r].shape[0] == s.n_cross
+        recv2 = _in_nodes([recv1[r][s.relay_rows] for r, s in enumerate(st)],
+                          [s.relay_splits for s in st], [s.hop2_splits for s in st], st)
         calls = []
         for r, s in enumerate(st):
             fetched = torch.cat([recv1[r], recv2[r]])[s.gather]
@@ -93,14 +122,19 @@ def test_relay_moves_every_key_once_each_way(seed):
             got[r].append(call)
         # backward: each call slot's gradient is a function of (rank, owner, row)
         grads = [c[:, 0] * 1000 + c[:, 1] + r * 1e6 for r, c in enumerate(calls)]
-        back2 = _alltoall([g[s.hop2_order] for g, s in zip(grads, st)],
-                          [s.hop2_splits for s in st], [s.relay_splits for s in st])
+        back2 = _in_nodes([g[s.hop2_order] for g, s in zip(grads, st)],
+                          [s.hop2_splits for s in st], [s.relay_splits for s in st], st)
         g1 = []
         for r, s in enumerate(st):
             buf = torch.zeros(s.n_hop1, dtype=torch.float64)
             buf[s.own_rows] = grads[r][s.own_slots]
             g1.append(s.relay_rounds.add_(buf, back2[r]))
-        back1 = _alltoall(g1, [s.back_splits for s in st], [s.in_splits for s in st])
+        far = _alltoall([g[:s.n_cross] for g, s in zip(g1, st)], [s.back_splits for s in st],
+                        [s.in_splits for s in st])
+        near = _in_nodes([g[s.n_cross:] for g, s in zip(g1, st)],
+                         [s.direct_back_splits for s in st], [s.direct_in_splits for s in st],
+                         st)
+        back1 = [torch.cat([a, b]) for a, b in zip(far, near)]
         for r, s in enumerate(st):
             s.rounds.add_(acc[r], back1[r])
             if s.local_slots is not None:
@@ -169,10 +203,10 @@ def test_relay_only_on_plans_across_nodes_with_shared_nodes():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_timing_counts_both_hops_on_their_links(seed):
-    """The staged time model's communication for relayed dispatch: per transfer, each hop
-    timed on its links (the slowest rank's rows in or out, in-node and cross-node at once),
-    the hops in turn, the second one more collective's latency, forward and backward (a
-    loop over ranks and hops)."""
+    """The staged time model's communication for relayed dispatch: per transfer, the first
+    hop's cross-node rows and its in-node rows, and the second hop, each timed on its
+    links (the slowest rank's rows in or out), the two on the node's group one more
+    collective's latency each, forward and backward (a loop over ranks and hops)."""
     from varlen_cp.shape import AttnShape
     from varlen_cp.tables.cost_model import CostModel
     from varlen_cp.tables.staged import staged_time
@@ -182,22 +216,79 @@ def test_timing_counts_both_hops_on_their_links(seed):
     stages = (2, 3, 4)[seed % 3]
     shape = AttnShape(n_heads=8, n_kv_heads=2, head_dim=32)
     model = CostModel(bytes_per_s=1e11, cross_node_bytes_per_s=1e10)
-    hops = relay_link_counts(plan, mask, stages - 1)[:2]
     got = staged_time("dispatch", plan, mask, shape, model, stages)
-    want = 0.0
-    cp = len(nodes)
-    for hop in hops:
-        for rows in hop:                                    # [receiver, sender]
-            worst = 0.0
-            for r in range(cp):
-                same = [o for o in range(cp) if nodes[o] == nodes[r]]
-                other = [o for o in range(cp) if nodes[o] != nodes[r]]
-                inside = max(rows[r, same].sum(), rows[same, r].sum()) * shape.kv_row
-                cross = max(rows[r, other].sum(), rows[other, r].sum()) * shape.kv_row
-                worst = max(worst, inside / 1e11, cross / 1e10)
-            want += 2 * worst                               # forward and backward
-    want += 2 * hops[1].shape[0] * model.stage_latency_s   # the second collectives
+    chains = _chains(relay_link_counts(plan, mask, stages - 1)[:2], nodes, shape.kv_row,
+                     1e11, 1e10)
+    want = 2 * sum(map(sum, chains))                        # forward and backward
+    want += 2 * 2 * len(chains[0]) * model.stage_latency_s  # the node group's collectives
     assert got.comm_s == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def _chains(hops, nodes, row: int, bw: float, bw_cross: float) -> list[list[float]]:
+    """Per transfer, the seconds of relayed dispatch's three collectives: the first hop's
+    cross-node rows, its in-node rows, the second hop; each the slowest rank's rows in or
+    out on its link (a loop over ranks)."""
+    cp = len(nodes)
+
+    def worst(rows, keep) -> float:
+        out = 0.0
+        for r in range(cp):
+            peers = [o for o in range(cp) if keep(nodes[o] == nodes[r])]
+            n = max(rows[r, peers].sum(), rows[peers, r].sum()) * row
+            out = max(out, n / (bw if keep(True) else bw_cross))
+        return out
+    hop1, hop2 = hops
+    return [[worst(x, lambda same: not same) for x in hop1],
+            [worst(x, lambda same: same) for x in hop1],
+            [worst(x, lambda same: True) for x in hop2]]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_timing_runs_the_second_hop_beside_the_next_first(seed):
+    """With compute free, the staged time of relayed dispatch is its three groups' chains
+    of collectives: forward, transfer p's cross-node rows (CP group) and its in-node rows
+    (direct group) each after its group's previous one and stage p - 2's call (its post),
+    its second hop (relay group) after the previous one and its cross-node rows (not after
+    the next transfer's); backward, the second hop reversed, then the cross-node rows and
+    the in-node rows, each after its group's previous collective, stage p's after return
+    p - 2 has landed (a loop over transfers on the collectives' seconds). Shorter than
+    the collectives in turn wherever two groups move."""
+    from varlen_cp.shape import AttnShape
+    from varlen_cp.tables.cost_model import CostModel
+    from varlen_cp.tables.staged import staged_time
+    rng = random.Random(500 + seed)
+    nodes = NODES[seed % len(NODES)]
+    plan, mask = _plan(rng, nodes), MASKS[seed % len(MASKS)]
+    stages = (3, 4, 6)[seed % 3]
+    shape = AttnShape(n_heads=8, n_kv_heads=2, head_dim=32)
+    model = CostModel(flops_per_s=1e30, memory_bytes_per_s=1e30, bytes_per_s=1e9,
+                      cross_node_bytes_per_s=1e8, stage_latency_s=0.0)
+    far, near, two = _chains(relay_link_counts(plan, mask, stages - 1)[:2], nodes,
+                             shape.kv_row, 1e9, 1e8)
+    end_cp = end_direct = end_relay = posted = done = 0.0
+    serial = 0.0
+    for x, d, h2 in zip(far, near, two):
+        end_cp = max(end_cp, posted) + x
+        end_direct = max(end_direct, posted) + d
+        end_relay = max(end_relay, end_cp) + h2
+        posted = done                    # the next transfer goes out after this call
+        done = max(done, end_direct, end_relay)
+        serial += x + d + h2
+    ret = [0.0, 0.0, 0.0]  # the previous ends: CP, direct, relay group
+    landed = [0.0, 0.0]    # return p - 1 landed, then p's
+    for x, d, h2 in zip(far, near, two):
+        # stage p computes once return p - 2 has landed (its fold), then posts its return
+        ret[2] = max(ret[2], landed[-2]) + h2
+        ret[0] = max(ret[0], ret[2]) + x
+        ret[1] = max(ret[1], ret[2]) + d
+        landed.append(max(landed[-1], ret[0], ret[1]))
+    ret_cp, ret_node = ret[0], ret[1]
+    got = staged_time("dispatch", plan, mask, shape, model, stages)
+    assert got.forward_s == pytest.approx(done, rel=1e-6, abs=1e-12)
+    assert got.backward_s == pytest.approx(max(ret_cp, ret_node), rel=1e-6, abs=1e-12)
+    if sum(far) > 0 and sum(two) > 0 and len(far) > 1:
+        assert got.forward_s < serial
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -38,16 +38,21 @@ _BIG = 1 << 40
 class RelayStage:
     """One transfer of relayed ``dispatch`` for one rank (host tensors, or device copies).
 
-    Forward: send local rows ``in_rows`` (``in_splits`` to each rank) and receive
-    ``back_splits`` rows from each (hop 1); forward rows ``relay_rows`` of that buffer
-    (``relay_splits`` to each node mate) and receive ``hop2_splits`` from each relay (hop
-    2); ``gather`` picks the call's fetched keys from the two buffers laid back to back
-    (S = 1: into ``remote_slots``, local rows ``local_rows`` into ``local_slots``).
-    Backward: call slots ``hop2_order`` go back to the relays (hop 2 reversed); the rows
-    the node mates return are summed onto hop-1 rows in ``relay_rounds`` (rows
-    ``relay_rows``), with our own slots ``own_slots`` at hop-1 rows ``own_rows``; the
-    hop-1 buffer goes back to the senders, and what we receive lands on local rows
-    ``in_rows`` in ``rounds`` (as plain dispatch's returns)."""
+    Forward, hop 1: send local rows ``in_rows`` (``in_splits`` to each rank of other nodes
+    on the CP group, then ``direct_in_splits`` to each node mate on the node's group) and
+    receive ``back_splits`` rows from each rank of other nodes and ``direct_back_splits``
+    from each mate, into one buffer in that order (``n_cross`` rows, then the mates');
+    hop 2, on the node's group: forward rows ``relay_rows`` of the cross-node part
+    (``relay_splits`` to each mate) and receive ``hop2_splits`` from each relay. The
+    node's lists are indexed by ``mates``, the CP ranks of this rank's node in CP order,
+    itself included. ``gather`` picks the call's fetched keys from the two buffers laid
+    back to back (S = 1: into ``remote_slots``, local rows ``local_rows`` into
+    ``local_slots``). Backward: call slots ``hop2_order`` go back to the relays (hop 2
+    reversed); the rows the node mates return are summed onto hop-1 rows in
+    ``relay_rounds`` (rows ``relay_rows``), with our own slots ``own_slots`` at hop-1 rows
+    ``own_rows``; the hop-1 buffer goes back to the senders (its two parts on their two
+    groups), and what we receive lands on local rows ``in_rows`` in ``rounds`` (as plain
+    dispatch's returns)."""
 
     call: KernelCall | None
     n_keys: int
@@ -63,13 +68,21 @@ class RelayStage:
     own_rows: torch.Tensor
     relay_rounds: UniqueRounds
     rounds: UniqueRounds
+    mates: tuple[int, ...]
+    direct_in_splits: tuple[int, ...]
+    direct_back_splits: tuple[int, ...]
     remote_slots: torch.Tensor | None = None
     local_slots: torch.Tensor | None = None
     local_rows: torch.Tensor | None = None
 
     @property
-    def n_hop1(self) -> int:
+    def n_cross(self) -> int:
+        """Rows of hop 1's buffer from other nodes (its first part)."""
         return sum(self.back_splits)
+
+    @property
+    def n_hop1(self) -> int:
+        return self.n_cross + sum(self.direct_back_splits)
 
     def to(self, device: torch.device) -> "RelayStage":
         names = ("gather", "in_rows", "relay_rows", "hop2_order", "own_slots", "own_rows",
@@ -174,18 +187,27 @@ def relay_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int]
     hop2_all = _hop2_in(plan, mask, rank, parts_in, nodes, n_parts)
     one = stages == 1
     sel = selection_runs(plan, mask, rank) if one else None
+    mates = members[nodes[rank]]
+    mates = mates[mates >= 0]   # this rank's node, in CP order: hop 2's group
+    mate = np.zeros(cp, dtype=bool)
+    mate[mates] = True
+    # hop 1's buffer: the rows from other nodes' ranks (CP group), then the mates' (node
+    # group), each part in CP order
+    by_part = np.argsort(np.where(mate, cp, 0) + np.arange(cp), kind="stable")
     parts, keys = [], []
     for p in range(n_parts):
         hop1_in, hop2_in = routes.hop1[p, rank], hop2_all[p]
-        blk1 = np.cumsum(hop1_in) - hop1_in
+        blk1 = np.empty(cp, dtype=np.int64)
+        blk1[by_part] = np.cumsum(hop1_in[by_part]) - hop1_in[by_part]
         blk2 = np.cumsum(hop2_in) - hop2_in
         n1 = int(hop1_in.sum())
-        # owner: our rows per receiver, in the receiver's order
+        # owner: our rows per receiver (other nodes first), in the receiver's order
         here = np.flatnonzero(s_stage == p)
-        order = here[np.lexsort((s_place[here], s_dest[here]))]
+        order = here[np.lexsort((s_place[here], s_dest[here], mate[s_dest[here]]))]
         in_start, in_len = s_row[order], s_len[order]
         in_rows = run_rows(in_start, in_len)
-        in_splits = np.bincount(s_dest[order], weights=s_len[order], minlength=cp)
+        in_splits = np.bincount(s_dest[order], weights=s_len[order],
+                                minlength=cp).astype(np.int64)
         # relay: hop-1 rows per mate, in buffer order
         here = np.flatnonzero(r_stage == p)
         r_buf = blk1[r_owner[here]] + r_place[here]
@@ -208,11 +230,13 @@ def relay_tables(plan: CPPlan, mask: AttnMask, rank: int, block: tuple[int, int]
         order2 = np.flatnonzero(two)[np.argsort(buf[two], kind="stable")]
         fields = dict(
             gather=_tensor(run_rows(buf, mine.length)),
-            in_rows=_tensor(in_rows), in_splits=tuple(in_splits.astype(np.int64).tolist()),
-            back_splits=tuple(hop1_in.tolist()),
+            in_rows=_tensor(in_rows), in_splits=tuple(np.where(mate, 0, in_splits).tolist()),
+            back_splits=tuple(np.where(mate, 0, hop1_in).tolist()),
+            direct_in_splits=tuple(in_splits[mates].tolist()),
+            direct_back_splits=tuple(hop1_in[mates].tolist()),
             relay_rows=_tensor(relay_rows),
-            relay_splits=tuple(relay_splits.astype(np.int64).tolist()),
-            hop2_splits=tuple(hop2_in.tolist()),
+            relay_splits=tuple(relay_splits[mates].astype(np.int64).tolist()),
+            hop2_splits=tuple(hop2_in[mates].tolist()), mates=tuple(mates.tolist()),
             hop2_order=_tensor(run_rows(slots[order2], mine.length[order2])),
             own_slots=_tensor(run_rows(slots[~two], mine.length[~two])),
             own_rows=_tensor(run_rows(buf[~two], mine.length[~two])),

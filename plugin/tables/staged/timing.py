@@ -7,9 +7,13 @@ fetched stage's pairs are the rank's pairs with each owner's keys in proportion 
 owner's keys in it, plus ``stage_latency_s`` and the fold's memory traffic), t_s the
 transfer of stage s (the most K/V rows a rank sends or receives in it, those of its own
 node / bytes_per_s and those of other nodes / cross_node_bytes_per_s on their own links,
-the longer; t_0 = 0: the local keys need none; dispatch relayed through nodes: its two
-hops' in turn, plus one ``stage_latency_s``). The forward posts stage s+1 when stage s-1 has
-computed, so with equal ranks
+the longer; t_0 = 0: the local keys need none). Dispatch relayed through nodes moves a
+transfer in three collectives, each on its own group (``strategies.relay_group``): its
+first hop's cross-node rows on the CP group, its in-node rows on the node's direct group,
+its second hop (after the cross-node rows have landed) on the node's relay group, the
+last two one more ``stage_latency_s`` each; each waits only for its group's previous one
+(and its post), and stage s computes once all three have landed.
+The forward posts stage s+1 when stage s-1 has computed, so with equal ranks (one hop)
 
     forward  = t_0 + sum_{s=0..S-1} max(c_s, t_{s+1})       (t_S = 0)
 
@@ -27,6 +31,8 @@ unfused fold (T x Hq x Dv x (16 + dtype bytes) of memory traffic, 0.2 ms at 8K t
 heads, bf16 on an H100), and never more memory than the call without overlap.
 
 Limits: latency and fold traffic are two constants of the cost model, not measured; a
+relay's three groups are timed as running at once (no GPU has measured it yet), and its
+two node groups' NVLink rows as not slowing each other; a
 stage's compute is proportional within an owner's keys; kernels are assumed not to slow
 down when a transfer runs beside them.
 """
@@ -133,31 +139,44 @@ def _simulate(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape, model: 
         return model.link_seconds(np.maximum(inside.sum(2), inside.sum(1)) * row,
                                   cross_rows).max(1)
 
-    # dK/dV returns (and dispatch's sends: the same rows); a relay's two hops in turn, the
-    # second one more collective's latency
+    # dK/dV returns (and dispatch's sends: the same rows) per transfer, on three chains
+    # of collectives (the CP group, a relay's direct and relay groups): a relay's first
+    # hop's cross-node rows, its in-node rows, its second hop (each node-group collective
+    # one more latency); else the one hop on the CP group.
     n_hops = len(links[0]) - 1
-    back_all = (sum(hop_seconds(np.concatenate([lk[h] for lk in links]))
-                    for h in range(n_hops)) + (n_hops - 1) * model.stage_latency_s).tolist()
+    rows_of = [np.concatenate([lk[h] for lk in links]) for h in range(n_hops)]
+    n_all = rows_of[0].shape[0]
+    if n_hops == 2:
+        lat = model.stage_latency_s
+        chains = [hop_seconds(rows_of[0] * cross_mask),
+                  hop_seconds(rows_of[0] * ~cross_mask) + lat, hop_seconds(rows_of[1]) + lat]
+    else:
+        chains = [hop_seconds(rows_of[0]), np.zeros(n_all), np.zeros(n_all)]
+    chains = [c.tolist() for c in chains]
     peers_in = np.bincount(nodes, minlength=int(nodes.max()) + 1)[nodes] - 1
     peers_cross = cp - 1 - peers_in
     out: dict[int, StagedTime] = {}
-    piped = []   # (S, its index, send, back, compute, comm, bound) of the S that overlap
+    piped = []   # (S, its index, sends, backs, compute, comm, bound) of the S that overlap
     for i, stages in enumerate(stage_list):
         a, n_parts = int(first[i]), sizes[i]
-        back = back_all[a:a + n_parts]
+        back = tuple(c[a:a + n_parts] for c in chains)
         if name == "dispatch":
             send = back
         else:   # every rank sends (cp - 1) copies of its slice, to its node and others
-            send = [float(model.link_seconds(peers_in * (hi - lo) * row,
-                                             peers_cross * (hi - lo) * row).max())
-                    for lo, hi in gather_stage_rows(plan, transfers(stages))]
+            send = ([float(model.link_seconds(peers_in * (hi - lo) * row,
+                                              peers_cross * (hi - lo) * row).max())
+                     for lo, hi in gather_stage_rows(plan, transfers(stages))],
+                    [0.0] * n_parts, [0.0] * n_parts)
         work = int((r.local + pairs_all[a:a + n_parts].sum(0)).max())
         compute = work * (f_fwd + f_bwd) / rate
-        comm = sum(send) + sum(back)
-        bound = max(work * f_fwd / rate, sum(send)) + max(work * f_bwd / rate, sum(back))
+        comm = sum(map(sum, send)) + sum(map(sum, back))
+        # each phase's transfers at no cost beyond their links: the three chains side by
+        # side
+        bound = max(work * f_fwd / rate, *map(sum, send)) \
+            + max(work * f_bwd / rate, *map(sum, back))
         if stages == 1 or n_parts == 0:   # one exchange, one call: nothing overlaps
-            fwd = sum(send) + work * f_fwd / rate
-            bwd = work * f_bwd / rate + sum(back)
+            fwd = sum(map(sum, send)) + work * f_fwd / rate
+            bwd = work * f_bwd / rate + sum(map(sum, back))
             out[stages] = StagedTime(1, fwd, bwd, compute, comm, bound)
         else:
             piped.append((stages, i, send, back, compute, comm, bound))
@@ -170,11 +189,13 @@ def _simulate(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape, model: 
     return out
 
 
-def _pipelines(spans: list[tuple[int, int, list[float], list[float]]], pairs_all: np.ndarray,
-               r: _Rates, shape: AttnShape, model: CostModel) -> tuple[list[int], list[int]]:
+def _pipelines(spans: list[tuple[int, int, tuple, tuple]], pairs_all: np.ndarray, r: _Rates,
+               shape: AttnShape, model: CostModel) -> tuple[list[int], list[int]]:
     """Forward and backward end times (int femtoseconds, slowest rank) of the staged
     pipelines of several stage counts side by side: ``spans`` gives each one's first row and
-    stage count in ``pairs_all`` [sum P, cp] and its transfer and return seconds."""
+    stage count in ``pairs_all`` [sum P, cp] and its transfer and return seconds per
+    transfer on each of three chains (``_simulate``: a relay's cross-node rows, in-node
+    rows, second hop; 0 on the last two but for a relay)."""
     f_fwd, f_bwd = _flops_per_pair(shape)
     rate, mem, b = model.flops_per_s, model.memory_bytes_per_s, shape.dtype_bytes
     up = (b + 4) if b != 4 else 0          # a conversion to fp32 and back, per element
@@ -192,13 +213,14 @@ def _pipelines(spans: list[tuple[int, int, list[float], list[float]]], pairs_all
     n = np.array([k for _, k, _, _ in spans], dtype=np.int64)
     c = np.zeros((n_s, most, cp), dtype=np.int64)
     bb = np.zeros((n_s, most, cp), dtype=np.int64)
-    send_fs = np.zeros((n_s, most), dtype=np.int64)
-    back_fs = np.zeros((n_s, most), dtype=np.int64)
+    send_fs = np.zeros((3, n_s, most), dtype=np.int64)   # [chain, S, transfer]
+    back_fs = np.zeros((3, n_s, most), dtype=np.int64)
     folds = np.zeros((n_s, cp), dtype=bool)        # 2+ partials on this rank
     for j, (a, k, send, back) in enumerate(spans):
         c[j, :k], bb[j, :k] = c_all[a:a + k], bb_all[a:a + k]
-        send_fs[j, :k] = [_fs(x) for x in send]
-        back_fs[j, :k] = [_fs(x) for x in back]
+        for h in range(3):
+            send_fs[h, j, :k] = [_fs(x) for x in send[h]]
+            back_fs[h, j, :k] = [_fs(x) for x in back[h]]
         folds[j] = live_all[a:a + k].any(0)
     # the local calls (+ out / dq to fp32 and back when partials fold)
     c0 = r.local * _fs(f_fwd / rate) + np.where(folds, r.elems_o * _fs(2 * up / mem), 0)
@@ -208,35 +230,48 @@ def _pipelines(spans: list[tuple[int, int, list[float], list[float]]], pairs_all
 
 def _forward_ends(c0: np.ndarray, c: np.ndarray, send_fs: np.ndarray, n: np.ndarray
                   ) -> list[int]:
-    """Forward: the local call, then transfer p ends for all ranks at once, after the
-    previous one and its post (when the previous stage's call ended on every rank); stage p
-    computes after both. [S, P, cp] costs, [S] stage counts ``n``: each S's end."""
+    """Forward: the local call, then per transfer p, each collective ending for all ranks
+    at once: its CP-group hop after the previous one and its post (when the previous
+    stage's call ended on every rank); a relay's in-node rows after the previous ones and
+    the post (the node's direct group), its second hop after the previous one and its
+    cross-node rows (the relay group); stage p computes after all. [S, P, cp] costs, [3,
+    S, P] chain seconds (``_pipelines``), [S] stage counts ``n``: each S's end."""
     ends = c0                              # end of the last computed stage, per rank
-    last = np.zeros(n.size, dtype=np.int64)    # the previous transfer's end
+    last = np.zeros((3, n.size), dtype=np.int64)   # the previous ends: CP, direct, relay
     posted = np.zeros(n.size, dtype=np.int64)  # this one's post
     for p in range(c.shape[1]):
         on = p < n
-        new_last = np.maximum(last, posted) + send_fs[:, p]
+        far = np.maximum(last[0], posted) + send_fs[0, :, p]
+        near = np.maximum(last[1], posted) + send_fs[1, :, p]
+        two = np.maximum(last[2], far) + send_fs[2, :, p]
         posted = np.where(on, ends.max(1), posted)
-        last = np.where(on, new_last, last)
-        ends = np.where(on[:, None], np.maximum(ends, last[:, None]) + c[:, p], ends)
+        last = np.where(on, np.stack([far, near, two]), last)
+        landed = np.maximum(last[1], last[2])
+        ends = np.where(on[:, None], np.maximum(ends, landed[:, None]) + c[:, p], ends)
     return ends.max(1).tolist()
 
 
 def _backward_ends(b0: np.ndarray, bb: np.ndarray, back_fs: np.ndarray, n: np.ndarray
                    ) -> list[int]:
-    """Backward: the fetched stages, posting each return; the returns of stage p folded
-    before stage p + 2 computes; the local call last (``returned[:, p]``: return p - 1
-    landed). Each S's end."""
+    """Backward: the fetched stages, posting each return (a relay's: its second hop
+    reversed on the relay group, then its first hop's cross-node rows on the CP group and
+    its in-node rows on the direct group, each after its group's previous one); the
+    returns of stage p folded before stage p + 2 computes; the local call last
+    (``returned[:, p]``: return p - 1 landed). Each S's end."""
     n_s, most, cp = bb.shape
     ends = np.zeros((n_s, cp), dtype=np.int64)
     returned = np.zeros((n_s, most + 1), dtype=np.int64)
+    last = np.zeros((3, n_s), dtype=np.int64)   # the previous ends: CP, direct, relay
     for p in range(most):
         on = p < n
         gate = returned[:, p - 1] if p >= 1 else 0
         ends = np.where(on[:, None], np.maximum(ends, np.reshape(gate, (-1, 1))) + bb[:, p],
                         ends)
-        returned[:, p + 1] = np.maximum(returned[:, p], ends.max(1)) + back_fs[:, p]
+        two = np.maximum(last[2], ends.max(1)) + back_fs[2, :, p]
+        far = np.maximum(last[0], two) + back_fs[0, :, p]
+        near = np.maximum(last[1], two) + back_fs[1, :, p]
+        last = np.stack([far, near, two])
+        returned[:, p + 1] = np.maximum(returned[:, p], np.maximum(far, near))
     pick = np.arange(n_s)
     start = np.maximum(ends, np.where(n >= 2, returned[pick, n - 1], 0)[:, None])
     return np.maximum((start + b0).max(1), returned[pick, n]).tolist()
