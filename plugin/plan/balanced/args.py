@@ -1,6 +1,6 @@
 """The balanced layout's arguments and targets: the model's masks with their layer counts,
-the default tile size, the balance the layout aims at, and the exact work of a document's
-prefix.
+the default tile size, the balance the layout aims at, the exact work of a document's
+prefix and of runs per rank.
 
 Everything here is checked or computed before any planning (the layout's spec,
 ``plan.layout_spec.Balanced``, checks its fields with these); the other modules of the
@@ -58,3 +58,15 @@ def prefix_work(doc_len: Any, stop: Any, mask: AttnMask) -> np.ndarray:
     tests."""
     return np.asarray(prefix_pairs(np.asarray(doc_len, dtype=np.int64),
                                    np.asarray(stop, dtype=np.int64), mask))
+
+
+def runs_per_rank(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, length: np.ndarray,
+                  lengths: np.ndarray, masks: Any, cp: int) -> np.ndarray:
+    """float64 [cp, 1+M]: each rank's tokens and work under each of ``masks`` (AttnMask
+    per column), counted from runs (rank, document, start, length) with the closed forms
+    of ``runs.prefix_pairs``: the layout of ``phases.Layout.per_rank``."""
+    dl = lengths[doc]
+    cols = [length] + [prefix_pairs(dl, start + length, m) - prefix_pairs(dl, start, m)
+                       for m in masks]
+    return np.stack([np.bincount(rank, weights=c.astype(np.float64), minlength=cp)
+                     for c in cols], 1)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..runs import prefix_pairs
+from .args import runs_per_rank
 from .items import POSITION_ORDER, Items
 from .profile import Profile
 
@@ -199,12 +199,8 @@ def place_nested(items: Items, lengths: np.ndarray, prof: Profile, cp: int,
     start, length = np.concatenate([base + hs, base + ts]), np.concatenate([hl, tl])
     keep = length > 0
     rank, doc, start, length = rank[keep], doc[keep], start[keep], length[keep]
-    dl = lengths[doc]
-    cols = [length] + [prefix_pairs(dl, start + length, m) - prefix_pairs(dl, start, m)
-                       for m in prof.masks]
-    cum = np.zeros((cp + 1, len(cols)), dtype=np.float64)
-    cum[1:] = np.stack([np.bincount(rank, weights=c.astype(np.float64), minlength=cp)
-                        for c in cols], 1).cumsum(0)
+    cum = np.zeros((cp + 1, 1 + len(prof.masks)), dtype=np.float64)
+    cum[1:] = runs_per_rank(rank, doc, start, length, lengths, prof.masks, cp).cumsum(0)
     return Nested((rank, doc, start, length), cum, placed, lead, int(first[-1]),
                   group_labels(first, cp))
 

@@ -138,12 +138,8 @@ def solve_attempt(units: Units, prof: Profile, cp: int, var: Variant, items: Ite
         if nested is None:
             return st.fail
         b_val = b_val + nested.cum
-    lay = _cut_filler(units, prof, var, items, lengths, st, lists, cuts, b_val, cache,
-                      nested)
-    if nested is not None and lay.lists:
-        lay.fixed, lay.labels = nested.runs, nested.labels
-        lay.per_rank = lay.per_rank + np.diff(nested.cum, axis=0)
-    return lay
+    return _cut_filler(units, prof, var, items, lengths, st, lists, cuts, b_val, cache,
+                       nested)
 
 
 def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
@@ -328,8 +324,7 @@ def _cut_filler(units: Units, prof: Profile, var: Variant, items: Items,
         sl = density_classes(units, fill & ~is_dense, dens, st.item_t, spread, 2, tok_budget)
         f_tok[-1] = sum(lst.total for lst in dl + sl)
         lists = lists + dl + sl
-        cuts = cuts + rank_cut(dl, sl, f_tok, f_target, col)
-        return Layout(lists, cuts, rank_vectors(lists, cuts))
+        return _layout(lists, cuts + rank_cut(dl, sl, f_tok, f_target, col), nest)
     # The pair depends on what phase 1 left in all (not on how it was cut): the ``few``
     # attempts, one per holder count, share it.
     pair_key = ("filler pair", f_t, f_w)
@@ -349,6 +344,14 @@ def _cut_filler(units: Units, prof: Profile, var: Variant, items: Items,
                     seq=var.solver == "seq")
     if cut is None:
         return st.fail
-    lists = lists + [dense, sparse]
-    cuts = cuts + list(cut)
-    return Layout(lists, cuts, rank_vectors(lists, cuts))
+    return _layout(lists + [dense, sparse], cuts + list(cut), nest)
+
+
+def _layout(lists: list, cuts: list, nest: Nested | None) -> Layout:
+    """The Layout of cut lists, with the nested pieces (their runs, the ranks' labels,
+    their tokens and work added to the estimate) where there are any."""
+    per_rank = rank_vectors(lists, cuts)
+    if nest is None:
+        return Layout(lists, cuts, per_rank)
+    return Layout(lists, cuts, per_rank + np.diff(nest.cum, axis=0), fixed=nest.runs,
+                  labels=nest.labels)

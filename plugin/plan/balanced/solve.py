@@ -16,8 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..runs import prefix_pairs
-from .args import TOKEN_TOL, WORK_TOL, MaskWeights
+from .args import TOKEN_TOL, WORK_TOL, MaskWeights, runs_per_rank
 from .items import Items, cut_items
 from .phases import Layout, holder_counts, solve_attempt
 from .profile import profile_of
@@ -128,7 +127,7 @@ def _fewest_holders(units: Units, prof: Any, cp: int, var: Any, items: Items,
         runs = _exact_runs(units, lay, lengths, prof, cp)
         if runs is None:
             continue
-        key = (_fetch_max(*runs, cp), _score(_exact_per_rank(*runs, lengths, prof, cp)))
+        key = (_fetch_max(*runs, cp), _score(runs_per_rank(*runs, lengths, prof.masks, cp)))
         if best_key is None or key < best_key:
             best, best_key = runs, key
     return best
@@ -144,7 +143,7 @@ def _exact_runs(units: Units, lay: Layout, lengths: np.ndarray, prof: Any, cp: i
     runs = _merge_runs(*_layout_runs(units, lay))
     if int(runs[3].sum()) != int(lengths.sum()):  # (pieces rounded apart: never taken)
         return None
-    return runs if _score(_exact_per_rank(*runs, lengths, prof, cp)) <= 1.0 else None
+    return runs if _score(runs_per_rank(*runs, lengths, prof.masks, cp)) <= 1.0 else None
 
 
 def _fetch_max(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, length: np.ndarray,
@@ -158,18 +157,6 @@ def _fetch_max(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, length: np.
     end = (start + length)[np.append(np.flatnonzero(new)[1:], rank.size) - 1]
     lacks = end - np.bincount(group, weights=length).astype(np.int64)
     return int(np.bincount(rank[new], weights=lacks, minlength=cp).max())
-
-
-def _exact_per_rank(rank: np.ndarray, doc: np.ndarray, start: np.ndarray,
-                    length: np.ndarray, lengths: np.ndarray, prof: Any, cp: int
-                    ) -> np.ndarray:
-    """[cp, 1+M]: each rank's tokens and work per mask, counted from its runs (the closed
-    forms of ``runs.prefix_pairs``), in the layout of ``Layout.per_rank``."""
-    dl = lengths[doc]
-    cols = [length] + [prefix_pairs(dl, start + length, m) - prefix_pairs(dl, start, m)
-                       for m in prof.masks]
-    return np.stack([np.bincount(rank, weights=c.astype(np.float64), minlength=cp)
-                     for c in cols], 1)
 
 
 def _score(per_rank: np.ndarray) -> float:
