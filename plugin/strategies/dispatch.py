@@ -86,6 +86,20 @@ def _a2a(out: torch.Tensor, send: torch.Tensor, out_splits, in_splits, group: An
                                   async_op=True)
 
 
+def _in_node(out: torch.Tensor, send: torch.Tensor, out_splits, in_splits, node: Any,
+             group: Any, stage: RelayStage) -> Any:
+    """An all-to-all among this rank's node mates (``stage.mates``: the splits' order):
+    on the node's group ``node``, or (None: ``relay_group.node_groups`` made none) on the
+    CP group ``group``, the splits spread over its ranks."""
+    if node is not None:
+        return _a2a(out, send, out_splits, in_splits, node)
+    cp = len(stage.in_splits)
+    full_out, full_in = [0] * cp, [0] * cp
+    for m, a, b in zip(stage.mates, out_splits, in_splits):
+        full_out[m], full_in[m] = a, b
+    return _a2a(out, send, full_out, full_in, group)
+
+
 class RelayPending(Pending):
     """A relayed transfer's K/V, each part on its own group (``relay_group``): hop 1's
     cross-node rows on the CP group and its rows from node mates on the node's direct
@@ -100,20 +114,20 @@ class RelayPending(Pending):
         send = torch.cat([kf.index_select(0, stage.in_rows),
                           vf.index_select(0, stage.in_rows)], dim=1)
         nx, n1, cut = stage.n_cross, stage.n_hop1, sum(stage.in_splits)
-        direct, relay = node_groups(group, stage.mates)
+        direct, relay = node_groups(group, stage.mates) or (None, None)
         recv = kf.new_empty(n1 + sum(stage.hop2_splits), kf.shape[1] + vf.shape[1])
         super().__init__(recv, _a2a(recv[:nx], send[:cut], stage.back_splits,
                                     stage.in_splits, group), send)
-        self.direct = _a2a(recv[nx:n1], send[cut:], stage.direct_back_splits,
-                           stage.direct_in_splits, direct)
-        self.second = self._forward(stage, relay)
+        self.direct = _in_node(recv[nx:n1], send[cut:], stage.direct_back_splits,
+                               stage.direct_in_splits, direct, group, stage)
+        self.second = self._forward(stage, relay, group)
 
-    def _forward(self, st: RelayStage, relay: Any) -> tuple:
+    def _forward(self, st: RelayStage, relay: Any, group: Any) -> tuple:
         with _side(self.recv.device):
             self.work.wait()
             send = self.recv[:st.n_cross].index_select(0, st.relay_rows)
-            return _a2a(self.recv[st.n_hop1:], send, st.hop2_splits, st.relay_splits,
-                        relay), send
+            return _in_node(self.recv[st.n_hop1:], send, st.hop2_splits, st.relay_splits,
+                            relay, group, st), send
 
     def result(self) -> torch.Tensor:
         work, send = self.second
@@ -132,11 +146,11 @@ class RelayReturns(Pending):
     the node's direct group."""
 
     def __init__(self, grads: torch.Tensor, stage: RelayStage, group: Any) -> None:
-        node, relay = node_groups(group, stage.mates)
+        node, relay = node_groups(group, stage.mates) or (None, None)
         send = grads.index_select(0, stage.hop2_order)
         recv = grads.new_empty(sum(stage.relay_splits), grads.shape[1])
-        super().__init__(recv, _a2a(recv, send, stage.relay_splits, stage.hop2_splits,
-                                    relay), send)
+        super().__init__(recv, _in_node(recv, send, stage.relay_splits, stage.hop2_splits,
+                                        relay, group, stage), send)
         own = grads.index_select(0, stage.own_slots)
         ready = _ready(grads.device)
         with _side(grads.device):
@@ -152,8 +166,8 @@ class RelayReturns(Pending):
             nx, cut = stage.n_cross, sum(stage.in_splits)
             self.second = (_a2a(out[:cut], send[:nx], stage.in_splits, stage.back_splits,
                                 group),
-                           _a2a(out[cut:], send[nx:], stage.direct_in_splits,
-                                stage.direct_back_splits, node), out, send)
+                           _in_node(out[cut:], send[nx:], stage.direct_in_splits,
+                                    stage.direct_back_splits, node, group, stage), out, send)
             if send.device.type == "cuda":   # made on the compute stream, read here
                 own.record_stream(torch.cuda.current_stream(send.device))
                 recv.record_stream(torch.cuda.current_stream(send.device))

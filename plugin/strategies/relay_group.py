@@ -19,6 +19,12 @@ each rank makes the same number of groups, so the default group's count of group
 equal on all ranks), and keeps them for the process. A process group orders its ranks by
 global rank, as the CP group does, so the node's CP ranks in CP order are a node group's
 ranks in order, and the splits indexed by ``RelayStage.mates`` index it directly.
+
+Where the default group is bound to a device (``init_process_group(..., device_id=...)``,
+NCCL initialized eagerly), torch makes a subgroup by splitting the default group's
+communicator, which every rank of the job must join, so a node's ranks cannot make one
+alone: the relay's in-node collectives then run on the CP group, after its cross-node
+rows, as one communicator runs them (correct, without the overlap).
 """
 
 from __future__ import annotations
@@ -32,12 +38,16 @@ import torch.distributed as dist
 _GROUPS: dict[tuple[int, tuple[int, ...]], tuple[Any, Any, Any]] = {}
 
 
-def node_groups(group: Any, mates: tuple[int, ...]) -> tuple[Any, Any]:
+def node_groups(group: Any, mates: tuple[int, ...]) -> tuple[Any, Any] | None:
     """(direct, relay): the two process groups of the CP ranks ``mates`` (this rank's
-    node, in CP order) of the CP group ``group``, made on first use (module docstring)."""
+    node, in CP order) of the CP group ``group``, made on first use (module docstring);
+    None where the default group is bound to a device (module docstring: the relay's
+    in-node collectives then run on ``group``)."""
     key = (id(group), mates)
     hit = _GROUPS.get(key)
     if hit is None or hit[0] is not group:
+        if device_bound():
+            return None
         ranks = dist.get_process_group_ranks(group)
         members = [ranks[m] for m in mates]
         if members != sorted(members):   # (a process group's ranks are in global order)
@@ -48,3 +58,12 @@ def node_groups(group: Any, mates: tuple[int, ...]) -> tuple[Any, Any]:
                dist.new_group(members, use_local_synchronization=True))
         _GROUPS[key] = hit
     return hit[1], hit[2]
+
+
+def device_bound() -> bool:
+    """Whether the default process group is bound to a device (``init_process_group(...,
+    device_id=...)``: NCCL initialized eagerly). torch then makes a subgroup by splitting
+    the default group's communicator, which every rank of the job must join, and a
+    group made by a node's ranks alone would wait for the others (or be refused)."""
+    return getattr(dist.distributed_c10d._get_default_group(), "bound_device_id",
+                   None) is not None

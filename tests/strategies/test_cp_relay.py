@@ -85,3 +85,38 @@ def test_relayed_dispatch_equals_the_single_device_op(tmp_path):
     n = len(NODES) * len(LAYOUTS) * len(MASKS) * len(STAGES)
     assert [r[0] for r in results] == [n] * 4
     assert results[0][1] > 0   # some keys went through a relay to a node mate
+
+
+def bound_worker(rank, world):
+    """The default group bound to a device (as ``init_process_group(device_id=...)``
+    binds it): torch would split its communicator for a node group, which every rank of
+    the job must join, so the relay keeps its in-node collectives on the CP group."""
+    import torch.distributed as dist
+    from varlen_cp.strategies import relay_group
+    dist.distributed_c10d._get_default_group().bound_device_id = torch.device("cpu", 0)
+    assert relay_group.device_bound()
+    errors = []
+    for i, mname in enumerate(("causal", "chunk_causal")):
+        mask = MASKS[mname]
+        hq, hkv = HEADS[world][i % 2]
+        inputs = global_inputs(DOCS, hq, hkv, seed=50 + i)
+        ref = single_device(*inputs, DOCS, mask)
+        plan = _plan(rank, world, "balanced", mask, NODES[0])
+        for stages in (1, 3):
+            options = AttnOptions(strategy="dispatch", backend="torch",
+                                  overlap_stages=stages)
+            q, k, v = (plan.shard(t).requires_grad_() for t in inputs[:3])
+            with ByteCounter() as counter:
+                out, lse = cp_varlen_attn(q, k, v, plan, mask, None, options,
+                                          return_lse=True)
+                out.backward(plan.shard(inputs[3]))
+            errors += compare_fp32(gather(plan, (out.detach(), lse, q.grad, k.grad,
+                                                 v.grad)), ref, f"[bound {mname} S={stages}]")
+            if set(counter.a2a_sizes) != {world}:
+                errors.append(f"[bound {mname} S={stages}] group sizes {counter.a2a_sizes}")
+    assert not errors, "\n".join(errors)
+    return len(relay_group._GROUPS)
+
+
+def test_relay_on_a_device_bound_default_group_stays_on_the_cp_group(tmp_path):
+    assert run_distributed(bound_worker, 4, tmp_path) == [0] * 4
