@@ -131,6 +131,7 @@ class RelayPending(Pending):
 
     def result(self) -> torch.Tensor:
         work, send = self.second
+        self.work.wait()     # (the second hop waited for it on the side stream already)
         self.direct.wait()
         work.wait()
         if send.device.type == "cuda":   # (made on the side stream, read by the collective)

@@ -2,12 +2,14 @@
 (2 + 2 and 3 + 1), every layout x mask of the CP grid and S = 1, 2, 3, 5: out, lse, dq, dk, dv
 equal the single-device op (fp32), and in fp16 the bytes each rank posts to each peer equal
 the traffic matrix (both hops, forward and backward), each transfer's cross-node rows on
-the CP group and its in-node rows (the first hop's and the second hop) on the node's own
-group. Some cases must relay keys from one
+the CP group and its in-node rows (the first hop's and the second hop) on the node groups
+made at setup; without them (none prepared, or a default group bound to a device) all on
+the CP group. Some cases must relay keys from one
 rank to another inside a node (else the second hop went untested)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.dist_utils import run_distributed
@@ -33,6 +35,10 @@ def _plan(rank, world, layout, mask, nodes):
 
 
 def relay_worker(rank, world):
+    import torch.distributed as dist
+    from varlen_cp.strategies.relay_group import prepare_node_groups
+    for nodes in NODES:   # at setup, on every rank (as the integrations do)
+        assert prepare_node_groups(None, Topology(nodes))
     errors, relayed, n = [], 0, 0
     for i, (nodes, layout, mname) in enumerate(
             (nodes, layout, mname) for nodes in NODES for layout in LAYOUTS
@@ -77,6 +83,14 @@ def relay_worker(rank, world):
                                   f"node of {mates}")
             n += 1
     assert not errors, "\n".join(errors)
+    # torch's count of groups (which names the next ones) is equal on every rank, and a
+    # job-wide group made after the relayed calls works
+    counts = [None] * world
+    dist.all_gather_object(counts, dist.distributed_c10d._world.group_count)
+    assert len(set(counts)) == 1, counts
+    after = torch.ones(1)
+    dist.all_reduce(after, group=dist.new_group(list(range(world))))
+    assert after.item() == world
     return n, relayed
 
 
@@ -87,14 +101,17 @@ def test_relayed_dispatch_equals_the_single_device_op(tmp_path):
     assert results[0][1] > 0   # some keys went through a relay to a node mate
 
 
-def bound_worker(rank, world):
-    """The default group bound to a device (as ``init_process_group(device_id=...)``
-    binds it): torch would split its communicator for a node group, which every rank of
-    the job must join, so the relay keeps its in-node collectives on the CP group."""
+def shared_worker(rank, world, bound):
+    """Without node groups the relay keeps its in-node collectives on the CP group:
+    where none were prepared, or (``bound``) where the default group is bound to a device
+    (as ``init_process_group(device_id=...)`` binds it: torch would split its
+    communicator for a node group, which every rank of the job must join)."""
     import torch.distributed as dist
     from varlen_cp.strategies import relay_group
-    dist.distributed_c10d._get_default_group().bound_device_id = torch.device("cpu", 0)
-    assert relay_group.device_bound()
+    if bound:
+        dist.distributed_c10d._get_default_group().bound_device_id = torch.device("cpu", 0)
+        assert relay_group.device_bound()
+        assert not relay_group.prepare_node_groups(None, Topology(NODES[0]))
     errors = []
     for i, mname in enumerate(("causal", "chunk_causal")):
         mask = MASKS[mname]
@@ -111,12 +128,13 @@ def bound_worker(rank, world):
                                           return_lse=True)
                 out.backward(plan.shard(inputs[3]))
             errors += compare_fp32(gather(plan, (out.detach(), lse, q.grad, k.grad,
-                                                 v.grad)), ref, f"[bound {mname} S={stages}]")
+                                                 v.grad)), ref, f"[{bound} {mname} S={stages}]")
             if set(counter.a2a_sizes) != {world}:
-                errors.append(f"[bound {mname} S={stages}] group sizes {counter.a2a_sizes}")
+                errors.append(f"[{bound} {mname} S={stages}] group sizes {counter.a2a_sizes}")
     assert not errors, "\n".join(errors)
     return len(relay_group._GROUPS)
 
 
-def test_relay_on_a_device_bound_default_group_stays_on_the_cp_group(tmp_path):
-    assert run_distributed(bound_worker, 4, tmp_path) == [0] * 4
+@pytest.mark.parametrize("bound", [False, True])
+def test_relay_without_node_groups_stays_on_the_cp_group(tmp_path, bound):
+    assert run_distributed(shared_worker, 4, tmp_path, bound) == [0] * 4

@@ -224,7 +224,6 @@ def test_timing_counts_both_hops_on_their_links(seed):
     assert got.comm_s == pytest.approx(want, rel=1e-9)
 
 
-@pytest.mark.parametrize("seed", range(6))
 def _chains(hops, nodes, row: int, bw: float, bw_cross: float) -> list[list[float]]:
     """Per transfer, the seconds of relayed dispatch's three collectives: the first hop's
     cross-node rows, its in-node rows, the second hop; each the slowest rank's rows in or
@@ -253,7 +252,7 @@ def test_timing_runs_the_second_hop_beside_the_next_first(seed):
     the next transfer's); backward, the second hop reversed, then the cross-node rows and
     the in-node rows, each after its group's previous collective, stage p's after return
     p - 2 has landed (a loop over transfers on the collectives' seconds). Shorter than
-    the collectives in turn wherever two groups move."""
+    the collectives in turn wherever two groups move. S = 1 likewise, with one transfer."""
     from varlen_cp.shape import AttnShape
     from varlen_cp.tables.cost_model import CostModel
     from varlen_cp.tables.staged import staged_time
@@ -289,6 +288,12 @@ def test_timing_runs_the_second_hop_beside_the_next_first(seed):
     assert got.backward_s == pytest.approx(max(ret_cp, ret_node), rel=1e-6, abs=1e-12)
     if sum(far) > 0 and sum(two) > 0 and len(far) > 1:
         assert got.forward_s < serial
+    # S = 1: one transfer, its in-node rows beside the cross-node rows and the second hop
+    (x,), (d,), (h2,) = _chains(relay_link_counts(plan, mask, 1)[:2], nodes, shape.kv_row,
+                                1e9, 1e8)
+    one = staged_time("dispatch", plan, mask, shape, model, 1)
+    assert one.forward_s == pytest.approx(max(x + h2, d), rel=1e-6, abs=1e-12)
+    assert one.backward_s == pytest.approx(h2 + max(x, d), rel=1e-6, abs=1e-12)
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -47,6 +47,7 @@ from ...checks import check_choice
 from ...config import SOFTMAX_TYPES
 from ...masks import AttnMask
 from ...plan import CPPlan
+from ...strategies.relay_group import prepare_node_groups
 from .options import (CAUSAL_TYPES, VarlenCPOptions, layer_a2a_size, layer_mask,
                       layer_strategy)
 from .planning import tracks_max_logit
@@ -207,6 +208,9 @@ class VarlenCPCoreAttention(MegatronModule, ContextParallelVarlenAttention):
         # the sharding hook): the CP group's global ranks // gpus_per_node.
         self.cp_topology = (options.topology(dist.get_process_group_ranks(group))
                             if group is not None and cp_size > 1 else None)
+        # dispatch's relay through nodes: its in-node groups, made at the first layer, on
+        # every rank (every rank builds the same layers)
+        prepare_node_groups(group, self.cp_topology)
         self._init_softmax_extras(config)
 
     def _init_softmax_extras(self, config: Any) -> None:

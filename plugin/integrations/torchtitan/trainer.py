@@ -70,6 +70,7 @@ from ...kernels.flash import activate_flash_impl
 from ...prefetch import PlanPrefetcher, build_plan, build_tables, refresh_buffers
 from ...report import TrainingReport, layer_types
 from ...sharding import cu_seqlens_from_positions, shard_packed_batch
+from ...strategies.relay_group import prepare_node_groups
 from . import cpu_mode
 from .attention import (OVERRIDE_TARGET, PackedBatch, VarlenCPInnerAttention, bind_cp_group,
                         graph_key_of, layer_max_logits)
@@ -275,6 +276,8 @@ class VarlenCPTrainer(Trainer):
         # on every rank; the balanced layout and the cost model read it from each plan.
         self.cp_topology = (config.varlen_cp.topology(dist.get_process_group_ranks(
             self.cp_group)) if self.cp_size > 1 else None)
+        # dispatch's relay through nodes: its in-node groups, made here on every rank
+        prepare_node_groups(self.cp_group, self.cp_topology)
         for part in self.model_parts:
             bind_cp_group(part, self.cp_group)
             feed_real_rows(part)

@@ -175,8 +175,10 @@ def _simulate(name: str, plan: CPPlan, mask: AttnMask, shape: AttnShape, model: 
         bound = max(work * f_fwd / rate, *map(sum, send)) \
             + max(work * f_bwd / rate, *map(sum, back))
         if stages == 1 or n_parts == 0:   # one exchange, one call: nothing overlaps
-            fwd = sum(map(sum, send)) + work * f_fwd / rate
-            bwd = work * f_bwd / rate + sum(map(sum, back))
+            # (a relay's in-node rows beside its cross-node rows and second hop; back:
+            # the second hop reversed, then the other two beside each other)
+            fwd = sum(max(x + h, d) for x, d, h in zip(*send)) + work * f_fwd / rate
+            bwd = work * f_bwd / rate + sum(h + max(x, d) for x, d, h in zip(*back))
             out[stages] = StagedTime(1, fwd, bwd, compute, comm, bound)
         else:
             piped.append((stages, i, send, back, compute, comm, bound))
