@@ -92,3 +92,23 @@ def causal_fetch(rank, doc, start, length, lengths, cp: int) -> np.ndarray:
             last = int(np.flatnonzero(seg).max())
             out[r] += last + 1 - int(seg[: last + 1].sum())
     return out
+
+
+def chunked_fetch(rank, doc, start, length, lengths, cp: int, chunk: int) -> np.ndarray:
+    """Per rank: the keys its queries see under a causal mask within chunks of ``chunk``
+    tokens that it does not hold (dense boolean masks, one per rank, chunk by chunk)."""
+    offs = np.concatenate([[0], np.cumsum(lengths)])
+    out = np.zeros(cp, dtype=np.int64)
+    for r in range(cp):
+        sel = rank == r
+        held = np.zeros(int(offs[-1]), dtype=bool)
+        for d, a, n in zip(doc[sel], start[sel], length[sel]):
+            held[offs[d] + a: offs[d] + a + n] = True
+        for d in np.unique(doc[sel]):
+            seg = held[offs[d]: offs[d + 1]]
+            for c0 in range(0, seg.size, chunk):
+                part = seg[c0: c0 + chunk]
+                if part.any():
+                    last = int(np.flatnonzero(part).max())
+                    out[r] += last + 1 - int(part[: last + 1].sum())
+    return out

@@ -65,7 +65,9 @@ Glossary:
   first and its second tile's last tokens alternately, so the work of its first o tokens is
   about linear in o (exact at the **break point**, where the shorter tile ends).
 - **tail block** / **remainder**: a chunked body in position order split at p: [p, L)
-  holds whole rank shares of excess, [C, p) the rest (variant ``blocks``). **late** /
+  holds whole rank shares of excess, [C, p) the rest (variant ``blocks``; with
+  ``mirror_tail``, a tail block's stretch in a chunk where a whole share would hold more
+  chunked work than a rank's mean is walked mirrored). **late** /
   **early part**: a window body split where a token's excess reaches the mean (``split``).
 - **list**: units in an order, with cumulative (tokens, work per mask); **dense** /
   **sparse** list: items denser / sparser than the mean in the column being cut.

@@ -139,6 +139,9 @@ def _split_bodies(lengths: np.ndarray, prof: Profile, cp: int, var: Variant,
         p, n_sh = tail_split(lengths, prof, cp, b_doc[:n_long], b_start[:n_long],
                              b_end[:n_long], memo)
         tail = np.flatnonzero(n_sh >= 1)
+        if var.mirror_tail:
+            return _mirrored_tails(lengths, prof, cp, n_long, b_doc, b_start, b_end, p,
+                                   tail, memo)
     else:
         p = density_split(lengths, prof, b_doc[:n_long], b_start[:n_long],
                           b_end[:n_long], memo)
@@ -157,6 +160,48 @@ def _split_bodies(lengths: np.ndarray, prof: Profile, cp: int, var: Variant,
                             np.full(tail.size, TAIL_BLOCK, dtype=np.int64),
                             np.zeros(n_b - rest.size - tail.size, dtype=np.int64)])
     return b_doc, b_start, b_end, np.full(n_b, POSITION_ORDER, dtype=np.int64), block
+
+
+def _mirrored_tails(lengths: np.ndarray, prof: Profile, cp: int, n_long: int,
+                    b_doc: np.ndarray, b_start: np.ndarray, b_end: np.ndarray,
+                    p: np.ndarray, tail: np.ndarray, memo: dict) -> tuple[np.ndarray, ...]:
+    """``blocks`` bodies whose tail blocks are cut at the chunk boundaries below chunk
+    ``c_max + 1``, each such chunk's stretch walked mirrored (``Variant.mirror_tail``).
+
+    A token of chunk c carries c x C of excess, so a whole rank share of excess there is
+    share / (c C) tokens; at the end of chunk c, in position order, those tokens hold about
+    share / c of chunked work, more than a rank's mean where c <= c_max = floor(share /
+    chunked mean): that rank has no room left for filler (a few long among short at cp 64:
+    chunk 1's last shares held 1.1-1.4x a rank's chunked work). Mirrored, a stretch holds
+    the chunk's mean, about half. The stretches keep the tail block's order (one document's
+    pieces in position order, then the next) and its whole shares (phases.py counts a
+    document's tail items as one block)."""
+    excess, tot_e = excess_of(lengths, prof, memo)
+    c_max = int(tot_e / cp // max(float(doc_work(lengths, prof, memo).sum(0).min()) / cp,
+                                  1e-300))
+    C = prof.chunk
+    rest = np.flatnonzero(p > b_start[:n_long])
+    td, ta, tb = b_doc[tail], p[tail], b_end[tail]
+    # Per tail block: its pieces [max(a, c C), min(b, (c + 1) C)) for c <= c_max, then the
+    # rest in position order.
+    cuts = np.arange(1, c_max + 2, dtype=np.int64) * C  # [c_max + 1]
+    lo = np.concatenate([ta[:, None], np.maximum(ta[:, None], cuts[None, :])], 1)
+    hi = np.concatenate([np.minimum(tb[:, None], cuts[None, :]), tb[:, None]], 1)
+    lo, hi = np.minimum(lo, hi), hi
+    kinds = np.full(lo.shape, POSITION_ORDER, dtype=np.int64)
+    kinds[:, :-1] = MIRRORED
+    keep = hi > lo  # [tails, c_max + 2], row-major: each block's pieces in position order
+    n_t = int(keep.sum())
+    out_doc = np.concatenate([b_doc[rest], np.repeat(td, keep.sum(1)), b_doc[n_long:]])
+    out_start = np.concatenate([b_start[rest], lo[keep], b_start[n_long:]])
+    out_end = np.concatenate([p[rest], hi[keep], b_end[n_long:]])
+    n_b = out_doc.size
+    kind = np.concatenate([np.full(rest.size, POSITION_ORDER, dtype=np.int64), kinds[keep],
+                           np.full(n_b - rest.size - n_t, POSITION_ORDER, dtype=np.int64)])
+    block = np.concatenate([np.full(rest.size, REMAINDER, dtype=np.int64),
+                            np.full(n_t, TAIL_BLOCK, dtype=np.int64),
+                            np.zeros(n_b - rest.size - n_t, dtype=np.int64)])
+    return out_doc, out_start, out_end, kind, block
 
 
 def _filler_kinds(lengths: np.ndarray, prof: Profile, cp: int, var: Variant,

@@ -238,7 +238,8 @@ def _block_order(units: Units, st: _Setup, lengths: np.ndarray) -> np.ndarray:
     zz[0::2] = np.arange((o.size + 1) // 2)
     zz[1::2] = o.size - 1 - np.arange(o.size // 2)
     key[o[zz]] = np.arange(o.size)
-    # (Body items' keys are unique, so the sort's stability does not change their order.)
+    # (Body items' keys are unique, but for the pieces of one tail block (mirror_tail),
+    # which the stable sort keeps in item order: position order.)
     return key.argsort(kind="stable").argsort(kind="stable")
 
 
@@ -248,8 +249,12 @@ def _block_targets(units: Units, body: UnitList, phi: np.ndarray, cp: int) -> np
     own, so that the cuts fall on the blocks' boundaries (each block is a whole number of
     shares up to one token)."""
     it = units.item[body.order]
+    tail_u = units.block[body.order] == TAIL_BLOCK
+    doc_u = units.doc[body.order]
     new = np.ones(body.n, dtype=bool)
-    new[1:] = it[1:] != it[:-1]
+    # A block starts with each item, except a tail block's later pieces (mirror_tail:
+    # the stretches of one document's tail block, consecutive in the list).
+    new[1:] = (it[1:] != it[:-1]) & ~(tail_u[1:] & tail_u[:-1] & (doc_u[1:] == doc_u[:-1]))
     first = np.flatnonzero(new)
     cum = body.column(phi)
     c_s = cum[2 * first]

@@ -111,7 +111,7 @@ def _solve(lengths: np.ndarray, cp_size: int, prof: Any) -> tuple[np.ndarray, ..
 
 def _key(var: Any) -> tuple:
     """What a variant's items and units depend on (attempts with the same key share them)."""
-    return (var.body, var.keep_small, var.fill, var.big)
+    return (var.body, var.keep_small, var.fill, var.big, var.mirror_tail)
 
 
 def _fewest_holders(units: Units, prof: Any, cp: int, var: Any, items: Items,

@@ -5,8 +5,9 @@ targets is taken).
 Locality variants come first: they keep what a rank holds of a document in few contiguous
 stretches (filler in position order, long documents in nested pieces first where there are
 no bodies, chunked bodies in tail blocks of whole rank shares, window bodies split into
-late and early parts, on a few ranks first where their excess is small) and run only where
-every mask looks left (a filler prefix is then causal-like under
+late and early parts, on a few ranks first where their excess is small; a tail block's
+stretches in chunks too dense in chunked work for whole shares mirrored, where the plain
+blocks fail) and run only where every mask looks left (a filler prefix is then causal-like under
 all of them) or there is one mask. The fold variants (mirrored tiles, chunk pairs) come
 last: they are always feasible when anything is. The ``few`` variant keeps big filler items
 in position order (``big`` unbounded, its own items and units): on the batches it serves
@@ -40,6 +41,10 @@ class Variant:
             the counts of :func:`~.phases.holder_counts` and keeps the one whose layout
             fetches least (of those that meet the targets).
     holders: the count of one such attempt (0: every rank).
+    mirror_tail: ``blocks`` tail blocks walked mirrored in the chunks where a whole rank
+            share at the chunk's end would hold more than a rank's mean chunked work
+            (items.py), filler in position order, whatever its size; tried where
+            ``blocks`` does not meet the targets.
     nest:   whole short segments of at least two ranks' work are cut into nested pieces
             (nested.py: a rank holding a late stretch also holds an early one), each on a
             rank of its own, before the filler (masks that all look left, no bodies);
@@ -55,6 +60,7 @@ class Variant:
     few: bool = False
     holders: int = 0
     nest: bool = False
+    mirror_tail: bool = False
 
 
 FOLD_VARIANTS = (Variant(), Variant(pair=True), Variant(pair=True, keep_small=False))
@@ -79,6 +85,7 @@ def choose_variants(prof: Profile, bodies: bool, prefix_ok: bool = True) -> list
     local = []
     if prof.head == "chunk":
         local.append(Variant(body="blocks", fill="prefix", big=2.0, solver="classes"))
+        local.append(Variant(body="blocks", fill="prefix", solver="seq", mirror_tail=True))
     elif prof.head == "prefix":
         local.append(Variant(body="split", fill="prefix", solver="seq", few=True))
         local.append(Variant(body="split", fill="prefix", big=2.0, solver="seq"))

@@ -1,0 +1,111 @@
+"""The ``balanced`` layout's ``mirror_tail`` variant: chunked + causal bodies in tail
+blocks of whole rank shares, each block's stretch in a chunk where a whole share would be
+too dense in chunked work walked mirrored, where the plain ``blocks`` variant cannot reach
+its filler targets (it then fell back to the chunk-pair fold, whose ranks hold pieces of
+several long documents).
+
+Fetches are counted from the runs by dense per-rank masks (tests/helpers/plan_checks.py),
+balance with ``CPPlan.work_imbalance`` (the plan's tables and mask_math), independently of
+the solver's closed forms.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from bench.mixes import MIXES
+from varlen_cp import AttnMask, CPPlan
+from varlen_cp.plan import Balanced
+from varlen_cp.plan.balanced import DEFAULT_TILE_TOKENS, balanced_runs, normalize_masks
+from varlen_cp.plan.balanced import solve as S
+from varlen_cp.plan.balanced.items import MIRRORED, TAIL_BLOCK, cut_items
+from varlen_cp.plan.balanced.profile import profile_of
+from varlen_cp.plan.balanced.variants import Variant
+from tests.helpers.plan_checks import causal_fetch, chunked_fetch
+
+CHUNK = 8192
+LLAMA4 = [(AttnMask(chunk_size=CHUNK), 3), (AttnMask(), 1)]
+
+
+def _without_mirror_tail(monkeypatch) -> None:
+    """The layout as it was before the variant: its attempt dropped."""
+    choose = S.choose_variants
+    monkeypatch.setattr(S, "choose_variants",
+                        lambda *a, **k: [v for v in choose(*a, **k) if not v.mirror_tail])
+
+
+def _batch(mix: str, cp: int) -> np.ndarray:
+    return np.asarray(MIXES[mix](8192 * cp))
+
+
+def test_dense_chunk_tails_mirrored(monkeypatch) -> None:
+    """A few long among short at cp 64 (8K tokens a rank; documents of 32768 and 20000
+    tokens), Llama 4 masks: the plain ``blocks`` attempt gives the ranks holding chunk 1's
+    last shares more chunked work than a rank's mean (no room for filler), so the layout
+    fell back to the fold. Mirrored, every mask is within its targets and the ranks that
+    fetch most fetch less: measured 18708 -> 14720 chunked, 45199 -> 36481 causal keys."""
+    cp = 64
+    lengths = _batch("few_long", cp)
+    masks = normalize_masks(LLAMA4)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]))
+    plan = CPPlan.build(cu, cp_size=cp, cp_rank=0, layout=Balanced(masks=LLAMA4))
+    assert plan.token_imbalance() <= 1.02
+    for m, _ in masks:
+        assert plan.work_imbalance(m) <= 1.03, (m, plan.work_imbalance(m))
+    new = balanced_runs(lengths, cp, masks, DEFAULT_TILE_TOKENS)
+    _without_mirror_tail(monkeypatch)
+    old = balanced_runs(lengths, cp, masks, DEFAULT_TILE_TOKENS)
+    ch_new, ch_old = (chunked_fetch(*r, lengths, cp, CHUNK).max() for r in (new, old))
+    ca_new, ca_old = (causal_fetch(*r, lengths, cp).max() for r in (new, old))
+    assert ch_new <= 0.85 * ch_old, (ch_new, ch_old)
+    assert ca_new <= 0.85 * ca_old, (ca_new, ca_old)
+    # Tail blocks of whole shares: apart from the rank where one document's block ends
+    # and the next begins, no rank holds the chunk 1+ stretches of both long documents.
+    rank, doc, start, length = new
+    late = start + length > CHUNK
+    both = [r for r in range(cp) if {0, 52} <= set(doc[(rank == r) & late].tolist())]
+    assert len(both) <= 1, both
+
+
+def test_mirrored_items_cover_the_tail_blocks() -> None:
+    """The variant's items hold the same positions as the plain ``blocks`` items; each
+    tail block is cut at the chunk boundaries up to the last dense chunk (here chunk 1:
+    a share there is 1/64 of the excess over 8192 tokens), those stretches mirrored and
+    inside one chunk, the rest in position order."""
+    cp = 64
+    lengths = _batch("few_long", cp)
+    prof = profile_of(normalize_masks(LLAMA4), DEFAULT_TILE_TOKENS)
+    plain = cut_items(lengths, prof, cp, Variant(body="blocks", fill="prefix", solver="seq"))
+    mirrored = cut_items(lengths, prof, cp, Variant(body="blocks", fill="prefix",
+                                                    solver="seq", mirror_tail=True))
+
+    def covered(items, sel) -> set[tuple[int, int]]:
+        return {(int(d), p) for d, a, b in zip(items.doc[sel], items.start[sel],
+                                               items.end[sel]) for p in range(a, b)}
+
+    assert covered(plain, plain.body) == covered(mirrored, mirrored.body)
+    assert covered(plain, plain.block == TAIL_BLOCK) == covered(
+        mirrored, mirrored.block == TAIL_BLOCK)
+    tail = np.flatnonzero(mirrored.block == TAIL_BLOCK)
+    mir = tail[mirrored.kind[tail] == MIRRORED]
+    assert mir.size == 2  # chunk 1 of the 32768- and the 20000-token documents
+    a, b = mirrored.start[mir], mirrored.end[mir]
+    assert ((a // CHUNK == 1) & (b <= 2 * CHUNK)).all()
+    rest = tail[mirrored.kind[tail] != MIRRORED]
+    assert (mirrored.start[rest] >= 2 * CHUNK).all()
+
+
+@pytest.mark.parametrize("mix, cp", [("lognormal_long", 64), ("few_long", 32),
+                                     ("te_buckets", 16)])
+def test_layout_unchanged_where_blocks_reach(monkeypatch, mix: str, cp: int) -> None:
+    """Where the plain ``blocks`` attempt reaches its targets, the variant is never tried:
+    the runs are those of the layout without it."""
+    lengths = _batch(mix, cp)
+    masks = normalize_masks(LLAMA4)
+    new = balanced_runs(lengths, cp, masks, DEFAULT_TILE_TOKENS)
+    _without_mirror_tail(monkeypatch)
+    old = balanced_runs(lengths, cp, masks, DEFAULT_TILE_TOKENS)
+    for x, y in zip(new, old):
+        assert np.array_equal(x, y)
