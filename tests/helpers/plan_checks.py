@@ -112,3 +112,19 @@ def chunked_fetch(rank, doc, start, length, lengths, cp: int, chunk: int) -> np.
                     last = int(np.flatnonzero(part).max())
                     out[r] += last + 1 - int(part[: last + 1].sum())
     return out
+
+
+def window_fetch(rank, doc, start, length, lengths, cp: int, window: int) -> np.ndarray:
+    """Per rank: the keys its queries see under a causal window of ``window`` keys before
+    each query that it does not hold (dense boolean masks, one per rank)."""
+    offs = np.concatenate([[0], np.cumsum(lengths)])
+    out = np.zeros(cp, dtype=np.int64)
+    for r in range(cp):
+        sel = rank == r
+        held = np.zeros(int(offs[-1]), dtype=bool)
+        seen = np.zeros(int(offs[-1]), dtype=bool)
+        for d, a, n in zip(doc[sel], start[sel], length[sel]):
+            held[offs[d] + a: offs[d] + a + n] = True
+            seen[offs[d] + max(0, a - window): offs[d] + a + n] = True
+        out[r] = int((seen & ~held).sum())
+    return out

@@ -25,7 +25,7 @@ from varlen_cp import AttnMask, CPPlan
 from varlen_cp.plan import balanced as B
 from varlen_cp.plan import Balanced
 from varlen_cp.plan.balanced import DEFAULT_TILE_TOKENS, prefix_work
-from varlen_cp.plan.balanced.items import cut_items
+from varlen_cp.plan.balanced.items import MIRRORED, REVERSED, TAIL_BLOCK, cut_items
 from varlen_cp.plan.balanced.profile import profile_of
 from varlen_cp.plan.balanced.units import unit_runs, units_of
 from varlen_cp.plan.balanced.variants import Variant
@@ -308,17 +308,27 @@ def _dense_work(doc_len: int, runs: list[tuple[int, int]], mask: AttnMask) -> in
     [AttnMask(chunk_size=24)], [CAUSAL],  # chunks as segments; whole documents
 ], ids=["chunk_pairs", "prefix", "ends", "split", "causal"])
 @pytest.mark.parametrize("var", [Variant(keep_small=False),
-                                 Variant(body="blocks", fill="prefix", big=2.0)],
-                         ids=["fold", "blocks"])
+                                 Variant(body="blocks", fill="prefix", big=2.0),
+                                 Variant(body="blocks", fill="prefix", mirror_tail=True),
+                                 Variant(body="split", fill="prefix", by_doc=True)],
+                         ids=["fold", "blocks", "mirror_tail", "by_doc"])
 def test_fold_units_match_dense_count(masks, var) -> None:
     """Every fold unit's work (whole, and up to its break point), from the closed forms,
     equals a dense count over the positions its runs cover; the units tile every
-    document exactly once (folded items, and items in position order split into tail
-    blocks and remainders off the tile grid)."""
-    lengths = np.array([150, 7, 64, 97, 200, 33, 1, 129])  # the solver's arrays are numpy
+    document exactly once (folded items, items in position order split into tail
+    blocks and remainders off the tile grid, tail blocks mirrored in dense chunks, early
+    parts walked back)."""
+    # (the solver's arrays are numpy; by_doc's groups need sparse filler beside them)
+    lengths = np.array([150, 7, 64, 97, 200, 33, 1, 129]
+                       + ([3, 5, 9, 12, 2, 7] * 20 if var.by_doc else []))
     mw = B.normalize_masks(masks)
     prof = profile_of(mw, 8)
-    units = units_of(cut_items(lengths, prof, 3, var), lengths, prof)
+    items = cut_items(lengths, prof, 3, var)
+    if var.by_doc and prof.head == "prefix":  # document groups, early parts walked back
+        assert items.group is not None and (items.kind == REVERSED).any()
+    if var.mirror_tail and prof.head == "chunk":
+        assert ((items.kind == MIRRORED) & (items.block == TAIL_BLOCK)).any()
+    units = units_of(items, lengths, prof)
     covered = [[] for _ in lengths]
     for u in range(units.doc.size):
         d = int(units.doc[u])

@@ -68,7 +68,10 @@ Glossary:
   holds whole rank shares of excess, [C, p) the rest (variant ``blocks``; with
   ``mirror_tail``, a tail block's stretch in a chunk where a whole share would hold more
   chunked work than a rank's mean is walked mirrored). **late** /
-  **early part**: a window body split where a token's excess reaches the mean (``split``).
+  **early part**: a window body split where a token's excess reaches the mean (``split``;
+  with ``by_doc``, its document group's mean, the early part walked back from there, and
+  each group's ranks taking tokens in proportion to excess, so that a rank's late and
+  early stretches come from one document).
 - **list**: units in an order, with cumulative (tokens, work per mask); **dense** /
   **sparse** list: items denser / sparser than the mean in the column being cut.
 - **cut**: a token offset into a list; the cuts [cp+1] give rank k the units between cuts

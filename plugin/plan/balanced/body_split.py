@@ -1,7 +1,8 @@
 """Where a long body is split when it is walked in position order (the locality variants):
 chunked + causal bodies at the start of a tail block that holds whole rank shares of excess
 (``blocks``), window + causal bodies where a token's excess reaches the bodies' mean
-(``split``). Both are searches over positions on the closed forms, vectorized over bodies.
+(``split``; with ``by_doc``, where a token's excess reaches its document group's mean).
+Both are searches over positions on the closed forms, vectorized over bodies.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from ..runs import prefix_pairs
 from .profile import Profile
-from .segments import excess_of
+from .segments import doc_work, excess_of
 
 # Probes per round of a k-ary search (here and in vector_cut.py's pair cuts): 32 takes 2-3
 # rounds over 128K tokens.
@@ -70,3 +72,59 @@ def density_split(lengths: np.ndarray, prof: Profile, doc: np.ndarray,
     q = int(fine[int(np.argmax(ok))]) if bool(ok.any()) else top
     q = (q + prof.tile - 1) // prof.tile * prof.tile  # on the tile grid: no extra cut
     return np.minimum(np.maximum(np.full_like(start, q), start), end)
+
+
+# by_doc: a document whose body would bring a rank more than this share of its mean work
+# in the filler column per share of excess (the rest comes from filler) is sparse: it joins
+# the densest document's group.
+GROUP_CAP = 0.85
+
+
+def group_split(lengths: np.ndarray, prof: Profile, cp: int, doc: np.ndarray,
+                start: np.ndarray, end: np.ndarray, memo: dict
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(p, group, dense) per body [start, end) (``Variant.by_doc``): the bodies' groups
+    (each dense document one, densest in excess per token first; the sparse ones join
+    group 0, or all one group where group 0 would then be too sparse), whether the body is
+    its group's dense document, and the first position whose token carries at least its
+    group's mean excess per token (on the tile grid); None where there are fewer than two
+    groups or a sparse body finds no room (the plain ``split`` then serves)."""
+    excess, tot_e = excess_of(lengths, prof, memo)
+    dl = lengths[doc]
+    x = excess(start, end, dl)
+    t = (end - start).astype(np.float64)
+    dw = doc_work(lengths, prof, memo)
+    col = int(np.argmin(dw.sum(0)))  # the filler column (as phases._setup picks it)
+    mask = prof.masks[col]
+    w = (prefix_pairs(dl, end, mask) - prefix_pairs(dl, start, mask)).astype(np.float64)
+    share_x, share_w = tot_e / cp, float(dw[:, col].sum()) / cp
+    ratio = w * share_x / np.maximum(x, 1e-300) / share_w
+    dense = ratio <= GROUP_CAP
+    order = np.argsort(ratio, kind="stable")
+    group = np.zeros(doc.size, dtype=np.int64)
+    dense_o = order[dense[order]]  # the dense bodies, densest first: groups 0, 1, ...
+    group[dense_o] = np.arange(dense_o.size)
+    # Each sparse body joins a group with room (in filler-column work over what its
+    # excess brings at the cap), the groups of the shortest documents first (a rank's late
+    # stretch of one then costs the fewest keys beside the sparse document's): a
+    # first-fit on cumulative sums, checked after.
+    c = GROUP_CAP * share_w / share_x
+    fill_o = dense_o[np.argsort(dl[dense_o], kind="stable")]
+    sparse_o = order[~dense[order]]
+    slot = np.searchsorted(np.cumsum(c * x[fill_o] - w[fill_o]),
+                           np.cumsum(w[sparse_o] - c * x[sparse_o]), side="left")
+    if dense_o.size < 2 or bool((slot >= fill_o.size).any()):
+        return None
+    group[sparse_o] = group[fill_o[slot]]
+    g_x = np.bincount(group, weights=x, minlength=dense_o.size)
+    if bool((np.bincount(group, weights=w, minlength=dense_o.size)
+             > c * g_x * (1 + 1e-9)).any()):
+        return None
+    mean = (g_x / np.maximum(np.bincount(group, weights=t, minlength=dense_o.size),
+                             1.0))[group]
+    # The last p with every token of [start, p) below the mean (a token's excess grows
+    # with its position where every mask looks left).
+    p = _last_true(start, end, lambda q, r: (q == start[r]) | (
+        excess(np.maximum(q - 1, 0), q, dl[r]) < mean[r]))
+    q = (p + prof.tile - 1) // prof.tile * prof.tile
+    return np.minimum(np.maximum(q, start), end), group, dense

@@ -12,6 +12,9 @@ Item kinds (how an item's tiles are ordered, see units.py):
 - ``POSITION_ORDER``: the tiles in position order: a cut gives the earlier rank a prefix,
   which costs it nothing, and the later rank the rest, which costs it the prefix: one fetch
   where a mirrored cut costs two.
+- ``REVERSED``: the tiles from the last to the first (``by_doc``'s early parts: walked
+  back from the late part's start, so a rank's early and late stretches of a document
+  sit around one point and the early stretches get sparser as the late ones get denser).
 
 Body classes (``Items.block``) of the locality variants: a body split at p is a
 ``REMAINDER`` [start, p) and a ``TAIL_BLOCK`` [p, end) (``blocks``: whole rank shares of
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..runs import prefix_pairs
-from .body_split import density_split, tail_split
+from .body_split import density_split, group_split, tail_split
 from .profile import Profile
 from .segments import doc_work, excess_of, segments_of
 from .variants import Variant
@@ -35,7 +38,7 @@ from .variants import Variant
 # early part (a rank would otherwise collect slivers of several documents' ends).
 _MINLATE = 0.5
 
-MIRRORED, CHUNK_PAIRS, POSITION_ORDER = 0, 1, 2
+MIRRORED, CHUNK_PAIRS, POSITION_ORDER, REVERSED = 0, 1, 2, 3
 TAIL_BLOCK, REMAINDER = 1, 2
 
 
@@ -49,6 +52,8 @@ class Items:
     kind: np.ndarray  # MIRRORED / CHUNK_PAIRS / POSITION_ORDER
     body: np.ndarray  # bool: carries excess work (phase 1) vs filler (phase 2)
     block: np.ndarray  # TAIL_BLOCK / REMAINDER for the bodies of "blocks" / "split", else 0
+    # by_doc: 2 x the body's document group + 1 for the group's dense document (-1: filler)
+    group: np.ndarray | None = None
 
 
 def cut_items(lengths: np.ndarray, prof: Profile, cp: int, var: Variant,
@@ -86,7 +91,7 @@ def cut_items(lengths: np.ndarray, prof: Profile, cp: int, var: Variant,
     b_start = np.concatenate([a[m] for m, a, _ in b_sel])
     b_end = np.concatenate([b[m] for m, _, b in b_sel])
     n_f, n_long = f_doc.size, int(long.sum())
-    b_doc, b_start, b_end, kind, block = _split_bodies(
+    b_doc, b_start, b_end, kind, block, *grp = _split_bodies(
         lengths, prof, cp, var, blocks, n_long, b_doc, b_start, b_end, memo)
     n_b = b_doc.size
     excess = prof.excess.shape[0] > 0
@@ -96,6 +101,8 @@ def cut_items(lengths: np.ndarray, prof: Profile, cp: int, var: Variant,
                            kind]),
            np.concatenate([np.zeros(n_f, dtype=bool), np.full(n_b, excess, dtype=bool)]),
            np.concatenate([np.zeros(n_f, dtype=np.int64), block]))
+    if grp:
+        return Items(*out, np.concatenate([np.full(n_f, -1, dtype=np.int64), grp[0]]))
     return Items(*out)
 
 
@@ -135,6 +142,7 @@ def _split_bodies(lengths: np.ndarray, prof: Profile, cp: int, var: Variant,
         if prof.head == "chunk":
             kind[:n_long] = CHUNK_PAIRS
         return b_doc, b_start, b_end, kind, block
+    groups = None
     if blocks:
         p, n_sh = tail_split(lengths, prof, cp, b_doc[:n_long], b_start[:n_long],
                              b_end[:n_long], memo)
@@ -143,8 +151,13 @@ def _split_bodies(lengths: np.ndarray, prof: Profile, cp: int, var: Variant,
             return _mirrored_tails(lengths, prof, cp, n_long, b_doc, b_start, b_end, p,
                                    tail, memo)
     else:
-        p = density_split(lengths, prof, b_doc[:n_long], b_start[:n_long],
-                          b_end[:n_long], memo)
+        groups = group_split(lengths, prof, cp, b_doc[:n_long], b_start[:n_long],
+                             b_end[:n_long], memo) if var.by_doc else None
+        if groups is not None:
+            p, grp, dense = groups
+        else:
+            p = density_split(lengths, prof, b_doc[:n_long], b_start[:n_long],
+                              b_end[:n_long], memo)
         if _MINLATE > 0:
             excess, tot_e = excess_of(lengths, prof, memo)
             small = (excess(p, b_end[:n_long], lengths[b_doc[:n_long]])
@@ -159,7 +172,14 @@ def _split_bodies(lengths: np.ndarray, prof: Profile, cp: int, var: Variant,
     block = np.concatenate([np.full(rest.size, REMAINDER, dtype=np.int64),
                             np.full(tail.size, TAIL_BLOCK, dtype=np.int64),
                             np.zeros(n_b - rest.size - tail.size, dtype=np.int64)])
-    return b_doc, b_start, b_end, np.full(n_b, POSITION_ORDER, dtype=np.int64), block
+    kind = np.full(n_b, POSITION_ORDER, dtype=np.int64)
+    if groups is None:
+        return b_doc, b_start, b_end, kind, block
+    # The dense documents' early parts walked back from p; each body's group key.
+    kind[:rest.size][dense[rest]] = REVERSED
+    key = 2 * grp + dense
+    return b_doc, b_start, b_end, kind, block, np.concatenate(
+        [key[rest], key[tail], np.full(n_b - rest.size - tail.size, -1, dtype=np.int64)])
 
 
 def _mirrored_tails(lengths: np.ndarray, prof: Profile, cp: int, n_long: int,

@@ -4,7 +4,8 @@ Phase 1 cuts the bodies so that every rank gets 1/cp of the excess work: one lis
 by excess per token and cut by excess alone, a dense / sparse pair cut to equal tokens and
 excess, the ``blocks`` list (remainders, then tail blocks of whole rank shares), or the
 ``split`` pair (late and early parts) cut rank by rank (with ``Variant.holders``: onto the
-first that many ranks only, :func:`holder_counts`). With ``Variant.nest`` (no bodies),
+first that many ranks only, :func:`holder_counts`; with ``Variant.by_doc``: by document
+group, :func:`_group_targets`). With ``Variant.nest`` (no bodies),
 nested.py's pieces of long documents go on ranks of their own first. Phase 2 cuts the
 filler, as a dense
 and a sparse list in the filler column (the mask with least work), to what phase 1 left of
@@ -128,7 +129,7 @@ def solve_attempt(units: Units, prof: Profile, cp: int, var: Variant, items: Ite
     lists, cuts = [], []
     b_val = np.zeros((cp + 1, st.total.size), dtype=np.float64)
     if prof.excess.shape[0] and bool(st.is_body.any()):
-        lists, cuts, b_val = _cut_bodies(units, prof, cp, var, st, lengths)
+        lists, cuts, b_val = _cut_bodies(units, prof, cp, var, st, lengths, items)
     nested = None
     if var.nest:
         if "item_w" not in cache:  # the same for every attempt on these units
@@ -143,7 +144,7 @@ def solve_attempt(units: Units, prof: Profile, cp: int, var: Variant, items: Ite
 
 
 def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
-                lengths: np.ndarray) -> tuple[list, list, np.ndarray]:
+                lengths: np.ndarray, items: Items) -> tuple[list, list, np.ndarray]:
     """Phase 1: bodies, cut so that every rank gets 1/cp of the excess work (``split``
     with ``var.holders``: the first that many ranks get equal shares, the rest none):
     (lists, cuts, the cumulative vector [cp+1, 1+M] they give the rank boundaries)."""
@@ -156,13 +157,18 @@ def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
         # Late parts (dense in excess) and early parts, in position order and document
         # order, cut rank by rank to equal tokens and excess.
         late = is_body & (units.block == TAIL_BLOCK)
-        dense = new_list(units, unit_order(units, late, st.doc_order), tok_budget)
-        sparse = new_list(units, unit_order(units, is_body & ~late, st.doc_order), tok_budget)
+        key = st.doc_order if items.group is None else _group_key(items, st)
+        dense = new_list(units, unit_order(units, late, key), tok_budget)
+        sparse = new_list(units, unit_order(units, is_body & ~late, key), tok_budget)
         t_b = dense.total + sparse.total
         n = var.holders or cp
         kk = np.minimum(k, n)
-        b_tok = kk * t_b // n
-        b_phi = kk.astype(np.float64) * float(dense.column(phi)[-1] + sparse.column(phi)[-1]) / n
+        p_b = float(dense.column(phi)[-1] + sparse.column(phi)[-1])
+        if items.group is None:
+            b_tok = kk * t_b // n
+            b_phi = kk.astype(np.float64) * p_b / n
+        else:  # each group's tokens in proportion to its excess
+            b_tok, b_phi = _group_targets(items, st, t_b, p_b)
         xd, xs = rank_cut([dense], [sparse], b_tok, b_phi, phi)
         return [dense, sparse], [xd, xs], dense.at(xd) + sparse.at(xs)
     body_items = np.zeros(st.n_items, dtype=bool)
@@ -192,6 +198,48 @@ def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,
     x = cut_excess(body, phi, target, budget)
     x[0], x[-1] = 0, body.total
     return [body], [x], body.at(x)
+
+
+def _group_key(items: Items, st: _Setup) -> np.ndarray:
+    """``by_doc``: items by (group, sparse documents before the group's dense one,
+    document order)."""
+    return (items.group * st.n_items + st.doc_order).argsort(kind="stable").argsort(
+        kind="stable")
+
+
+# by_doc: document groups start on a rank boundary where each group's ranks then hold
+# within this share of a rank's share of excess.
+_GROUP_ROUND = 0.01
+
+
+def _group_targets(items: Items, st: _Setup, t_b: int, p_b: float
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """``by_doc``'s (token, excess) targets [cp+1] of the bodies: within each document
+    group, tokens in proportion to excess (with equal tokens a rank, the late and early
+    lists would run through the documents at different rates, and a rank would take one
+    document's late stretch with another's early one: both prefixes to fetch); each group
+    on whole ranks where its ranks then hold within ``_GROUP_ROUND`` of a share of excess
+    (else the rank at a boundary holds the end of one group and the start of the next)."""
+    g = items.group >> 1
+    sel = g >= 0
+    n_g = int(g.max()) + 1
+    g_x = np.bincount(g[sel], weights=st.item_phi[sel], minlength=n_g)
+    g_t = np.bincount(g[sel], weights=st.item_t[sel], minlength=n_g)
+    x_cum, t_cum = np.append(0.0, np.cumsum(g_x)), np.append(0.0, np.cumsum(g_t))
+    cp = st.k.size - 1
+    share = p_b / cp
+    k_cum = np.round(x_cum / share).astype(np.int64)
+    n_r = np.diff(k_cum)
+    if bool((n_r >= 1).all()) and bool(
+            (np.abs(g_x / np.maximum(n_r, 1) - share) <= _GROUP_ROUND * share).all()):
+        gi = np.minimum(np.searchsorted(k_cum, st.k, side="right") - 1, n_g - 1)
+        b_phi = x_cum[gi] + (st.k - k_cum[gi]) * g_x[gi] / n_r[gi]
+    else:
+        b_phi = st.k.astype(np.float64) * share
+    b_phi[-1] = p_b
+    b_tok = np.interp(b_phi, x_cum, t_cum).round().astype(np.int64)
+    b_tok[-1] = t_b
+    return np.maximum.accumulate(np.minimum(b_tok, t_b)), b_phi
 
 
 # Of a mask's mean work per rank: what a rank holding window bodies may carry above the

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..runs import prefix_pairs
-from .items import CHUNK_PAIRS, POSITION_ORDER, Items
+from .items import CHUNK_PAIRS, POSITION_ORDER, REVERSED, Items
 from .profile import Profile
 
 
@@ -97,7 +97,8 @@ def units_of(items: Items, lengths_np: np.ndarray, prof: Profile) -> Units:
         if sel.size:
             fold[sel] = chunk_fold(start[sel], i_start[item[sel]], doc_len[sel],
                                        prof.chunk, t)
-    fold = np.where(kind == POSITION_ORDER, j, fold)
+    fold = np.where(kind == POSITION_ORDER, j, np.where(kind == REVERSED, n[item] - 1 - j,
+                                                        fold))
     nu = (n + 1) // 2
     uoff = nu.cumsum() - nu
     unit = uoff[item] + fold // 2

@@ -5,7 +5,8 @@ targets is taken).
 Locality variants come first: they keep what a rank holds of a document in few contiguous
 stretches (filler in position order, long documents in nested pieces first where there are
 no bodies, chunked bodies in tail blocks of whole rank shares, window bodies split into
-late and early parts, on a few ranks first where their excess is small; a tail block's
+late and early parts, by document group or on a few ranks first where their excess is
+small; a tail block's
 stretches in chunks too dense in chunked work for whole shares mirrored, where the plain
 blocks fail) and run only where every mask looks left (a filler prefix is then causal-like under
 all of them) or there is one mask. The fold variants (mirrored tiles, chunk pairs) come
@@ -45,6 +46,13 @@ class Variant:
             share at the chunk's end would hold more than a rank's mean chunked work
             (items.py), filler in position order, whatever its size; tried where
             ``blocks`` does not meet the targets.
+    by_doc: ``split`` bodies by document group (body_split.py's ``group_split``: each
+            document dense in excess a group, the sparse ones joining a group with room;
+            a group's split point at its own mean), tokens in proportion to excess within
+            a group, groups on whole ranks, the early parts walked back from the late
+            part's start: a rank's late and early stretches come from one document. Taken
+            over the plain ``split`` only where its most-fetching rank fetches 5% less
+            (solve.py).
     nest:   whole short segments of at least two ranks' work are cut into nested pieces
             (nested.py: a rank holding a late stretch also holds an early one), each on a
             rank of its own, before the filler (masks that all look left, no bodies);
@@ -61,6 +69,7 @@ class Variant:
     holders: int = 0
     nest: bool = False
     mirror_tail: bool = False
+    by_doc: bool = False
 
 
 FOLD_VARIANTS = (Variant(), Variant(pair=True), Variant(pair=True, keep_small=False))
@@ -88,6 +97,7 @@ def choose_variants(prof: Profile, bodies: bool, prefix_ok: bool = True) -> list
         local.append(Variant(body="blocks", fill="prefix", solver="seq", mirror_tail=True))
     elif prof.head == "prefix":
         local.append(Variant(body="split", fill="prefix", solver="seq", few=True))
+        local.append(Variant(body="split", fill="prefix", solver="seq", by_doc=True))
         local.append(Variant(body="split", fill="prefix", big=2.0, solver="seq"))
         local.append(Variant(body="split", fill="prefix", big=2.0, solver="classes"))
     return local + list(FOLD_VARIANTS)
