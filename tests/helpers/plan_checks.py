@@ -76,55 +76,88 @@ def check_balanced(plans: list[CPPlan], lengths: list[int]) -> None:
     assert all(abs(c - mean) <= 0.02 * mean + 1 for c in counts), (counts, mean)
 
 
+def _held(rank, doc, start, length, offs: np.ndarray, r: int, reach: int = 0
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """(held, seen) dense boolean masks over the batch's tokens for rank ``r``: the
+    positions it holds, and those plus ``reach`` positions before each run."""
+    held = np.zeros(int(offs[-1]), dtype=bool)
+    seen = np.zeros(int(offs[-1]), dtype=bool)
+    sel = rank == r
+    for d, a, n in zip(doc[sel], start[sel], length[sel]):
+        held[offs[d] + a: offs[d] + a + n] = True
+        seen[offs[d] + max(0, a - reach): offs[d] + a + n] = True
+    return held, seen
+
+
+def _lacks(part: np.ndarray) -> int:
+    """Positions before the last held one of ``part`` that are not held (0: none held)."""
+    if not part.any():
+        return 0
+    last = int(np.flatnonzero(part).max())
+    return last + 1 - int(part[: last + 1].sum())
+
+
 def causal_fetch(rank, doc, start, length, lengths, cp: int) -> np.ndarray:
     """Per rank: the keys its queries see under a causal mask that it does not hold (dense
     boolean masks, one per rank), for runs (rank, doc, start, length) of documents of
     ``lengths`` tokens."""
-    offs = np.concatenate([[0], np.cumsum(lengths)])
-    out = np.zeros(cp, dtype=np.int64)
-    for r in range(cp):
-        sel = rank == r
-        held = np.zeros(int(offs[-1]), dtype=bool)
-        for d, a, n in zip(doc[sel], start[sel], length[sel]):
-            held[offs[d] + a: offs[d] + a + n] = True
-        for d in np.unique(doc[sel]):
-            seg = held[offs[d]: offs[d + 1]]
-            last = int(np.flatnonzero(seg).max())
-            out[r] += last + 1 - int(seg[: last + 1].sum())
-    return out
+    return chunked_fetch(rank, doc, start, length, lengths, cp, int(np.sum(lengths)) + 1)
 
 
 def chunked_fetch(rank, doc, start, length, lengths, cp: int, chunk: int) -> np.ndarray:
     """Per rank: the keys its queries see under a causal mask within chunks of ``chunk``
     tokens that it does not hold (dense boolean masks, one per rank, chunk by chunk)."""
-    offs = np.concatenate([[0], np.cumsum(lengths)])
+    offs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     out = np.zeros(cp, dtype=np.int64)
     for r in range(cp):
-        sel = rank == r
-        held = np.zeros(int(offs[-1]), dtype=bool)
-        for d, a, n in zip(doc[sel], start[sel], length[sel]):
-            held[offs[d] + a: offs[d] + a + n] = True
-        for d in np.unique(doc[sel]):
+        held = _held(rank, doc, start, length, offs, r)[0]
+        for d in np.unique(doc[rank == r]):
             seg = held[offs[d]: offs[d + 1]]
-            for c0 in range(0, seg.size, chunk):
-                part = seg[c0: c0 + chunk]
-                if part.any():
-                    last = int(np.flatnonzero(part).max())
-                    out[r] += last + 1 - int(part[: last + 1].sum())
+            out[r] += sum(_lacks(seg[c0: c0 + chunk]) for c0 in range(0, seg.size, chunk))
     return out
 
 
 def window_fetch(rank, doc, start, length, lengths, cp: int, window: int) -> np.ndarray:
     """Per rank: the keys its queries see under a causal window of ``window`` keys before
     each query that it does not hold (dense boolean masks, one per rank)."""
-    offs = np.concatenate([[0], np.cumsum(lengths)])
+    offs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     out = np.zeros(cp, dtype=np.int64)
     for r in range(cp):
-        sel = rank == r
-        held = np.zeros(int(offs[-1]), dtype=bool)
-        seen = np.zeros(int(offs[-1]), dtype=bool)
-        for d, a, n in zip(doc[sel], start[sel], length[sel]):
-            held[offs[d] + a: offs[d] + a + n] = True
-            seen[offs[d] + max(0, a - window): offs[d] + a + n] = True
+        held, seen = _held(rank, doc, start, length, offs, r, window)
         out[r] = int((seen & ~held).sum())
     return out
+
+
+def drop_variants(monkeypatch, solve_module, pred) -> None:
+    """The balanced layout without the attempts for which ``pred(variant)`` holds (the
+    layout as it was before a variant: monkeypatches ``solve_module.choose_variants``)."""
+    choose = solve_module.choose_variants
+    monkeypatch.setattr(solve_module, "choose_variants",
+                        lambda *a, **k: [v for v in choose(*a, **k) if not pred(v)])
+
+
+def balanced_within_targets(lengths: np.ndarray, cp: int, masks) -> CPPlan:
+    """The ``balanced`` plan of documents of ``lengths`` tokens for ``masks`` ((mask,
+    layer count) pairs), checked against the targets by the plan's own tables: tokens
+    within 1.02 of the mean, every mask's work within 1.03."""
+    from varlen_cp.plan import Balanced
+    from varlen_cp.plan.balanced import normalize_masks
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]))
+    plan = CPPlan.build(cu, cp_size=cp, cp_rank=0, layout=Balanced(masks=list(masks)))
+    assert plan.token_imbalance() <= 1.02
+    for m, _ in normalize_masks(list(masks)):
+        assert plan.work_imbalance(m) <= 1.03, (m, plan.work_imbalance(m))
+    return plan
+
+
+def assert_runs_unchanged_without(monkeypatch, pred, lengths: np.ndarray, cp: int,
+                                  masks) -> None:
+    """The balanced runs of ``lengths`` at ``cp`` for ``masks`` (normalized) equal those of
+    the layout without the attempts for which ``pred(variant)`` holds."""
+    from varlen_cp.plan.balanced import DEFAULT_TILE_TOKENS, balanced_runs
+    from varlen_cp.plan.balanced import solve
+    new = balanced_runs(lengths, cp, masks, DEFAULT_TILE_TOKENS)
+    drop_variants(monkeypatch, solve, pred)
+    old = balanced_runs(lengths, cp, masks, DEFAULT_TILE_TOKENS)
+    for a, b in zip(new, old):
+        assert np.array_equal(a, b)

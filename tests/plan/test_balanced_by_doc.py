@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from bench.mixes import MIXES
-from varlen_cp import AttnMask, CPPlan
-from varlen_cp.plan import Balanced
+from varlen_cp import AttnMask
 from varlen_cp.plan.balanced import (DEFAULT_TILE_TOKENS, balanced_runs, normalize_masks,
                                      prefix_work)
 from varlen_cp.plan.balanced import solve as S
@@ -25,7 +23,8 @@ from varlen_cp.plan.balanced.profile import profile_of
 from varlen_cp.plan.balanced.segments import segments_of
 from varlen_cp.plan.balanced.units import unit_runs, units_of
 from varlen_cp.plan.balanced.variants import Variant
-from tests.helpers.plan_checks import causal_fetch, window_fetch
+from tests.helpers.plan_checks import (assert_runs_unchanged_without, balanced_within_targets,
+                                       causal_fetch, drop_variants, window_fetch)
 
 WINDOW = 4096
 SWA = AttnMask(window_size=(WINDOW, 0))
@@ -34,9 +33,7 @@ GEMMA = [(SWA, 5), (AttnMask(), 1)]
 
 def _without_by_doc(monkeypatch) -> None:
     """The layout as it was before the variant: its attempt dropped."""
-    choose = S.choose_variants
-    monkeypatch.setattr(S, "choose_variants",
-                        lambda *a, **k: [v for v in choose(*a, **k) if not v.by_doc])
+    drop_variants(monkeypatch, S, lambda v: v.by_doc)
 
 
 def test_late_and_early_stretches_of_one_document(monkeypatch) -> None:
@@ -49,11 +46,7 @@ def test_late_and_early_stretches_of_one_document(monkeypatch) -> None:
     cp = 64
     lengths = np.asarray(MIXES["few_long"](8192 * cp))
     masks = normalize_masks(GEMMA)
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]))
-    plan = CPPlan.build(cu, cp_size=cp, cp_rank=0, layout=Balanced(masks=GEMMA))
-    assert plan.token_imbalance() <= 1.02
-    for m, _ in masks:
-        assert plan.work_imbalance(m) <= 1.03, (m, plan.work_imbalance(m))
+    balanced_within_targets(lengths, cp, GEMMA)
     new = balanced_runs(lengths, cp, masks, DEFAULT_TILE_TOKENS)
     rank, doc, start, length = new
     body = start + length > WINDOW
@@ -139,8 +132,4 @@ def test_layout_unchanged_where_groups_do_not_help(monkeypatch, mix: str, cp: in
     the runs are those of the layout without the variant."""
     lengths = np.asarray(MIXES[mix](total))
     masks = normalize_masks(GEMMA)
-    new = balanced_runs(lengths, cp, masks, DEFAULT_TILE_TOKENS)
-    _without_by_doc(monkeypatch)
-    old = balanced_runs(lengths, cp, masks, DEFAULT_TILE_TOKENS)
-    for x, y in zip(new, old):
-        assert np.array_equal(x, y)
+    assert_runs_unchanged_without(monkeypatch, lambda v: v.by_doc, lengths, cp, masks)

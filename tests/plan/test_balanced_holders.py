@@ -14,22 +14,19 @@ import pytest
 import torch
 
 from bench.mixes import MIXES
-from varlen_cp import AttnMask, CPPlan
-from varlen_cp.plan import Balanced
+from varlen_cp import AttnMask
 from varlen_cp.plan.balanced import (DEFAULT_TILE_TOKENS, balanced_runs, normalize_masks,
                                      prefix_work)
 from varlen_cp.plan.balanced import solve as S
-from tests.helpers.plan_checks import causal_fetch
-
+from tests.helpers.plan_checks import (assert_runs_unchanged_without, balanced_within_targets,
+                                       causal_fetch, drop_variants)
 SWA = AttnMask(window_size=(4096, 0))
 GEMMA = [(SWA, 5), (AttnMask(), 1)]
 
 
 def _without_few(monkeypatch) -> None:
     """The layout as it was before the ``few`` variant: its attempts dropped."""
-    choose = S.choose_variants
-    monkeypatch.setattr(S, "choose_variants",
-                        lambda *a, **k: [v for v in choose(*a, **k) if not v.few])
+    drop_variants(monkeypatch, S, lambda v: v.few)
 
 
 def test_window_bodies_on_few_ranks(monkeypatch) -> None:
@@ -42,11 +39,7 @@ def test_window_bodies_on_few_ranks(monkeypatch) -> None:
     long_docs = np.flatnonzero(lengths > 4096)
     assert long_docs.size == 1
     masks = normalize_masks(GEMMA)
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]))
-    plan = CPPlan.build(cu, cp_size=cp, cp_rank=0, layout=Balanced(masks=GEMMA))
-    assert plan.token_imbalance() <= 1.02
-    for m, _ in masks:
-        assert plan.work_imbalance(m) <= 1.03, (m, plan.work_imbalance(m))
+    plan = balanced_within_targets(lengths, cp, GEMMA)
 
     def body_holders(runs) -> int:
         rank, doc, start, length = runs
@@ -94,11 +87,7 @@ def test_layout_unchanged_where_bodies_are_heavy(monkeypatch, mix: str, cp: int)
     concentrated: the runs are those of the layout without the ``few`` variant."""
     lengths = np.asarray(MIXES[mix](8192 * cp))
     masks = normalize_masks(GEMMA)
-    new = balanced_runs(lengths, cp, masks, DEFAULT_TILE_TOKENS)
-    _without_few(monkeypatch)
-    old = balanced_runs(lengths, cp, masks, DEFAULT_TILE_TOKENS)
-    for a, b in zip(new, old):
-        assert np.array_equal(a, b)
+    assert_runs_unchanged_without(monkeypatch, lambda v: v.few, lengths, cp, masks)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from bench.mixes import MIXES
-from varlen_cp import AttnMask, CPPlan
-from varlen_cp.plan import Balanced
+from varlen_cp import AttnMask
 from varlen_cp.plan.balanced import DEFAULT_TILE_TOKENS, balanced_runs, normalize_masks
 from varlen_cp.plan.balanced import solve as S
 from varlen_cp.plan.balanced.items import MIRRORED, TAIL_BLOCK, cut_items
 from varlen_cp.plan.balanced.profile import profile_of
 from varlen_cp.plan.balanced.variants import Variant
-from tests.helpers.plan_checks import causal_fetch, chunked_fetch
+from tests.helpers.plan_checks import (assert_runs_unchanged_without, balanced_within_targets,
+                                       causal_fetch, chunked_fetch, drop_variants)
 
 CHUNK = 8192
 LLAMA4 = [(AttnMask(chunk_size=CHUNK), 3), (AttnMask(), 1)]
@@ -31,9 +30,7 @@ LLAMA4 = [(AttnMask(chunk_size=CHUNK), 3), (AttnMask(), 1)]
 
 def _without_mirror_tail(monkeypatch) -> None:
     """The layout as it was before the variant: its attempt dropped."""
-    choose = S.choose_variants
-    monkeypatch.setattr(S, "choose_variants",
-                        lambda *a, **k: [v for v in choose(*a, **k) if not v.mirror_tail])
+    drop_variants(monkeypatch, S, lambda v: v.mirror_tail)
 
 
 def _batch(mix: str, cp: int) -> np.ndarray:
@@ -49,11 +46,7 @@ def test_dense_chunk_tails_mirrored(monkeypatch) -> None:
     cp = 64
     lengths = _batch("few_long", cp)
     masks = normalize_masks(LLAMA4)
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]))
-    plan = CPPlan.build(cu, cp_size=cp, cp_rank=0, layout=Balanced(masks=LLAMA4))
-    assert plan.token_imbalance() <= 1.02
-    for m, _ in masks:
-        assert plan.work_imbalance(m) <= 1.03, (m, plan.work_imbalance(m))
+    balanced_within_targets(lengths, cp, LLAMA4)
     new = balanced_runs(lengths, cp, masks, DEFAULT_TILE_TOKENS)
     _without_mirror_tail(monkeypatch)
     old = balanced_runs(lengths, cp, masks, DEFAULT_TILE_TOKENS)
@@ -104,8 +97,4 @@ def test_layout_unchanged_where_blocks_reach(monkeypatch, mix: str, cp: int) -> 
     the runs are those of the layout without it."""
     lengths = _batch(mix, cp)
     masks = normalize_masks(LLAMA4)
-    new = balanced_runs(lengths, cp, masks, DEFAULT_TILE_TOKENS)
-    _without_mirror_tail(monkeypatch)
-    old = balanced_runs(lengths, cp, masks, DEFAULT_TILE_TOKENS)
-    for x, y in zip(new, old):
-        assert np.array_equal(x, y)
+    assert_runs_unchanged_without(monkeypatch, lambda v: v.mirror_tail, lengths, cp, masks)

@@ -18,14 +18,11 @@ from varlen_cp.plan import Balanced
 from varlen_cp.plan.balanced import DEFAULT_TILE_TOKENS, balanced_runs, normalize_masks
 from varlen_cp.plan.balanced import solve as S
 from varlen_cp.plan.balanced.nested import group_labels, nested_pieces
-from tests.helpers.plan_checks import causal_fetch
-
+from tests.helpers.plan_checks import assert_runs_unchanged_without, causal_fetch, drop_variants
 
 def _without_nest(monkeypatch) -> None:
     """The layout as it was before the ``nest`` variant: its attempts dropped."""
-    choose = S.choose_variants
-    monkeypatch.setattr(S, "choose_variants",
-                        lambda *a, **k: [v for v in choose(*a, **k) if not v.nest])
+    drop_variants(monkeypatch, S, lambda v: v.nest)
 
 
 @pytest.mark.parametrize("length, work, rho", [(4713, 1.2e6, 60.0), (3970, 1.0e6, 0.0),
@@ -118,11 +115,7 @@ def test_layout_unchanged_where_nothing_is_nested(monkeypatch, mix: str, total: 
     work), the runs are those of the layout without the ``nest`` variant."""
     lengths = np.asarray(MIXES[mix](total))
     masks = normalize_masks([(AttnMask(chunk_size=8192), 3), (AttnMask(), 1)])
-    new = balanced_runs(lengths, cp, masks, DEFAULT_TILE_TOKENS)
-    _without_nest(monkeypatch)
-    old = balanced_runs(lengths, cp, masks, DEFAULT_TILE_TOKENS)
-    for a, b in zip(new, old):
-        assert np.array_equal(a, b)
+    assert_runs_unchanged_without(monkeypatch, lambda v: v.nest, lengths, cp, masks)
 
 
 @pytest.mark.parametrize("first, cp", [([0, 7, 12, 16], 32), ([0, 10, 17, 21], 64),
