@@ -18,8 +18,11 @@ from bench.mixes import MIXES
 from varlen_cp import AttnMask
 from varlen_cp.plan.balanced import DEFAULT_TILE_TOKENS, balanced_runs, normalize_masks
 from varlen_cp.plan.balanced import solve as S
-from varlen_cp.plan.balanced.items import MIRRORED, TAIL_BLOCK, cut_items
+from varlen_cp.plan.balanced.items import (MIRRORED, TAIL_BLOCK, cut_items,
+                                           mirror_tail_reachable)
+from varlen_cp.plan.balanced.phases import solve_attempt
 from varlen_cp.plan.balanced.profile import profile_of
+from varlen_cp.plan.balanced.units import units_of
 from varlen_cp.plan.balanced.variants import Variant
 from tests.helpers.plan_checks import (assert_runs_unchanged_without, balanced_within_targets,
                                        causal_fetch, chunked_fetch, drop_variants)
@@ -98,3 +101,19 @@ def test_layout_unchanged_where_blocks_reach(monkeypatch, mix: str, cp: int) -> 
     lengths = _batch(mix, cp)
     masks = normalize_masks(LLAMA4)
     assert_runs_unchanged_without(monkeypatch, lambda v: v.mirror_tail, lengths, cp, masks)
+
+
+def test_not_built_where_chunk_one_stays_too_dense() -> None:
+    """A few long among short at cp 8 with 128K tokens (16K a rank): even mirrored, a
+    share of excess in chunk 1 holds more chunked work than a rank's mean, so the
+    precheck skips the variant; solved anyway, the attempt indeed misses its targets."""
+    cp = 8
+    lengths = np.asarray(MIXES["few_long"](131072))
+    mw = normalize_masks(LLAMA4)
+    prof = profile_of(mw, DEFAULT_TILE_TOKENS)
+    assert not mirror_tail_reachable(lengths, prof, cp, {})
+    assert mirror_tail_reachable(_batch("few_long", 64), prof, 64, {})
+    var = Variant(body="blocks", fill="prefix", solver="seq", mirror_tail=True)
+    items = cut_items(lengths, prof, cp, var)
+    lay = solve_attempt(units_of(items, lengths, prof), prof, cp, var, items, lengths)
+    assert lay.unreachable or S._score(lay.per_rank) > 1.0

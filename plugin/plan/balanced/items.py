@@ -182,6 +182,16 @@ def _split_bodies(lengths: np.ndarray, prof: Profile, cp: int, var: Variant,
         [key[rest], key[tail], np.full(n_b - rest.size - tail.size, -1, dtype=np.int64)])
 
 
+def mirror_tail_reachable(lengths: np.ndarray, prof: Profile, cp: int, memo: dict) -> bool:
+    """Whether ``Variant.mirror_tail`` can reach its filler targets: mirrored, a whole
+    share of excess in chunk 1 (share / C tokens) holds about half a chunk's work per
+    token, share / 2 in all; where that exceeds a rank's mean work under the chunked
+    mask (few documents at many tokens a rank: a few long among short at cp 8, 16K tokens
+    a rank) its rank has no room for filler either, and the attempt is not built."""
+    _, tot_e = excess_of(lengths, prof, memo)
+    return tot_e / cp / 2 <= float(doc_work(lengths, prof, memo).sum(0).min()) / cp
+
+
 def _mirrored_tails(lengths: np.ndarray, prof: Profile, cp: int, n_long: int,
                     b_doc: np.ndarray, b_start: np.ndarray, b_end: np.ndarray,
                     p: np.ndarray, tail: np.ndarray, memo: dict) -> tuple[np.ndarray, ...]:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .args import TOKEN_TOL, WORK_TOL, MaskWeights, runs_per_rank
-from .items import Items, cut_items
+from .items import Items, cut_items, mirror_tail_reachable
 from .phases import Layout, holder_counts, solve_attempt
 from .profile import profile_of
 from .segments import has_bodies, prefixes_dense_enough
@@ -92,6 +92,8 @@ def _solve(lengths: np.ndarray, cp_size: int, prof: Any) -> tuple[np.ndarray, ..
             runs = _fewest_holders(units, prof, cp_size, var, items, lengths, cache, counts)
             if runs is not None:
                 return runs
+            continue
+        if var.mirror_tail and not mirror_tail_reachable(lengths, prof, cp_size, memo):
             continue
         if var.by_doc:
             if items_for(var).group is None:
