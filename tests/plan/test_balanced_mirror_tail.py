@@ -1,4 +1,5 @@
-"""The ``balanced`` layout's ``mirror_tail`` variant: chunked + causal bodies in tail
+"""The ``balanced`` layout's ``mirror_tail`` variant (and the fetch cost that decides
+whether it and ``by_doc`` are taken): chunked + causal bodies in tail
 blocks of whole rank shares, each block's stretch in a chunk where a whole share would be
 too dense in chunked work walked mirrored, where the plain ``blocks`` variant cannot reach
 its filler targets (it then fell back to the chunk-pair fold, whose ranks hold pieces of
@@ -25,7 +26,8 @@ from varlen_cp.plan.balanced.profile import profile_of
 from varlen_cp.plan.balanced.units import units_of
 from varlen_cp.plan.balanced.variants import Variant
 from tests.helpers.plan_checks import (assert_runs_unchanged_without, balanced_within_targets,
-                                       causal_fetch, chunked_fetch, drop_variants)
+                                       causal_fetch, chunked_fetch, drop_variants,
+                                       window_fetch)
 
 CHUNK = 8192
 LLAMA4 = [(AttnMask(chunk_size=CHUNK), 3), (AttnMask(), 1)]
@@ -117,3 +119,39 @@ def test_not_built_where_chunk_one_stays_too_dense() -> None:
     items = cut_items(lengths, prof, cp, var)
     lay = solve_attempt(units_of(items, lengths, prof), prof, cp, var, items, lengths)
     assert lay.unreachable or S._score(lay.per_rank) > 1.0
+
+
+def test_fold_kept_where_it_fetches_less(monkeypatch) -> None:
+    """Two 3-chunk documents among 200 short ones at cp 8 (chunks of 1024): ``blocks``
+    misses its targets and ``mirror_tail`` meets them, but the fold, which meets them
+    too, fetches fewer keys (found by a random search: 2304 against 3616 causal keys), so
+    the fold is kept."""
+    lengths = np.array([3072, 3072] + [32] * 200, dtype=np.int64)
+    masks = normalize_masks([(AttnMask(chunk_size=1024), 3), (AttnMask(), 1)])
+    prof = profile_of(masks, DEFAULT_TILE_TOKENS)
+    var = Variant(body="blocks", fill="prefix", solver="seq", mirror_tail=True)
+    items = cut_items(lengths, prof, 8, var)
+    lay = solve_attempt(units_of(items, lengths, prof), prof, 8, var, items, lengths)
+    assert S._score(lay.per_rank) <= 1.0  # it would meet the targets
+    assert_runs_unchanged_without(monkeypatch, lambda v: v.mirror_tail, lengths, 8, masks)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fetch_cost_matches_dense_counts(seed: int) -> None:
+    """The solver's ``_fetch_cost`` (the keys the most-fetching rank fetches, per mask)
+    equals the dense counts for causal, window and chunked masks: random positions of
+    random documents given to random ranks."""
+    g = np.random.default_rng(seed)
+    for _ in range(20):
+        cp = int(g.integers(2, 6))
+        lengths = g.integers(1, 60, size=int(g.integers(1, 8)))
+        doc = np.repeat(np.arange(lengths.size), lengths)
+        pos = np.concatenate([np.arange(n) for n in lengths])
+        runs = S._merge_runs(g.integers(0, cp, size=doc.size), doc, pos, np.ones_like(pos))
+        w, c = int(g.integers(1, 20)), int(g.integers(2, 20))
+        for mask, dense in [(AttnMask(), causal_fetch(*runs, lengths, cp)),
+                            (AttnMask(window_size=(w, 0)),
+                             window_fetch(*runs, lengths, cp, w)),
+                            (AttnMask(chunk_size=c), chunked_fetch(*runs, lengths, cp, c))]:
+            prof = profile_of(normalize_masks([(mask, 1)]), 8)
+            assert S._fetch_cost(*runs, lengths, prof, cp) == dense.max()

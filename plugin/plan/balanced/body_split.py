@@ -84,11 +84,13 @@ def group_split(lengths: np.ndarray, prof: Profile, cp: int, doc: np.ndarray,
                 start: np.ndarray, end: np.ndarray, memo: dict
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """(p, group, dense) per body [start, end) (``Variant.by_doc``): the bodies' groups
-    (each dense document one, densest in excess per token first; the sparse ones join
-    group 0, or all one group where group 0 would then be too sparse), whether the body is
-    its group's dense document, and the first position whose token carries at least its
-    group's mean excess per token (on the tile grid); None where there are fewer than two
-    groups or a sparse body finds no room (the plain ``split`` then serves)."""
+    (each dense document one, densest in excess per token first; each sparse one joins a
+    group with room, the shortest dense documents' groups first, by a first-fit on
+    cumulative room and need: a body whose need spans two groups' room goes to the later,
+    and where that overfills it there are no groups), whether the body is its group's
+    dense document, and the first position whose token carries at least its group's mean
+    excess per token (on the tile grid); None where there are fewer than two groups or a
+    sparse body finds no room (the plain ``split`` then serves)."""
     excess, tot_e = excess_of(lengths, prof, memo)
     dl = lengths[doc]
     x = excess(start, end, dl)

@@ -3,9 +3,10 @@ items and units built once per (body, keep_small, fill, big), keeps the best, an
 cuts (and any nested pieces, relabelled) into maximal runs (rank, document, start, length).
 The ``few`` variant is one attempt per holder count; of those that meet the targets, the
 one whose most-fetching rank fetches least is taken (:func:`_fetch_max`, causal keys from
-the runs). ``few``, ``nest`` and ``by_doc`` attempts are taken only where they meet the
-targets counted exactly on their runs, never as the best of failed attempts; ``by_doc``
-only where its most-fetching rank fetches 5% less than the plain ``split``'s.
+the runs). ``few``, ``nest``, ``mirror_tail`` and ``by_doc`` attempts are taken only where
+they meet the targets counted exactly on their runs, never as the best of failed attempts;
+``mirror_tail`` and ``by_doc`` only where they fetch 5% less (:func:`_fetch_cost`) than the
+layout the other attempts give, or where that misses the targets.
 """
 
 from __future__ import annotations
@@ -78,14 +79,16 @@ def _solve(lengths: np.ndarray, cp_size: int, prof: Any) -> tuple[np.ndarray, ..
         return items_of[_key(var)]
 
     variants = choose_variants(prof, bodies, prefix_ok)
+    guarded = None  # the runs of a mirror_tail / by_doc attempt that meets the targets
     for i, var in enumerate(variants):
         key = _key(var)
         if key in unreachable and var.solver != "vector":
             continue  # the same items and precheck: the other rank-by-rank solver fails too
         if var.few:
-            # The counts from the next variant's items (the same bodies; cut for it
+            # The counts from the plain split's items (the same bodies; cut for it
             # anyway), so that none are cut for this one where it has nothing to try.
-            counts = holder_counts(items_for(variants[i + 1]), lengths, prof, cp_size, memo)
+            plain = next(v for v in variants[i + 1:] if not v.by_doc)
+            counts = holder_counts(items_for(plain), lengths, prof, cp_size, memo)
             if not counts:
                 continue
             items, units, cache = built(var)
@@ -95,20 +98,18 @@ def _solve(lengths: np.ndarray, cp_size: int, prof: Any) -> tuple[np.ndarray, ..
             continue
         if var.mirror_tail and not mirror_tail_reachable(lengths, prof, cp_size, memo):
             continue
-        if var.by_doc:
-            if items_for(var).group is None:
-                continue  # fewer than two document groups: the plain split serves
-            runs = _by_doc_or_plain(built(var), built(variants[i + 1]), variants[i + 1],
-                                    var, lengths, prof, cp_size)
-            if runs is not None:
-                return runs
-            continue
+        if var.by_doc and items_for(var).group is None:
+            continue  # fewer than two document groups: the plain split serves
         items, units, cache = built(var)
         lay = solve_attempt(units, prof, cp_size, var, items, lengths, cache)
         if var.nest:  # taken where it meets the targets exactly, else never the best
             runs = _exact_runs(units, lay, lengths, prof, cp_size)
             if runs is not None:
                 return runs
+            continue
+        if var.mirror_tail or var.by_doc:  # weighed against what the others give, below
+            if guarded is None:
+                guarded = _exact_runs(units, lay, lengths, prof, cp_size)
             continue
         if lay.unreachable:
             unreachable.add(key)
@@ -117,7 +118,12 @@ def _solve(lengths: np.ndarray, cp_size: int, prof: Any) -> tuple[np.ndarray, ..
             best, best_score = (lay, units), score
         if best_score <= 1.0:
             break
-    return _merge_runs(*_layout_runs(best[1], best[0]))
+    runs = _merge_runs(*_layout_runs(best[1], best[0]))
+    if guarded is not None and (best_score > 1.0 or _fetch_cost(*guarded, lengths, prof, cp_size)
+                                < (1 - _GUARD_GAIN) * _fetch_cost(*runs, lengths, prof,
+                                                                  cp_size)):
+        return guarded
+    return runs
 
 
 def _key(var: Any) -> tuple:
@@ -144,31 +150,38 @@ def _fewest_holders(units: Units, prof: Any, cp: int, var: Any, items: Items,
     return best
 
 
-# by_doc is taken over the plain split where its most-fetching rank fetches this share less.
-_BY_DOC_GAIN = 0.05
+# A mirror_tail or by_doc layout is taken over the one the other attempts give (where that
+# meets the targets) only where it fetches this share less (_fetch_cost): both trade
+# balance margin or chunk-local order for locality, and on some batches fetch more (a
+# random search: 12% of the mirror_tail layouts it took at cp 2-8 fetched more than the
+# fold's; by_doc up to 2.7x the plain split's causal keys where that missed its targets).
+_GUARD_GAIN = 0.05
 
 
-def _by_doc_or_plain(doc_built: tuple, plain_built: tuple, plain: Any, var: Any,
-                     lengths: np.ndarray, prof: Any, cp: int
-                     ) -> tuple[np.ndarray, ...] | None:
-    """The merged runs of the ``by_doc`` attempt where it meets the targets counted exactly
-    on its runs, unless the plain ``split`` (``plain``, the next variant) meets them too
-    and ``by_doc``'s most-fetching rank does not fetch at least ``_BY_DOC_GAIN`` less
-    (causal keys, :func:`_fetch_max`): the groups' uneven token shares use more of the
-    balance margin (a heavy tail at cp 8: work 1.029 for 2% fewer keys). None where
-    ``by_doc`` misses the targets (the next variants are tried)."""
-    items, units, cache = doc_built
-    runs = _exact_runs(units, solve_attempt(units, prof, cp, var, items, lengths, cache),
-                       lengths, prof, cp)
-    if runs is None:
-        return None
-    p_items, p_units, p_cache = plain_built
-    lay = solve_attempt(p_units, prof, cp, plain, p_items, lengths, p_cache)
-    if _score(lay.per_rank) <= 1.0:
-        other = _merge_runs(*_layout_runs(p_units, lay))
-        if _fetch_max(*runs, cp) > (1 - _BY_DOC_GAIN) * _fetch_max(*other, cp):
-            return other
-    return runs
+def _fetch_cost(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, length: np.ndarray,
+                lengths: np.ndarray, prof: Any, cp: int) -> float:
+    """Over the masks (all looking left: a query at p sees [max(p - w, its chunk's
+    start), p]), weighted by layer count, the most keys any rank fetches: per (rank,
+    document, chunk), the keys its runs' windows reach that it does not hold. Merged runs
+    (sorted by rank, document, start); vectorized: runs are split at chunk boundaries,
+    and a run's window is clipped at the previous run's end in its group."""
+    end = start + length
+    total = 0.0
+    for mask, weight in zip(prof.masks, prof.weights):
+        _, wl, _, chunk = mask.params
+        c = chunk if chunk else int(lengths.max()) + 1
+        n = (end - 1) // c - start // c + 1
+        idx = np.repeat(np.arange(start.size), n)
+        ch = (start // c)[idx] + np.arange(idx.size) - np.repeat(np.cumsum(n) - n, n)
+        s, e = np.maximum(start[idx], ch * c), np.minimum(end[idx], (ch + 1) * c)
+        lo = np.maximum(s - wl, ch * c) if wl >= 0 else ch * c
+        r, d = rank[idx], doc[idx]
+        same = np.zeros(idx.size, dtype=bool)
+        same[1:] = (r[1:] == r[:-1]) & (d[1:] == d[:-1]) & (ch[1:] == ch[:-1])
+        prev = np.where(same, np.concatenate([[0], e[:-1]]), lo)
+        got = np.maximum(s - np.maximum(lo, prev), 0)
+        total += weight * float(np.bincount(r, weights=got, minlength=cp).max())
+    return total
 
 
 def _exact_runs(units: Units, lay: Layout, lengths: np.ndarray, prof: Any, cp: int

@@ -45,14 +45,16 @@ class Variant:
     mirror_tail: ``blocks`` tail blocks walked mirrored in the chunks where a whole rank
             share at the chunk's end would hold more than a rank's mean chunked work
             (items.py), filler in position order, whatever its size; tried where
-            ``blocks`` does not meet the targets.
+            ``blocks`` does not meet the targets (and may: ``items.mirror_tail_reachable``).
+            Like ``by_doc``, taken only where it meets the targets exactly and fetches 5%
+            less (solve.py's ``_fetch_cost``) than what the later attempts give, or where
+            those miss the targets.
     by_doc: ``split`` bodies by document group (body_split.py's ``group_split``: each
             document dense in excess a group, the sparse ones joining a group with room;
             a group's split point at its own mean), tokens in proportion to excess within
             a group, groups on whole ranks, the early parts walked back from the late
-            part's start: a rank's late and early stretches come from one document. Taken
-            over the plain ``split`` only where its most-fetching rank fetches 5% less
-            (solve.py).
+            part's start: a rank's late and early stretches come from one document.
+            Taken as ``mirror_tail`` is.
     nest:   whole short segments of at least two ranks' work are cut into nested pieces
             (nested.py: a rank holding a late stretch also holds an early one), each on a
             rank of its own, before the filler (masks that all look left, no bodies);
