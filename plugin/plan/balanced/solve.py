@@ -3,10 +3,12 @@ items and units built once per (body, keep_small, fill, big), keeps the best, an
 cuts (and any nested pieces, relabelled) into maximal runs (rank, document, start, length).
 The ``few`` variant is one attempt per holder count; of those that meet the targets, the
 one whose most-fetching rank fetches least is taken (:func:`_fetch_max`, causal keys from
-the runs). ``few``, ``nest``, ``mirror_tail`` and ``by_doc`` attempts are taken only where
-they meet the targets counted exactly on their runs, never as the best of failed attempts;
-``mirror_tail`` and ``by_doc`` only where they fetch 5% less (:func:`_fetch_cost`) than the
-layout the other attempts give, or where that misses the targets.
+the runs). ``few``, ``nest``, ``mirror_tail`` and ``by_doc`` attempts are taken where they
+meet the targets counted exactly on their runs (``few`` and ``nest`` never as the best of
+failed attempts); ``mirror_tail`` and ``by_doc`` only where they fetch 5% less
+(:func:`_fetch_cost`) than the layout the other attempts give, or where that misses the
+targets; where every attempt misses them, the one nearest them is taken, these two
+included.
 """
 
 from __future__ import annotations
@@ -108,8 +110,11 @@ def _solve(lengths: np.ndarray, cp_size: int, prof: Any) -> tuple[np.ndarray, ..
                 return runs
             continue
         if var.mirror_tail or var.by_doc:  # weighed against what the others give, below
-            if guarded is None:
-                guarded = _exact_runs(units, lay, lengths, prof, cp_size)
+            runs = _exact_runs(units, lay, lengths, prof, cp_size)
+            guarded = guarded if guarded is not None else runs
+            score = _score(lay.per_rank)
+            if runs is None and score > 1.0 and (best is None or score < best_score):
+                best, best_score = (lay, units), score  # the best of failed attempts
             continue
         if lay.unreachable:
             unreachable.add(key)
