@@ -147,9 +147,6 @@ def _split_bodies(lengths: np.ndarray, prof: Profile, cp: int, var: Variant,
         p, n_sh = tail_split(lengths, prof, cp, b_doc[:n_long], b_start[:n_long],
                              b_end[:n_long], memo)
         tail = np.flatnonzero(n_sh >= 1)
-        if var.mirror_tail:
-            return _mirrored_tails(lengths, prof, cp, n_long, b_doc, b_start, b_end, p,
-                                   tail, memo)
     else:
         groups = group_split(lengths, prof, cp, b_doc[:n_long], b_start[:n_long],
                              b_end[:n_long], memo) if var.by_doc else None
@@ -165,21 +162,35 @@ def _split_bodies(lengths: np.ndarray, prof: Profile, cp: int, var: Variant,
             p = np.where(small, b_end[:n_long], p)
         tail = np.flatnonzero(p < b_end[:n_long])
     rest = np.flatnonzero(p > b_start[:n_long])
-    b_doc = np.concatenate([b_doc[rest], b_doc[tail], b_doc[n_long:]])
-    b_start, b_end = (np.concatenate([b_start[rest], p[tail], b_start[n_long:]]),
-                      np.concatenate([p[rest], b_end[tail], b_end[n_long:]]))
+    t_doc, t_start, t_end = b_doc[tail], p[tail], b_end[tail]
+    t_kind = np.full(tail.size, POSITION_ORDER, dtype=np.int64)
+    if blocks and var.mirror_tail:
+        t_doc, t_start, t_end, t_kind = _mirrored_tails(lengths, prof, cp, t_doc, t_start,
+                                                        t_end, memo)
+    n_r, n_t = rest.size, t_doc.size
+    b_doc = np.concatenate([b_doc[rest], t_doc, b_doc[n_long:]])
+    b_start, b_end = (np.concatenate([b_start[rest], t_start, b_start[n_long:]]),
+                      np.concatenate([p[rest], t_end, b_end[n_long:]]))
     n_b = b_doc.size
-    block = np.concatenate([np.full(rest.size, REMAINDER, dtype=np.int64),
-                            np.full(tail.size, TAIL_BLOCK, dtype=np.int64),
-                            np.zeros(n_b - rest.size - tail.size, dtype=np.int64)])
-    kind = np.full(n_b, POSITION_ORDER, dtype=np.int64)
+    block = np.concatenate([np.full(n_r, REMAINDER, dtype=np.int64),
+                            np.full(n_t, TAIL_BLOCK, dtype=np.int64),
+                            np.zeros(n_b - n_r - n_t, dtype=np.int64)])
+    kind = np.concatenate([np.full(n_r, POSITION_ORDER, dtype=np.int64), t_kind,
+                           np.full(n_b - n_r - n_t, POSITION_ORDER, dtype=np.int64)])
     if groups is None:
         return b_doc, b_start, b_end, kind, block
     # The dense documents' early parts walked back from p; each body's group key.
-    kind[:rest.size][dense[rest]] = REVERSED
+    kind[:n_r][dense[rest]] = REVERSED
     key = 2 * grp + dense
     return b_doc, b_start, b_end, kind, block, np.concatenate(
-        [key[rest], key[tail], np.full(n_b - rest.size - tail.size, -1, dtype=np.int64)])
+        [key[rest], key[tail], np.full(n_b - n_r - n_t, -1, dtype=np.int64)])
+
+
+def _shares(lengths: np.ndarray, prof: Profile, cp: int, memo: dict) -> tuple[float, float]:
+    """(excess, work under the mask with least work) a rank's share: the chunked mask's,
+    for chunked + causal masks."""
+    _, tot_e = excess_of(lengths, prof, memo)
+    return tot_e / cp, float(doc_work(lengths, prof, memo).sum(0).min()) / cp
 
 
 def mirror_tail_reachable(lengths: np.ndarray, prof: Profile, cp: int, memo: dict) -> bool:
@@ -188,15 +199,15 @@ def mirror_tail_reachable(lengths: np.ndarray, prof: Profile, cp: int, memo: dic
     token, share / 2 in all; where that exceeds a rank's mean work under the chunked
     mask (few documents at many tokens a rank: a few long among short at cp 8, 16K tokens
     a rank) its rank has no room for filler either, and the attempt is not built."""
-    _, tot_e = excess_of(lengths, prof, memo)
-    return tot_e / cp / 2 <= float(doc_work(lengths, prof, memo).sum(0).min()) / cp
+    share_x, share_ch = _shares(lengths, prof, cp, memo)
+    return share_x / 2 <= share_ch
 
 
-def _mirrored_tails(lengths: np.ndarray, prof: Profile, cp: int, n_long: int,
-                    b_doc: np.ndarray, b_start: np.ndarray, b_end: np.ndarray,
-                    p: np.ndarray, tail: np.ndarray, memo: dict) -> tuple[np.ndarray, ...]:
-    """``blocks`` bodies whose tail blocks are cut at the chunk boundaries below chunk
-    ``c_max + 1``, each such chunk's stretch walked mirrored (``Variant.mirror_tail``).
+def _mirrored_tails(lengths: np.ndarray, prof: Profile, cp: int, td: np.ndarray,
+                    ta: np.ndarray, tb: np.ndarray, memo: dict) -> tuple[np.ndarray, ...]:
+    """(doc, start, end, kind) of the ``blocks`` tail blocks [ta, tb) of documents ``td``
+    cut at the chunk boundaries below chunk ``c_max + 1``, each such chunk's stretch walked
+    mirrored (``Variant.mirror_tail``).
 
     A token of chunk c carries c x C of excess, so a whole rank share of excess there is
     share / (c C) tokens; at the end of chunk c, in position order, those tokens hold about
@@ -206,32 +217,18 @@ def _mirrored_tails(lengths: np.ndarray, prof: Profile, cp: int, n_long: int,
     the chunk's mean, about half. The stretches keep the tail block's order (one document's
     pieces in position order, then the next) and its whole shares (phases.py counts a
     document's tail items as one block)."""
-    excess, tot_e = excess_of(lengths, prof, memo)
-    c_max = int(tot_e / cp // max(float(doc_work(lengths, prof, memo).sum(0).min()) / cp,
-                                  1e-300))
-    C = prof.chunk
-    rest = np.flatnonzero(p > b_start[:n_long])
-    td, ta, tb = b_doc[tail], p[tail], b_end[tail]
+    share_x, share_ch = _shares(lengths, prof, cp, memo)
+    c_max = int(share_x // max(share_ch, 1e-300))
     # Per tail block: its pieces [max(a, c C), min(b, (c + 1) C)) for c <= c_max, then the
     # rest in position order.
-    cuts = np.arange(1, c_max + 2, dtype=np.int64) * C  # [c_max + 1]
+    cuts = np.arange(1, c_max + 2, dtype=np.int64) * prof.chunk  # [c_max + 1]
     lo = np.concatenate([ta[:, None], np.maximum(ta[:, None], cuts[None, :])], 1)
     hi = np.concatenate([np.minimum(tb[:, None], cuts[None, :]), tb[:, None]], 1)
-    lo, hi = np.minimum(lo, hi), hi
+    lo = np.minimum(lo, hi)
     kinds = np.full(lo.shape, POSITION_ORDER, dtype=np.int64)
     kinds[:, :-1] = MIRRORED
     keep = hi > lo  # [tails, c_max + 2], row-major: each block's pieces in position order
-    n_t = int(keep.sum())
-    out_doc = np.concatenate([b_doc[rest], np.repeat(td, keep.sum(1)), b_doc[n_long:]])
-    out_start = np.concatenate([b_start[rest], lo[keep], b_start[n_long:]])
-    out_end = np.concatenate([p[rest], hi[keep], b_end[n_long:]])
-    n_b = out_doc.size
-    kind = np.concatenate([np.full(rest.size, POSITION_ORDER, dtype=np.int64), kinds[keep],
-                           np.full(n_b - rest.size - n_t, POSITION_ORDER, dtype=np.int64)])
-    block = np.concatenate([np.full(rest.size, REMAINDER, dtype=np.int64),
-                            np.full(n_t, TAIL_BLOCK, dtype=np.int64),
-                            np.zeros(n_b - rest.size - n_t, dtype=np.int64)])
-    return out_doc, out_start, out_end, kind, block
+    return np.repeat(td, keep.sum(1)), lo[keep], hi[keep], kinds[keep]
 
 
 def _filler_kinds(lengths: np.ndarray, prof: Profile, cp: int, var: Variant,

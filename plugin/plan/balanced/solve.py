@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ...masks import AttnMask
 from .args import TOKEN_TOL, WORK_TOL, MaskWeights, runs_per_rank
 from .items import Items, cut_items, mirror_tail_reachable
 from .phases import Layout, holder_counts, solve_attempt
@@ -155,6 +156,8 @@ def _fewest_holders(units: Units, prof: Any, cp: int, var: Any, items: Items,
     return best
 
 
+_CAUSAL = AttnMask()
+
 # A mirror_tail or by_doc layout is taken over the one the other attempts give (where that
 # meets the targets) only where it fetches this share less (_fetch_cost): both trade
 # balance margin or chunk-local order for locality, and on some batches fetch more (a
@@ -165,28 +168,32 @@ _GUARD_GAIN = 0.05
 
 def _fetch_cost(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, length: np.ndarray,
                 lengths: np.ndarray, prof: Any, cp: int) -> float:
-    """Over the masks (all looking left: a query at p sees [max(p - w, its chunk's
-    start), p]), weighted by layer count, the most keys any rank fetches: per (rank,
-    document, chunk), the keys its runs' windows reach that it does not hold. Merged runs
-    (sorted by rank, document, start); vectorized: runs are split at chunk boundaries,
-    and a run's window is clipped at the previous run's end in its group."""
-    end = start + length
-    total = 0.0
-    for mask, weight in zip(prof.masks, prof.weights):
-        _, wl, _, chunk = mask.params
-        c = chunk if chunk else int(lengths.max()) + 1
-        n = (end - 1) // c - start // c + 1
-        idx = np.repeat(np.arange(start.size), n)
-        ch = (start // c)[idx] + np.arange(idx.size) - np.repeat(np.cumsum(n) - n, n)
-        s, e = np.maximum(start[idx], ch * c), np.minimum(end[idx], (ch + 1) * c)
-        lo = np.maximum(s - wl, ch * c) if wl >= 0 else ch * c
-        r, d = rank[idx], doc[idx]
-        same = np.zeros(idx.size, dtype=bool)
-        same[1:] = (r[1:] == r[:-1]) & (d[1:] == d[:-1]) & (ch[1:] == ch[:-1])
-        prev = np.where(same, np.concatenate([[0], e[:-1]]), lo)
-        got = np.maximum(s - np.maximum(lo, prev), 0)
-        total += weight * float(np.bincount(r, weights=got, minlength=cp).max())
-    return total
+    """Over the masks (all looking left), weighted by layer count, the most keys any rank
+    fetches (:func:`_fetch_per_rank`)."""
+    return sum(w * float(_fetch_per_rank(rank, doc, start, start + length, m, cp).max())
+               for m, w in zip(prof.masks, prof.weights))
+
+
+def _fetch_per_rank(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, end: np.ndarray,
+                    mask: Any, cp: int) -> np.ndarray:
+    """[cp] int64: the keys each rank fetches under a mask that looks left (a query at p
+    sees [max(p - w, its chunk's start), p]): per (rank, document, chunk), the keys its
+    runs' windows reach that it does not hold. Merged runs (sorted by rank, document,
+    start); vectorized: runs are split at chunk boundaries, and a run's window is clipped
+    at the previous run's end in its group."""
+    _, wl, _, chunk = mask.params
+    c = chunk if chunk else int(end.max(initial=0)) + 1
+    n = (end - 1) // c - start // c + 1
+    idx = np.repeat(np.arange(start.size), n)
+    ch = (start // c)[idx] + np.arange(idx.size) - np.repeat(np.cumsum(n) - n, n)
+    s, e = np.maximum(start[idx], ch * c), np.minimum(end[idx], (ch + 1) * c)
+    lo = np.maximum(s - wl, ch * c) if wl >= 0 else ch * c
+    r, d = rank[idx], doc[idx]
+    same = np.zeros(idx.size, dtype=bool)
+    same[1:] = (r[1:] == r[:-1]) & (d[1:] == d[:-1]) & (ch[1:] == ch[:-1])
+    prev = np.where(same, np.concatenate([[0], e[:-1]]), lo)
+    got = np.maximum(s - np.maximum(lo, prev), 0)
+    return np.bincount(r, weights=got, minlength=cp).astype(np.int64)
 
 
 def _exact_runs(units: Units, lay: Layout, lengths: np.ndarray, prof: Any, cp: int
@@ -205,14 +212,8 @@ def _exact_runs(units: Units, lay: Layout, lengths: np.ndarray, prof: Any, cp: i
 def _fetch_max(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, length: np.ndarray,
                cp: int) -> int:
     """The most keys any rank fetches under a causal mask (the widest reach of the masks
-    the ``few`` variant serves): per (rank, document), the positions before its last
-    one that it does not hold; runs merged and sorted by (rank, document, start)."""
-    new = np.ones(rank.size, dtype=bool)
-    new[1:] = (rank[1:] != rank[:-1]) | (doc[1:] != doc[:-1])
-    group = np.cumsum(new) - 1
-    end = (start + length)[np.append(np.flatnonzero(new)[1:], rank.size) - 1]
-    lacks = end - np.bincount(group, weights=length).astype(np.int64)
-    return int(np.bincount(rank[new], weights=lacks, minlength=cp).max())
+    the ``few`` variant serves); runs merged and sorted by (rank, document, start)."""
+    return int(_fetch_per_rank(rank, doc, start, start + length, _CAUSAL, cp).max())
 
 
 def _score(per_rank: np.ndarray) -> float:
