@@ -25,8 +25,9 @@ GEMMA = [(SWA, 5), (AttnMask(), 1)]
 
 
 def _without_few(monkeypatch) -> None:
-    """The layout as it was before the ``few`` variant: its attempts dropped."""
-    drop_variants(monkeypatch, S, lambda v: v.few)
+    """The layout as it was before the ``few`` variant: its attempts dropped (and the
+    later ``nest_long``'s)."""
+    drop_variants(monkeypatch, S, lambda v: v.few or v.nest_long)
 
 
 def test_window_bodies_on_few_ranks(monkeypatch) -> None:

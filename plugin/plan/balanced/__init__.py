@@ -92,7 +92,9 @@ Glossary:
 - **nested pieces** (``nest``, masks that all look left, no bodies): a whole short
   segment of two or more ranks' work is cut into pieces of whole ranks, each a late
   stretch of it with an early one (in position order, the rank holding its end would
-  fetch nearly all of it); their ranks take the sparsest filler.
+  fetch nearly all of it); their ranks take the sparsest filler. With window bodies of
+  small excess (``nest_long``, tried first there, guarded), long documents of such small
+  excess stay whole and are nested too, their ranks taking their excess less filler.
 - **run**: (rank, document, start, length), maximal: what the plan's tables are built from.
 
 Worked example (a test runs it): a Llama 4-like model with chunks of 16 (chunked x3 :

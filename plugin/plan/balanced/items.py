@@ -31,7 +31,7 @@ import numpy as np
 from ..runs import prefix_pairs
 from .body_split import density_split, group_split, tail_split
 from .profile import Profile
-from .segments import doc_work, excess_of, segments_of
+from .segments import NEST_KEEP_EXCESS, doc_work, excess_of, segments_of
 from .variants import Variant
 
 # Window bodies: a late part with less excess than this share of a rank's stays with the
@@ -73,7 +73,8 @@ def cut_items(lengths: np.ndarray, prof: Profile, cp: int, var: Variant,
     each for nothing (one 4242-token document among 1000 short ones with a 4096 window at
     cp 16: SWA-layer efficiency 0.26 spread, 0.46 as filler)."""
     memo = {} if memo is None else memo
-    doc, start, end, long = segments_of(lengths, prof, cp, var.keep_small, memo)
+    doc, start, end, long = segments_of(lengths, prof, cp, var.keep_small, memo,
+                                        NEST_KEEP_EXCESS if var.nest_long else None)
     blocks = var.body == "blocks" and prof.head == "chunk"
     h, tail, ends = _heads(prof, blocks, start, end, long)
     has_head = long & (h > 0)

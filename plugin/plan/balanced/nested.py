@@ -144,8 +144,8 @@ def nested_pieces(length: np.ndarray, work: np.ndarray, rho: float = 0.0
 
 
 def place_nested(items: Items, lengths: np.ndarray, prof: Profile, cp: int,
-                 item_w: np.ndarray, item_t: np.ndarray, total: np.ndarray, col: int
-                 ) -> Nested | None:
+                 item_w: np.ndarray, item_t: np.ndarray, total: np.ndarray, col: int,
+                 long_ok: bool = False) -> Nested | None:
     """The nested pieces of the filler items in position order that are whole short
     segments of at least ``NEST_SHARES`` ranks' work (``item_w``: each item's work in the
     filler column ``col`` of ``total``), longest first, each piece on a rank of its own
@@ -153,15 +153,21 @@ def place_nested(items: Items, lengths: np.ndarray, prof: Profile, cp: int,
     sparsest filler its rank can be given (as many of the sparse items, sparsest first,
     as the pieces' ranks need), W a share less rho times a rank's tokens, a little less
     to make whole pieces. None where no item qualifies, W is under ``_NEST_MIN`` of a
-    share, or the pieces would hold more than half the ranks (the next variants run)."""
+    share, or the pieces would hold more than half the ranks (the next variants run).
+    ``long_ok`` (variant ``nest_long``): whole long segments that stayed filler (their
+    excess under ``segments.NEST_KEEP_EXCESS``) qualify too, weighed by causal work."""
     share = float(total[col]) / cp
     t_rank = float(total[0]) / cp
     size = items.end - items.start
     seg_len = prof.split or 1 << 62  # a segment: a document, or a chunk of split
     whole = (items.start % seg_len == 0) & (
         items.end == np.minimum(items.start + seg_len, lengths[items.doc]))
-    placed = (~items.body & (items.kind == POSITION_ORDER) & whole & (size <= prof.theta)
-              & (item_w >= NEST_SHARES * share))
+    # ``long_ok`` (variant ``nest_long``): whole long segments kept as filler too; their
+    # pieces are sized by causal work (the most of any mask that looks left).
+    long = size > prof.theta
+    w_all = np.where(long, size * (size + 1) / 2.0, item_w) if long_ok else item_w
+    placed = (~items.body & (items.kind == POSITION_ORDER) & whole & (~long | long_ok)
+              & (w_all >= NEST_SHARES * share))
     if not bool(placed.any()):
         return None
     fill = ~placed & ~items.body
@@ -180,7 +186,7 @@ def place_nested(items: Items, lengths: np.ndarray, prof: Profile, cp: int,
         work = share - rho * t_rank
         if work < _NEST_MIN * share:
             return None
-        rest = item_w[it] - rho * size
+        rest = w_all[it] - rho * size
         n = np.ceil(rest / work)
         need = _NEST_SLACK * float(n.sum() * t_rank - size.sum())
     if 2 * int(n.sum()) > cp:  # the other ranks could not take the rest of the filler

@@ -6,7 +6,9 @@ excess, the ``blocks`` list (remainders, then tail blocks of whole rank shares),
 ``split`` pair (late and early parts) cut rank by rank (with ``Variant.holders``: onto the
 first that many ranks only, :func:`holder_counts`; with ``Variant.by_doc``: by document
 group, :func:`_group_targets`). With ``Variant.nest`` (no bodies),
-nested.py's pieces of long documents go on ranks of their own first. Phase 2 cuts the
+nested.py's pieces of long documents go on ranks of their own first (with
+``Variant.nest_long``, their ranks' filler targets less their excess,
+:func:`_excess_shift`). Phase 2 cuts the
 filler, as a dense
 and a sparse list in the filler column (the mask with least work), to what phase 1 left of
 every rank's targets (tokens and that column): by the vector solver, rank by rank, or rank
@@ -135,12 +137,29 @@ def solve_attempt(units: Units, prof: Profile, cp: int, var: Variant, items: Ite
         if "item_w" not in cache:  # the same for every attempt on these units
             cache["item_w"] = item_sums(units, st.n_items, st.col)
         nested = place_nested(items, lengths, prof, cp, cache["item_w"], st.item_t,
-                              st.total, st.col)
+                              st.total, st.col, long_ok=var.nest_long)
         if nested is None:
             return st.fail
         b_val = b_val + nested.cum
+        if var.nest_long:
+            b_val[:, st.col] += _excess_shift(nested, st.col)
     return _cut_filler(units, prof, var, items, lengths, st, lists, cuts, b_val, cache,
                        nested)
+
+
+def _excess_shift(nested: Nested, col: int) -> np.ndarray:
+    """[cp+1] cumulative shift of phase 2's targets in the filler column for nested pieces
+    of long segments (``nest_long``): a piece's rank gets its excess (its most work of any
+    mask less its work in the filler column) less filler, so that its work under the mask
+    with most stays at the mean; the other ranks share that filler evenly."""
+    per = np.diff(nested.cum, axis=0)
+    excess = per[:, 1:].max(1) - per[:, col]
+    cp = excess.size
+    others = cp - nested.n_ranks
+    shift = excess.copy()
+    if others > 0:
+        shift[nested.n_ranks:] -= excess.sum() / others
+    return np.concatenate([[0.0], np.cumsum(shift)])
 
 
 def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,

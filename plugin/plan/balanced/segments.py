@@ -20,6 +20,10 @@ from .profile import Profile, excess_functional
 # least work) stay filler: spread over every rank they would cost a window or chunk of
 # fetched keys on each for nothing (see items.py).
 _KEEP_EXCESS = 0.0075
+# The ``nest`` attempt of a batch with window bodies (variants.py) keeps long segments with
+# up to this share of a rank's mean work in excess whole, to nest them: their pieces'
+# ranks take that much less filler in the filler column (phases.py's ``_excess_shift``).
+NEST_KEEP_EXCESS = 0.25
 # An item in position order longer than a rank's filler share is only tried when its first
 # share of tokens holds at least this share of the mean target density (rank_cut.py's
 # rank_reachable, and prefixes_dense_enough below).
@@ -27,21 +31,23 @@ PREFIX_DENSITY = 0.75
 
 
 def segments_of(lengths: np.ndarray, prof: Profile, cp: int, keep_small: bool,
-                memo: dict | None = None) -> tuple[np.ndarray, ...]:
+                memo: dict | None = None, keep: float | None = None
+                ) -> tuple[np.ndarray, ...]:
     """(doc, start, end, long) of the non-empty segments: documents, or their chunks when
     every mask is chunked with one size; long: longer than theta and, with keep_small,
-    carrying more than negligible excess (see :func:`~.items.cut_items`). ``memo``: per-call
-    cache."""
-    if memo is not None and ("seg", keep_small) in memo:
-        return memo[("seg", keep_small)]
-    out = _find_segments(lengths, prof, cp, keep_small)
+    carrying more than ``keep`` (default ``_KEEP_EXCESS``) of a rank's mean work in excess
+    (see :func:`~.items.cut_items`). ``memo``: per-call cache."""
+    keep = _KEEP_EXCESS if keep is None else keep
+    if memo is not None and ("seg", keep_small, keep) in memo:
+        return memo[("seg", keep_small, keep)]
+    out = _find_segments(lengths, prof, cp, keep_small, keep)
     if memo is not None:
-        memo[("seg", keep_small)] = out
+        memo[("seg", keep_small, keep)] = out
     return out
 
 
-def _find_segments(lengths_np: np.ndarray, prof: Profile, cp: int, keep_small: bool
-                   ) -> tuple[np.ndarray, ...]:
+def _find_segments(lengths_np: np.ndarray, prof: Profile, cp: int, keep_small: bool,
+                   keep: float) -> tuple[np.ndarray, ...]:
     n_docs = lengths_np.size
     doc, start, end = np.arange(n_docs), np.zeros_like(lengths_np), lengths_np.copy()
     if prof.split:  # independent chunks: each is a segment of its own
@@ -50,8 +56,8 @@ def _find_segments(lengths_np: np.ndarray, prof: Profile, cp: int, keep_small: b
         first = np.cumsum(n) - n
         start = (np.arange(doc.size) - first[doc]) * prof.split
         end = np.minimum(start + prof.split, lengths_np[doc])
-    keep = end > start
-    doc, start, end = doc[keep], start[keep], end[keep]
+    live = end > start
+    doc, start, end = doc[live], start[live], end[live]
     size = end - start
     long = size > prof.theta
     if keep_small and prof.excess.shape[0] and bool(long.any()):
@@ -63,7 +69,7 @@ def _find_segments(lengths_np: np.ndarray, prof: Profile, cp: int, keep_small: b
             vec[:, 1 + k] = w[0] - w[1]
         total = vec.sum(0)
         phi = excess_functional(prof, total)
-        tau = _KEEP_EXCESS * float(total[1:].min()) / cp
+        tau = keep * float(total[1:].min()) / cp
         long &= np.abs(vec @ phi) > tau
     return doc, start, end, long
 
@@ -103,12 +109,14 @@ def _excess_fn(lengths: np.ndarray, prof: Profile, memo: dict) -> tuple[Any, flo
     return excess_np, float(phi_np @ total)
 
 
-def has_bodies(lengths: np.ndarray, prof: Profile, cp: int, memo: dict) -> bool:
-    """Whether any segment carries excess work (a long document with more than the
-    negligible excess of ``keep_small``)."""
+def has_bodies(lengths: np.ndarray, prof: Profile, cp: int, memo: dict,
+               keep: float | None = None) -> bool:
+    """Whether any segment carries excess work (a long document with more than ``keep``
+    of a rank's mean work in excess: by default the negligible excess of
+    ``keep_small``)."""
     if not prof.excess.shape[0]:
         return False
-    return bool(segments_of(lengths, prof, cp, True, memo)[3].any())
+    return bool(segments_of(lengths, prof, cp, True, memo, keep)[3].any())
 
 
 def prefixes_dense_enough(lengths: np.ndarray, prof: Profile, cp: int, memo: dict) -> bool:

@@ -3,12 +3,12 @@ items and units built once per (body, keep_small, fill, big), keeps the best, an
 cuts (and any nested pieces, relabelled) into maximal runs (rank, document, start, length).
 The ``few`` variant is one attempt per holder count; of those that meet the targets, the
 one whose most-fetching rank fetches least is taken (:func:`_fetch_max`, causal keys from
-the runs). ``few``, ``nest``, ``mirror_tail`` and ``by_doc`` attempts are taken where they
-meet the targets counted exactly on their runs (``few`` and ``nest`` never as the best of
-failed attempts); ``mirror_tail`` and ``by_doc`` only where they fetch 5% less
-(:func:`_fetch_cost`) than the layout the other attempts give, or where that misses the
-targets; where every attempt misses them, the one nearest them is taken, these two
-included.
+the runs). ``few``, ``nest``, ``nest_long``, ``mirror_tail`` and ``by_doc`` attempts are
+taken where they meet the targets counted exactly on their runs (``few`` and ``nest`` never
+as the best of failed attempts); ``nest_long``, ``mirror_tail`` and ``by_doc`` only where
+they fetch 5% less (:func:`_fetch_cost`) than the layout the other attempts give, or where
+that misses the targets (:func:`_guarded_or`); where every attempt misses them, the one
+nearest them is taken, these three included.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from .args import TOKEN_TOL, WORK_TOL, MaskWeights, runs_per_rank
 from .items import Items, cut_items, mirror_tail_reachable
 from .phases import Layout, holder_counts, solve_attempt
 from .profile import profile_of
-from .segments import has_bodies, prefixes_dense_enough
+from .segments import NEST_KEEP_EXCESS, has_bodies, prefixes_dense_enough
 from .units import Units, unit_runs, units_of
 from .variants import choose_variants
 
@@ -97,20 +97,22 @@ def _solve(lengths: np.ndarray, cp_size: int, prof: Any) -> tuple[np.ndarray, ..
             items, units, cache = built(var)
             runs = _fewest_holders(units, prof, cp_size, var, items, lengths, cache, counts)
             if runs is not None:
-                return runs
+                return _guarded_or(guarded, runs, lengths, prof, cp_size)
             continue
         if var.mirror_tail and not mirror_tail_reachable(lengths, prof, cp_size, memo):
             continue
+        if var.nest_long and has_bodies(lengths, prof, cp_size, memo, NEST_KEEP_EXCESS):
+            continue  # a body with more excess: the split attempts serve
         if var.by_doc and items_for(var).group is None:
             continue  # fewer than two document groups: the plain split serves
         items, units, cache = built(var)
         lay = solve_attempt(units, prof, cp_size, var, items, lengths, cache)
-        if var.nest:  # taken where it meets the targets exactly, else never the best
+        if var.nest and not var.nest_long:  # taken where it meets the targets exactly
             runs = _exact_runs(units, lay, lengths, prof, cp_size)
             if runs is not None:
                 return runs
             continue
-        if var.mirror_tail or var.by_doc:  # weighed against what the others give, below
+        if var.mirror_tail or var.by_doc or var.nest_long:  # weighed against the others
             runs = _exact_runs(units, lay, lengths, prof, cp_size)
             guarded = guarded if guarded is not None else runs
             score = _score(lay.per_rank)
@@ -125,16 +127,26 @@ def _solve(lengths: np.ndarray, cp_size: int, prof: Any) -> tuple[np.ndarray, ..
         if best_score <= 1.0:
             break
     runs = _merge_runs(*_layout_runs(best[1], best[0]))
-    if guarded is not None and (best_score > 1.0 or _fetch_cost(*guarded, lengths, prof, cp_size)
-                                < (1 - _GUARD_GAIN) * _fetch_cost(*runs, lengths, prof,
-                                                                  cp_size)):
+    if guarded is not None and best_score > 1.0:
+        return guarded
+    return _guarded_or(guarded, runs, lengths, prof, cp_size)
+
+
+def _guarded_or(guarded: tuple | None, runs: tuple, lengths: np.ndarray, prof: Any,
+                cp: int) -> tuple:
+    """``guarded`` (the runs of a ``mirror_tail``, ``by_doc`` or ``nest_long`` attempt that
+    meets the targets, or None) where it fetches ``_GUARD_GAIN`` less than ``runs``
+    (which meet them too), else ``runs``."""
+    if guarded is not None and _fetch_cost(*guarded, lengths, prof, cp) \
+            < (1 - _GUARD_GAIN) * _fetch_cost(*runs, lengths, prof, cp):
         return guarded
     return runs
 
 
 def _key(var: Any) -> tuple:
     """What a variant's items and units depend on (attempts with the same key share them)."""
-    return (var.body, var.keep_small, var.fill, var.big, var.mirror_tail, var.by_doc)
+    return (var.body, var.keep_small, var.fill, var.big, var.mirror_tail, var.by_doc,
+            var.nest_long)
 
 
 def _fewest_holders(units: Units, prof: Any, cp: int, var: Any, items: Items,

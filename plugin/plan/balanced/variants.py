@@ -8,7 +8,7 @@ no bodies, chunked bodies in tail blocks of whole rank shares, window bodies spl
 late and early parts, by document group or on a few ranks first where their excess is
 small; a tail block's
 stretches in chunks too dense in chunked work for whole shares mirrored, where the plain
-blocks fail) and run only where every mask looks left (a filler prefix is then causal-like under
+blocks fail; window bodies of small excess kept whole and nested first) and run only where every mask looks left (a filler prefix is then causal-like under
 all of them) or there is one mask. The fold variants (mirrored tiles, chunk pairs) come
 last: they are always feasible when anything is. The ``few`` variant keeps big filler items
 in position order (``big`` unbounded, its own items and units): on the batches it serves
@@ -59,6 +59,13 @@ class Variant:
             (nested.py: a rank holding a late stretch also holds an early one), each on a
             rank of its own, before the filler (masks that all look left, no bodies);
             shares the items and units of the same variant without it.
+    nest_long: ``nest`` on a batch with window bodies whose excess is small: long
+            segments with up to ``segments.NEST_KEEP_EXCESS`` of a rank's mean work in
+            excess stay whole filler and are nested like short ones (their pieces'
+            ranks take their excess less filler: phases.py's ``_excess_shift``); tried
+            first where no segment has more (solve.py), taken only where it meets the
+            targets exactly and fetches 5% less than what the later attempts give, or
+            where those miss the targets.
     """
 
     body: str = "fold"
@@ -72,6 +79,7 @@ class Variant:
     nest: bool = False
     mirror_tail: bool = False
     by_doc: bool = False
+    nest_long: bool = False
 
 
 FOLD_VARIANTS = (Variant(), Variant(pair=True), Variant(pair=True, keep_small=False))
@@ -98,6 +106,7 @@ def choose_variants(prof: Profile, bodies: bool, prefix_ok: bool = True) -> list
         local.append(Variant(body="blocks", fill="prefix", big=2.0, solver="classes"))
         local.append(Variant(body="blocks", fill="prefix", solver="seq", mirror_tail=True))
     elif prof.head == "prefix":
+        local.append(Variant(fill="prefix", solver="seq", nest=True, nest_long=True))
         local.append(Variant(body="split", fill="prefix", solver="seq", few=True))
         local.append(Variant(body="split", fill="prefix", solver="seq", by_doc=True))
         local.append(Variant(body="split", fill="prefix", big=2.0, solver="seq"))
