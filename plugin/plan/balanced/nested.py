@@ -43,6 +43,7 @@ import numpy as np
 from .args import runs_per_rank
 from .items import POSITION_ORDER, Items
 from .profile import Profile
+from .segments import NEST_KEEP_EXCESS, doc_work, segments_of
 
 # Whole short segments of at least this many ranks' work are nested.
 NEST_SHARES = 2.0
@@ -141,6 +142,19 @@ def nested_pieces(length: np.ndarray, work: np.ndarray, rho: float = 0.0
                                  np.maximum(np.minimum(b, c) - a, 0), c, f - c)):
             col.append(v)
     return tuple(np.concatenate(c) if c else np.zeros(0, dtype=np.int64) for c in cols)
+
+
+def long_nestable(lengths: np.ndarray, prof: Profile, cp: int, memo: dict) -> bool:
+    """Whether the ``nest_long`` attempt may nest anything, before its items are built:
+    no segment carries more than ``NEST_KEEP_EXCESS`` of a rank's mean work in excess, and
+    some long one (a body under the default threshold) holds at least ``NEST_SHARES``
+    ranks' causal work (:func:`place_nested`'s test for it) in the filler column's share."""
+    if segments_of(lengths, prof, cp, True, memo, NEST_KEEP_EXCESS)[3].any():
+        return False
+    doc, start, end, long = segments_of(lengths, prof, cp, True, memo)
+    size = (end - start)[long].astype(np.float64)
+    share = float(doc_work(lengths, prof, memo).sum(0).min()) / cp
+    return bool((size * (size + 1) / 2 >= NEST_SHARES * share).any())
 
 
 def place_nested(items: Items, lengths: np.ndarray, prof: Profile, cp: int,

@@ -109,14 +109,12 @@ def _excess_fn(lengths: np.ndarray, prof: Profile, memo: dict) -> tuple[Any, flo
     return excess_np, float(phi_np @ total)
 
 
-def has_bodies(lengths: np.ndarray, prof: Profile, cp: int, memo: dict,
-               keep: float | None = None) -> bool:
-    """Whether any segment carries excess work (a long document with more than ``keep``
-    of a rank's mean work in excess: by default the negligible excess of
-    ``keep_small``)."""
+def has_bodies(lengths: np.ndarray, prof: Profile, cp: int, memo: dict) -> bool:
+    """Whether any segment carries excess work (a long document with more than the
+    negligible excess of ``keep_small``)."""
     if not prof.excess.shape[0]:
         return False
-    return bool(segments_of(lengths, prof, cp, True, memo, keep)[3].any())
+    return bool(segments_of(lengths, prof, cp, True, memo)[3].any())
 
 
 def prefixes_dense_enough(lengths: np.ndarray, prof: Profile, cp: int, memo: dict) -> bool:

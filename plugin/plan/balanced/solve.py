@@ -23,9 +23,10 @@ import numpy as np
 from ...masks import AttnMask
 from .args import TOKEN_TOL, WORK_TOL, MaskWeights, runs_per_rank
 from .items import Items, cut_items, mirror_tail_reachable
+from .nested import long_nestable
 from .phases import Layout, holder_counts, solve_attempt
 from .profile import profile_of
-from .segments import NEST_KEEP_EXCESS, has_bodies, prefixes_dense_enough
+from .segments import has_bodies, prefixes_dense_enough
 from .units import Units, unit_runs, units_of
 from .variants import choose_variants
 
@@ -101,8 +102,8 @@ def _solve(lengths: np.ndarray, cp_size: int, prof: Any) -> tuple[np.ndarray, ..
             continue
         if var.mirror_tail and not mirror_tail_reachable(lengths, prof, cp_size, memo):
             continue
-        if var.nest_long and has_bodies(lengths, prof, cp_size, memo, NEST_KEEP_EXCESS):
-            continue  # a body with more excess: the split attempts serve
+        if var.nest_long and not long_nestable(lengths, prof, cp_size, memo):
+            continue  # a body with more excess, or none to nest: the split attempts serve
         if var.by_doc and items_for(var).group is None:
             continue  # fewer than two document groups: the plain split serves
         items, units, cache = built(var)

@@ -63,7 +63,8 @@ class Variant:
             segments with up to ``segments.NEST_KEEP_EXCESS`` of a rank's mean work in
             excess stay whole filler and are nested like short ones (their pieces'
             ranks take their excess less filler: phases.py's ``_excess_shift``); tried
-            first where no segment has more (solve.py), taken only where it meets the
+            first where no segment has more and a long one may be nested
+            (``nested.long_nestable``), taken only where it meets the
             targets exactly and fetches 5% less than what the later attempts give, or
             where those miss the targets.
     """
