@@ -115,7 +115,11 @@ def _solve(lengths: np.ndarray, cp_size: int, prof: Any) -> tuple[np.ndarray, ..
             continue
         if var.mirror_tail or var.by_doc or var.nest_long:  # weighed against the others
             runs = _exact_runs(units, lay, lengths, prof, cp_size)
-            guarded = guarded if guarded is not None else runs
+            if guarded is not None and runs is not None:  # two meet them: the one that
+                # fetches less (the first where equal)
+                runs = min((guarded, runs), key=lambda r: _fetch_cost(*r, lengths, prof,
+                                                                      cp_size))
+            guarded = guarded if runs is None else runs
             score = _score(lay.per_rank)
             if runs is None and score > 1.0 and (best is None or score < best_score):
                 best, best_score = (lay, units), score  # the best of failed attempts
