@@ -32,7 +32,8 @@ How, in the order of the package's modules (each imports only those above it):
 - ``body_split``: where a body in position order is split (tail blocks, late parts).
 - ``items``: segments cut into filler and bodies, each walked mirrored, by chunk pairs or
   in position order.
-- ``nested``: long causal-like documents cut into nested pieces, one a rank (``nest``).
+- ``nested``: long causal-like documents (and, ``nest_long``, long ones of small excess)
+  cut into nested pieces, one a rank (``nest``).
 - ``units``: tile pairs of each item's fold, with exact work and a break point.
 - ``unit_list``: units in an order with cumulative values; orders that spread densities.
 - ``rank_cut``: the rank-by-rank solver (exact, monotone; the locality variants).
@@ -51,7 +52,8 @@ Glossary:
   segment (Llama 4: causal work - chunked work): what short segments cannot balance.
   ``phi`` is the one the bodies are cut by (the rows oriented and scaled, summed).
 - **long** segment: longer than theta and carrying more than negligible excess (0.75% of a
-  rank's mean work under the mask with least work; less stays filler).
+  rank's mean work under the mask with least work; less stays filler; 25% in the
+  ``nest_long`` attempt, whose long segments of less are nested).
 - **head**: the short-like start of a long segment (the first chunk, the part before a
   chunk-pair fold, or one window rounded up to tiles): filler, except where a window looks
   right (head, middle and tail are then all bodies). **body**: the rest; it carries the

@@ -23,7 +23,8 @@ all documents and candidates in one walk (its step loop runs over the pieces, no
 documents or candidates).
 
 Which documents, and where (:func:`place_nested`): whole short segments (causal-like under
-every mask) of at least ``NEST_SHARES`` ranks' work; each piece is a rank of its own, a
+every mask; with ``nest_long``, also whole long ones whose excess is small, weighed by
+their most work under any mask) of at least ``NEST_SHARES`` ranks' work; each piece is a rank of its own, a
 whole number of pieces per segment (W a little under the share, rather than one light last
 piece whose rank would take much of the dense filler), at most half the ranks in all.
 Their ranks take the sparsest filler first (:func:`filler_keys`: phase 2's sparse list
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..runs import prefix_pairs
 from .args import runs_per_rank
 from .items import POSITION_ORDER, Items
 from .profile import Profile
@@ -148,13 +150,14 @@ def long_nestable(lengths: np.ndarray, prof: Profile, cp: int, memo: dict) -> bo
     """Whether the ``nest_long`` attempt may nest anything, before its items are built:
     no segment carries more than ``NEST_KEEP_EXCESS`` of a rank's mean work in excess, and
     some long one (a body under the default threshold) holds at least ``NEST_SHARES``
-    ranks' causal work (:func:`place_nested`'s test for it) in the filler column's share."""
-    if segments_of(lengths, prof, cp, True, memo, NEST_KEEP_EXCESS)[3].any():
-        return False
-    doc, start, end, long = segments_of(lengths, prof, cp, True, memo)
-    size = (end - start)[long].astype(np.float64)
-    share = float(doc_work(lengths, prof, memo).sum(0).min()) / cp
-    return bool((size * (size + 1) / 2 >= NEST_SHARES * share).any())
+    shares of the filler column under some mask (:func:`place_nested`'s test; its
+    document's work: an upper bound where chunks are the segments), and cp >= 4."""
+    if cp < 4 or segments_of(lengths, prof, cp, True, memo, NEST_KEEP_EXCESS)[3].any():
+        return False  # (cp < 4: two pieces on at most half the ranks cannot be placed)
+    doc, _, _, long = segments_of(lengths, prof, cp, True, memo)
+    work = doc_work(lengths, prof, memo)
+    share = float(work.sum(0).min()) / cp
+    return bool((work[doc[long]].max(1) >= NEST_SHARES * share).any())
 
 
 def place_nested(items: Items, lengths: np.ndarray, prof: Profile, cp: int,
@@ -169,17 +172,23 @@ def place_nested(items: Items, lengths: np.ndarray, prof: Profile, cp: int,
     to make whole pieces. None where no item qualifies, W is under ``_NEST_MIN`` of a
     share, or the pieces would hold more than half the ranks (the next variants run).
     ``long_ok`` (variant ``nest_long``): whole long segments that stayed filler (their
-    excess under ``segments.NEST_KEEP_EXCESS``) qualify too, weighed by causal work."""
+    excess under ``segments.NEST_KEEP_EXCESS``) qualify too, weighed by their most work
+    under any mask (the walk sizes pieces by causal work; the exact counts decide)."""
     share = float(total[col]) / cp
     t_rank = float(total[0]) / cp
     size = items.end - items.start
     seg_len = prof.split or 1 << 62  # a segment: a document, or a chunk of split
     whole = (items.start % seg_len == 0) & (
         items.end == np.minimum(items.start + seg_len, lengths[items.doc]))
-    # ``long_ok`` (variant ``nest_long``): whole long segments kept as filler too; their
-    # pieces are sized by causal work (the most of any mask that looks left).
+    # ``long_ok`` (variant ``nest_long``): whole long segments kept as filler too, weighed
+    # by their most work under any mask (their excess is what phases._excess_shift moves).
     long = size > prof.theta
-    w_all = np.where(long, size * (size + 1) / 2.0, item_w) if long_ok else item_w
+    w_all = item_w
+    if long_ok and bool(long.any()):
+        w_all = item_w.astype(np.float64, copy=True)
+        dl, a, b = lengths[items.doc[long]], items.start[long], items.end[long]
+        w_all[long] = np.max([prefix_pairs(dl, b, m) - prefix_pairs(dl, a, m)
+                              for m in prof.masks], axis=0)
     placed = (~items.body & (items.kind == POSITION_ORDER) & whole & (~long | long_ok)
               & (w_all >= NEST_SHARES * share))
     if not bool(placed.any()):

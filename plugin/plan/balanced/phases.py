@@ -149,17 +149,13 @@ def solve_attempt(units: Units, prof: Profile, cp: int, var: Variant, items: Ite
 
 def _excess_shift(nested: Nested, col: int) -> np.ndarray:
     """[cp+1] cumulative shift of phase 2's targets in the filler column for nested pieces
-    of long segments (``nest_long``): a piece's rank gets its excess (its most work of any
-    mask less its work in the filler column) less filler, so that its work under the mask
-    with most stays at the mean; the other ranks share that filler evenly."""
+    of long segments (``nest_long``): every rank's target less its excess (its most work
+    of any mask less its work in the filler column) and plus the mean excess, so that the
+    mask with most work gets the same share on every rank (the filler is short documents,
+    the same work under every mask) and the filler column only the mean excess apart."""
     per = np.diff(nested.cum, axis=0)
     excess = per[:, 1:].max(1) - per[:, col]
-    cp = excess.size
-    others = cp - nested.n_ranks
-    shift = excess.copy()
-    if others > 0:
-        shift[nested.n_ranks:] -= excess.sum() / others
-    return np.concatenate([[0.0], np.cumsum(shift)])
+    return np.concatenate([[0.0], np.cumsum(excess - excess.mean())])
 
 
 def _cut_bodies(units: Units, prof: Profile, cp: int, var: Variant, st: _Setup,

@@ -20,7 +20,7 @@ from .profile import Profile, excess_functional
 # least work) stay filler: spread over every rank they would cost a window or chunk of
 # fetched keys on each for nothing (see items.py).
 _KEEP_EXCESS = 0.0075
-# The ``nest`` attempt of a batch with window bodies (variants.py) keeps long segments with
+# The ``nest_long`` attempt of a batch with window bodies (variants.py) keeps long segments with
 # up to this share of a rank's mean work in excess whole, to nest them: their pieces'
 # ranks take that much less filler in the filler column (phases.py's ``_excess_shift``).
 NEST_KEEP_EXCESS = 0.25

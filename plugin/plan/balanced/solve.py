@@ -1,5 +1,6 @@
 """The entry point: :func:`balanced_runs` tries the attempts of variants.py in order on
-items and units built once per (body, keep_small, fill, big), keeps the best, and turns its
+items and units built once per (body, keep_small, fill, big, mirror_tail, by_doc,
+nest_long), keeps the best, and turns its
 cuts (and any nested pieces, relabelled) into maximal runs (rank, document, start, length).
 The ``few`` variant is one attempt per holder count; of those that meet the targets, the
 one whose most-fetching rank fetches least is taken (:func:`_fetch_max`, causal keys from
@@ -83,7 +84,7 @@ def _solve(lengths: np.ndarray, cp_size: int, prof: Any) -> tuple[np.ndarray, ..
         return items_of[_key(var)]
 
     variants = choose_variants(prof, bodies, prefix_ok)
-    guarded = None  # the runs of a mirror_tail / by_doc attempt that meets the targets
+    guarded = None  # the runs of a nest_long / mirror_tail / by_doc attempt that meets them
     for i, var in enumerate(variants):
         key = _key(var)
         if key in unreachable and var.solver != "vector":
@@ -121,7 +122,8 @@ def _solve(lengths: np.ndarray, cp_size: int, prof: Any) -> tuple[np.ndarray, ..
                                                                       cp_size))
             guarded = guarded if runs is None else runs
             score = _score(lay.per_rank)
-            if runs is None and score > 1.0 and (best is None or score < best_score):
+            if runs is None and score > 1.0 and (best is None or score < best_score) \
+                    and _holds_all(units, lay, lengths):
                 best, best_score = (lay, units), score  # the best of failed attempts
             continue
         if lay.unreachable:
@@ -175,11 +177,12 @@ def _fewest_holders(units: Units, prof: Any, cp: int, var: Any, items: Items,
 
 _CAUSAL = AttnMask()
 
-# A mirror_tail or by_doc layout is taken over the one the other attempts give (where that
-# meets the targets) only where it fetches this share less (_fetch_cost): both trade
-# balance margin or chunk-local order for locality, and on some batches fetch more (a
-# random search: 12% of the mirror_tail layouts it took at cp 2-8 fetched more than the
-# fold's; by_doc up to 2.7x the plain split's causal keys where that missed its targets).
+# A nest_long, mirror_tail or by_doc layout is taken over the one the other attempts give
+# (where that meets the targets) only where it fetches this share less (_fetch_cost): they
+# trade balance margin or chunk-local order for locality, and on some batches fetch more
+# (random searches: 12% of the mirror_tail layouts it took at cp 2-8 fetched more than the
+# fold's; by_doc up to 2.7x the plain split's causal keys where that missed its targets;
+# nest_long more than few in 12 of 27 batches where both met them).
 _GUARD_GAIN = 0.05
 
 
@@ -224,6 +227,15 @@ def _exact_runs(units: Units, lay: Layout, lengths: np.ndarray, prof: Any, cp: i
     if int(runs[3].sum()) != int(lengths.sum()):  # (pieces rounded apart: never taken)
         return None
     return runs if _score(runs_per_rank(*runs, lengths, prof.masks, cp)) <= 1.0 else None
+
+
+def _holds_all(units: Units, lay: Layout, lengths: np.ndarray) -> bool:
+    """Whether an attempt's runs hold exactly the batch's tokens (nested pieces are
+    rounded end by end: a failed ``nest_long`` attempt taken as the best of failed ones
+    must not lose one)."""
+    if lay.fixed is None:
+        return True
+    return int(_merge_runs(*_layout_runs(units, lay))[3].sum()) == int(lengths.sum())
 
 
 def _fetch_max(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, length: np.ndarray,

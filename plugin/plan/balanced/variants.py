@@ -6,10 +6,10 @@ Locality variants come first: they keep what a rank holds of a document in few c
 stretches (filler in position order, long documents in nested pieces first where there are
 no bodies, chunked bodies in tail blocks of whole rank shares, window bodies split into
 late and early parts, by document group or on a few ranks first where their excess is
-small; a tail block's
+small, or kept whole and nested first where every body's excess is small; a tail block's
 stretches in chunks too dense in chunked work for whole shares mirrored, where the plain
-blocks fail; window bodies of small excess kept whole and nested first) and run only where every mask looks left (a filler prefix is then causal-like under
-all of them) or there is one mask. The fold variants (mirrored tiles, chunk pairs) come
+blocks fail) and run only where every mask looks left (a filler prefix is then causal-like
+under all of them) or there is one mask. The fold variants (mirrored tiles, chunk pairs) come
 last: they are always feasible when anything is. The ``few`` variant keeps big filler items
 in position order (``big`` unbounded, its own items and units): on the batches it serves
 its most-fetching rank then fetches less (1000 documents, cp 32: 4268 against 4905 keys).
