@@ -182,7 +182,7 @@ _CAUSAL = AttnMask()
 # trade balance margin or chunk-local order for locality, and on some batches fetch more
 # (random searches: 12% of the mirror_tail layouts it took at cp 2-8 fetched more than the
 # fold's; by_doc up to 2.7x the plain split's causal keys where that missed its targets;
-# nest_long more than few in 12 of 27 batches where both met them).
+# nest_long more than few on some batches where both met them).
 _GUARD_GAIN = 0.05
 
 
