@@ -39,7 +39,7 @@ def test_document_just_past_the_window_is_nested(monkeypatch) -> None:
     gave slivers of its end to many ranks, each fetching a whole window (and the causal
     layer's whole document). Nested, every mask stays within its targets, each rank that
     holds the document's end also holds an earlier stretch of it, and the ranks that fetch
-    most fetch less: measured 5255 -> 4075 window keys, 5317 -> 4075 causal keys."""
+    most fetch less: measured 5255 -> 4031 window keys, 5317 -> 4031 causal keys."""
     cp = 64
     lengths = np.asarray(MIXES["lognormal_1k"](8192 * cp))
     long_docs = np.flatnonzero(lengths > WINDOW)
