@@ -223,19 +223,24 @@ def _exact_runs(units: Units, lay: Layout, lengths: np.ndarray, prof: Any, cp: i
     ~4e-4 off: the ``few`` layouts sit nearer the targets than the others), else None."""
     if _score(lay.per_rank) > 1.0:
         return None
-    runs = _merge_runs(*_layout_runs(units, lay))
-    if int(runs[3].sum()) != int(lengths.sum()):  # (pieces rounded apart: never taken)
+    runs = _whole_runs(units, lay, lengths)
+    if runs is None:  # (pieces rounded apart: never taken)
         return None
     return runs if _score(runs_per_rank(*runs, lengths, prof.masks, cp)) <= 1.0 else None
 
 
+def _whole_runs(units: Units, lay: Layout, lengths: np.ndarray
+                ) -> tuple[np.ndarray, ...] | None:
+    """The merged runs of an attempt where they hold exactly the batch's tokens, else None
+    (nested pieces are rounded end by end: a layout that loses one is never taken)."""
+    runs = _merge_runs(*_layout_runs(units, lay))
+    return runs if int(runs[3].sum()) == int(lengths.sum()) else None
+
+
 def _holds_all(units: Units, lay: Layout, lengths: np.ndarray) -> bool:
-    """Whether an attempt's runs hold exactly the batch's tokens (nested pieces are
-    rounded end by end: a failed ``nest_long`` attempt taken as the best of failed ones
-    must not lose one)."""
-    if lay.fixed is None:
-        return True
-    return int(_merge_runs(*_layout_runs(units, lay))[3].sum()) == int(lengths.sum())
+    """Whether a failed attempt may be the best of failed ones: its runs hold every token
+    (only nested pieces, ``lay.fixed``, can lose one)."""
+    return lay.fixed is None or _whole_runs(units, lay, lengths) is not None
 
 
 def _fetch_max(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, length: np.ndarray,
